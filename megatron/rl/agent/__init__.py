@@ -1,0 +1,1 @@
+"""Agents: the environment side of RL (prompts, multi-turn interaction, rewards)."""

@@ -1,0 +1,185 @@
+"""The agent API: how environments turn a ``GroupedRolloutRequest`` into a ``RolloutGroup``.
+
+An ``Agent`` owns everything environment-specific: which prompt a group gets, how many turns it
+takes, and the reward. It generates only through the ``InferenceInterface`` it is handed, so the
+same agent runs in the trainer's process or behind the env server.
+
+``SingleTurnEnvironment`` is the common case (prompt source + verifiable reward); built-in
+environments subclass it. An exception raised by the environment's own code (``make_problem``,
+``reward``) becomes a masked placeholder rollout carrying the error, so one bad sample never
+stops training; an inference failure propagates, because the trainer cannot continue without it.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import traceback
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+from megatron.rl.async_utils import gather_all
+from megatron.rl.inference.engine import InvalidInferenceRequest
+from megatron.rl.inference.interface import InferenceInterface
+from megatron.rl.seeding import derive_seed
+from megatron.rl.wire import (
+    GroupedRolloutRequest,
+    InferenceRequest,
+    InferenceResponse,
+    RolloutGroup,
+    SamplingParams,
+    TokenRollout,
+)
+
+
+class AgentArgs(BaseModel):
+    """Base of each agent's ``agent_args`` model (validated from the env-config YAML)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Agent(ABC):
+    """Produces one ``RolloutGroup`` per ``GroupedRolloutRequest``.
+
+    Subclasses are built as ``cls(env_id, args)`` where ``args`` is an instance of ``cls.Args``
+    (validated from the entry's ``agent_args`` in the env config).
+    """
+
+    Args: ClassVar[type[AgentArgs]] = AgentArgs
+    """The pydantic model of this agent's ``agent_args``."""
+
+    def __init__(self, env_id: str, args: AgentArgs | None = None) -> None:
+        self.env_id = env_id
+        self.args = args if args is not None else self.Args()
+
+    @abstractmethod
+    async def group_rollout(
+        self, request: GroupedRolloutRequest, inference: InferenceInterface
+    ) -> RolloutGroup:
+        """Run ``request.group_size`` rollouts of one prompt and return them as a group."""
+
+    async def aclose(self) -> None:
+        """Release resources (connections, subprocesses). Default: nothing to release."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt of a single-turn environment, with whatever the reward needs."""
+
+    problem_id: str
+    prompt: str
+    answer: str
+    max_tokens: int | None = None
+    """Generation budget for this problem (None: the request's ``sampling.max_tokens``)."""
+
+
+def placeholder_rollout(
+    env_id: str, request: GroupedRolloutRequest, error: BaseException | str, problem_id: str = "?"
+) -> TokenRollout:
+    """A zero-weight stand-in for a rollout whose environment raised."""
+    if isinstance(error, BaseException):
+        text = "".join(traceback.format_exception_only(type(error), error)).strip()
+    else:
+        text = error
+    return TokenRollout(
+        env_id=env_id,
+        problem_id=problem_id,
+        prompt="",
+        completion="",
+        reward=0.0,
+        error=text or "environment error",
+        tokens=[],
+        generation_mask=[],
+        logprobs=[],
+        policy_versions=[],
+        submission_policy_version=request.submission_policy_version,
+        temperature=request.sampling.temperature,
+    )
+
+
+class SingleTurnEnvironment(Agent):
+    """One prompt per group, one generation per rollout, a reward on the completion text.
+
+    The prompt of a group is drawn from an RNG seeded by (seed, batch_id, index_in_batch) and
+    sample k of the group is generated with seed (seed, batch_id, index_in_batch, k), so a run is
+    reproducible whatever the order in which generations finish.
+    """
+
+    @abstractmethod
+    def make_problem(self, rng: random.Random) -> Problem:
+        """Draw one problem using only ``rng``."""
+
+    @abstractmethod
+    def reward(self, problem: Problem, completion: str) -> float:
+        """Score ``completion`` for ``problem`` (typically in [0, 1])."""
+
+    async def group_rollout(
+        self, request: GroupedRolloutRequest, inference: InferenceInterface
+    ) -> RolloutGroup:
+        """Generate the group and score each rollout."""
+        path = (request.batch_id, request.index_in_batch)
+        try:
+            problem = self.make_problem(random.Random(derive_seed(request.seed, *path)))
+        except Exception as exc:  # the environment's own code failed: mask the whole group
+            rollouts = [placeholder_rollout(self.env_id, request, exc)] * request.group_size
+            return RolloutGroup(batch_id=path[0], index_in_batch=path[1], rollouts=rollouts)
+        sampling = request.sampling
+        if problem.max_tokens is not None:
+            sampling = sampling.model_copy(update={"max_tokens": problem.max_tokens})
+        responses = await gather_all(
+            *(
+                _generate_or_invalid(
+                    inference,
+                    InferenceRequest(
+                        prompt=problem.prompt,
+                        sampling=sampling,
+                        seed=derive_seed(request.seed, *path, k),
+                    ),
+                )
+                for k in range(request.group_size)
+            )
+        )
+        rollouts = [self._score(problem, r, request, sampling) for r in responses]
+        return RolloutGroup(batch_id=path[0], index_in_batch=path[1], rollouts=rollouts)
+
+    def _score(
+        self,
+        problem: Problem,
+        response: InferenceResponse | InvalidInferenceRequest,
+        request: GroupedRolloutRequest,
+        sampling: SamplingParams,
+    ) -> TokenRollout:
+        try:
+            if isinstance(response, InvalidInferenceRequest):
+                raise response
+            reward = float(self.reward(problem, response.text))
+            if not math.isfinite(reward):
+                raise ValueError(f"reward is not finite: {reward}")
+        except Exception as exc:
+            return placeholder_rollout(self.env_id, request, exc, problem.problem_id)
+        return TokenRollout(
+            env_id=self.env_id,
+            problem_id=problem.problem_id,
+            prompt=problem.prompt,
+            completion=response.text,
+            reward=reward,
+            tokens=response.prompt_tokens + response.tokens,
+            generation_mask=[False] * len(response.prompt_tokens) + [True] * len(response.tokens),
+            logprobs=response.logprobs,
+            policy_versions=response.policy_versions,
+            submission_policy_version=request.submission_policy_version,
+            temperature=sampling.temperature,
+        )
+
+
+async def _generate_or_invalid(
+    inference: InferenceInterface, request: InferenceRequest
+) -> InferenceResponse | InvalidInferenceRequest:
+    """The response, or the ``InvalidInferenceRequest`` it raised (other errors propagate)."""
+    try:
+        return await inference.generate(request)
+    except InvalidInferenceRequest as exc:
+        return exc

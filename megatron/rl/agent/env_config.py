@@ -1,0 +1,119 @@
+"""The env-config YAML: a list of ``{agent_type, agent_args, weight}`` entries.
+
+Example::
+
+    - agent_type: digits          # a built-in name, or "package.module:ClassName"
+      agent_args: {task: copy, min_digits: 1, max_digits: 3}
+      weight: 3
+    - agent_type: digits
+      env_id: add                 # optional name in metrics (default: "<agent_type><index>")
+      agent_args: {task: add, max_digits: 2}
+      weight: 1
+
+Every problem is reported at start-up as an ``EnvConfigError`` naming the file, the entry and the
+field, before any model is built.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from megatron.rl.agent.api import Agent
+from megatron.rl.agent.mixture import MixtureAgent
+
+BUILTIN_AGENT_TYPES = {
+    "digits": "megatron.rl.environments.digits:DigitTaskEnvironment",
+}
+"""Short names accepted as ``agent_type``."""
+
+DEFAULT_ENV_CONFIG: list[dict[str, Any]] = [
+    {"agent_type": "digits", "env_id": "copy", "agent_args": {"task": "copy"}, "weight": 1.0}
+]
+"""The embedded default used when no ``--env-config`` is given."""
+
+
+class EnvConfigError(ValueError):
+    """An env config that cannot be used; the message names file, entry and field."""
+
+
+class EnvEntry(BaseModel):
+    """One entry of the env-config list."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    agent_type: str = Field(min_length=1)
+    agent_args: dict[str, Any] = Field(default_factory=dict)
+    weight: float = Field(1.0, gt=0.0)
+    env_id: str | None = None
+
+
+def resolve_agent_type(agent_type: str) -> type[Agent]:
+    """The ``Agent`` subclass named by ``agent_type`` (built-in name or ``module:Class``)."""
+    target = BUILTIN_AGENT_TYPES.get(agent_type, agent_type)
+    if ":" not in target:
+        known = ", ".join(sorted(BUILTIN_AGENT_TYPES))
+        raise ValueError(f"unknown agent_type {agent_type!r} (built-ins: {known}; or module:Class)")
+    module_name, _, class_name = target.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot import agent_type {agent_type!r}: {exc}") from None
+    if not (isinstance(cls, type) and issubclass(cls, Agent)):
+        raise ValueError(f"agent_type {agent_type!r} is not an Agent subclass")
+    return cls
+
+
+def build_agents(entries: list[dict[str, Any]], source: str = "<default>") -> MixtureAgent:
+    """Validate ``entries`` and instantiate the weighted mixture of their agents."""
+    if not isinstance(entries, list) or not entries:
+        raise EnvConfigError(f"env config {source}: expected a non-empty list of entries")
+    agents, weights = [], []
+    for index, raw in enumerate(entries):
+        where = f"env config {source}, entry {index}"
+        try:
+            entry = EnvEntry.model_validate(raw)
+        except ValidationError as err:
+            raise EnvConfigError(f"{where}: {_describe(err)}") from None
+        try:
+            cls = resolve_agent_type(entry.agent_type)
+        except ValueError as err:
+            raise EnvConfigError(f"{where}, field 'agent_type': {err}") from None
+        try:
+            args = cls.Args.model_validate(entry.agent_args)
+        except ValidationError as err:
+            raise EnvConfigError(
+                f"{where} (agent_type {entry.agent_type!r}): {_describe(err, 'agent_args')}"
+            ) from None
+        agents.append(cls(entry.env_id or f"{entry.agent_type}{index}", args))
+        weights.append(entry.weight)
+    ids = [a.env_id for a in agents]
+    if len(set(ids)) != len(ids):
+        raise EnvConfigError(f"env config {source}: env_id values must be unique, got {ids}")
+    return MixtureAgent(agents, weights)
+
+
+def load_env_config(path: str | Path | None) -> MixtureAgent:
+    """Agents of the YAML file at ``path``, or of the embedded default when ``path`` is None."""
+    if path is None:
+        return build_agents(DEFAULT_ENV_CONFIG)
+    path = Path(path)
+    try:
+        entries = yaml.safe_load(path.read_text())
+    except OSError as err:
+        raise EnvConfigError(f"env config {path}: cannot read: {err.strerror}") from None
+    except yaml.YAMLError as err:
+        raise EnvConfigError(f"env config {path}: invalid YAML: {err}") from None
+    return build_agents(entries, str(path))
+
+
+def _describe(err: ValidationError, prefix: str = "") -> str:
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in (prefix, *e["loc"]) if x != "")
+        parts.append(f"field '{loc}': {e['msg']}")
+    return "; ".join(parts)

@@ -1,0 +1,1 @@
+"""Built-in environments (embedded: no download needed)."""

@@ -1,0 +1,43 @@
+"""Per-token log-probabilities from (possibly vocab-parallel) logits."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_size: int,
+    temperature: torch.Tensor | None = None,
+    tp_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """log p(target) under softmax(logits / temperature), restricted to the real vocabulary.
+
+    Args:
+        logits: (B, T, V/tp) logits; under tensor parallelism each rank holds its contiguous
+            vocab partition (megatron-core's ``parallel_output=True`` layout).
+        targets: (B, T) token ids.
+        vocab_size: real vocabulary size; ids >= vocab_size (embedding padding) get probability
+            0, exactly as in the inference engine's sampler.
+        temperature: (B,) per-sequence sampling temperature (0 = greedy, treated as 1).
+        tp_group: tensor-parallel group the vocab is split over (None or size 1: not split).
+
+    Returns:
+        (B, T) float32 log-probabilities, differentiable w.r.t. ``logits``.
+    """
+    logits = logits.float()
+    if temperature is not None:
+        t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).float()
+        logits = logits / t[:, None, None]
+    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+    part = logits.shape[-1]
+    first = (dist.get_rank(tp_group) if tp_size > 1 else 0) * part
+    ids = torch.arange(first, first + part, device=logits.device)
+    logits = logits.masked_fill(ids >= vocab_size, float("-inf"))
+    if tp_size == 1:
+        return torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    return -vocab_parallel_cross_entropy(logits, targets)

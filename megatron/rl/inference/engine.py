@@ -1,0 +1,242 @@
+"""The local continuous-batching inference engine (CPU tier; also runs on a CUDA device).
+
+Requests arrive through ``await engine.generate(...)`` from any number of agent tasks. One loop
+task owns all scheduling state: it admits waiting requests into free KV-cache slots (first come,
+first served, spread over data-parallel replicas), feeds each active request its prompt once and
+then one token per step, and resolves a request's future when it samples EOS or reaches its
+token budget. Every step runs the same model object the trainer updates, so each token records
+the policy version that produced it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from megatron.rl.inference.model_runner import RowResult, RowWork
+from megatron.rl.inference.step_group import StepGroup, StepPlan
+from megatron.rl.wire import SamplingParams
+
+
+@dataclass(frozen=True)
+class LocalEngineConfig:
+    """Capacity of the local engine."""
+
+    max_requests: int = 64
+    """KV-cache slots per data-parallel replica: the most requests decoded at once on each."""
+    max_seq_len: int = 128
+    """Longest prompt + generation a request may reach (the KV cache length)."""
+    eos_id: int = 1
+    """Token that ends a generation."""
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    """What the engine returns for one request."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    policy_versions: list[int]
+    finish_reason: str  # "stop" (EOS sampled) or "length" (max_tokens reached)
+
+
+class EngineError(RuntimeError):
+    """The engine loop failed; every pending and later request raises this."""
+
+
+class InvalidInferenceRequest(ValueError):
+    """The request itself is unusable (too long, tokens outside the vocabulary, ...).
+
+    Agents treat it as an environment error (a masked placeholder rollout), not a crash.
+    """
+
+
+@dataclass
+class _Request:
+    uid: int
+    prompt: list[int]
+    sampling: SamplingParams
+    seed: int
+    future: asyncio.Future
+    replica: int = -1
+    slot: int = -1
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    def next_row(self) -> RowWork:
+        """The tokens this request feeds in the coming step."""
+        first = not self.tokens
+        feed = self.prompt if first else self.tokens[-1:]
+        s = self.sampling
+        return RowWork(
+            slot=self.slot,
+            tokens=tuple(feed),
+            start=0 if first else len(self.prompt) + len(self.tokens) - 1,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            seed=self.seed if first else None,
+        )
+
+
+class LocalInferenceEngine:
+    """Continuous batching over a ``StepGroup``; suspended outside generation windows.
+
+    The loop task (``start``/``aclose``) consumes queued requests and produces tokens. It waits
+    while suspended (``suspend``/``resume``, driven by whoever owns the training loop) or while
+    no request is queued (``generate`` wakes it). If a step raises, the loop fails every pending
+    request with ``EngineError`` and later ``generate`` calls raise at once.
+    """
+
+    def __init__(
+        self,
+        steps: StepGroup,
+        config: LocalEngineConfig,
+        policy_version: Callable[[], int],
+    ) -> None:
+        self.steps = steps
+        self.config = config
+        self.policy_version = policy_version
+        self._waiting: deque[_Request] = deque()
+        self._active: dict[tuple[int, int], _Request] = {}
+        self._free = [list(range(config.max_requests)) for _ in range(steps.num_replicas)]
+        self._uids = itertools.count()
+        self._resumed = asyncio.Event()
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._error: BaseException | None = None
+        self.generated_tokens = 0
+        """Tokens sampled since start (a counter for throughput metrics)."""
+
+    # ----------------------------------------------------------------- public API
+
+    async def generate(
+        self, prompt_tokens: list[int], sampling: SamplingParams, seed: int
+    ) -> GenerationOutput:
+        """Generate a completion of ``prompt_tokens``; resolves when it stops."""
+        if self._error is not None:
+            raise EngineError("the inference engine has failed") from self._error
+        if self._task is None:
+            raise RuntimeError("the inference engine is not running: call start() first")
+        total = len(prompt_tokens) + sampling.max_tokens
+        if not prompt_tokens or total > self.config.max_seq_len:
+            raise InvalidInferenceRequest(
+                f"prompt of {len(prompt_tokens)} tokens plus max_tokens={sampling.max_tokens} "
+                f"does not fit the engine's max_seq_len={self.config.max_seq_len}"
+            )
+        future = asyncio.get_running_loop().create_future()
+        self._waiting.append(
+            _Request(next(self._uids), list(prompt_tokens), sampling, seed, future)
+        )
+        self._wakeup.set()
+        return await future
+
+    def start(self) -> None:
+        """Start the loop task (suspended until ``resume``)."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="engine-loop")
+
+    async def aclose(self) -> None:
+        """Cancel the loop task and fail requests still pending."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._fail_pending(EngineError("the inference engine was shut down"))
+
+    def suspend(self) -> None:
+        """Stop stepping after the current step (the trainer is about to update the weights)."""
+        self._resumed.clear()
+
+    def resume(self) -> None:
+        """Let the loop step again."""
+        self._resumed.set()
+        self._wakeup.set()
+
+    @property
+    def num_active(self) -> int:
+        """Requests holding a KV-cache slot."""
+        return len(self._active)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for a slot."""
+        return len(self._waiting)
+
+    # ----------------------------------------------------------------- the loop
+
+    async def _loop(self) -> None:
+        try:
+            while True:
+                await self._resumed.wait()
+                self._release_cancelled()
+                self._admit()
+                if not self._active:
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                self._step()
+                await asyncio.sleep(0)  # let agents queue new requests between steps
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            self._error = exc
+            error = EngineError(f"inference engine step failed: {exc!r}")
+            error.__cause__ = exc
+            self._fail_pending(error)
+            raise
+
+    def _step(self) -> None:
+        rows: list[list[RowWork]] = [[] for _ in range(self.steps.num_replicas)]
+        for (replica, _), req in self._active.items():
+            rows[replica].append(req.next_row())
+        results = self.steps.step(StepPlan(tuple(tuple(r) for r in rows)))
+        version = self.policy_version()
+        for replica, replica_results in enumerate(results):
+            for res in replica_results:
+                self._record(self._active[(replica, res.slot)], res, version)
+
+    def _record(self, req: _Request, res: RowResult, version: int) -> None:
+        req.tokens.append(res.token)
+        req.logprobs.append(res.logprob)
+        req.versions.append(version)
+        self.generated_tokens += 1
+        if res.token == self.config.eos_id:
+            self._finish(req, "stop")
+        elif len(req.tokens) >= req.sampling.max_tokens:
+            self._finish(req, "length")
+
+    def _finish(self, req: _Request, reason: str) -> None:
+        self._release(req)
+        if not req.future.done():
+            req.future.set_result(GenerationOutput(req.tokens, req.logprobs, req.versions, reason))
+
+    def _admit(self) -> None:
+        while self._waiting:
+            replica = max(range(len(self._free)), key=lambda r: (len(self._free[r]), -r))
+            if not self._free[replica]:
+                return
+            req = self._waiting.popleft()
+            if req.future.done():  # cancelled while waiting
+                continue
+            req.replica, req.slot = replica, self._free[replica].pop(0)
+            self._active[(replica, req.slot)] = req
+
+    def _release(self, req: _Request) -> None:
+        del self._active[(req.replica, req.slot)]
+        self._free[req.replica].append(req.slot)
+        self._free[req.replica].sort()
+
+    def _release_cancelled(self) -> None:
+        for req in [r for r in self._active.values() if r.future.done()]:
+            self._release(req)
+
+    def _fail_pending(self, error: BaseException) -> None:
+        for req in [*self._waiting, *self._active.values()]:
+            if not req.future.done():
+                req.future.set_exception(error)
+        self._waiting.clear()
+        self._active.clear()

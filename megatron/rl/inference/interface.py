@@ -1,0 +1,53 @@
+"""What agents generate through: ``InferenceInterface`` and its in-process implementation."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from megatron.rl.inference.engine import InvalidInferenceRequest, LocalInferenceEngine
+from megatron.rl.tokenizer import Tokenizer
+from megatron.rl.wire import InferenceRequest, InferenceResponse
+
+
+class InferenceInterface(ABC):
+    """Generates completions for agents. Implementations: in-process engine, HTTP client."""
+
+    @abstractmethod
+    async def generate(self, request: InferenceRequest) -> InferenceResponse:
+        """Generate one completion.
+
+        Raises ``InvalidInferenceRequest`` for a request that cannot be served (the caller's
+        fault) and any other exception when inference itself failed.
+        """
+
+
+class LocalInferenceInterface(InferenceInterface):
+    """Tokenizes requests and runs them on the trainer's own ``LocalInferenceEngine``."""
+
+    def __init__(self, engine: LocalInferenceEngine, tokenizer: Tokenizer) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+
+    async def generate(self, request: InferenceRequest) -> InferenceResponse:
+        """Run ``request`` on the engine and detokenize the result."""
+        if request.prompt_tokens is not None:
+            prompt = list(request.prompt_tokens)
+            bad = [t for t in prompt if not 0 <= t < self.tokenizer.vocab_size]
+            if bad:
+                raise InvalidInferenceRequest(
+                    f"prompt_tokens has ids outside the vocabulary: {bad[:5]}"
+                )
+        else:
+            try:
+                prompt = self.tokenizer.encode(request.prompt)
+            except ValueError as exc:
+                raise InvalidInferenceRequest(f"prompt: {exc}") from None
+        out = await self.engine.generate(prompt, request.sampling, request.seed)
+        return InferenceResponse(
+            prompt_tokens=prompt,
+            tokens=out.tokens,
+            text=self.tokenizer.decode(out.tokens),
+            logprobs=out.logprobs,
+            policy_versions=out.policy_versions,
+            finish_reason=out.finish_reason,
+        )

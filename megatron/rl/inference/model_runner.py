@@ -1,0 +1,124 @@
+"""Runs engine steps on one rank: the forward pass with the KV cache and the seeded sampling.
+
+A ``ModelRunner`` owns the KV cache of its data-parallel replica and one RNG per cache slot. It
+runs on every rank of the replica's tensor-parallel group: the forward is collective over that
+group, the vocab-parallel logits are gathered, and every TP rank samples the same tokens from the
+same seeded RNGs, so no extra broadcast of tokens is needed inside a replica.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron.rl.inference.sampling import sample_tokens
+from megatron.rl.models.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class RowWork:
+    """New tokens for one cache slot in one engine step."""
+
+    slot: int
+    tokens: tuple[int, ...]
+    """Tokens to feed: the whole prompt on a request's first step, then its last sampled token."""
+    start: int
+    """Position of ``tokens[0]`` in the request's sequence."""
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None = None
+    """Set on a request's first step: (re)seeds the slot's sampling RNG."""
+
+
+@dataclass(frozen=True)
+class RowResult:
+    """The token sampled for one row, and its logprob under the tempered policy."""
+
+    slot: int
+    token: int
+    logprob: float
+
+
+class ModelRunner:
+    """Executes rows on the local model replica and samples their next tokens."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache: KVCache,
+        vocab_size: int,
+        tp_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.vocab_size = vocab_size
+        self.tp_group = tp_group
+        self.tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+        self.device = cache.keys.device
+        self._rngs: dict[int, torch.Generator] = {}
+
+    @torch.no_grad()
+    def run(self, rows: list[RowWork]) -> list[RowResult]:
+        """Feed ``rows`` through the model and sample one token for each, in row order."""
+        if not rows:
+            return []
+        # Decode rows (one token) and prefill rows (many) go in separate forwards so that
+        # single-token rows are not padded to the longest prompt.
+        decode = [i for i, r in enumerate(rows) if len(r.tokens) == 1]
+        prefill = [i for i, r in enumerate(rows) if len(r.tokens) > 1]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            parts = [
+                self._forward_last_logits([rows[i] for i in b]) for b in (decode, prefill) if b
+            ]
+        finally:
+            self.model.train(was_training)
+        logits = torch.cat(parts)[torch.argsort(torch.tensor(decode + prefill))]  # (B, V)
+        return self._sample(rows, logits)
+
+    def _forward_last_logits(self, rows: list[RowWork]) -> torch.Tensor:
+        """Full-vocabulary logits at each row's last new token: (B, V_padded) float32."""
+        width = max(len(r.tokens) for r in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        for b, r in enumerate(rows):
+            ids[b, : len(r.tokens)] = torch.tensor(r.tokens)
+        starts = torch.tensor([r.start for r in rows])
+        lengths = torch.tensor([len(r.tokens) for r in rows])
+        positions = starts[:, None] + torch.arange(width)[None, :]  # (B, T)
+        positions = positions.clamp(max=self.cache.max_seq_len - 1)  # padding stays in range
+        slots = torch.tensor([r.slot for r in rows])
+        dev = self.device
+        with self.cache.step(slots.to(dev), starts.to(dev), lengths.to(dev)):
+            out = self.model(ids.to(dev), positions.to(dev), None)  # (B, T, V/tp)
+        last = out[torch.arange(len(rows), device=dev), (lengths - 1).to(dev)].float()
+        return self._gather_vocab(last)
+
+    def _gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """(B, V/tp) vocab-parallel logits -> (B, V_padded), padding ids masked to -inf."""
+        if self.tp_size > 1:
+            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
+            dist.all_gather(parts, logits.contiguous(), group=self.tp_group)
+            logits = torch.cat(parts, dim=-1)
+        logits[:, self.vocab_size :] = float("-inf")
+        return logits.cpu()
+
+    def _sample(self, rows: list[RowWork], logits: torch.Tensor) -> list[RowResult]:
+        for r in rows:
+            if r.seed is not None:
+                self._rngs[r.slot] = torch.Generator().manual_seed(r.seed)
+        uniforms = torch.stack([torch.rand((), generator=self._rngs[r.slot]) for r in rows])
+        tokens, logprobs = sample_tokens(
+            logits,
+            temperature=torch.tensor([r.temperature for r in rows]),
+            top_p=torch.tensor([r.top_p for r in rows]),
+            top_k=torch.tensor([r.top_k for r in rows]),
+            uniforms=uniforms,
+        )
+        return [
+            RowResult(slot=r.slot, token=int(t), logprob=float(lp))
+            for r, t, lp in zip(rows, tokens.tolist(), logprobs.tolist())
+        ]

@@ -1,0 +1,53 @@
+"""Batched token sampling with per-row temperature, top-k, top-p and per-row uniforms.
+
+Each row brings its own uniform draw (from its request's seeded RNG), so a row's token depends
+only on its own logits and RNG, never on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    uniforms: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row by inverse-CDF over the filtered, tempered distribution.
+
+    Args:
+        logits: (B, V) float logits; entries that must never be sampled are -inf.
+        temperature: (B,) temperatures; 0 means greedy (argmax).
+        top_p: (B,) nucleus masses in (0, 1]; 1 disables.
+        top_k: (B,) int; 0 disables.
+        uniforms: (B,) draws in [0, 1).
+
+    Returns:
+        tokens (B,) int64 and logprobs (B,) float32: the log-probability of each token under the
+        tempered distribution before top-k/top-p truncation (temperature 1 for greedy rows), which
+        is the distribution the trainer recomputes for the importance ratio.
+    """
+    logits = logits.float()
+    greedy = temperature <= 0
+    scale = torch.where(greedy, torch.ones_like(temperature), temperature).float()
+    logprobs_all = torch.log_softmax(logits / scale[:, None], dim=-1)  # (B, V)
+
+    sorted_logp, order = torch.sort(logprobs_all, dim=-1, descending=True, stable=True)  # (B, V)
+    probs = sorted_logp.exp()
+    rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]  # (1, V)
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    k = top_k.to(torch.long)[:, None]
+    keep &= (k <= 0) | (rank < k)
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
+    keep &= mass_before < top_p.float()[:, None]
+    keep[:, 0] = True
+    filtered = torch.where(keep, probs, torch.zeros_like(probs))
+    cdf = filtered.cumsum(dim=-1)  # (B, V)
+    target = (uniforms.float() * cdf[:, -1])[:, None]  # (B, 1)
+    pick = torch.searchsorted(cdf, target, right=True).clamp_(max=logits.shape[-1] - 1)
+    sampled = order.gather(-1, pick).squeeze(-1)  # (B,)
+    tokens = torch.where(greedy, order[:, 0], sampled)
+    return tokens, logprobs_all.gather(-1, tokens[:, None]).squeeze(-1)

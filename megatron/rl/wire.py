@@ -1,0 +1,141 @@
+"""Pydantic wire types shared by the trainer, the agents, the env server and its clients.
+
+Everything that crosses a process boundary (HTTP between the trainer and an env server, the
+pickled batch broadcast from rank 0 to the other ranks) is one of these models, so server and
+client validate against the same definitions.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class WireModel(BaseModel):
+    """Base for wire types: unknown fields are rejected so typos surface as 4xx, not silence."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class SamplingParams(WireModel):
+    """How one generation request samples tokens."""
+
+    temperature: float = Field(1.0, ge=0.0, description="0 means greedy decoding.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1 disables.")
+    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 disables.")
+    max_tokens: int = Field(16, ge=1, description="Maximum number of generated tokens.")
+
+
+class InferenceRequest(WireModel):
+    """One generation request: a prompt (text or token ids), sampling parameters and a seed.
+
+    The seed makes the request reproducible: the engine samples it with its own RNG, so its tokens
+    do not depend on which other requests share the batch.
+    """
+
+    prompt: str | None = Field(None, description="Prompt text, tokenized by the trainer.")
+    prompt_tokens: list[int] | None = Field(None, description="Prompt token ids (instead of text).")
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    seed: int = Field(0, ge=0, lt=2**63, description="Seed of this request's sampling RNG.")
+
+    @model_validator(mode="after")
+    def _exactly_one_prompt(self) -> "InferenceRequest":
+        if (self.prompt is None) == (self.prompt_tokens is None):
+            raise ValueError("exactly one of 'prompt' and 'prompt_tokens' must be given")
+        if self.prompt_tokens is not None and not self.prompt_tokens:
+            raise ValueError("'prompt_tokens' must not be empty")
+        if self.prompt is not None and not self.prompt:
+            raise ValueError("'prompt' must not be empty")
+        return self
+
+
+class InferenceResponse(WireModel):
+    """The engine's answer: generated tokens with their logprobs and policy versions."""
+
+    prompt_tokens: list[int]
+    tokens: list[int] = Field(description="Generated token ids, EOS included when it stopped.")
+    text: str = Field(description="Detokenized generated tokens (EOS excluded).")
+    logprobs: list[float] = Field(description="Per generated token, under the sampling policy.")
+    policy_versions: list[int] = Field(description="Policy version that generated each token.")
+    finish_reason: Literal["stop", "length"]
+
+
+class GroupedRolloutRequest(WireModel):
+    """Ask an agent for one group of rollouts that share a prompt (one GRPO group)."""
+
+    batch_id: int = Field(ge=0, description="Training step whose batch this group belongs to.")
+    index_in_batch: int = Field(ge=0, description="Position of the group inside its batch.")
+    groups_in_batch: int = Field(ge=1, description="Number of groups in the batch.")
+    group_size: int = Field(ge=1, description="Rollouts per group.")
+    seed: int = Field(ge=0, description="Run seed; agents derive every RNG from it.")
+    submission_policy_version: int = Field(ge=0, description="Policy version at submission.")
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+
+    @model_validator(mode="after")
+    def _index_in_range(self) -> "GroupedRolloutRequest":
+        if self.index_in_batch >= self.groups_in_batch:
+            raise ValueError("'index_in_batch' must be smaller than 'groups_in_batch'")
+        return self
+
+
+class Rollout(WireModel):
+    """A finished episode as text, with its reward."""
+
+    env_id: str = Field(description="Name of the environment that produced it.")
+    problem_id: str = Field(description="Identifier of the prompt/problem inside the env.")
+    prompt: str
+    completion: str
+    reward: float
+    error: str | None = Field(
+        None, description="Set on a placeholder rollout whose environment failed; zero weight."
+    )
+
+
+class TokenRollout(Rollout):
+    """A rollout at token level: what the trainer needs for the GRPO loss.
+
+    ``tokens`` is the whole trajectory; ``generation_mask`` marks the generated tokens (the only
+    ones that carry loss). ``logprobs`` and ``policy_versions`` have one entry per generated token.
+    """
+
+    tokens: list[int]
+    generation_mask: list[bool]
+    logprobs: list[float]
+    policy_versions: list[int]
+    submission_policy_version: int = Field(ge=0)
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature of the tokens.")
+
+    @model_validator(mode="after")
+    def _consistent_lengths(self) -> "TokenRollout":
+        if len(self.generation_mask) != len(self.tokens):
+            raise ValueError("'generation_mask' must have one entry per token")
+        generated = sum(self.generation_mask)
+        if len(self.logprobs) != generated or len(self.policy_versions) != generated:
+            raise ValueError(
+                "'logprobs' and 'policy_versions' must have one entry per generated token"
+            )
+        return self
+
+    @property
+    def is_placeholder(self) -> bool:
+        """A masked stand-in for a rollout whose environment raised; it carries no loss."""
+        return self.error is not None
+
+    @property
+    def first_token_policy_version(self) -> int | None:
+        """Policy version of the first generated token (None if nothing was generated)."""
+        return self.policy_versions[0] if self.policy_versions else None
+
+    @property
+    def last_token_policy_version(self) -> int | None:
+        """Policy version of the last generated token (None if nothing was generated)."""
+        return self.policy_versions[-1] if self.policy_versions else None
+
+
+class RolloutGroup(WireModel):
+    """The rollouts of one GRPO group, tagged with where they belong in the batch order."""
+
+    batch_id: int = Field(ge=0)
+    index_in_batch: int = Field(ge=0)
+    rollouts: list[TokenRollout] = Field(min_length=1)

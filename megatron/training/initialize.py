@@ -1,0 +1,105 @@
+"""Process-group and megatron-core ``parallel_state`` set-up, seeds and threads."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import random
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    tp_rank: int
+    tp_size: int
+    dp_rank: int
+    dp_size: int
+    tp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+
+    @property
+    def is_main(self) -> bool:
+        """Global rank 0: runs the agents, the rollout generator and the logging."""
+        return self.rank == 0
+
+    @property
+    def is_replica_leader(self) -> bool:
+        """TP rank 0 of a data-parallel replica: reports that replica's sampled tokens."""
+        return self.tp_rank == 0
+
+
+def initialize_distributed(args: argparse.Namespace) -> ParallelContext:
+    """Start torch.distributed (gloo on CPU, nccl on CUDA) and megatron-core's parallel state.
+
+    Works under torchrun/SLURM (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment) and as a
+    plain ``python pretrain_grpo.py`` (a world of one on a free local port).
+    """
+    cuda = torch.cuda.is_available()
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend="nccl" if cuda else "gloo",
+            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
+        )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+    )
+    set_seeds(args.seed, cuda)
+    return ParallelContext(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        device=device,
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_size=parallel_state.get_data_parallel_world_size(),
+        tp_group=parallel_state.get_tensor_model_parallel_group(),
+        dp_group=parallel_state.get_data_parallel_group(),
+    )
+
+
+def set_seeds(seed: int, cuda: bool) -> None:
+    """Same seed on every rank, so every parallel layout initializes identical weights."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if cuda:
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(seed)
+
+
+def shutdown_distributed() -> None:
+    """Tear down megatron-core's groups and the default process group."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

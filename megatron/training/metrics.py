@@ -1,0 +1,121 @@
+"""Per-step metrics: what they mean, the log line, the JSONL file and TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from megatron.rl.rollout.generator import RolloutBatch
+from megatron.training.rollouts import CollectedBatch
+from megatron.training.train_step import StepResult
+
+
+def rollout_metrics(batch: RolloutBatch, step: int) -> dict[str, Any]:
+    """Reward, staleness and pipeline statistics of the batch trained at ``step``.
+
+    Submission staleness of a rollout = step - policy version at its submission (exactly
+    min(step, L) under the forced-lag contract). Token staleness = step - policy version that
+    generated the token, over every generated token.
+    """
+    rollouts = [r for g in batch.groups for r in g.rollouts]
+    real = [r for r in rollouts if not r.is_placeholder]
+    rewards = [r.reward for r in real] or [0.0]
+    submission = [step - r.submission_policy_version for r in rollouts]
+    tokens = [step - v for r in real for v in r.policy_versions] or [0]
+    lengths = [len(r.policy_versions) for r in real] or [0]
+    return {
+        "reward_mean": statistics.fmean(rewards),
+        "reward_std": statistics.pstdev(rewards),
+        "staleness_min": min(submission),
+        "staleness_mean": statistics.fmean(submission),
+        "staleness_max": max(submission),
+        "token_staleness_min": min(tokens),
+        "token_staleness_mean": statistics.fmean(tokens),
+        "token_staleness_max": max(tokens),
+        "in_flight_batches": batch.in_flight,
+        "queue_depth": batch.queue_depth,
+        "placeholder_rollouts": len(rollouts) - len(real),
+        "completion_tokens_mean": statistics.fmean(lengths),
+    }
+
+
+def step_metrics(
+    step: int, lag: int, collected: CollectedBatch, result: StepResult, step_seconds: float
+) -> dict[str, Any]:
+    """Everything logged for one step, as a flat JSON-serializable dict."""
+    return {
+        "step": step,
+        "loss": result.loss,
+        **rollout_metrics(collected.batch, step),
+        "grad_norm": result.grad_norm,
+        "lr": result.lr,
+        "lag": lag,
+        "clip_fraction": result.clip_fraction,
+        "ratio_mean": result.ratio_mean,
+        "mismatch_kl": result.mismatch_kl,
+        "generated_tokens": collected.generated_tokens,
+        "generated_tokens_per_s": collected.generated_tokens / max(collected.seconds, 1e-9),
+        "trained_tokens_per_s": result.trained_tokens / max(result.seconds, 1e-9),
+        "collect_seconds": collected.seconds,
+        "train_seconds": result.seconds,
+        "step_seconds": step_seconds,
+    }
+
+
+def format_log_line(m: dict[str, Any], train_iters: int) -> str:
+    """One human-readable line per step."""
+    return (
+        f"step {m['step']:>5}/{train_iters} | loss {m['loss']:+.4e} | "
+        f"reward {m['reward_mean']:.3f} ± {m['reward_std']:.3f} | grad-norm {m['grad_norm']:.3f} | "
+        f"lr {m['lr']:.2e} | lag {m['lag']} | staleness {m['staleness_min']}/"
+        f"{m['staleness_mean']:.2f}/{m['staleness_max']} | token-staleness "
+        f"{m['token_staleness_min']}/{m['token_staleness_mean']:.2f}/{m['token_staleness_max']} | "
+        f"in-flight {m['in_flight_batches']} | queue {m['queue_depth']} | "
+        f"gen {m['generated_tokens_per_s']:.0f} tok/s | train {m['trained_tokens_per_s']:.0f} tok/s"
+        f" | step {m['step_seconds'] * 1000:.0f} ms"
+    )
+
+
+class MetricsWriter:
+    """Writes metrics on rank 0: stdout every ``log_interval`` steps, JSONL and TensorBoard always."""
+
+    def __init__(
+        self,
+        train_iters: int,
+        log_interval: int,
+        metrics_file: str | None = None,
+        tensorboard_dir: str | None = None,
+    ) -> None:
+        self.train_iters = train_iters
+        self.log_interval = log_interval
+        self._jsonl = None
+        if metrics_file is not None:
+            Path(metrics_file).parent.mkdir(parents=True, exist_ok=True)
+            self._jsonl = open(metrics_file, "a", encoding="utf-8")
+        self._tb = None
+        if tensorboard_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter  # availability checked by the flags
+
+            self._tb = SummaryWriter(log_dir=tensorboard_dir)
+
+    def write(self, metrics: dict[str, Any]) -> None:
+        """Record one step's metrics."""
+        step = metrics["step"]
+        if step % self.log_interval == 0 or step == self.train_iters - 1:
+            print(format_log_line(metrics, self.train_iters), flush=True)
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(metrics) + "\n")
+            self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in metrics.items():
+                if key != "step":
+                    self._tb.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        """Flush and close the outputs."""
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()

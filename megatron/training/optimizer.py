@@ -1,0 +1,82 @@
+"""CPU-tier optimizer: torch AdamW, megatron-core's LR schedule, DP all-reduce and grad clipping.
+
+megatron-core's DistributedDataParallel and ``get_megatron_optimizer`` hard-code CUDA devices, so
+the CPU tier reduces gradients itself (one flattened all-reduce per step over the data-parallel
+group) and computes the global gradient norm counting each tensor-parallel shard once.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+
+def build_optimizer(
+    model: torch.nn.Module, args: argparse.Namespace
+) -> tuple[torch.optim.AdamW, OptimizerParamScheduler]:
+    """AdamW with no weight decay on biases/norms, and warmup + decay down to ``--min-lr``."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            (no_decay if param.ndim < 2 or name.endswith(".bias") else decay).append(param)
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}],
+        lr=args.lr,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_eps,
+        weight_decay=args.weight_decay,
+    )
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if args.lr_warmup_iters > 0 else args.lr,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters,
+        lr_decay_steps=max(args.train_iters, args.lr_warmup_iters + 1),
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=max(args.train_iters, 1),
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler
+
+
+def allreduce_gradients(params: list[torch.nn.Parameter], group: dist.ProcessGroup | None) -> None:
+    """Sum gradients over ``group`` (the data-parallel group) with one flattened all-reduce."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=group)
+    for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        grad.copy_(reduced)
+
+
+def clip_grad_norm(
+    params: list[torch.nn.Parameter], max_norm: float, tp_group: dist.ProcessGroup | None
+) -> float:
+    """Global L2 norm of the gradients over all TP shards; scale them down to ``max_norm``.
+
+    Tensor-parallel parameters contribute their shard on every rank; replicated parameters
+    (norms, row-parallel biases) are counted on TP rank 0 only. ``max_norm`` <= 0 only measures.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    owned = [
+        p.grad.detach().float()
+        for p in params
+        if p.grad is not None and param_is_not_tensor_parallel_duplicate(p, tp_group)
+    ]
+    sq = torch.stack([g.pow(2).sum() for g in owned]).sum() if owned else torch.zeros(())
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(sq, group=tp_group)
+    norm = float(sq.sqrt())
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for g in grads:
+            g.mul_(scale)
+    return norm

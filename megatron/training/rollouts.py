@@ -1,0 +1,134 @@
+"""The bridge between the synchronous training loop and the asyncio rollout pipeline.
+
+Rank 0 owns an event loop with the agents, the ``GroupedRolloutGenerator`` and the
+``LocalInferenceEngine``. The loop runs only inside ``next_batch``: the engine is resumed, the
+loop runs until the generator hands over the next ordered batch, the engine is suspended, and the
+batch is broadcast to every rank. While rank 0 generates, every other rank sits in
+``StepGroup.follow()`` executing engine steps on its shard of the model. So generation advances
+only while the trainer waits for a batch, and the weights never change during an engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron.rl.agent.api import Agent
+from megatron.rl.inference.engine import LocalEngineConfig, LocalInferenceEngine
+from megatron.rl.inference.interface import LocalInferenceInterface
+from megatron.rl.inference.model_runner import ModelRunner
+from megatron.rl.inference.step_group import StepGroup
+from megatron.rl.models.kv_cache import KVCache
+from megatron.rl.rollout.generator import GroupedRolloutGenerator, RolloutBatch, RolloutConfig
+from megatron.rl.tokenizer import Tokenizer
+from megatron.training.initialize import ParallelContext
+
+
+@dataclass(frozen=True)
+class CollectedBatch:
+    """A batch as handed to the training step, with how long collecting it took."""
+
+    batch: RolloutBatch
+    seconds: float
+    generated_tokens: int
+    """Tokens the engine sampled during this collection window (all batches in flight)."""
+
+
+class RolloutSource:
+    """Hands each training step its batch on every rank; owns the rollout pipeline on rank 0.
+
+    Use as a context manager: on exit rank 0 cancels the generator, the engine and the agents
+    and closes its event loop.
+    """
+
+    def __init__(
+        self,
+        ctx: ParallelContext,
+        model: torch.nn.Module,
+        tokenizer: Tokenizer,
+        agent: Agent | None,
+        rollout_config: RolloutConfig,
+        engine_config: LocalEngineConfig,
+        first_step: int = 0,
+    ) -> None:
+        self.ctx = ctx
+        self.policy_version = first_step
+        config = model.config
+        cache = KVCache(
+            num_layers=config.num_layers,
+            num_slots=engine_config.max_requests,
+            max_seq_len=engine_config.max_seq_len,
+            num_kv_heads=config.num_query_groups // ctx.tp_size,
+            head_dim=config.kv_channels,
+            dtype=config.params_dtype,
+            device=ctx.device,
+        )
+        runner = ModelRunner(model, cache, tokenizer.vocab_size, ctx.tp_group)
+        self.steps = StepGroup(runner, ctx.dp_rank, ctx.dp_size, ctx.is_replica_leader)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        if ctx.is_main:
+            if agent is None:
+                raise ValueError("rank 0 needs the agent")
+            self.agent = agent
+            self._loop = asyncio.new_event_loop()
+            self.engine = LocalInferenceEngine(
+                self.steps, engine_config, lambda: self.policy_version
+            )
+            self.generator = GroupedRolloutGenerator(
+                agent,
+                LocalInferenceInterface(self.engine, tokenizer),
+                rollout_config,
+                lambda: self.policy_version,
+                first_batch_id=first_step,
+            )
+            self._loop.run_until_complete(self._start())
+
+    async def _start(self) -> None:
+        self.engine.start()
+        self.generator.start()
+
+    def __enter__(self) -> "RolloutSource":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def next_batch(self) -> CollectedBatch:
+        """The next batch, in order, on every rank (collective)."""
+        start = time.perf_counter()
+        if self.ctx.is_main:
+            tokens_before = self.engine.generated_tokens
+            try:
+                self.engine.resume()
+                batch = self._loop.run_until_complete(self.generator.next_batch())
+                self.engine.suspend()
+            except BaseException as exc:
+                self.steps.abort_followers(f"{type(exc).__name__}: {exc}")
+                raise
+            self.steps.stop_followers()
+            message = [batch, self.engine.generated_tokens - tokens_before]
+        else:
+            self.steps.follow()
+            message = [None, None]
+        if self.ctx.world_size > 1:
+            dist.broadcast_object_list(message, src=0)
+        batch, generated = message
+        return CollectedBatch(batch, time.perf_counter() - start, generated)
+
+    def close(self) -> None:
+        """Cancel and await every task of the pipeline (rank 0); idempotent."""
+        if self._loop is None or self._loop.is_closed():
+            return
+        try:
+            self._loop.run_until_complete(self._aclose())
+        finally:
+            self._loop.close()
+
+    async def _aclose(self) -> None:
+        await self.generator.aclose()
+        await self.engine.aclose()
+        await self.agent.aclose()

@@ -1,0 +1,12 @@
+"""GRPO post-training of a Megatron-Core GPT with forced-lag streaming rollouts.
+
+    torchrun --nproc-per-node 1 pretrain_grpo.py --rl-forced-lag 2
+
+See ``python pretrain_grpo.py --help`` for every flag and README.md for the design.
+"""
+
+from megatron.training.arguments import parse_args
+from megatron.training.grpo import train
+
+if __name__ == "__main__":
+    train(parse_args())

@@ -1,0 +1,32 @@
+"""Packaging of the GRPO trainer: the namespace packages megatron.rl and megatron.training.
+
+``megatron`` itself has no ``__init__.py``: the megatron-core wheel provides ``megatron.core`` in
+the same namespace.
+"""
+
+from setuptools import find_namespace_packages, setup
+
+setup(
+    name="megatron-grpo",
+    version="0.1.0",
+    description="Megatron-Core GRPO trainer with forced-lag streaming rollouts",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=find_namespace_packages(include=["megatron.rl*", "megatron.training*"]),
+    py_modules=["pretrain_grpo"],
+    install_requires=[
+        "torch>=2.6",
+        "megatron-core>=0.16.1,<0.17",
+        "fastapi>=0.110",
+        "uvicorn>=0.29",
+        "httpx>=0.27",
+        "pydantic>=2",
+        "pyyaml>=6",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"],
+        "dev": ["black>=24", "isort>=5.13"],
+        "tensorboard": ["tensorboard>=2.16"],
+    },
+)
