@@ -27,17 +27,28 @@ class SamplingParams(WireModel):
     max_tokens: int = Field(16, ge=1, description="Maximum number of generated tokens.")
 
 
+class RolloutKey(WireModel):
+    """Which rollout a generation request belongs to; orders requests in the engine."""
+
+    batch_id: int = Field(ge=0)
+    index_in_batch: int = Field(ge=0)
+    sample_index: int = Field(ge=0)
+
+
 class InferenceRequest(WireModel):
     """One generation request: a prompt (text or token ids), sampling parameters and a seed.
 
     The seed makes the request reproducible: the engine samples it with its own RNG, so its tokens
-    do not depend on which other requests share the batch.
+    do not depend on which other requests share the batch. The rollout key (set by agents that
+    serve a ``GroupedRolloutRequest``) lets the engine admit requests in a fixed order, so the
+    schedule does not depend on when requests arrive.
     """
 
     prompt: str | None = Field(None, description="Prompt text, tokenized by the trainer.")
     prompt_tokens: list[int] | None = Field(None, description="Prompt token ids (instead of text).")
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     seed: int = Field(0, ge=0, lt=2**63, description="Seed of this request's sampling RNG.")
+    rollout_key: RolloutKey | None = Field(None, description="The rollout this request serves.")
 
     @model_validator(mode="after")
     def _exactly_one_prompt(self) -> "InferenceRequest":

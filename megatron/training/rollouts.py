@@ -84,6 +84,7 @@ class RolloutSource:
                 rollout_config,
                 lambda: self.policy_version,
                 first_batch_id=first_step,
+                scheduler=self.engine,
             )
             self._loop.run_until_complete(self._start())
 

@@ -30,6 +30,7 @@ from megatron.rl.wire import (
     InferenceRequest,
     InferenceResponse,
     RolloutGroup,
+    RolloutKey,
     SamplingParams,
     TokenRollout,
 )
@@ -60,6 +61,16 @@ class Agent(ABC):
         self, request: GroupedRolloutRequest, inference: InferenceInterface
     ) -> RolloutGroup:
         """Run ``request.group_size`` rollouts of one prompt and return them as a group."""
+
+    def expected_requests(self, request: GroupedRolloutRequest) -> int | None:
+        """How many keyed generation requests the group sends at once when it starts.
+
+        Agents that send all their first requests concurrently, each with its ``RolloutKey``,
+        return that number so the engine can schedule deterministically; None (the default)
+        opts out of the barrier. Announcing requests that never come stalls the engine until its
+        barrier timeout, so only announce what is sent unconditionally.
+        """
+        return None
 
     async def aclose(self) -> None:
         """Release resources (connections, subprocesses). Default: nothing to release."""
@@ -116,6 +127,10 @@ class SingleTurnEnvironment(Agent):
     def reward(self, problem: Problem, completion: str) -> float:
         """Score ``completion`` for ``problem`` (typically in [0, 1])."""
 
+    def expected_requests(self, request: GroupedRolloutRequest) -> int | None:
+        """One keyed request per rollout, all sent together."""
+        return request.group_size
+
     async def group_rollout(
         self, request: GroupedRolloutRequest, inference: InferenceInterface
     ) -> RolloutGroup:
@@ -137,6 +152,9 @@ class SingleTurnEnvironment(Agent):
                         prompt=problem.prompt,
                         sampling=sampling,
                         seed=derive_seed(request.seed, *path, k),
+                        rollout_key=RolloutKey(
+                            batch_id=path[0], index_in_batch=path[1], sample_index=k
+                        ),
                     ),
                 )
                 for k in range(request.group_size)

@@ -53,6 +53,10 @@ class MixtureAgent(Agent):
         slots = self._assignment(request.seed, request.batch_id, request.groups_in_batch)
         return self.agents[slots[request.index_in_batch]]
 
+    def expected_requests(self, request: GroupedRolloutRequest) -> int | None:
+        """What the assigned agent announces."""
+        return self.agent_for(request).expected_requests(request)
+
     async def group_rollout(
         self, request: GroupedRolloutRequest, inference: InferenceInterface
     ) -> RolloutGroup:

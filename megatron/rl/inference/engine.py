@@ -1,18 +1,35 @@
 """The local continuous-batching inference engine (CPU tier; also runs on a CUDA device).
 
 Requests arrive through ``await engine.generate(...)`` from any number of agent tasks. One loop
-task owns all scheduling state: it admits waiting requests into free KV-cache slots (first come,
-first served, spread over data-parallel replicas), feeds each active request its prompt once and
-then one token per step, and resolves a request's future when it samples EOS or reaches its
-token budget. Every step runs the same model object the trainer updates, so each token records
-the policy version that produced it.
+task owns all scheduling state: it admits waiting requests into free KV-cache slots (spread over
+data-parallel replicas), feeds each active request its prompt once and then one token per step,
+and resolves a request's future when it samples EOS or reaches its token budget. Every step runs
+the same model object the trainer updates, so each token records the policy version that
+produced it.
+
+Deterministic schedule. Requests that carry a ``RolloutKey`` are scheduled by key, not by arrival
+time, which makes the sequence of engine steps (and so which policy version generates each token)
+independent of network or task timing:
+
+* ``expect_group(batch, index, n)`` announces that group (batch, index) is about to send ``n``
+  keyed requests. While any announced request has not arrived, the engine does not step (the
+  barrier); ``group_done`` withdraws what a group will no longer send.
+* Waiting requests are admitted in key order (batch, index, sample); unkeyed requests after them,
+  first come first served.
+* ``await_batch(b)`` sets the window target: keyed requests are stepped only while batch ``b``
+  still has an announced, waiting or active request. Unkeyed requests always step.
+
+A barrier that waits longer than ``barrier_timeout_s`` is lifted with a warning (an agent that
+announced requests it never sent): the run goes on, without the determinism guarantee.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
-from collections import deque
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -20,10 +37,14 @@ from megatron.rl.inference.model_runner import RowResult, RowWork
 from megatron.rl.inference.step_group import StepGroup, StepPlan
 from megatron.rl.wire import SamplingParams
 
+logger = logging.getLogger(__name__)
+
+Key = tuple[int, int, int]  # (batch_id, index_in_batch, sample_index)
+
 
 @dataclass(frozen=True)
 class LocalEngineConfig:
-    """Capacity of the local engine."""
+    """Capacity and scheduling limits of the local engine."""
 
     max_requests: int = 64
     """KV-cache slots per data-parallel replica: the most requests decoded at once on each."""
@@ -31,6 +52,8 @@ class LocalEngineConfig:
     """Longest prompt + generation a request may reach (the KV cache length)."""
     eos_id: int = 1
     """Token that ends a generation."""
+    barrier_timeout_s: float = 60.0
+    """Longest wait for announced requests before stepping without them."""
 
 
 @dataclass(frozen=True)
@@ -56,10 +79,11 @@ class InvalidInferenceRequest(ValueError):
 
 @dataclass
 class _Request:
-    uid: int
+    order: tuple
     prompt: list[int]
     sampling: SamplingParams
     seed: int
+    key: Key | None
     future: asyncio.Future
     replica: int = -1
     slot: int = -1
@@ -67,14 +91,16 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
 
+    def __lt__(self, other: "_Request") -> bool:
+        return self.order < other.order
+
     def next_row(self) -> RowWork:
         """The tokens this request feeds in the coming step."""
         first = not self.tokens
-        feed = self.prompt if first else self.tokens[-1:]
         s = self.sampling
         return RowWork(
             slot=self.slot,
-            tokens=tuple(feed),
+            tokens=tuple(self.prompt if first else self.tokens[-1:]),
             start=0 if first else len(self.prompt) + len(self.tokens) - 1,
             temperature=s.temperature,
             top_p=s.top_p,
@@ -87,24 +113,24 @@ class LocalInferenceEngine:
     """Continuous batching over a ``StepGroup``; suspended outside generation windows.
 
     The loop task (``start``/``aclose``) consumes queued requests and produces tokens. It waits
-    while suspended (``suspend``/``resume``, driven by whoever owns the training loop) or while
-    no request is queued (``generate`` wakes it). If a step raises, the loop fails every pending
-    request with ``EngineError`` and later ``generate`` calls raise at once.
+    while suspended (``suspend``/``resume``, driven by the owner of the training loop), while no
+    request can step (``generate``, ``group_done`` and ``await_batch`` wake it), or at the
+    barrier. If a step raises, the loop fails every pending request with ``EngineError`` and later
+    ``generate`` calls raise at once.
     """
 
     def __init__(
-        self,
-        steps: StepGroup,
-        config: LocalEngineConfig,
-        policy_version: Callable[[], int],
+        self, steps: StepGroup, config: LocalEngineConfig, policy_version: Callable[[], int]
     ) -> None:
         self.steps = steps
         self.config = config
         self.policy_version = policy_version
-        self._waiting: deque[_Request] = deque()
+        self._waiting: list[_Request] = []  # heap by order
         self._active: dict[tuple[int, int], _Request] = {}
         self._free = [list(range(config.max_requests)) for _ in range(steps.num_replicas)]
-        self._uids = itertools.count()
+        self._arrivals = itertools.count()
+        self._expected: dict[tuple[int, int], int] = {}
+        self._awaited_batch: int | None = None
         self._resumed = asyncio.Event()
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -112,10 +138,14 @@ class LocalInferenceEngine:
         self.generated_tokens = 0
         """Tokens sampled since start (a counter for throughput metrics)."""
 
-    # ----------------------------------------------------------------- public API
+    # ----------------------------------------------------------------- requests
 
     async def generate(
-        self, prompt_tokens: list[int], sampling: SamplingParams, seed: int
+        self,
+        prompt_tokens: list[int],
+        sampling: SamplingParams,
+        seed: int,
+        key: Key | None = None,
     ) -> GenerationOutput:
         """Generate a completion of ``prompt_tokens``; resolves when it stops."""
         if self._error is not None:
@@ -128,12 +158,35 @@ class LocalInferenceEngine:
                 f"prompt of {len(prompt_tokens)} tokens plus max_tokens={sampling.max_tokens} "
                 f"does not fit the engine's max_seq_len={self.config.max_seq_len}"
             )
+        arrival = next(self._arrivals)
+        order = (0, *key, arrival) if key is not None else (1, arrival)
         future = asyncio.get_running_loop().create_future()
-        self._waiting.append(
-            _Request(next(self._uids), list(prompt_tokens), sampling, seed, future)
+        heapq.heappush(
+            self._waiting, _Request(order, list(prompt_tokens), sampling, seed, key, future)
         )
+        if key is not None:
+            self._arrived(key[:2])
         self._wakeup.set()
         return await future
+
+    # ----------------------------------------------------------------- schedule hints
+
+    def expect_group(self, batch_id: int, index_in_batch: int, num_requests: int) -> None:
+        """Group (batch, index) is about to send ``num_requests`` keyed requests."""
+        if num_requests > 0:
+            self._expected[(batch_id, index_in_batch)] = num_requests
+
+    def group_done(self, batch_id: int, index_in_batch: int) -> None:
+        """Group (batch, index) will send nothing more that it announced."""
+        if self._expected.pop((batch_id, index_in_batch), None) is not None:
+            self._wakeup.set()
+
+    def await_batch(self, batch_id: int) -> None:
+        """The trainer now waits for ``batch_id``: keyed work steps only while it is unfinished."""
+        self._awaited_batch = batch_id
+        self._wakeup.set()
+
+    # ----------------------------------------------------------------- lifecycle
 
     def start(self) -> None:
         """Start the loop task (suspended until ``resume``)."""
@@ -170,15 +223,30 @@ class LocalInferenceEngine:
 
     async def _loop(self) -> None:
         try:
+            barrier_since: float | None = None
             while True:
                 await self._resumed.wait()
                 self._release_cancelled()
+                if self._expected:
+                    barrier_since = barrier_since or time.monotonic()
+                    waited = time.monotonic() - barrier_since
+                    if waited < self.config.barrier_timeout_s:
+                        await self._sleep_until_woken(self.config.barrier_timeout_s - waited)
+                        continue
+                    logger.warning(
+                        "inference engine: announced requests of groups %s did not arrive within "
+                        "%.0f s; stepping without them (the schedule is no longer deterministic)",
+                        sorted(self._expected),
+                        self.config.barrier_timeout_s,
+                    )
+                    self._expected.clear()
+                barrier_since = None
                 self._admit()
-                if not self._active:
-                    self._wakeup.clear()
-                    await self._wakeup.wait()
+                rows = self._plan()
+                if not any(rows):
+                    await self._sleep_until_woken()
                     continue
-                self._step()
+                self._step(rows)
                 await asyncio.sleep(0)  # let agents queue new requests between steps
         except asyncio.CancelledError:
             raise
@@ -189,10 +257,31 @@ class LocalInferenceEngine:
             self._fail_pending(error)
             raise
 
-    def _step(self) -> None:
+    async def _sleep_until_woken(self, timeout: float | None = None) -> None:
+        self._wakeup.clear()
+        try:
+            await asyncio.wait_for(self._wakeup.wait(), timeout)
+        except TimeoutError:
+            pass
+
+    def _keyed_work_allowed(self) -> bool:
+        b = self._awaited_batch
+        if b is None:
+            return True
+        return any(k[0] == b for k in self._expected) or any(
+            r.key is not None and r.key[0] == b
+            for r in itertools.chain(self._waiting, self._active.values())
+        )
+
+    def _plan(self) -> list[list[RowWork]]:
+        keyed = self._keyed_work_allowed()
         rows: list[list[RowWork]] = [[] for _ in range(self.steps.num_replicas)]
-        for (replica, _), req in self._active.items():
-            rows[replica].append(req.next_row())
+        for (replica, _), req in sorted(self._active.items(), key=lambda kv: kv[1].order):
+            if keyed or req.key is None:
+                rows[replica].append(req.next_row())
+        return rows
+
+    def _step(self, rows: list[list[RowWork]]) -> None:
         results = self.steps.step(StepPlan(tuple(tuple(r) for r in rows)))
         version = self.policy_version()
         for replica, replica_results in enumerate(results):
@@ -214,12 +303,20 @@ class LocalInferenceEngine:
         if not req.future.done():
             req.future.set_result(GenerationOutput(req.tokens, req.logprobs, req.versions, reason))
 
+    def _arrived(self, group: tuple[int, int]) -> None:
+        left = self._expected.get(group)
+        if left is not None:
+            if left <= 1:
+                del self._expected[group]
+            else:
+                self._expected[group] = left - 1
+
     def _admit(self) -> None:
         while self._waiting:
             replica = max(range(len(self._free)), key=lambda r: (len(self._free[r]), -r))
             if not self._free[replica]:
                 return
-            req = self._waiting.popleft()
+            req = heapq.heappop(self._waiting)
             if req.future.done():  # cancelled while waiting
                 continue
             req.replica, req.slot = replica, self._free[replica].pop(0)

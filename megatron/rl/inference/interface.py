@@ -42,7 +42,13 @@ class LocalInferenceInterface(InferenceInterface):
                 prompt = self.tokenizer.encode(request.prompt)
             except ValueError as exc:
                 raise InvalidInferenceRequest(f"prompt: {exc}") from None
-        out = await self.engine.generate(prompt, request.sampling, request.seed)
+        key = request.rollout_key
+        out = await self.engine.generate(
+            prompt,
+            request.sampling,
+            request.seed,
+            None if key is None else (key.batch_id, key.index_in_batch, key.sample_index),
+        )
         return InferenceResponse(
             prompt_tokens=prompt,
             tokens=out.tokens,

@@ -20,6 +20,7 @@ import asyncio
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from megatron.rl.agent.api import Agent
 from megatron.rl.inference.interface import InferenceInterface
@@ -46,6 +47,19 @@ class RolloutConfig:
             raise ValueError(f"forced_lag must be >= 0, got {self.forced_lag}")
         if self.groups_per_batch < 1 or self.group_size < 1:
             raise ValueError("groups_per_batch and group_size must be >= 1")
+
+
+class BatchScheduler(Protocol):
+    """Schedule hints the generator gives the inference engine (see ``LocalInferenceEngine``)."""
+
+    def expect_group(self, batch_id: int, index_in_batch: int, num_requests: int) -> None:
+        """A group is about to send ``num_requests`` keyed requests."""
+
+    def group_done(self, batch_id: int, index_in_batch: int) -> None:
+        """A group has finished; withdraw whatever it announced and did not send."""
+
+    def await_batch(self, batch_id: int) -> None:
+        """The trainer now waits for ``batch_id``."""
 
 
 @dataclass(frozen=True)
@@ -131,11 +145,13 @@ class GroupedRolloutGenerator:
         config: RolloutConfig,
         policy_version: Callable[[], int],
         first_batch_id: int = 0,
+        scheduler: BatchScheduler | None = None,
     ) -> None:
         self.agent = agent
         self.inference = inference
         self.config = config
         self.policy_version = policy_version
+        self.scheduler = scheduler
         self._gate = asyncio.Semaphore(config.forced_lag + 1)
         self._reassembly = OrderedReassembly(config.groups_per_batch)
         self._next_batch_id = first_batch_id
@@ -160,6 +176,8 @@ class GroupedRolloutGenerator:
             raise RuntimeError("call start() before next_batch()")
         if self._next_batch_id > self._first_batch_id:
             self._gate.release()
+        if self.scheduler is not None:
+            self.scheduler.await_batch(self._next_batch_id)
         groups = await self._reassembly.pop(self._next_batch_id)
         batch = RolloutBatch(self._next_batch_id, groups, self.in_flight, self._reassembly.depth)
         self._next_batch_id += 1
@@ -187,11 +205,18 @@ class GroupedRolloutGenerator:
                     submission_policy_version=version,
                     sampling=self.config.sampling,
                 )
+                expected = self.agent.expected_requests(request)
+                if self.scheduler is not None and expected:
+                    self.scheduler.expect_group(batch_id, index, expected)
                 self._spawn(self._run_group(request), f"rollout-group-{batch_id}-{index}")
             self._submitted = batch_id + 1
 
     async def _run_group(self, request: GroupedRolloutRequest) -> None:
-        group = await self.agent.group_rollout(request, self.inference)
+        try:
+            group = await self.agent.group_rollout(request, self.inference)
+        finally:
+            if self.scheduler is not None:
+                self.scheduler.group_done(request.batch_id, request.index_in_batch)
         if (group.batch_id, group.index_in_batch) != (request.batch_id, request.index_in_batch):
             raise ValueError(
                 f"agent {self.agent.env_id!r} answered request "
