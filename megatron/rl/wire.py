@@ -13,9 +13,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class WireModel(BaseModel):
-    """Base for wire types: unknown fields are rejected so typos surface as 4xx, not silence."""
+    """Base for wire types: unknown fields and non-finite floats are rejected (a 4xx, not a
+    silent ``null`` after a JSON round trip)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class SamplingParams(WireModel):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from megatron.rl.agent.env_config import load_env_config
+from megatron.rl.agent.env_config import EnvConfigError, load_env_config
 from megatron.rl.grpo.batch import build_train_batch
 from megatron.rl.grpo.loss import GRPOLossConfig
 from megatron.rl.inference.engine import LocalEngineConfig
@@ -44,7 +44,10 @@ def rollout_config(args: argparse.Namespace) -> RolloutConfig:
 
 def train(args: argparse.Namespace) -> None:
     """Run GRPO for ``--train-iters`` steps (resuming from ``--load`` if given)."""
-    agent = load_env_config(args.env_config)  # fail on a bad env config before building anything
+    try:  # fail on a bad env config before building anything
+        agent = load_env_config(args.env_config)
+    except EnvConfigError as err:
+        raise SystemExit(f"pretrain_grpo.py: error: --env-config: {err}") from None
     ctx = initialize_distributed(args)
     try:
         tokenizer = CharTokenizer()

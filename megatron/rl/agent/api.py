@@ -138,12 +138,14 @@ class SingleTurnEnvironment(Agent):
         path = (request.batch_id, request.index_in_batch)
         try:
             problem = self.make_problem(random.Random(derive_seed(request.seed, *path)))
+            sampling = request.sampling
+            if problem.max_tokens is not None:  # validated: an env cannot send a bad budget
+                sampling = SamplingParams.model_validate(
+                    {**sampling.model_dump(), "max_tokens": problem.max_tokens}
+                )
         except Exception as exc:  # the environment's own code failed: mask the whole group
             rollouts = [placeholder_rollout(self.env_id, request, exc)] * request.group_size
             return RolloutGroup(batch_id=path[0], index_in_batch=path[1], rollouts=rollouts)
-        sampling = request.sampling
-        if problem.max_tokens is not None:
-            sampling = sampling.model_copy(update={"max_tokens": problem.max_tokens})
         responses = await gather_all(
             *(
                 _generate_or_invalid(

@@ -48,7 +48,7 @@ class EnvEntry(BaseModel):
 
     agent_type: str = Field(min_length=1)
     agent_args: dict[str, Any] = Field(default_factory=dict)
-    weight: float = Field(1.0, gt=0.0)
+    weight: float = Field(1.0, gt=0.0, allow_inf_nan=False)
     env_id: str | None = None
 
 
@@ -115,5 +115,5 @@ def _describe(err: ValidationError, prefix: str = "") -> str:
     parts = []
     for e in err.errors():
         loc = ".".join(str(x) for x in (prefix, *e["loc"]) if x != "")
-        parts.append(f"field '{loc}': {e['msg']}")
+        parts.append(f"field '{loc}': {e['msg']}" if loc else f"the entry: {e['msg']}")
     return "; ".join(parts)

@@ -38,6 +38,8 @@ class MixtureAgent(Agent):
     def __init__(self, agents: list[Agent], weights: list[float]) -> None:
         if not agents or len(agents) != len(weights):
             raise ValueError("MixtureAgent needs one positive weight per agent")
+        if not all(math.isfinite(w) and w > 0 for w in weights):
+            raise ValueError(f"MixtureAgent weights must be positive and finite, got {weights}")
         super().__init__(env_id="mixture")
         self.agents = agents
         self.weights = tuple(float(w) for w in weights)

@@ -24,6 +24,7 @@ def group_advantages(
     if valid is None:
         valid = torch.ones_like(rewards, dtype=torch.bool)
     w = valid.double()  # (G, K)
+    rewards = torch.where(valid, rewards, torch.zeros_like(rewards))  # drop NaN/inf of invalid
     count = w.sum(dim=1, keepdim=True)  # (G, 1)
     mean = (rewards * w).sum(dim=1, keepdim=True) / count.clamp(min=1)  # (G, 1)
     centered = (rewards - mean) * w  # (G, K)

@@ -80,10 +80,12 @@ def build_train_batch(groups: list[RolloutGroup], pad_id: int) -> TrainBatch:
     old_logprobs = torch.zeros(rows, width)
     lengths = torch.zeros(rows, dtype=torch.long)
     for b, r in enumerate(rollouts):
-        if r.is_placeholder or len(r.tokens) < 2:
+        if r.is_placeholder:
             continue
-        if r.generation_mask[0]:
+        if r.generation_mask and r.generation_mask[0]:
             raise ValueError(f"rollout {r.env_id}/{r.problem_id} starts with a generated token")
+        if len(r.tokens) < 2:
+            continue
         n = len(r.tokens) - 1
         tokens = torch.tensor(r.tokens)
         input_ids[b, :n] = tokens[:-1]

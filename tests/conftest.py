@@ -1,0 +1,18 @@
+"""Fixtures shared by unit and functional tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+from grpo_testing.distributed import init_single_rank_world
+from megatron.core import parallel_state
+
+
+@pytest.fixture
+def single_rank_world():
+    """A gloo world of one rank; megatron-core's parallel state is torn down afterwards."""
+    init_single_rank_world()
+    yield
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()

@@ -1,0 +1,66 @@
+"""Run a function on N gloo ranks in fresh processes and collect each rank's return value."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn: Callable, world_size: int, port: int, out: str, args: tuple) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        torch.save(fn(rank, world_size, *args), Path(out) / f"rank{rank}.pt")
+    finally:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def run_on_ranks(fn: Callable, world_size: int, *args: Any) -> list[Any]:
+    """``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; returns their results.
+
+    ``fn`` must be a module-level function (it is pickled into spawned processes).
+    """
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(
+            _entry,
+            args=(fn, world_size, free_port(), out, args),
+            nprocs=world_size,
+            join=True,
+            start_method="spawn",
+        )
+        return [
+            torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world_size)
+        ]
+
+
+def init_single_rank_world() -> None:
+    """A gloo world of one process (for tests that need megatron-core's parallel state)."""
+    if not dist.is_initialized():
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)

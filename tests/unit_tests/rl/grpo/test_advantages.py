@@ -1,0 +1,89 @@
+"""Hand-computed values of ``group_advantages`` (GRPO group normalization, sample std)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron.rl.grpo.advantages import group_advantages
+
+S3 = math.sqrt(3) / 2  # (1 - 0.5) / sqrt(1/3): z-score of a 0/1 reward in a half-right group of 4
+
+
+@pytest.mark.parametrize(
+    "rewards, valid, expected",
+    [
+        pytest.param([[1, 0, 0, 1]], None, [[S3, -S3, -S3, S3]], id="half-right-group-of-4"),
+        pytest.param([[3, 1]], None, [[1 / math.sqrt(2), -1 / math.sqrt(2)]], id="pair-3-1"),
+        # mean 2, sample var (1 + 0 + 1) / 2 = 1
+        pytest.param([[1, 2, 3]], None, [[-1.0, 0.0, 1.0]], id="1-2-3-unit-std"),
+        pytest.param([[0.7, 0.7, 0.7]], None, [[0.0, 0.0, 0.0]], id="constant-group-is-zero"),
+        pytest.param(
+            [[1, 0, 5, 1]],
+            [[True, True, False, False]],
+            [[1 / math.sqrt(2), -1 / math.sqrt(2), 0.0, 0.0]],
+            id="placeholders-excluded-and-zero",
+        ),
+        pytest.param(
+            [[1, 0, 0]], [[True, False, False]], [[0.0, 0.0, 0.0]], id="single-valid-is-zero"
+        ),
+        pytest.param([[2, 4, 6]], [[False] * 3], [[0.0, 0.0, 0.0]], id="no-valid-is-zero"),
+        pytest.param(
+            [[1, 0, 0, 1], [1, 2, 3, 2], [5, 5, 5, 5]],
+            None,
+            [
+                [S3, -S3, -S3, S3],
+                # mean 2, sample var (1 + 0 + 1 + 0) / 3 = 2/3
+                [-math.sqrt(1.5), 0.0, math.sqrt(1.5), 0.0],
+                [0.0, 0.0, 0.0, 0.0],
+            ],
+            id="groups-are-independent",
+        ),
+    ],
+)
+def test_group_advantages_hand_computed(rewards, valid, expected):
+    valid_t = None if valid is None else torch.tensor(valid)
+    adv = group_advantages(torch.tensor(rewards, dtype=torch.float32), valid_t)
+    assert adv.dtype == torch.float32
+    assert adv.shape == torch.Size([len(rewards), len(rewards[0])])
+    torch.testing.assert_close(adv, torch.tensor(expected), atol=1e-5, rtol=1e-5)
+
+
+def test_placeholder_reward_value_does_not_change_other_advantages():
+    valid = torch.tensor([[True, True, True, False]])
+    a = group_advantages(torch.tensor([[1.0, 0.0, 0.5, 0.0]]), valid)
+    b = group_advantages(torch.tensor([[1.0, 0.0, 0.5, 123.0]]), valid)
+    torch.testing.assert_close(a, b)
+    assert a[0, 3] == 0
+
+
+def test_group_statistics_do_not_leak_across_groups():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [9.0, -3.0, 4.0, 0.5]])
+    alone = group_advantages(rewards[:1])
+    together = group_advantages(rewards)
+    torch.testing.assert_close(together[:1], alone)
+
+
+def test_advantages_are_zero_mean_and_unit_sample_std_per_group():
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.rand(5, 8, generator=g)
+    adv = group_advantages(rewards).double()
+    torch.testing.assert_close(
+        adv.mean(dim=1), torch.zeros(5, dtype=torch.float64), atol=1e-6, rtol=0
+    )
+    torch.testing.assert_close(
+        adv.std(dim=1), torch.ones(5, dtype=torch.float64), atol=1e-4, rtol=0
+    )
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_non_finite_reward_of_invalid_rollout_is_left_out(bad):
+    """Placeholders are "left out of the group statistics", whatever their reward value."""
+    valid = torch.tensor([[True, True, False, True]])
+    adv = group_advantages(torch.tensor([[1.0, 0.0, bad, 1.0]]), valid)
+    # valid rewards 1, 0, 1: mean 2/3, sample std sqrt(1/3)
+    s = math.sqrt(1 / 3)
+    expected = torch.tensor([[(1 / 3) / s, (-2 / 3) / s, 0.0, (1 / 3) / s]])
+    torch.testing.assert_close(adv, expected, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,327 @@
+"""Scheduling behaviour of ``LocalInferenceEngine`` over a fake step executor.
+
+The fake executor "samples" token = 2 + (seed + position) % 7, or EOS at a position chosen per
+seed, so every expectation below can be computed by hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from megatron.rl.inference.engine import (
+    EngineError,
+    InvalidInferenceRequest,
+    LocalEngineConfig,
+    LocalInferenceEngine,
+)
+from megatron.rl.inference.model_runner import RowResult
+from megatron.rl.wire import SamplingParams
+
+EOS = 1
+
+
+class FakeSteps:
+    """Records every plan; answers each row deterministically from its slot's seed."""
+
+    def __init__(self, num_replicas: int = 1, eos_at: dict[int, int] | None = None) -> None:
+        self.num_replicas = num_replicas
+        self.eos_at = eos_at or {}
+        self.plans = []
+        self.seed_of: dict[tuple[int, int], int] = {}
+        self.fail_on_step: int | None = None
+
+    def step(self, plan):
+        self.plans.append(plan)
+        if self.fail_on_step is not None and len(self.plans) > self.fail_on_step:
+            raise RuntimeError("boom in forward")
+        results = []
+        for replica, rows in enumerate(plan.rows):
+            out = []
+            for row in rows:
+                if row.seed is not None:
+                    self.seed_of[(replica, row.slot)] = row.seed
+                seed = self.seed_of[(replica, row.slot)]
+                position = row.start + len(row.tokens)  # position of the sampled token
+                token = EOS if self.eos_at.get(seed) == position else 2 + (seed + position) % 7
+                out.append(RowResult(slot=row.slot, token=token, logprob=-0.1 * position))
+            results.append(out)
+        return results
+
+
+def sampling(max_tokens: int = 4) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens)
+
+
+async def running(engine: LocalInferenceEngine):
+    engine.start()
+    engine.resume()
+    return engine
+
+
+def make_engine(steps=None, max_requests=4, version=lambda: 0, **kw) -> LocalInferenceEngine:
+    steps = steps or FakeSteps()
+    return LocalInferenceEngine(
+        steps, LocalEngineConfig(max_requests=max_requests, max_seq_len=32, **kw), version
+    )
+
+
+def test_generates_until_max_tokens_or_eos():
+    steps = FakeSteps(eos_at={5: 4})
+
+    async def run():
+        engine = await running(make_engine(steps))
+        try:
+            return await asyncio.gather(
+                engine.generate([2, 3], sampling(4), seed=5),  # EOS sampled at position 4
+                engine.generate([2, 3], sampling(4), seed=6),
+            )
+        finally:
+            await engine.aclose()
+
+    stopped, full = asyncio.run(run())
+    assert stopped.tokens == [2 + (5 + 2) % 7, 2 + (5 + 3) % 7, EOS]
+    assert stopped.finish_reason == "stop"
+    assert full.tokens == [2 + (6 + p) % 7 for p in (2, 3, 4, 5)]
+    assert full.finish_reason == "length"
+    assert full.logprobs == pytest.approx([-0.2, -0.3, -0.4, -0.5])
+
+
+def test_prompt_is_fed_once_then_one_token_per_step_with_seed_only_first():
+    steps = FakeSteps()
+
+    async def run():
+        engine = await running(make_engine(steps))
+        try:
+            await engine.generate([2, 3, 4], sampling(3), seed=9)
+        finally:
+            await engine.aclose()
+
+    asyncio.run(run())
+    rows = [plan.rows[0][0] for plan in steps.plans]
+    assert [r.tokens for r in rows] == [(2, 3, 4), (2 + (9 + 3) % 7,), (2 + (9 + 4) % 7,)]
+    assert [r.start for r in rows] == [0, 3, 4]
+    assert [r.seed for r in rows] == [9, None, None]
+
+
+def test_continuous_batching_admits_new_requests_as_slots_free():
+    steps = FakeSteps()
+
+    async def run():
+        engine = await running(make_engine(steps, max_requests=2))
+        try:
+            return await asyncio.gather(
+                *(engine.generate([2], sampling(n), seed=s) for s, n in enumerate([1, 3, 2, 2, 1]))
+            )
+        finally:
+            await engine.aclose()
+
+    outs = asyncio.run(run())
+    assert [len(o.tokens) for o in outs] == [1, 3, 2, 2, 1]
+    widths = [len(plan.rows[0]) for plan in steps.plans]
+    assert max(widths) == 2
+    # Request 2 joins (prefill, seed set) in the step after request 0 finished, next to request
+    # 1 which is decoding: prefill and decode rows share a step.
+    second = steps.plans[1].rows[0]
+    assert sorted(r.seed is not None for r in second) == [False, True]
+    assert sum(widths) == 1 + 3 + 2 + 2 + 1  # one row per generated token, no idle slots
+
+
+def test_nothing_steps_while_suspended():
+    steps = FakeSteps()
+
+    async def run():
+        engine = make_engine(steps)
+        engine.start()  # suspended
+        task = asyncio.ensure_future(engine.generate([2], sampling(2), seed=1))
+        await asyncio.sleep(0.05)
+        assert steps.plans == [] and not task.done()
+        engine.resume()
+        out = await asyncio.wait_for(task, 1)
+        engine.suspend()
+        again = asyncio.ensure_future(engine.generate([2], sampling(2), seed=2))
+        await asyncio.sleep(0.05)
+        assert len(steps.plans) == 2 and not again.done()
+        engine.resume()
+        await asyncio.wait_for(again, 1)
+        await engine.aclose()
+        return out
+
+    assert len(asyncio.run(run()).tokens) == 2
+
+
+def test_keyed_requests_are_admitted_in_key_order_not_arrival_order():
+    steps = FakeSteps()
+
+    async def run():
+        engine = make_engine(steps, max_requests=1)
+        engine.start()
+        keys = [(1, 0, 0), (0, 1, 1), (0, 1, 0), (0, 0, 2)]
+        tasks = [
+            asyncio.ensure_future(engine.generate([2], sampling(1), seed=10 + i, key=k))
+            for i, k in enumerate(keys)
+        ]
+        await asyncio.sleep(0)  # all queued before the engine may step
+        engine.resume()
+        await asyncio.gather(*tasks)
+        await engine.aclose()
+
+    asyncio.run(run())
+    seeds = [plan.rows[0][0].seed for plan in steps.plans]
+    assert seeds == [13, 12, 11, 10]  # keys (0,0,2) < (0,1,0) < (0,1,1) < (1,0,0)
+
+
+def test_barrier_waits_for_announced_requests():
+    steps = FakeSteps()
+
+    async def run():
+        engine = await running(make_engine(steps))
+        engine.expect_group(0, 0, 2)
+        first = asyncio.ensure_future(engine.generate([2], sampling(1), seed=1, key=(0, 0, 0)))
+        await asyncio.sleep(0.05)
+        assert steps.plans == []  # one of two announced requests is missing
+        second = asyncio.ensure_future(engine.generate([2], sampling(1), seed=2, key=(0, 0, 1)))
+        await asyncio.wait_for(asyncio.gather(first, second), 1)
+        # group_done withdraws what was announced and never sent
+        engine.expect_group(0, 1, 3)
+        third = asyncio.ensure_future(engine.generate([2], sampling(1), seed=3, key=(0, 1, 0)))
+        await asyncio.sleep(0.05)
+        assert not third.done()
+        engine.group_done(0, 1)
+        await asyncio.wait_for(third, 1)
+        await engine.aclose()
+
+    asyncio.run(run())
+    assert [len(p.rows[0]) for p in steps.plans] == [2, 1]
+
+
+def test_barrier_times_out_with_a_warning_instead_of_hanging(caplog):
+    async def run():
+        engine = await running(make_engine(barrier_timeout_s=0.1))
+        engine.expect_group(0, 0, 5)
+        out = await asyncio.wait_for(
+            engine.generate([2], sampling(1), seed=1, key=(0, 0, 0)), timeout=2
+        )
+        await engine.aclose()
+        return out
+
+    with caplog.at_level(logging.WARNING):
+        assert len(asyncio.run(run()).tokens) == 1
+    assert "did not arrive" in caplog.text and "(0, 0)" in caplog.text
+
+
+def test_window_target_stops_keyed_work_of_later_batches_but_not_unkeyed():
+    steps = FakeSteps()
+
+    async def run():
+        engine = await running(make_engine(steps))
+        engine.await_batch(0)
+        later = asyncio.ensure_future(engine.generate([2], sampling(2), seed=1, key=(1, 0, 0)))
+        await asyncio.sleep(0.05)
+        assert steps.plans == []  # batch 0 has no work: batch 1 must not advance
+        unkeyed = await asyncio.wait_for(engine.generate([2], sampling(2), seed=2), 1)
+        assert not later.done()
+        # Work of batch 0 arrives: keyed rows of batch 1 step alongside it until it finishes.
+        await engine.generate([2], sampling(1), seed=3, key=(0, 0, 0))
+        assert not later.done()
+        engine.await_batch(1)
+        await asyncio.wait_for(later, 1)
+        await engine.aclose()
+        return unkeyed
+
+    assert len(asyncio.run(run()).tokens) == 2
+    assert [sorted(r.seed or 0 for r in p.rows[0]) for p in steps.plans[:2]] == [[2], [0]]
+
+
+def test_step_failure_fails_pending_and_later_requests():
+    steps = FakeSteps()
+    steps.fail_on_step = 1
+
+    async def run():
+        engine = await running(make_engine(steps))
+        results = await asyncio.gather(
+            engine.generate([2], sampling(4), seed=1),
+            engine.generate([2], sampling(4), seed=2),
+            return_exceptions=True,
+        )
+        with pytest.raises(EngineError):
+            await engine.generate([2], sampling(1), seed=3)
+        await engine.aclose()
+        return results
+
+    results = asyncio.run(run())
+    assert all(isinstance(r, EngineError) for r in results)
+    assert isinstance(results[0].__cause__, RuntimeError)
+    assert "boom in forward" in str(results[0])
+
+
+def test_cancelled_requests_free_their_slot():
+    steps = FakeSteps()
+
+    async def run():
+        engine = make_engine(steps, max_requests=1)
+        engine.start()
+        hog = asyncio.ensure_future(engine.generate([2], sampling(20), seed=1))
+        engine.resume()
+        while not steps.plans:
+            await asyncio.sleep(0)
+        hog.cancel()
+        out = await asyncio.wait_for(engine.generate([2], sampling(2), seed=2), 1)
+        await engine.aclose()
+        return out
+
+    assert len(asyncio.run(run()).tokens) == 2
+
+
+@pytest.mark.parametrize(
+    "prompt, max_tokens",
+    [pytest.param([2] * 30, 3, id="too-long"), pytest.param([], 1, id="empty-prompt")],
+)
+def test_requests_that_cannot_fit_are_invalid(prompt, max_tokens):
+    async def run():
+        engine = await running(make_engine())
+        try:
+            await engine.generate(prompt, sampling(max_tokens), seed=1)
+        finally:
+            await engine.aclose()
+
+    with pytest.raises(InvalidInferenceRequest, match="max_seq_len=32"):
+        asyncio.run(run())
+
+
+def test_requests_spread_over_data_parallel_replicas():
+    steps = FakeSteps(num_replicas=2)
+
+    async def run():
+        engine = await running(make_engine(steps, max_requests=2))
+        outs = await asyncio.gather(*(engine.generate([2], sampling(3), seed=s) for s in range(4)))
+        await engine.aclose()
+        return outs
+
+    outs = asyncio.run(run())
+    assert [o.tokens for o in outs] == [[2 + (s + p) % 7 for p in (1, 2, 3)] for s in range(4)]
+    first = steps.plans[0]
+    assert [len(r) for r in first.rows] == [2, 2]
+
+
+def test_each_token_records_the_policy_version_of_its_step():
+    version = [0]
+    steps = FakeSteps()
+    original = steps.step
+
+    def step_and_update(plan):
+        out = original(plan)
+        version[0] += 1  # the "trainer" updates between engine steps
+        return out
+
+    steps.step = step_and_update
+
+    async def run():
+        engine = await running(make_engine(steps, version=lambda: version[0] - 1))
+        out = await engine.generate([2], sampling(3), seed=1)
+        await engine.aclose()
+        return out
+
+    assert asyncio.run(run()).policy_versions == [0, 1, 2]

@@ -1,0 +1,302 @@
+"""The forced-lag contract of ``GroupedRolloutGenerator`` (DESIGN.md, points 1-5).
+
+The fake agent finishes groups after random delays, so later groups and later batches often
+finish first; the trainer side is simulated by a loop that bumps the policy version after each
+consumed batch, exactly as the training loop does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import traceback
+
+import pytest
+
+from megatron.rl.agent.api import Agent
+from megatron.rl.rollout.generator import GroupedRolloutGenerator, RolloutConfig
+from megatron.rl.wire import GroupedRolloutRequest, RolloutGroup, TokenRollout
+
+GROUPS, GROUP_SIZE = 4, 3
+
+
+def make_group(request: GroupedRolloutRequest, salt: int = 0) -> RolloutGroup:
+    """A group whose content is a deterministic function of the request."""
+    rollouts = [
+        TokenRollout(
+            env_id="fake",
+            problem_id=f"{request.batch_id}/{request.index_in_batch}",
+            prompt="p",
+            completion="c",
+            reward=float((request.batch_id * 7 + request.index_in_batch * 3 + k + salt) % 5),
+            tokens=[2, 3 + k],
+            generation_mask=[False, True],
+            logprobs=[-0.5],
+            policy_versions=[request.submission_policy_version],
+            submission_policy_version=request.submission_policy_version,
+        )
+        for k in range(request.group_size)
+    ]
+    return RolloutGroup(
+        batch_id=request.batch_id, index_in_batch=request.index_in_batch, rollouts=rollouts
+    )
+
+
+class RandomDelayAgent(Agent):
+    """Finishes each group after a random delay; records requests and completion order."""
+
+    def __init__(self, seed: int = 0, max_delay: float = 0.01) -> None:
+        super().__init__("fake")
+        self.rng = random.Random(seed)
+        self.max_delay = max_delay
+        self.requests: list[GroupedRolloutRequest] = []
+        self.finished: list[tuple[int, int]] = []
+        self.cancelled = 0
+
+    async def group_rollout(self, request, inference):
+        self.requests.append(request)
+        try:
+            await asyncio.sleep(self.rng.uniform(0, self.max_delay))
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        self.finished.append((request.batch_id, request.index_in_batch))
+        return make_group(request)
+
+
+def make_generator(agent: Agent, lag: int, version: list[int], **kwargs) -> GroupedRolloutGenerator:
+    config = RolloutConfig(forced_lag=lag, groups_per_batch=GROUPS, group_size=GROUP_SIZE, seed=1)
+    return GroupedRolloutGenerator(agent, None, config, lambda: version[0], **kwargs)
+
+
+async def train_loop(gen: GroupedRolloutGenerator, version: list[int], steps: int) -> list:
+    """What the trainer does: take batch s, train (bump the version), repeat."""
+    batches = []
+    gen.start()
+    try:
+        for step in range(steps):
+            batches.append(await gen.next_batch())
+            await asyncio.sleep(0.002)  # the "training step": generation keeps running
+            version[0] = step + 1
+    finally:
+        await gen.aclose()
+    return batches
+
+
+@pytest.mark.parametrize("lag", [0, 1, 2, 3])
+def test_batches_arrive_in_submission_order_whatever_order_groups_finish(lag):
+    agent = RandomDelayAgent(seed=lag)
+    version = [0]
+    batches = asyncio.run(train_loop(make_generator(agent, lag, version), version, steps=12))
+
+    assert [b.batch_id for b in batches] == list(range(12))
+    for b in batches:
+        assert [g.index_in_batch for g in b.groups] == list(range(GROUPS))
+        assert all(g.batch_id == b.batch_id for g in b.groups)
+    # The test is only meaningful if completions really were out of order.
+    assert agent.finished != sorted(agent.finished)
+    if lag > 0:
+        out_of_batch_order = any(
+            later[0] < earlier[0] for earlier, later in zip(agent.finished, agent.finished[1:])
+        )
+        assert out_of_batch_order
+
+
+@pytest.mark.parametrize("lag", [0, 1, 2, 3])
+def test_step_s_trains_only_on_rollouts_submitted_at_step_s_minus_lag(lag):
+    version = [0]
+    batches = asyncio.run(train_loop(make_generator(RandomDelayAgent(), lag, version), version, 10))
+
+    for step, batch in enumerate(batches):
+        versions = {r.submission_policy_version for g in batch.groups for r in g.rollouts}
+        assert versions == {max(0, step - lag)}, f"step {step}"
+
+
+@pytest.mark.parametrize("lag", [0, 1, 3])
+def test_gate_never_holds_more_than_lag_plus_one_batches(lag):
+    agent = RandomDelayAgent(max_delay=0.002)
+    version = [0]
+    gen = make_generator(agent, lag, version)
+    held: list[int] = []
+
+    async def slow_trainer():
+        gen.start()
+        consumed = 0
+        try:
+            for step in range(8):
+                batch = await gen.next_batch()
+                consumed += 1
+                # A slow training step: the generator has all the time it wants to run ahead.
+                for _ in range(5):
+                    await asyncio.sleep(0.004)
+                    submitted = len({r.batch_id for r in agent.requests})
+                    held.append(submitted - consumed + 1)  # +1: the batch being trained on
+                assert batch.in_flight <= lag + 1
+                version[0] = step + 1
+        finally:
+            await gen.aclose()
+
+    asyncio.run(slow_trainer())
+    assert max(held) == lag + 1
+
+
+def test_lag_zero_equals_a_synchronous_reference_exactly():
+    """L=0: each batch is submitted at the current version, as a synchronous loop would."""
+
+    class VersionedAgent(Agent):
+        async def group_rollout(self, request, inference):
+            await asyncio.sleep(random.random() * 0.003)
+            return make_group(request, salt=request.submission_policy_version * 11)
+
+    agent = VersionedAgent("v")
+    version = [0]
+    streamed = asyncio.run(train_loop(make_generator(agent, 0, version), version, steps=6))
+
+    async def synchronous_reference():
+        batches = []
+        for step in range(6):
+            groups = []
+            for index in range(GROUPS):
+                request = GroupedRolloutRequest(
+                    batch_id=step,
+                    index_in_batch=index,
+                    groups_in_batch=GROUPS,
+                    group_size=GROUP_SIZE,
+                    seed=1,
+                    submission_policy_version=step,  # the weights after `step` updates
+                )
+                groups.append(await agent.group_rollout(request, None))
+            batches.append(groups)
+        return batches
+
+    assert [b.groups for b in streamed] == asyncio.run(synchronous_reference())
+
+
+class FailingAgent(RandomDelayAgent):
+    def __init__(self, fail_at: tuple[int, int], hang_before: int | None = None) -> None:
+        super().__init__(max_delay=0.002)
+        self.fail_at = fail_at
+        self.hang_before = hang_before
+
+    async def group_rollout(self, request, inference):
+        if (request.batch_id, request.index_in_batch) == self.fail_at:
+            await asyncio.sleep(0.01)
+            raise_environment_bug()
+        if self.hang_before is not None and request.batch_id < self.hang_before:
+            await asyncio.Event().wait()  # never finishes
+        return await super().group_rollout(request, inference)
+
+
+def raise_environment_bug():
+    raise ZeroDivisionError("bug in the agent")
+
+
+def test_worker_exception_reaches_the_trainer_with_its_traceback():
+    version = [0]
+    gen = make_generator(FailingAgent(fail_at=(3, 2)), lag=2, version=version)
+
+    async def run():
+        return await asyncio.wait_for(train_loop(gen, version, steps=20), timeout=5)
+
+    with pytest.raises(ZeroDivisionError, match="bug in the agent") as info:
+        asyncio.run(run())
+    frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
+    assert "raise_environment_bug" in frames
+
+
+def test_failure_in_a_later_batch_does_not_wait_for_the_current_one():
+    """Batch 0 never completes; a failure in batch 1 must still reach the trainer at once."""
+    version = [0]
+    gen = make_generator(FailingAgent(fail_at=(1, 0), hang_before=1), lag=1, version=version)
+
+    async def run():
+        gen.start()
+        try:
+            await asyncio.wait_for(gen.next_batch(), timeout=5)
+        finally:
+            await gen.aclose()
+
+    start = time.monotonic()
+    with pytest.raises(ZeroDivisionError):
+        asyncio.run(run())
+    assert time.monotonic() - start < 2
+
+
+def test_aclose_cancels_every_task_it_started():
+    agent = RandomDelayAgent(max_delay=10.0)  # nothing finishes on its own
+    version = [0]
+    gen = make_generator(agent, lag=2, version=version)
+
+    async def run():
+        gen.start()
+        await asyncio.sleep(0.05)
+        assert len(agent.requests) == 3 * GROUPS  # batches 0..L submitted at start
+        await gen.aclose()
+        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    assert asyncio.run(run()) == []
+    assert agent.cancelled == 3 * GROUPS
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        pytest.param("batch", "answered request", id="wrong-batch-id"),
+        pytest.param("size", "returned 2 rollouts", id="wrong-group-size"),
+    ],
+)
+def test_malformed_group_from_agent_is_an_error(bad, message):
+    class BadAgent(Agent):
+        async def group_rollout(self, request, inference):
+            group = make_group(request)
+            if bad == "batch":
+                return group.model_copy(update={"batch_id": request.batch_id + 5})
+            return group.model_copy(update={"rollouts": group.rollouts[:2]})
+
+    version = [0]
+    with pytest.raises(ValueError, match=message):
+        asyncio.run(train_loop(make_generator(BadAgent("bad"), 0, version), version, steps=1))
+
+
+def test_schedule_hints_reach_the_scheduler_in_order():
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def expect_group(self, batch_id, index_in_batch, num_requests):
+            self.calls.append(("expect", batch_id, index_in_batch, num_requests))
+
+        def group_done(self, batch_id, index_in_batch):
+            self.calls.append(("done", batch_id, index_in_batch))
+
+        def await_batch(self, batch_id):
+            self.calls.append(("await", batch_id))
+
+    class AnnouncingAgent(RandomDelayAgent):
+        def expected_requests(self, request):
+            return request.group_size
+
+        async def group_rollout(self, request, inference):
+            recorder.calls.append(("run", request.batch_id, request.index_in_batch))
+            return await super().group_rollout(request, inference)
+
+    recorder = Recorder()
+    version = [0]
+    gen = make_generator(AnnouncingAgent(), lag=1, version=version, scheduler=recorder)
+    asyncio.run(train_loop(gen, version, steps=3))
+
+    calls = recorder.calls
+    for b in range(3):
+        for i in range(GROUPS):
+            expect = calls.index(("expect", b, i, GROUP_SIZE))
+            assert expect < calls.index(("run", b, i)) < calls.index(("done", b, i))
+    awaits = [c for c in calls if c[0] == "await"]
+    assert awaits == [("await", 0), ("await", 1), ("await", 2)]
+    # Batch b+1 is announced (submitted) only after the trainer asked for batch b (lag 1).
+    assert calls.index(("expect", 2, 0, GROUP_SIZE)) > calls.index(("await", 1))
+
+
+def test_invalid_lag_is_rejected():
+    with pytest.raises(ValueError, match="forced_lag"):
+        RolloutConfig(forced_lag=-1)
