@@ -79,7 +79,7 @@ class GroupedRolloutRequest(WireModel):
     batch_id: int = Field(ge=0, description="Training step whose batch this group belongs to.")
     index_in_batch: int = Field(ge=0, description="Position of the group inside its batch.")
     groups_in_batch: int = Field(ge=1, description="Number of groups in the batch.")
-    group_size: int = Field(ge=1, description="Rollouts per group.")
+    group_size: int = Field(ge=1, le=1024, description="Rollouts per group.")
     seed: int = Field(ge=0, description="Run seed; agents derive every RNG from it.")
     submission_policy_version: int = Field(ge=0, description="Policy version at submission.")
     sampling: SamplingParams = Field(default_factory=SamplingParams)
@@ -151,3 +151,186 @@ class RolloutGroup(WireModel):
     batch_id: int = Field(ge=0)
     index_in_batch: int = Field(ge=0)
     rollouts: list[TokenRollout] = Field(min_length=1)
+
+
+# --------------------------------------------------------------------------- env server
+
+HTTP_URL_PATTERN = r"^https?://[A-Za-z0-9.\-\[\]:]+(:\d{1,5})?(/[^\s]*)?$"
+
+
+class ErrorResponse(WireModel):
+    """Body of every 4xx/5xx answer of the servers: one readable sentence."""
+
+    detail: str
+
+
+class EnvironmentInfo(WireModel):
+    """One environment hosted by an env server."""
+
+    env_id: str
+    agent_type: str
+    weight: float
+
+
+class HealthResponse(WireModel):
+    """``GET /health`` of the env server."""
+
+    status: Literal["ok"] = "ok"
+    environments: list[EnvironmentInfo]
+
+
+class GroupedRolloutCall(WireModel):
+    """``POST /v1/grouped_rollouts``: run one group on the env server."""
+
+    request: GroupedRolloutRequest
+    inference_url: str = Field(
+        pattern=HTTP_URL_PATTERN,
+        max_length=2048,
+        description="Base URL of the trainer's inference server the environment generates with.",
+    )
+    env_id: str | None = Field(
+        None, max_length=256, description="Environment to use (default: the server's mixture)."
+    )
+
+
+class EvaluationRequest(WireModel):
+    """``POST /v1/evaluate``: score the current policy on fresh problems of each environment."""
+
+    inference_url: str = Field(pattern=HTTP_URL_PATTERN, max_length=2048)
+    env_id: str | None = Field(None, max_length=256, description="Default: every environment.")
+    num_problems: int = Field(16, ge=1, le=1024)
+    seed: int = Field(0, ge=0, lt=2**63)
+    sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(temperature=0.0))
+
+
+class EvaluationResult(WireModel):
+    """Scores of one environment."""
+
+    env_id: str
+    num_problems: int
+    reward_mean: float
+    reward_std: float
+    failed: int = Field(description="Problems whose rollout was a placeholder (env error).")
+
+
+class EvaluationResponse(WireModel):
+    """Answer of ``POST /v1/evaluate``."""
+
+    results: list[EvaluationResult]
+
+
+# --------------------------------------------------------------------------- inference server
+# A subset of the OpenAI completions API, plus the fields RL needs (token ids, policy versions,
+# the rollout key). Unsupported OpenAI parameters are rejected by name (422), never ignored.
+
+
+class CompletionRequest(WireModel):
+    """``POST /v1/completions`` of the trainer's inference server."""
+
+    model: str | None = Field(None, max_length=256, description="Ignored: the trainer's policy.")
+    prompt: str | list[int] = Field(description="Text, or token ids.")
+    max_tokens: int = Field(16, ge=1, le=1_000_000)
+    temperature: float = Field(1.0, ge=0.0, le=1e4)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="Extension: top-k filtering (0 = off).")
+    seed: int = Field(0, ge=0, lt=2**63)
+    logprobs: int | None = Field(
+        None, ge=0, le=1, description="Return the sampled tokens' logprobs (top-1 only)."
+    )
+    n: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Samples of the prompt; sample i is seeded "
+        "with derive_seed(seed, i) and keyed with sample_index + i.",
+    )
+    stream: Literal[False] = False
+    rollout_key: RolloutKey | None = Field(None, description="Extension: see InferenceRequest.")
+
+    def to_inference_request(self) -> InferenceRequest:
+        """The engine-level request this completion asks for."""
+        text = self.prompt if isinstance(self.prompt, str) else None
+        return InferenceRequest(
+            prompt=text,
+            prompt_tokens=None if text is not None else self.prompt,
+            sampling=SamplingParams(
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                max_tokens=self.max_tokens,
+            ),
+            seed=self.seed,
+            rollout_key=self.rollout_key,
+        )
+
+    @classmethod
+    def from_inference_request(cls, request: InferenceRequest, n: int = 1) -> "CompletionRequest":
+        """The completion call that serves ``request`` (``n`` samples) remotely, with logprobs."""
+        s = request.sampling
+        return cls(
+            n=n,
+            prompt=request.prompt if request.prompt is not None else request.prompt_tokens,
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            seed=request.seed,
+            logprobs=1,
+            rollout_key=request.rollout_key,
+        )
+
+
+class CompletionLogprobs(WireModel):
+    """OpenAI-style logprobs of the generated tokens."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+
+
+class CompletionChoice(WireModel):
+    """The single choice of a completion."""
+
+    index: int = 0
+    text: str
+    finish_reason: Literal["stop", "length"]
+    logprobs: CompletionLogprobs | None = None
+    token_ids: list[int] = Field(description="Extension: generated token ids (EOS included).")
+    prompt_token_ids: list[int] = Field(description="Extension: the tokenized prompt.")
+    policy_versions: list[int] = Field(description="Extension: policy version of each token.")
+
+
+class CompletionUsage(WireModel):
+    """Token counts."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionResponse(WireModel):
+    """Answer of ``POST /v1/completions``."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice] = Field(min_length=1)
+    usage: CompletionUsage
+
+    def to_inference_responses(self) -> list[InferenceResponse]:
+        """The engine-level responses, by choice index (requires ``logprobs``)."""
+        responses = []
+        for choice in sorted(self.choices, key=lambda c: c.index):
+            if choice.logprobs is None:
+                raise ValueError("the completion carries no logprobs; request them with logprobs=1")
+            responses.append(
+                InferenceResponse(
+                    prompt_tokens=choice.prompt_token_ids,
+                    tokens=choice.token_ids,
+                    text=choice.text,
+                    logprobs=choice.logprobs.token_logprobs,
+                    policy_versions=choice.policy_versions,
+                    finish_reason=choice.finish_reason,
+                )
+            )
+        return responses

@@ -141,6 +141,19 @@ def build_parser() -> argparse.ArgumentParser:
         "built-in digit-copy task.",
     )
     g.add_argument(
+        "--rl-inference-server-host",
+        type=str,
+        default="127.0.0.1",
+        help="Interface of the inference server that remote environments (agent_type: remote) "
+        "generate through; 0.0.0.0 to reach it from other hosts.",
+    )
+    g.add_argument(
+        "--rl-inference-server-port",
+        type=int,
+        default=0,
+        help="Port of that inference server (0: a free port).",
+    )
+    g.add_argument(
         "--inference-max-requests",
         type=int,
         default=64,
@@ -284,6 +297,10 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> list
     check(
         args.grpo_clamp_eps_upper > 0,
         f"--grpo-clamp-eps-upper must be > 0, got {args.grpo_clamp_eps_upper}",
+    )
+    check(
+        0 <= args.rl_inference_server_port < 65536,
+        "--rl-inference-server-port must be in [0, 65535]",
     )
     check(args.rl_default_temperature >= 0, "--rl-default-temperature must be >= 0")
     check(0 < args.rl_default_top_p <= 1, "--rl-default-top-p must be in (0, 1]")

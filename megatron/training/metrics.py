@@ -25,6 +25,9 @@ def rollout_metrics(batch: RolloutBatch, step: int) -> dict[str, Any]:
     submission = [step - r.submission_policy_version for r in rollouts]
     tokens = [step - v for r in real for v in r.policy_versions] or [0]
     lengths = [len(r.policy_versions) for r in real] or [0]
+    per_env: dict[str, list[float]] = {}
+    for r in real:
+        per_env.setdefault(r.env_id, []).append(r.reward)
     return {
         "reward_mean": statistics.fmean(rewards),
         "reward_std": statistics.pstdev(rewards),
@@ -38,6 +41,7 @@ def rollout_metrics(batch: RolloutBatch, step: int) -> dict[str, Any]:
         "queue_depth": batch.queue_depth,
         "placeholder_rollouts": len(rollouts) - len(real),
         "completion_tokens_mean": statistics.fmean(lengths),
+        **{f"reward_mean/{env}": statistics.fmean(v) for env, v in sorted(per_env.items())},
     }
 
 
@@ -75,6 +79,7 @@ def format_log_line(m: dict[str, Any], train_iters: int) -> str:
         f"in-flight {m['in_flight_batches']} | queue {m['queue_depth']} | "
         f"gen {m['generated_tokens_per_s']:.0f} tok/s | train {m['trained_tokens_per_s']:.0f} tok/s"
         f" | step {m['step_seconds'] * 1000:.0f} ms"
+        + (f" | failed rollouts {m['placeholder_rollouts']}" if m["placeholder_rollouts"] else "")
     )
 
 

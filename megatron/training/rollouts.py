@@ -24,8 +24,20 @@ from megatron.rl.inference.model_runner import ModelRunner
 from megatron.rl.inference.step_group import StepGroup
 from megatron.rl.models.kv_cache import KVCache
 from megatron.rl.rollout.generator import GroupedRolloutGenerator, RolloutBatch, RolloutConfig
+from megatron.rl.server.http import EmbeddedServer
+from megatron.rl.server.inference_server import create_inference_app
 from megatron.rl.tokenizer import Tokenizer
 from megatron.training.initialize import ParallelContext
+
+
+@dataclass(frozen=True)
+class InferenceServerConfig:
+    """Where rank 0 serves its engine to remote environments (only when an agent needs it)."""
+
+    host: str = "127.0.0.1"
+    """Interface to bind; remote environments on other hosts need 0.0.0.0 or a routable one."""
+    port: int = 0
+    """Port to bind (0: a free one)."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +66,7 @@ class RolloutSource:
         rollout_config: RolloutConfig,
         engine_config: LocalEngineConfig,
         first_step: int = 0,
+        server_config: InferenceServerConfig = InferenceServerConfig(),
     ) -> None:
         self.ctx = ctx
         self.policy_version = first_step
@@ -70,17 +83,23 @@ class RolloutSource:
         runner = ModelRunner(model, cache, tokenizer.vocab_size, ctx.tp_group)
         self.steps = StepGroup(runner, ctx.dp_rank, ctx.dp_size, ctx.is_replica_leader)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: EmbeddedServer | None = None
+        self._window: asyncio.Task | None = None
+        self._stop_signal: int | None = None
         if ctx.is_main:
             if agent is None:
                 raise ValueError("rank 0 needs the agent")
             self.agent = agent
+            self.tokenizer = tokenizer
+            self.server_config = server_config
             self._loop = asyncio.new_event_loop()
             self.engine = LocalInferenceEngine(
                 self.steps, engine_config, lambda: self.policy_version
             )
+            self.inference = LocalInferenceInterface(self.engine, tokenizer)
             self.generator = GroupedRolloutGenerator(
                 agent,
-                LocalInferenceInterface(self.engine, tokenizer),
+                self.inference,
                 rollout_config,
                 lambda: self.policy_version,
                 first_batch_id=first_step,
@@ -90,6 +109,12 @@ class RolloutSource:
 
     async def _start(self) -> None:
         self.engine.start()
+        if self.agent.requires_inference_server:
+            app = create_inference_app(self.inference, self.tokenizer)
+            cfg = self.server_config
+            self._server = await EmbeddedServer.start(app, cfg.host, cfg.port)
+            self.inference.base_url = self._server.url
+        await self.agent.astart()
         self.generator.start()
 
     def __enter__(self) -> "RolloutSource":
@@ -99,14 +124,24 @@ class RolloutSource:
         self.close()
 
     def next_batch(self) -> CollectedBatch:
-        """The next batch, in order, on every rank (collective)."""
+        """The next batch, in order, on every rank (collective).
+
+        Raises ``SystemExit(128 + signum)`` once ``request_stop`` was called.
+        """
         start = time.perf_counter()
+        self._exit_if_stop_requested()
         if self.ctx.is_main:
             tokens_before = self.engine.generated_tokens
             try:
                 self.engine.resume()
-                batch = self._loop.run_until_complete(self.generator.next_batch())
+                self._window = self._loop.create_task(self.generator.next_batch())
+                try:
+                    batch = self._loop.run_until_complete(self._window)
+                except asyncio.CancelledError:
+                    self._exit_if_stop_requested()
+                    raise
                 self.engine.suspend()
+                _check_not_all_failed(batch)
             except BaseException as exc:
                 self.steps.abort_followers(f"{type(exc).__name__}: {exc}")
                 raise
@@ -120,6 +155,20 @@ class RolloutSource:
         batch, generated = message
         return CollectedBatch(batch, time.perf_counter() - start, generated)
 
+    def request_stop(self, signum: int) -> None:
+        """Stop at the next safe point (safe to call from a signal handler).
+
+        A generation window in progress is cancelled; the running or next ``next_batch`` then
+        raises ``SystemExit``, and leaving the context manager shuts the pipeline down.
+        """
+        self._stop_signal = signum
+        if self._window is not None and not self._window.done():
+            self._loop.call_soon_threadsafe(self._window.cancel)
+
+    def _exit_if_stop_requested(self) -> None:
+        if self._stop_signal is not None:
+            raise SystemExit(128 + self._stop_signal)
+
     def close(self) -> None:
         """Cancel and await every task of the pipeline (rank 0); idempotent."""
         if self._loop is None or self._loop.is_closed():
@@ -131,5 +180,17 @@ class RolloutSource:
 
     async def _aclose(self) -> None:
         await self.generator.aclose()
-        await self.engine.aclose()
+        await self.engine.aclose()  # fails queued remote requests: their handlers answer at once
+        if self._server is not None:
+            await self._server.stop()
         await self.agent.aclose()
+
+
+def _check_not_all_failed(batch: RolloutBatch) -> None:
+    """A batch whose every rollout is a placeholder means the environments are broken: stop."""
+    rollouts = [r for g in batch.groups for r in g.rollouts]
+    if all(r.is_placeholder for r in rollouts):
+        raise RuntimeError(
+            f"every rollout of batch {batch.batch_id} failed in its environment "
+            f"({rollouts[0].env_id}): {rollouts[0].error}"
+        )

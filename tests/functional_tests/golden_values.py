@@ -37,24 +37,28 @@ def load_case(name: str) -> dict:
     return yaml.safe_load((CASES / name / "model_config.yaml").read_text())
 
 
+def training_command(nproc: int, args: dict) -> list[str]:
+    """The torchrun command line of pretrain_grpo.py with ``args`` (flag name -> value)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [f"--{k}={v}" for k, v in args.items()]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+            f"--master-port={port}", "pretrain_grpo.py", *argv]  # fmt: skip
+
+
+def subprocess_env() -> dict[str, str]:
+    """Environment of spawned trainers/servers: one thread each, tests/ importable."""
+    path = os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=path)
+
+
 def run_training(nproc: int, args: dict, timeout: float = 600) -> list[dict]:
     """Run pretrain_grpo.py under torchrun with ``args`` and return its per-step metrics."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "metrics.jsonl"
-        argv = [f"--{k}={v}" for k, v in args.items()] + [f"--metrics-file={metrics}"]
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc-per-node={nproc}",
-            f"--master-port={port}",
-            "pretrain_grpo.py",
-            *argv,
-        ]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        cmd = training_command(nproc, {**args, "metrics-file": metrics})
+        env = subprocess_env()
         proc = subprocess.run(
             cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
         )

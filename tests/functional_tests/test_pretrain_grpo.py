@@ -52,10 +52,17 @@ def test_lag_0_is_on_policy_at_every_step(runs):
 
 @pytest.mark.parametrize("case", ["grpo_tiny_tp2_lag2", "grpo_tiny_dp2_lag2"])
 def test_two_process_runs_match_the_single_process_run(runs, case):
+    """Rewards are identical (same tokens); losses agree to float32 rounding.
+
+    The GRPO loss sums terms whose group-normalized advantages nearly cancel, so a step's loss
+    can be ~1e-3 while TP's different reduction order moves it by ~1e-7: relative 1e-4, with an
+    absolute floor of 1e-6 for losses that close to zero.
+    """
     single, parallel = runs("grpo_tiny_lag2"), runs(case)
     for a, b in zip(single[:5], parallel[:5]):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
         assert b["reward_mean"] == pytest.approx(a["reward_mean"], rel=1e-4)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
 
 
 def test_same_command_twice_gives_identical_per_step_loss(runs):
@@ -96,3 +103,17 @@ def test_default_main_job_learns_within_ten_minutes():
     assert elapsed < 600
     assert last >= 0.5 and last >= 2 * first
     assert all(m["staleness_min"] == m["staleness_max"] == min(m["step"], 2) for m in metrics)
+
+
+def test_resuming_from_a_checkpoint_continues_the_same_run(tmp_path):
+    """At L=0 a run saved at step 3 and resumed reproduces the uninterrupted run exactly."""
+    common = {"rl-forced-lag": 0, "train-iters": 6, "lr-warmup-iters": 2, "seed": 5}
+    full = run_training(1, common)
+    first = run_training(1, {**common, "save": tmp_path, "save-interval": 3})
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("3\n")  # resume from step 3
+    resumed = run_training(1, {**common, "load": tmp_path})
+    assert [m["step"] for m in resumed] == [3, 4, 5]
+    assert [m["loss"] for m in first] == [m["loss"] for m in full]
+    assert [m["loss"] for m in resumed] == [m["loss"] for m in full[3:]]
+    assert [m["lr"] for m in resumed] == [m["lr"] for m in full[3:]]

@@ -21,7 +21,6 @@ from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
-from megatron.rl.async_utils import gather_all
 from megatron.rl.inference.engine import InvalidInferenceRequest
 from megatron.rl.inference.interface import InferenceInterface
 from megatron.rl.seeding import derive_seed
@@ -51,6 +50,9 @@ class Agent(ABC):
 
     Args: ClassVar[type[AgentArgs]] = AgentArgs
     """The pydantic model of this agent's ``agent_args``."""
+    requires_inference_server: ClassVar[bool] = False
+    """True when the agent generates out of process and needs the trainer's inference server
+    (the ``InferenceInterface`` it is given then has a ``base_url``)."""
 
     def __init__(self, env_id: str, args: AgentArgs | None = None) -> None:
         self.env_id = env_id
@@ -71,6 +73,9 @@ class Agent(ABC):
         barrier timeout, so only announce what is sent unconditionally.
         """
         return None
+
+    async def astart(self) -> None:
+        """Acquire resources and check remote dependencies before the first request."""
 
     async def aclose(self) -> None:
         """Release resources (connections, subprocesses). Default: nothing to release."""
@@ -114,9 +119,10 @@ def placeholder_rollout(
 class SingleTurnEnvironment(Agent):
     """One prompt per group, one generation per rollout, a reward on the completion text.
 
-    The prompt of a group is drawn from an RNG seeded by (seed, batch_id, index_in_batch) and
-    sample k of the group is generated with seed (seed, batch_id, index_in_batch, k), so a run is
-    reproducible whatever the order in which generations finish.
+    The prompt of a group is drawn from an RNG seeded by s = derive_seed(seed, batch_id,
+    index_in_batch), and the group's samples are one ``generate_group`` request with seed s
+    (sample k samples with derive_seed(s, k)), so a run is reproducible whatever the order in
+    which generations finish, in process or over HTTP.
     """
 
     @abstractmethod
@@ -146,22 +152,16 @@ class SingleTurnEnvironment(Agent):
         except Exception as exc:  # the environment's own code failed: mask the whole group
             rollouts = [placeholder_rollout(self.env_id, request, exc)] * request.group_size
             return RolloutGroup(batch_id=path[0], index_in_batch=path[1], rollouts=rollouts)
-        responses = await gather_all(
-            *(
-                _generate_or_invalid(
-                    inference,
-                    InferenceRequest(
-                        prompt=problem.prompt,
-                        sampling=sampling,
-                        seed=derive_seed(request.seed, *path, k),
-                        rollout_key=RolloutKey(
-                            batch_id=path[0], index_in_batch=path[1], sample_index=k
-                        ),
-                    ),
-                )
-                for k in range(request.group_size)
-            )
+        group_request = InferenceRequest(
+            prompt=problem.prompt,
+            sampling=sampling,
+            seed=derive_seed(request.seed, *path),  # sample k: derive_seed(that, k)
+            rollout_key=RolloutKey(batch_id=path[0], index_in_batch=path[1], sample_index=0),
         )
+        try:
+            responses = await inference.generate_group(group_request, request.group_size)
+        except InvalidInferenceRequest as exc:  # the prompt itself is unusable
+            responses = [exc] * request.group_size
         rollouts = [self._score(problem, r, request, sampling) for r in responses]
         return RolloutGroup(batch_id=path[0], index_in_batch=path[1], rollouts=rollouts)
 
@@ -193,13 +193,3 @@ class SingleTurnEnvironment(Agent):
             submission_policy_version=request.submission_policy_version,
             temperature=sampling.temperature,
         )
-
-
-async def _generate_or_invalid(
-    inference: InferenceInterface, request: InferenceRequest
-) -> InferenceResponse | InvalidInferenceRequest:
-    """The response, or the ``InvalidInferenceRequest`` it raised (other errors propagate)."""
-    try:
-        return await inference.generate(request)
-    except InvalidInferenceRequest as exc:
-        return exc

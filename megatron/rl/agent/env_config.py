@@ -2,7 +2,7 @@
 
 Example::
 
-    - agent_type: digits          # a built-in name, or "package.module:ClassName"
+    - agent_type: digits          # built-in: digits, remote; or "package.module:ClassName"
       agent_args: {task: copy, min_digits: 1, max_digits: 3}
       weight: 3
     - agent_type: digits
@@ -28,6 +28,7 @@ from megatron.rl.agent.mixture import MixtureAgent
 
 BUILTIN_AGENT_TYPES = {
     "digits": "megatron.rl.environments.digits:DigitTaskEnvironment",
+    "remote": "megatron.rl.agent.remote:RemoteAgent",
 }
 """Short names accepted as ``agent_type``."""
 

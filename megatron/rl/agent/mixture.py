@@ -44,6 +44,7 @@ class MixtureAgent(Agent):
         self.agents = agents
         self.weights = tuple(float(w) for w in weights)
         self._assignment = lru_cache(maxsize=64)(self._assign)
+        self.requires_inference_server = any(a.requires_inference_server for a in agents)
 
     def _assign(self, seed: int, batch_id: int, groups_in_batch: int) -> list[int]:
         return mixture_assignment(
@@ -64,6 +65,11 @@ class MixtureAgent(Agent):
     ) -> RolloutGroup:
         """Forward to the assigned agent."""
         return await self.agent_for(request).group_rollout(request, inference)
+
+    async def astart(self) -> None:
+        """Start every agent."""
+        for agent in self.agents:
+            await agent.astart()
 
     async def aclose(self) -> None:
         """Close every agent."""

@@ -149,7 +149,9 @@ class LocalInferenceEngine:
     ) -> GenerationOutput:
         """Generate a completion of ``prompt_tokens``; resolves when it stops."""
         if self._error is not None:
-            raise EngineError("the inference engine has failed") from self._error
+            raise EngineError(
+                f"the inference engine is unavailable: {self._error}"
+            ) from self._error
         if self._task is None:
             raise RuntimeError("the inference engine is not running: call start() first")
         total = len(prompt_tokens) + sampling.max_tokens
@@ -194,10 +196,12 @@ class LocalInferenceEngine:
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="engine-loop")
 
     async def aclose(self) -> None:
-        """Cancel the loop task and fail requests still pending."""
+        """Cancel the loop task; pending and later requests fail with ``EngineError``."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        if self._error is None:
+            self._error = EngineError("the inference engine was shut down")
         self._fail_pending(EngineError("the inference engine was shut down"))
 
     def suspend(self) -> None:

@@ -4,13 +4,19 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+from megatron.rl.async_utils import gather_all
 from megatron.rl.inference.engine import InvalidInferenceRequest, LocalInferenceEngine
+from megatron.rl.seeding import derive_seed
 from megatron.rl.tokenizer import Tokenizer
 from megatron.rl.wire import InferenceRequest, InferenceResponse
 
 
 class InferenceInterface(ABC):
     """Generates completions for agents. Implementations: in-process engine, HTTP client."""
+
+    base_url: str | None = None
+    """HTTP address at which this interface is also served (None: in-process only). Remote
+    environments are told this URL so that they generate through the same engine."""
 
     @abstractmethod
     async def generate(self, request: InferenceRequest) -> InferenceResponse:
@@ -19,6 +25,22 @@ class InferenceInterface(ABC):
         Raises ``InvalidInferenceRequest`` for a request that cannot be served (the caller's
         fault) and any other exception when inference itself failed.
         """
+
+    async def generate_group(self, request: InferenceRequest, n: int) -> list[InferenceResponse]:
+        """``n`` samples of one prompt; sample i is ``sample_request(request, i)``.
+
+        The default runs the samples concurrently through ``generate``; the HTTP client sends
+        them as one call (OpenAI's ``n``). Either way the samples are identical.
+        """
+        return await gather_all(*(self.generate(sample_request(request, i)) for i in range(n)))
+
+
+def sample_request(request: InferenceRequest, i: int) -> InferenceRequest:
+    """Sample i of a group request: its own seed, and the i-th rollout key after the given one."""
+    key = request.rollout_key
+    if key is not None:
+        key = key.model_copy(update={"sample_index": key.sample_index + i})
+    return request.model_copy(update={"seed": derive_seed(request.seed, i), "rollout_key": key})
 
 
 class LocalInferenceInterface(InferenceInterface):

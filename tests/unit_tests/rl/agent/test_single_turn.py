@@ -1,8 +1,8 @@
 """``SingleTurnEnvironment.group_rollout`` over a fake inference whose output depends on the seed.
 
 The fake "generates" the decimal digits of ``seed % 1000`` then EOS, with logprobs and policy
-versions that are also functions of the seed, so every rollout can be predicted from
-``derive_seed(seed, batch_id, index_in_batch, k)``.
+versions that are also functions of the seed, so every rollout can be predicted from its
+sample seed ``derive_seed(derive_seed(seed, batch_id, index_in_batch), k)``.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def run(env, inference, request=None):
 
 
 def sample_seeds(k: int = K) -> list[int]:
-    return [derive_seed(RUN_SEED, BATCH, INDEX, i) for i in range(k)]
+    return [derive_seed(derive_seed(RUN_SEED, BATCH, INDEX), i) for i in range(k)]
 
 
 def expected_problem(env: EchoEnvironment) -> Problem:
@@ -226,14 +226,14 @@ def test_make_problem_error_gives_all_placeholder_group_without_inference():
     assert inference.requests == []
 
 
-def test_invalid_inference_request_gives_placeholder():
+def test_invalid_inference_request_gives_placeholders_for_the_group():
+    """The samples of a group share one prompt: a prompt the engine refuses masks them all."""
     inference = FakeInference(raise_for={2: InvalidInferenceRequest("prompt too long: 999")})
     group = run(EchoEnvironment(), inference)
-    assert [r.is_placeholder for r in group.rollouts] == [False, False, True, False]
-    assert "prompt too long: 999" in group.rollouts[2].error
-    assert "InvalidInferenceRequest" in group.rollouts[2].error
-    assert group.rollouts[2].reward == 0.0
-    assert len(inference.requests) == K
+    assert [r.is_placeholder for r in group.rollouts] == [True] * K
+    assert all("prompt too long: 999" in r.error for r in group.rollouts)
+    assert all("InvalidInferenceRequest" in r.error for r in group.rollouts)
+    assert all(r.reward == 0.0 for r in group.rollouts)
 
 
 @pytest.mark.parametrize(

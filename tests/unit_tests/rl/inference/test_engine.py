@@ -10,6 +10,7 @@ import asyncio
 import logging
 
 import pytest
+from grpo_testing.fakes import FakeSteps
 
 from megatron.rl.inference.engine import (
     EngineError,
@@ -17,38 +18,9 @@ from megatron.rl.inference.engine import (
     LocalEngineConfig,
     LocalInferenceEngine,
 )
-from megatron.rl.inference.model_runner import RowResult
 from megatron.rl.wire import SamplingParams
 
 EOS = 1
-
-
-class FakeSteps:
-    """Records every plan; answers each row deterministically from its slot's seed."""
-
-    def __init__(self, num_replicas: int = 1, eos_at: dict[int, int] | None = None) -> None:
-        self.num_replicas = num_replicas
-        self.eos_at = eos_at or {}
-        self.plans = []
-        self.seed_of: dict[tuple[int, int], int] = {}
-        self.fail_on_step: int | None = None
-
-    def step(self, plan):
-        self.plans.append(plan)
-        if self.fail_on_step is not None and len(self.plans) > self.fail_on_step:
-            raise RuntimeError("boom in forward")
-        results = []
-        for replica, rows in enumerate(plan.rows):
-            out = []
-            for row in rows:
-                if row.seed is not None:
-                    self.seed_of[(replica, row.slot)] = row.seed
-                seed = self.seed_of[(replica, row.slot)]
-                position = row.start + len(row.tokens)  # position of the sampled token
-                token = EOS if self.eos_at.get(seed) == position else 2 + (seed + position) % 7
-                out.append(RowResult(slot=row.slot, token=token, logprob=-0.1 * position))
-            results.append(out)
-        return results
 
 
 def sampling(max_tokens: int = 4) -> SamplingParams:
@@ -325,3 +297,13 @@ def test_each_token_records_the_policy_version_of_its_step():
         return out
 
     assert asyncio.run(run()).policy_versions == [0, 1, 2]
+
+
+def test_a_closed_engine_refuses_new_requests_at_once():
+    async def run():
+        engine = await running(make_engine())
+        await engine.aclose()
+        await asyncio.wait_for(engine.generate([2], sampling(1), seed=1), timeout=1)
+
+    with pytest.raises(EngineError, match="shut down"):
+        asyncio.run(run())

@@ -1,0 +1,223 @@
+"""The env server: hosts the environments of an env-config YAML behind FastAPI.
+
+    python -m megatron.rl.server.env_server --env-config envs.yaml --host 127.0.0.1 --port 8000
+
+Endpoints (schema at ``/openapi.json``, docs at ``/docs``):
+
+* ``GET /health``: status and the hosted environments.
+* ``POST /v1/grouped_rollouts`` (``GroupedRolloutCall``): run one GRPO group. The environment
+  generates through the trainer's inference server at ``inference_url``; the answer is the
+  ``RolloutGroup`` exactly as an in-process agent would have produced it.
+* ``POST /v1/evaluate`` (``EvaluationRequest``): score fresh problems of each environment
+  (generation requests carry no rollout key, so they never enter the training schedule).
+
+Faults: an invalid body is a 422 naming the field; an unknown ``env_id`` a 422; an environment
+that raises gives a group of placeholder rollouts (HTTP 200, zero loss weight, error text kept);
+an inference server that cannot be reached or fails gives 424 naming it. SIGTERM stops uvicorn
+gracefully: in-flight requests finish, then agents and HTTP clients are closed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import statistics
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, HTTPException
+
+from megatron.rl.agent.api import Agent, placeholder_rollout
+from megatron.rl.agent.env_config import EnvConfigError, load_env_config
+from megatron.rl.agent.mixture import MixtureAgent
+from megatron.rl.inference.remote import InferenceUnavailable, RemoteInferenceInterface
+from megatron.rl.server.http import (
+    ERROR_RESPONSES,
+    ClientPool,
+    RetryPolicy,
+    install_error_handlers,
+)
+from megatron.rl.wire import (
+    EnvironmentInfo,
+    EvaluationRequest,
+    EvaluationResponse,
+    EvaluationResult,
+    GroupedRolloutCall,
+    GroupedRolloutRequest,
+    HealthResponse,
+    RolloutGroup,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EnvServerConfig:
+    """How the env server talks to inference servers."""
+
+    inference_timeout_s: float = 900.0
+    """Read timeout of a completion call: longer than a training step plus a generation window,
+    because the trainer answers only while it waits for a batch."""
+    connect_timeout_s: float = 5.0
+    """Connect timeout of a completion call."""
+    max_connections: int = 512
+    """Pooled connections to inference servers (all URLs together)."""
+    retry: RetryPolicy = RetryPolicy()
+    """Retries of a completion call that failed to connect or got a 5xx."""
+
+
+def create_app(
+    agent: MixtureAgent,
+    config: EnvServerConfig = EnvServerConfig(),
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> FastAPI:
+    """The env server app hosting ``agent``'s environments.
+
+    ``transport`` replaces the network for calls to inference servers (tests use an in-process
+    ASGI transport); by default real connections are pooled in one ``httpx.AsyncClient``.
+    """
+    client: ClientPool | None = None
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        nonlocal client
+        timeout = httpx.Timeout(
+            config.inference_timeout_s,
+            connect=config.connect_timeout_s,
+            pool=config.inference_timeout_s,
+        )
+        client = ClientPool(config.max_connections, timeout, transport)
+        await agent.astart()
+        try:
+            yield
+        finally:
+            await agent.aclose()
+            await client.aclose()
+            logger.info("env server: environments and connections closed")
+
+    app = FastAPI(title="megatron-rl env server", version="1", lifespan=lifespan)
+    install_error_handlers(app)
+    by_id = {a.env_id: a for a in agent.agents}
+
+    def select(env_id: str | None) -> Agent:
+        if env_id is None:
+            return agent
+        if env_id not in by_id:
+            raise HTTPException(
+                422, f"field 'env_id': unknown environment {env_id!r}; " f"hosted: {sorted(by_id)}"
+            )
+        return by_id[env_id]
+
+    def inference(url: str, keep_keys: bool = True) -> RemoteInferenceInterface:
+        return RemoteInferenceInterface(url, client, config.retry, keep_rollout_keys=keep_keys)
+
+    @app.get("/health", response_model=HealthResponse)
+    async def health() -> HealthResponse:
+        """Liveness and the hosted environments."""
+        return HealthResponse(
+            environments=[
+                EnvironmentInfo(env_id=a.env_id, agent_type=type(a).__name__, weight=w)
+                for a, w in zip(agent.agents, agent.weights)
+            ]
+        )
+
+    @app.post("/v1/grouped_rollouts", response_model=RolloutGroup, responses=ERROR_RESPONSES)
+    async def grouped_rollouts(call: GroupedRolloutCall) -> RolloutGroup:
+        """Run one group of rollouts through the caller's inference server."""
+        env = select(call.env_id)
+        return await run_group(env, call.request, inference(call.inference_url))
+
+    @app.post("/v1/evaluate", response_model=EvaluationResponse, responses=ERROR_RESPONSES)
+    async def evaluate(body: EvaluationRequest) -> EvaluationResponse:
+        """Score ``num_problems`` fresh problems per environment with the given sampling."""
+        envs = [select(body.env_id)] if body.env_id is not None else agent.agents
+        remote = inference(body.inference_url, keep_keys=False)
+        results = []
+        for env in envs:
+            rewards, failed = [], 0
+            for i in range(body.num_problems):
+                request = GroupedRolloutRequest(
+                    batch_id=i,
+                    index_in_batch=0,
+                    groups_in_batch=1,
+                    group_size=1,
+                    seed=body.seed,
+                    submission_policy_version=0,
+                    sampling=body.sampling,
+                )
+                rollout = (await run_group(env, request, remote)).rollouts[0]
+                failed += rollout.is_placeholder
+                rewards.append(rollout.reward)
+            results.append(
+                EvaluationResult(
+                    env_id=env.env_id,
+                    num_problems=body.num_problems,
+                    reward_mean=statistics.fmean(rewards),
+                    reward_std=statistics.pstdev(rewards),
+                    failed=failed,
+                )
+            )
+        return EvaluationResponse(results=results)
+
+    return app
+
+
+async def run_group(
+    env: Agent, request: GroupedRolloutRequest, inference: RemoteInferenceInterface
+) -> RolloutGroup:
+    """``env.group_rollout`` with the server's fault policy (see the module docstring)."""
+    try:
+        return await env.group_rollout(request, inference)
+    except InferenceUnavailable as exc:
+        raise HTTPException(424, str(exc)) from None
+    except Exception as exc:  # the environment failed: mask the group, keep the error
+        logger.warning(
+            "environment %s raised on group %d/%d: %r",
+            env.env_id,
+            request.batch_id,
+            request.index_in_batch,
+            exc,
+        )
+        rollouts = [placeholder_rollout(env.env_id, request, exc)] * request.group_size
+        return RolloutGroup(
+            batch_id=request.batch_id, index_in_batch=request.index_in_batch, rollouts=rollouts
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """CLI: host an env-config under uvicorn until SIGTERM/SIGINT."""
+    parser = argparse.ArgumentParser(description="Serve RL environments over HTTP.")
+    parser.add_argument(
+        "--env-config",
+        default=None,
+        help="Env-config YAML (default: the built-in digit-copy task).",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="Interface to listen on.")
+    parser.add_argument("--port", type=int, default=8000, help="Port to listen on.")
+    parser.add_argument(
+        "--inference-timeout-s",
+        type=float,
+        default=900.0,
+        help="Read timeout of calls to the trainer's inference server.",
+    )
+    parser.add_argument("--log-level", default="info", help="uvicorn log level.")
+    args = parser.parse_args(argv)
+    try:
+        agent = load_env_config(args.env_config)
+    except EnvConfigError as err:
+        parser.exit(2, f"env_server: error: --env-config: {err}\n")
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    app = create_app(agent, EnvServerConfig(inference_timeout_s=args.inference_timeout_s))
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises it with the previous handler:
+    # make that handler a clean exit.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

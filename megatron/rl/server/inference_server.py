@@ -1,0 +1,93 @@
+"""The trainer's inference server: remote environments generate through the trainer's engine.
+
+``create_inference_app(inference, tokenizer)`` exposes an ``InferenceInterface`` (in the trainer:
+the ``LocalInferenceInterface`` over the engine that serves local agents too) as a subset of the
+OpenAI completions API. Requests go into the same engine queue as local ones, so they belong to
+the same batches, follow the same forced-lag schedule and return the same per-token logprobs and
+policy versions.
+
+Note that the trainer's event loop, and with it this server, only runs while the trainer waits
+for a batch; a request sent during a training step is answered when the next window opens.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from fastapi import FastAPI, HTTPException
+
+from megatron.rl.inference.engine import EngineError, InvalidInferenceRequest
+from megatron.rl.inference.interface import InferenceInterface
+from megatron.rl.server.http import ERROR_RESPONSES, install_error_handlers
+from megatron.rl.tokenizer import Tokenizer
+from megatron.rl.wire import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionUsage,
+)
+
+
+def create_inference_app(
+    inference: InferenceInterface, tokenizer: Tokenizer, model_name: str = "policy"
+) -> FastAPI:
+    """A FastAPI app with ``GET /health`` and ``POST /v1/completions`` over ``inference``."""
+    app = FastAPI(title="megatron-rl inference server", version="1")
+    install_error_handlers(app)
+    ids = itertools.count()
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        """Liveness."""
+        return {"status": "ok"}
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
+    async def completions(body: CompletionRequest) -> CompletionResponse:
+        """Generate ``n`` completions of the prompt with the trainer's current policy."""
+        try:
+            request = body.to_inference_request()
+        except ValueError as exc:
+            raise HTTPException(422, f"field 'prompt': {exc}") from None
+        try:
+            if body.n == 1:
+                outs = [await inference.generate(request)]
+            else:
+                outs = await inference.generate_group(request, body.n)
+        except InvalidInferenceRequest as exc:
+            raise HTTPException(422, str(exc)) from None
+        except EngineError as exc:
+            raise HTTPException(503, f"inference engine unavailable: {exc}") from None
+        choices = []
+        for index, out in enumerate(outs):
+            logprobs = None
+            if body.logprobs is not None:
+                pieces = [tokenizer.decode([t]) for t in out.tokens]
+                logprobs = CompletionLogprobs(tokens=pieces, token_logprobs=out.logprobs)
+            choices.append(
+                CompletionChoice(
+                    index=index,
+                    text=out.text,
+                    finish_reason=out.finish_reason,
+                    logprobs=logprobs,
+                    token_ids=out.tokens,
+                    prompt_token_ids=out.prompt_tokens,
+                    policy_versions=out.policy_versions,
+                )
+            )
+        prompt_tokens = len(outs[0].prompt_tokens)
+        completion_tokens = sum(len(out.tokens) for out in outs)
+        return CompletionResponse(
+            id=f"cmpl-{next(ids)}",
+            created=int(time.time()),
+            model=body.model or model_name,
+            choices=choices,
+            usage=CompletionUsage(
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                total_tokens=prompt_tokens + completion_tokens,
+            ),
+        )
+
+    return app

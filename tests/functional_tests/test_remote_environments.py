@@ -1,0 +1,192 @@
+"""Remote environments end to end: a real uvicorn env server process and torchrun trainers."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from golden_values import ROOT, run_training, subprocess_env, training_command
+from grpo_testing.distributed import free_port
+
+COMMON = {"rl-forced-lag": 2, "train-iters": 12, "lr-warmup-iters": 2, "seed": 1234}
+COPY_ENV = "- agent_type: digits\n  env_id: copy\n  agent_args: {task: copy}\n"
+
+
+@contextlib.contextmanager
+def env_server(tmp_path: Path, config: str = COPY_ENV, log_level: str = "warning"):
+    """Start ``python -m megatron.rl.server.env_server`` and wait until /health answers."""
+    env_config = tmp_path / "server_envs.yaml"
+    env_config.write_text(config)
+    port = free_port()
+    log = open(tmp_path / "env_server.log", "w")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "megatron.rl.server.env_server",
+            f"--env-config={env_config}",
+            "--host=127.0.0.1",
+            f"--port={port}",
+            f"--log-level={log_level}",
+        ],
+        cwd=ROOT,
+        env=subprocess_env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            assert proc.poll() is None, (tmp_path / "env_server.log").read_text()
+            assert time.monotonic() < deadline, "env server did not start"
+            time.sleep(0.2)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        log.close()
+
+
+def remote_config(tmp_path: Path, url: str, env_id: str = "copy") -> Path:
+    path = tmp_path / "remote.yaml"
+    path.write_text(
+        f"- agent_type: remote\n  env_id: remote-{env_id}\n"
+        f"  agent_args: {{url: '{url}', env_id: {env_id}, max_retries: 2, backoff_s: 0.2}}\n"
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def in_process_run():
+    return run_training(1, COMMON)
+
+
+def test_remote_run_equals_the_in_process_run_bitwise(tmp_path, in_process_run):
+    with env_server(tmp_path) as (url, _):
+        remote = run_training(1, {**COMMON, "env-config": remote_config(tmp_path, url)})
+    assert len(remote) >= 10
+    for m in remote:
+        expected = min(m["step"], 2)
+        assert m["staleness_min"] == m["staleness_max"] == expected
+    # The deterministic engine schedule makes HTTP timing irrelevant: identical tokens, rewards
+    # and therefore identical losses.
+    assert [m["reward_mean"] for m in remote] == [m["reward_mean"] for m in in_process_run]
+    assert [m["loss"] for m in remote] == [m["loss"] for m in in_process_run]
+    assert [m["token_staleness_mean"] for m in remote] == [
+        m["token_staleness_mean"] for m in in_process_run
+    ]
+
+
+def test_killing_the_env_server_makes_the_trainer_exit_naming_it(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    with env_server(tmp_path) as (url, server):
+        args = {
+            **COMMON,
+            "train-iters": 100000,
+            "env-config": remote_config(tmp_path, url),
+            "metrics-file": metrics,
+        }
+        trainer = subprocess.Popen(
+            training_command(1, args),
+            cwd=ROOT,
+            env=subprocess_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            deadline = time.monotonic() + 120
+            while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+                assert trainer.poll() is None, trainer.communicate()[1][-3000:]
+                assert time.monotonic() < deadline, "trainer made no progress"
+                time.sleep(0.2)
+            server.kill()
+            killed = time.monotonic()
+            _, stderr = trainer.communicate(timeout=60)
+            elapsed = time.monotonic() - killed
+        finally:
+            if trainer.poll() is None:
+                trainer.kill()
+    assert trainer.returncode != 0
+    assert elapsed < 60
+    assert f"env server {url}" in stderr
+    print(f"trainer exited {elapsed:.1f} s after the env server was killed")
+
+
+def test_env_server_shuts_down_cleanly_on_sigterm(tmp_path):
+    with env_server(tmp_path, log_level="info") as (url, server):
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=20) == 0
+    log = (tmp_path / "env_server.log").read_text()
+    assert "environments and connections closed" in log
+    assert "Traceback" not in log
+
+
+def test_trainer_exits_on_sigterm_and_shuts_its_pipeline_down(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    with env_server(tmp_path) as (url, server):
+        args = {
+            **COMMON,
+            "train-iters": 100000,
+            "env-config": remote_config(tmp_path, url),
+            "metrics-file": metrics,
+        }
+        trainer = subprocess.Popen(
+            [sys.executable, "pretrain_grpo.py", *[f"--{k}={v}" for k, v in args.items()]],
+            cwd=ROOT,
+            env=subprocess_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+                assert trainer.poll() is None, trainer.communicate()[1][-3000:]
+                time.sleep(0.2)
+            trainer.send_signal(signal.SIGTERM)
+            trainer.wait(timeout=30)
+        finally:
+            if trainer.poll() is None:
+                trainer.kill()
+        assert trainer.returncode == 128 + signal.SIGTERM
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 200  # server unaffected
+    for line in metrics.read_text().splitlines():
+        json.loads(line)  # every record is complete
+
+
+def test_failing_remote_environment_masks_rollouts_and_training_continues(tmp_path):
+    config = "- agent_type: grpo_testing.fakes:FlakyDigits\n  env_id: flaky\n"
+    with env_server(tmp_path, config) as (url, _):
+        metrics = run_training(1, {**COMMON, "env-config": remote_config(tmp_path, url, "flaky")})
+    assert len(metrics) == COMMON["train-iters"]
+    failed = [m["placeholder_rollouts"] for m in metrics]
+    assert sum(failed) > 0 and all(f < 64 for f in failed)
+
+
+def test_environment_failing_everywhere_stops_the_run_with_its_error(tmp_path):
+    config = tmp_path / "broken.yaml"
+    config.write_text("- agent_type: grpo_testing.fakes:BrokenDigits\n  env_id: broken\n")
+    proc = subprocess.run(
+        training_command(1, {**COMMON, "env-config": config}),
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0
+    assert "every rollout of batch 0 failed" in proc.stderr
+    assert "dataset shard missing" in proc.stderr and "(broken)" in proc.stderr

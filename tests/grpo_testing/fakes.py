@@ -1,0 +1,97 @@
+"""Fake inference and environments for tests of agents and servers."""
+
+from __future__ import annotations
+
+import random
+
+from megatron.rl.agent.api import Problem
+from megatron.rl.environments.digits import DigitTaskEnvironment
+from megatron.rl.inference.engine import InvalidInferenceRequest
+from megatron.rl.inference.interface import InferenceInterface
+from megatron.rl.inference.model_runner import RowResult
+from megatron.rl.tokenizer import CharTokenizer
+from megatron.rl.wire import InferenceRequest, InferenceResponse
+
+
+class SeededInference(InferenceInterface):
+    """Answers with 1-3 digits drawn from the request's seed (or EOS-only for empty draws).
+
+    Records every request it receives; raises ``InvalidInferenceRequest`` for prompts with
+    characters outside the tokenizer alphabet, like the real interface.
+    """
+
+    def __init__(self) -> None:
+        self.tokenizer = CharTokenizer()
+        self.requests: list[InferenceRequest] = []
+
+    async def generate(self, request: InferenceRequest) -> InferenceResponse:
+        self.requests.append(request)
+        try:
+            prompt = request.prompt_tokens or self.tokenizer.encode(request.prompt)
+        except ValueError as exc:
+            raise InvalidInferenceRequest(str(exc)) from None
+        rng = random.Random(request.seed)
+        n = min(rng.randint(1, 3), request.sampling.max_tokens - 1)
+        text = "".join(rng.choice("0123456789") for _ in range(n))
+        tokens = self.tokenizer.encode(text) + [self.tokenizer.eos_id]
+        return InferenceResponse(
+            prompt_tokens=prompt,
+            tokens=tokens,
+            text=text,
+            logprobs=[-rng.random() for _ in tokens],
+            policy_versions=[0] * len(tokens),
+            finish_reason="stop",
+        )
+
+
+class FlakyDigits(DigitTaskEnvironment):
+    """The digit task with bugs in its own code: drawing a problem whose answer starts with 9
+    raises (a whole group is lost), and scoring a completion that starts with 7 raises (one
+    rollout is lost)."""
+
+    def make_problem(self, rng: random.Random) -> Problem:
+        problem = super().make_problem(rng)
+        if problem.answer.startswith("9"):
+            raise RuntimeError(f"problem source failed on {problem.problem_id}")
+        return problem
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        if completion.startswith("7"):
+            raise ValueError(f"cannot score {completion!r}")
+        return super().reward(problem, completion)
+
+
+class FakeSteps:
+    """A ``StepGroup`` stand-in: records every plan and "samples" token 2 + (seed + position) % 7
+    for each row (EOS, id 1, at the position ``eos_at[seed]`` if given)."""
+
+    def __init__(self, num_replicas: int = 1, eos_at: dict[int, int] | None = None) -> None:
+        self.num_replicas = num_replicas
+        self.eos_at = eos_at or {}
+        self.plans = []
+        self.seed_of: dict[tuple[int, int], int] = {}
+        self.fail_on_step: int | None = None
+
+    def step(self, plan):
+        self.plans.append(plan)
+        if self.fail_on_step is not None and len(self.plans) > self.fail_on_step:
+            raise RuntimeError("boom in forward")
+        results = []
+        for replica, rows in enumerate(plan.rows):
+            out = []
+            for row in rows:
+                if row.seed is not None:
+                    self.seed_of[(replica, row.slot)] = row.seed
+                seed = self.seed_of[(replica, row.slot)]
+                position = row.start + len(row.tokens)  # position of the sampled token
+                token = 1 if self.eos_at.get(seed) == position else 2 + (seed + position) % 7
+                out.append(RowResult(slot=row.slot, token=token, logprob=-0.1 * position))
+            results.append(out)
+        return results
+
+
+class BrokenDigits(DigitTaskEnvironment):
+    """The digit task whose problem source always fails."""
+
+    def make_problem(self, rng: random.Random) -> Problem:
+        raise RuntimeError("dataset shard missing")

@@ -1,0 +1,120 @@
+"""The trainer's inference server (OpenAI completions subset) over the real local engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from grpo_testing.fakes import FakeSteps, SeededInference
+
+from megatron.rl.inference.engine import LocalEngineConfig, LocalInferenceEngine
+from megatron.rl.inference.interface import LocalInferenceInterface
+from megatron.rl.seeding import derive_seed
+from megatron.rl.server.inference_server import create_inference_app
+from megatron.rl.tokenizer import CharTokenizer
+from megatron.rl.wire import CompletionResponse
+
+
+def post_completions(bodies: list, steps: FakeSteps | None = None, fail: bool = False):
+    """POST each body to /v1/completions of an app over a running engine."""
+    steps = steps or FakeSteps()
+    tokenizer = CharTokenizer()
+
+    async def run():
+        engine = LocalInferenceEngine(
+            steps, LocalEngineConfig(max_requests=4, max_seq_len=24), lambda: 7
+        )
+        engine.start()
+        engine.resume()
+        if fail:
+            steps.fail_on_step = 0
+        app = create_inference_app(LocalInferenceInterface(engine, tokenizer), tokenizer)
+        try:
+            async with httpx.AsyncClient(
+                transport=httpx.ASGITransport(app), base_url="http://trainer"
+            ) as client:
+                return [await client.post("/v1/completions", json=b) for b in bodies]
+        finally:
+            await engine.aclose()
+
+    return asyncio.run(run())
+
+
+def test_text_prompt_completion_with_logprobs_and_extensions():
+    (r,) = post_completions([{"prompt": "12=", "max_tokens": 3, "seed": 4, "logprobs": 1}])
+    assert r.status_code == 200
+    body = CompletionResponse.model_validate(r.json())
+    choice = body.choices[0]
+    tokenizer = CharTokenizer()
+    assert choice.prompt_token_ids == tokenizer.encode("12=")
+    # FakeSteps samples 2 + (seed + position) % 7 at positions 3, 4, 5
+    assert choice.token_ids == [2 + (4 + p) % 7 for p in (3, 4, 5)]
+    assert choice.text == tokenizer.decode(choice.token_ids)
+    assert choice.logprobs.tokens == [tokenizer.decode([t]) for t in choice.token_ids]
+    assert choice.logprobs.token_logprobs == pytest.approx([-0.3, -0.4, -0.5])
+    assert choice.policy_versions == [7, 7, 7]
+    assert choice.finish_reason == "length"
+    assert body.usage.total_tokens == 6
+    assert body.to_inference_responses()[0].tokens == choice.token_ids
+
+
+def test_n_samples_are_seeded_and_keyed_like_separate_requests():
+    steps = FakeSteps()
+    key = {"batch_id": 1, "index_in_batch": 2, "sample_index": 0}
+    (r,) = post_completions(
+        [{"prompt": "12=", "max_tokens": 2, "seed": 4, "n": 3, "rollout_key": key}], steps
+    )
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    seeds = [derive_seed(4, i) for i in range(3)]
+    assert [c["token_ids"] for c in choices] == [[2 + (s + p) % 7 for p in (3, 4)] for s in seeds]
+    assert r.json()["usage"]["completion_tokens"] == 6
+
+
+def test_token_prompt_and_logprobs_only_when_asked():
+    (r,) = post_completions([{"prompt": [2, 3, 4], "max_tokens": 2}])
+    choice = r.json()["choices"][0]
+    assert choice["prompt_token_ids"] == [2, 3, 4] and choice["logprobs"] is None
+
+
+def test_rollout_key_and_seed_reach_the_inference_interface():
+    inference = SeededInference()
+    app = create_inference_app(inference, inference.tokenizer)
+    key = {"batch_id": 4, "index_in_batch": 1, "sample_index": 2}
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
+            return await c.post(
+                "/v1/completions", json={"prompt": "1=", "seed": 9, "rollout_key": key}
+            )
+
+    assert asyncio.run(run()).status_code == 200
+    (request,) = inference.requests
+    assert request.rollout_key.model_dump() == key and request.seed == 9
+
+
+@pytest.mark.parametrize(
+    "body, status, needle",
+    [
+        pytest.param({"prompt": "12=", "stop": ["\n"]}, 422, "field 'stop'", id="unsupported-stop"),
+        pytest.param({"prompt": "12=", "n": 0}, 422, "field 'n'", id="n-zero"),
+        pytest.param({"prompt": "12=", "stream": True}, 422, "field 'stream'", id="streaming"),
+        pytest.param({"prompt": "hello"}, 422, "prompt", id="character-outside-alphabet"),
+        pytest.param({"prompt": [2, 999]}, 422, "outside the vocabulary", id="token-out-of-vocab"),
+        pytest.param({"prompt": "1" * 20, "max_tokens": 10}, 422, "max_seq_len", id="too-long"),
+        pytest.param({"prompt": ""}, 422, "prompt", id="empty-prompt"),
+        pytest.param({"max_tokens": 3}, 422, "field 'prompt'", id="missing-prompt"),
+        pytest.param({"prompt": "1=", "top_p": 0}, 422, "field 'top_p'", id="top-p-zero"),
+    ],
+)
+def test_bad_requests_are_rejected_naming_the_problem(body, status, needle):
+    (r,) = post_completions([body])
+    assert r.status_code == status
+    assert needle in r.json()["detail"]
+
+
+def test_engine_failure_is_503():
+    (r,) = post_completions([{"prompt": "1=", "max_tokens": 2}], fail=True)
+    assert r.status_code == 503
+    assert "inference engine" in r.json()["detail"]
