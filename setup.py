@@ -25,7 +25,7 @@ setup(
         "pyyaml>=6",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "schemathesis>=4,<5"],
         "dev": ["black>=24", "isort>=5.13"],
         "tensorboard": ["tensorboard>=2.16"],
     },

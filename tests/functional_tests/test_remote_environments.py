@@ -190,3 +190,17 @@ def test_environment_failing_everywhere_stops_the_run_with_its_error(tmp_path):
     assert proc.returncode != 0
     assert "every rollout of batch 0 failed" in proc.stderr
     assert "dataset shard missing" in proc.stderr and "(broken)" in proc.stderr
+
+
+def test_env_server_sustains_256_concurrent_grouped_requests_without_errors(tmp_path):
+    """tools/env_server_load.py: one client, 256 requests in flight, zero errors."""
+    report = tmp_path / "load.json"
+    proc = subprocess.run(
+        [sys.executable, "tools/env_server_load.py", "--concurrency=256", "--requests=1024",
+         f"--json={report}"],
+        cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(report.read_text())
+    assert result["errors"] == 0 and result["peak_in_flight"] == 256
+    print(proc.stdout)
