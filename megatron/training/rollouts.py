@@ -11,6 +11,7 @@ only while the trainer waits for a batch, and the weights never change during an
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 
@@ -28,6 +29,8 @@ from megatron.rl.server.http import EmbeddedServer
 from megatron.rl.server.inference_server import create_inference_app
 from megatron.rl.tokenizer import Tokenizer
 from megatron.training.initialize import ParallelContext
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -169,16 +172,30 @@ class RolloutSource:
         if self._stop_signal is not None:
             raise SystemExit(128 + self._stop_signal)
 
-    def close(self) -> None:
-        """Cancel and await every task of the pipeline (rank 0); idempotent."""
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Cancel and await every task of the pipeline (rank 0); idempotent.
+
+        Whatever is still running after ``timeout_s`` is logged and cancelled: closing never hangs.
+        """
         if self._loop is None or self._loop.is_closed():
             return
         try:
-            self._loop.run_until_complete(self._aclose())
+            self._loop.run_until_complete(self._aclose(timeout_s))
         finally:
             self._loop.close()
 
-    async def _aclose(self) -> None:
+    async def _aclose(self, timeout_s: float) -> None:
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._shutdown()
+        except TimeoutError:
+            pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in pending:
+                logger.warning("rollout pipeline: task still running at shutdown: %r", task)
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    async def _shutdown(self) -> None:
         await self.generator.aclose()
         await self.engine.aclose()  # fails queued remote requests: their handlers answer at once
         if self._server is not None:

@@ -90,39 +90,41 @@ def test_remote_run_equals_the_in_process_run_bitwise(tmp_path, in_process_run):
     ]
 
 
-def test_killing_the_env_server_makes_the_trainer_exit_naming_it(tmp_path):
+@contextlib.contextmanager
+def training_in_background(tmp_path: Path, cmd: list[str], min_steps: int):
+    """Start a trainer (output to files, never a full pipe), wait for ``min_steps`` steps."""
     metrics = tmp_path / "metrics.jsonl"
-    with env_server(tmp_path) as (url, server):
-        args = {
-            **COMMON,
-            "train-iters": 100000,
-            "env-config": remote_config(tmp_path, url),
-            "metrics-file": metrics,
-        }
+    stderr = tmp_path / "trainer.err"
+    with open(tmp_path / "trainer.out", "w") as out, open(stderr, "w") as err:
         trainer = subprocess.Popen(
-            training_command(1, args),
-            cwd=ROOT,
-            env=subprocess_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+            [*cmd, f"--metrics-file={metrics}"], cwd=ROOT, env=subprocess_env(), stdout=out,
+            stderr=err,
+        )  # fmt: skip
         try:
             deadline = time.monotonic() + 120
-            while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-                assert trainer.poll() is None, trainer.communicate()[1][-3000:]
-                assert time.monotonic() < deadline, "trainer made no progress"
+            while not (metrics.exists() and len(metrics.read_text().splitlines()) >= min_steps):
+                assert trainer.poll() is None, stderr.read_text()[-3000:]
+                assert time.monotonic() < deadline, "the trainer made no progress"
                 time.sleep(0.2)
-            server.kill()
-            killed = time.monotonic()
-            _, stderr = trainer.communicate(timeout=60)
-            elapsed = time.monotonic() - killed
+            yield trainer, metrics, stderr
         finally:
             if trainer.poll() is None:
                 trainer.kill()
+                trainer.wait()
+
+
+def test_killing_the_env_server_makes_the_trainer_exit_naming_it(tmp_path):
+    with env_server(tmp_path) as (url, server):
+        args = {**COMMON, "train-iters": 100000, "env-config": remote_config(tmp_path, url)}
+        cmd = training_command(1, args)
+        with training_in_background(tmp_path, cmd, min_steps=3) as (trainer, _, stderr):
+            server.kill()
+            killed = time.monotonic()
+            trainer.wait(timeout=60)
+            elapsed = time.monotonic() - killed
     assert trainer.returncode != 0
     assert elapsed < 60
-    assert f"env server {url}" in stderr
+    assert f"env server {url}" in stderr.read_text()
     print(f"trainer exited {elapsed:.1f} s after the env server was killed")
 
 
@@ -136,31 +138,13 @@ def test_env_server_shuts_down_cleanly_on_sigterm(tmp_path):
 
 
 def test_trainer_exits_on_sigterm_and_shuts_its_pipeline_down(tmp_path):
-    metrics = tmp_path / "metrics.jsonl"
     with env_server(tmp_path) as (url, server):
-        args = {
-            **COMMON,
-            "train-iters": 100000,
-            "env-config": remote_config(tmp_path, url),
-            "metrics-file": metrics,
-        }
-        trainer = subprocess.Popen(
-            [sys.executable, "pretrain_grpo.py", *[f"--{k}={v}" for k, v in args.items()]],
-            cwd=ROOT,
-            env=subprocess_env(),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-                assert trainer.poll() is None, trainer.communicate()[1][-3000:]
-                time.sleep(0.2)
+        args = {**COMMON, "train-iters": 100000, "env-config": remote_config(tmp_path, url)}
+        # Without torchrun, so that the signal reaches the trainer itself.
+        cmd = [sys.executable, "pretrain_grpo.py", *[f"--{k}={v}" for k, v in args.items()]]
+        with training_in_background(tmp_path, cmd, min_steps=2) as (trainer, metrics, _):
             trainer.send_signal(signal.SIGTERM)
             trainer.wait(timeout=30)
-        finally:
-            if trainer.poll() is None:
-                trainer.kill()
         assert trainer.returncode == 128 + signal.SIGTERM
         assert httpx.get(f"{url}/health", timeout=5).status_code == 200  # server unaffected
     for line in metrics.read_text().splitlines():

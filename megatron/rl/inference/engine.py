@@ -262,9 +262,12 @@ class LocalInferenceEngine:
             raise
 
     async def _sleep_until_woken(self, timeout: float | None = None) -> None:
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation that
+        # arrives as the event is set, and aclose() would then wait for this loop forever.
         self._wakeup.clear()
         try:
-            await asyncio.wait_for(self._wakeup.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._wakeup.wait()
         except TimeoutError:
             pass
 

@@ -307,3 +307,22 @@ def test_a_closed_engine_refuses_new_requests_at_once():
 
     with pytest.raises(EngineError, match="shut down"):
         asyncio.run(run())
+
+
+def test_aclose_completes_when_a_wakeup_races_the_cancellation():
+    """A wakeup just before aclose() must not swallow the loop's cancellation (Python 3.11's
+    wait_for with a timeout did, when its inner wait had completed but it had not resumed)."""
+
+    async def run():
+        for ticks in range(4):  # cancel 0..3 loop iterations after the wakeup
+            engine = make_engine()
+            engine.start()
+            engine.resume()
+            engine.expect_group(0, 0, 2)
+            await asyncio.sleep(0.001)  # the loop now waits at the barrier (with a timeout)
+            engine.group_done(0, 0)  # sets the wakeup event
+            for _ in range(ticks):
+                await asyncio.sleep(0)
+            await asyncio.wait_for(engine.aclose(), timeout=2)
+
+    asyncio.run(run())
