@@ -16,3 +16,15 @@ def single_rank_world():
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` are skipped where CUDA is not available."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

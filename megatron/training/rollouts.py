@@ -115,7 +115,13 @@ class RolloutSource:
         if self.agent.requires_inference_server:
             app = create_inference_app(self.inference, self.tokenizer)
             cfg = self.server_config
-            self._server = await EmbeddedServer.start(app, cfg.host, cfg.port)
+            try:
+                self._server = await EmbeddedServer.start(app, cfg.host, cfg.port)
+            except OSError as exc:
+                raise SystemExit(
+                    f"--rl-inference-server-host/--rl-inference-server-port: cannot listen on "
+                    f"{cfg.host}:{cfg.port}: {exc.strerror or exc}"
+                ) from None
             self.inference.base_url = self._server.url
         await self.agent.astart()
         self.generator.start()

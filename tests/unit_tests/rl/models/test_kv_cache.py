@@ -18,27 +18,27 @@ def no_grad():
         yield
 
 
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+
+
 def full_logits(model, tokens: list[int]) -> torch.Tensor:
     """(T, V) logits of a full forward over ``tokens`` (no cache)."""
-    ids = torch.tensor([tokens])
-    return model(ids, torch.arange(len(tokens))[None], None)[0]
+    device = next(model.parameters()).device
+    ids = torch.tensor([tokens], device=device)
+    return model(ids, torch.arange(len(tokens), device=device)[None], None)[0]
 
 
 def make_cache(model, slots: int = 4, length: int = 32) -> KVCache:
     c = model.config
+    device = next(model.parameters()).device
     return KVCache(
-        c.num_layers,
-        slots,
-        length,
-        c.num_query_groups,
-        c.kv_channels,
-        torch.float32,
-        torch.device("cpu"),
+        c.num_layers, slots, length, c.num_query_groups, c.kv_channels, torch.float32, device
     )
 
 
-def test_incremental_decoding_at_different_offsets_matches_full_forward(single_rank_world):
-    model = tiny_gpt().eval()
+@pytest.mark.parametrize("device", DEVICES)
+def test_incremental_decoding_at_different_offsets_matches_full_forward(single_rank_world, device):
+    model = tiny_gpt().to(device).eval()
     cache = make_cache(model)
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in (9, 5, 14)]
@@ -59,8 +59,9 @@ def test_incremental_decoding_at_different_offsets_matches_full_forward(single_r
         starts = torch.tensor([st for _, _, st in rows])
         lengths = torch.tensor([len(t) for _, t, _ in rows])
         positions = (starts[:, None] + torch.arange(width)).clamp(max=31)
-        with cache.step(torch.tensor([s for s, _, _ in rows]), starts, lengths):
-            out = model(ids, positions, None)
+        slots = torch.tensor([s for s, _, _ in rows])
+        with cache.step(slots.to(device), starts.to(device), lengths.to(device)):
+            out = model(ids.to(device), positions.to(device), None)
         for b, (s, t, st) in enumerate(rows):
             for j in range(len(t)):
                 got[s][st + j] = out[b, j]
@@ -109,8 +110,9 @@ def test_cache_rejects_a_step_past_its_length():
             pass
 
 
-def test_runner_greedy_generation_matches_full_recompute(single_rank_world):
-    model = tiny_gpt()
+@pytest.mark.parametrize("device", DEVICES)
+def test_runner_greedy_generation_matches_full_recompute(single_rank_world, device):
+    model = tiny_gpt().to(device)
     runner = ModelRunner(model, make_cache(model), VOCAB)
     prompts = {0: [2, 5, 7], 1: [3], 2: [4, 4, 9, 10, 11]}
     seqs = {s: list(p) for s, p in prompts.items()}
