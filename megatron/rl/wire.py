@@ -7,9 +7,17 @@ client validate against the same definitions.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_ID = 2**31 - 1
+"""Largest batch id, group index, sample index or policy version on the wire."""
+MAX_TOKENS = 1 << 20
+"""Largest prompt (characters or tokens) and generation budget a request may ask for: every
+size on the wire is bounded, so no single request can make a server allocate without limit."""
+Seed = Annotated[int, Field(ge=0, lt=2**63)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_ID)]
 
 
 class WireModel(BaseModel):
@@ -22,18 +30,18 @@ class WireModel(BaseModel):
 class SamplingParams(WireModel):
     """How one generation request samples tokens."""
 
-    temperature: float = Field(1.0, ge=0.0, description="0 means greedy decoding.")
+    temperature: float = Field(1.0, ge=0.0, le=1e4, description="0 means greedy decoding.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1 disables.")
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 disables.")
-    max_tokens: int = Field(16, ge=1, description="Maximum number of generated tokens.")
+    max_tokens: int = Field(16, ge=1, le=MAX_TOKENS, description="Most tokens to generate.")
 
 
 class RolloutKey(WireModel):
     """Which rollout a generation request belongs to; orders requests in the engine."""
 
-    batch_id: int = Field(ge=0)
-    index_in_batch: int = Field(ge=0)
-    sample_index: int = Field(ge=0)
+    batch_id: int = Field(ge=0, le=MAX_ID)
+    index_in_batch: int = Field(ge=0, le=MAX_ID)
+    sample_index: int = Field(ge=0, le=MAX_ID)
 
 
 class InferenceRequest(WireModel):
@@ -45,10 +53,14 @@ class InferenceRequest(WireModel):
     schedule does not depend on when requests arrive.
     """
 
-    prompt: str | None = Field(None, description="Prompt text, tokenized by the trainer.")
-    prompt_tokens: list[int] | None = Field(None, description="Prompt token ids (instead of text).")
+    prompt: str | None = Field(
+        None, max_length=MAX_TOKENS, description="Prompt text, tokenized by the trainer."
+    )
+    prompt_tokens: list[TokenId] | None = Field(
+        None, max_length=MAX_TOKENS, description="Prompt token ids (instead of text)."
+    )
     sampling: SamplingParams = Field(default_factory=SamplingParams)
-    seed: int = Field(0, ge=0, lt=2**63, description="Seed of this request's sampling RNG.")
+    seed: Seed = Field(0, description="Seed of this request's sampling RNG.")
     rollout_key: RolloutKey | None = Field(None, description="The rollout this request serves.")
 
     @model_validator(mode="after")
@@ -76,12 +88,14 @@ class InferenceResponse(WireModel):
 class GroupedRolloutRequest(WireModel):
     """Ask an agent for one group of rollouts that share a prompt (one GRPO group)."""
 
-    batch_id: int = Field(ge=0, description="Training step whose batch this group belongs to.")
-    index_in_batch: int = Field(ge=0, description="Position of the group inside its batch.")
-    groups_in_batch: int = Field(ge=1, description="Number of groups in the batch.")
+    batch_id: int = Field(ge=0, le=MAX_ID, description="Step whose batch the group belongs to.")
+    index_in_batch: int = Field(ge=0, le=MAX_ID, description="Position of the group in its batch.")
+    groups_in_batch: int = Field(ge=1, le=65536, description="Number of groups in the batch.")
     group_size: int = Field(ge=1, le=1024, description="Rollouts per group.")
-    seed: int = Field(ge=0, description="Run seed; agents derive every RNG from it.")
-    submission_policy_version: int = Field(ge=0, description="Policy version at submission.")
+    seed: Seed = Field(description="Run seed; agents derive every RNG from it.")
+    submission_policy_version: int = Field(
+        ge=0, le=MAX_ID, description="Policy version at submission."
+    )
     sampling: SamplingParams = Field(default_factory=SamplingParams)
 
     @model_validator(mode="after")
@@ -199,7 +213,7 @@ class EvaluationRequest(WireModel):
     inference_url: str = Field(pattern=HTTP_URL_PATTERN, max_length=2048)
     env_id: str | None = Field(None, max_length=256, description="Default: every environment.")
     num_problems: int = Field(16, ge=1, le=1024)
-    seed: int = Field(0, ge=0, lt=2**63)
+    seed: Seed = 0
     sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(temperature=0.0))
 
 
@@ -228,12 +242,12 @@ class CompletionRequest(WireModel):
     """``POST /v1/completions`` of the trainer's inference server."""
 
     model: str | None = Field(None, max_length=256, description="Ignored: the trainer's policy.")
-    prompt: str | list[int] = Field(description="Text, or token ids.")
-    max_tokens: int = Field(16, ge=1, le=1_000_000)
+    prompt: str | list[TokenId] = Field(max_length=MAX_TOKENS, description="Text, or token ids.")
+    max_tokens: int = Field(16, ge=1, le=MAX_TOKENS)
     temperature: float = Field(1.0, ge=0.0, le=1e4)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, description="Extension: top-k filtering (0 = off).")
-    seed: int = Field(0, ge=0, lt=2**63)
+    seed: Seed = 0
     logprobs: int | None = Field(
         None, ge=0, le=1, description="Return the sampled tokens' logprobs (top-1 only)."
     )

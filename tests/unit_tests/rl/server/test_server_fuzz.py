@@ -6,11 +6,9 @@ each answer must be 2xx or a 4xx with a readable ``detail``.
 
 from __future__ import annotations
 
-import asyncio
-import threading
+import contextlib
 
 import httpx
-import pytest
 import schemathesis
 from grpo_testing.fakes import FakeSteps, SeededInference
 from hypothesis import HealthCheck, settings
@@ -19,7 +17,6 @@ from megatron.rl.agent.env_config import build_agents
 from megatron.rl.inference.engine import LocalEngineConfig, LocalInferenceEngine
 from megatron.rl.inference.interface import LocalInferenceInterface
 from megatron.rl.server.env_server import create_app
-from megatron.rl.server.http import EmbeddedServer
 from megatron.rl.server.inference_server import create_inference_app
 from megatron.rl.tokenizer import CharTokenizer
 
@@ -56,54 +53,33 @@ def test_env_server_never_answers_5xx(case):
     check_answer(case.call())
 
 
-class EngineServerThread:
-    """The inference server over a real LocalInferenceEngine, in a thread with its own loop."""
+def inference_app_over_a_running_engine():
+    """The inference server over a real LocalInferenceEngine whose loop the app's lifespan runs
+    (schemathesis serves ASGI apps from its own event loop; each lifespan gets a fresh engine)."""
+    tokenizer = CharTokenizer()
+    interface = LocalInferenceInterface(None, tokenizer)
+    app = create_inference_app(interface, tokenizer)
 
-    def __init__(self) -> None:
-        self.ready = threading.Event()
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        return asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(timeout=30)
-
-    async def _start(self) -> str:
-        tokenizer = CharTokenizer()
-        self.engine = LocalInferenceEngine(
+    @contextlib.asynccontextmanager
+    async def engine_running(app):
+        interface.engine = LocalInferenceEngine(
             FakeSteps(), LocalEngineConfig(max_requests=8, max_seq_len=64), lambda: 0
         )
-        self.engine.start()
-        self.engine.resume()
-        app = create_inference_app(LocalInferenceInterface(self.engine, tokenizer), tokenizer)
-        self.server = await EmbeddedServer.start(app, "127.0.0.1", 0)
-        return self.server.url
+        interface.engine.start()
+        interface.engine.resume()
+        yield
+        await interface.engine.aclose()
 
-    async def _stop(self) -> None:
-        await self.engine.aclose()
-        await self.server.stop()
-
-    def __exit__(self, *exc) -> None:
-        asyncio.run_coroutine_threadsafe(self._stop(), self.loop).result(timeout=30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
+    app.router.lifespan_context = engine_running
+    return app
 
 
-@pytest.fixture(scope="module")
-def inference_url():
-    with EngineServerThread() as url:
-        yield url
+inference_schema = schemathesis.openapi.from_asgi(
+    "/openapi.json", inference_app_over_a_running_engine()
+)
 
 
-@pytest.fixture(scope="module")
-def inference_schema(inference_url):
-    return schemathesis.openapi.from_url(f"{inference_url}/openapi.json")
-
-
-lazy_inference_schema = schemathesis.pytest.from_fixture("inference_schema")
-
-
-@lazy_inference_schema.parametrize()
+@inference_schema.parametrize()
 @FUZZ
 def test_inference_server_never_answers_5xx(case):
     check_answer(case.call())
