@@ -72,6 +72,7 @@ class RolloutSource:
         server_config: InferenceServerConfig = InferenceServerConfig(),
     ) -> None:
         self.ctx = ctx
+        self.model = model
         self.policy_version = first_step
         config = model.config
         cache = KVCache(
@@ -139,6 +140,7 @@ class RolloutSource:
         """
         start = time.perf_counter()
         self._exit_if_stop_requested()
+        self.model.eval()  # generation window; train_step puts it back in training mode
         if self.ctx.is_main:
             tokens_before = self.engine.generated_tokens
             try:

@@ -69,7 +69,6 @@ class FakeSteps:
         self.num_replicas = num_replicas
         self.eos_at = eos_at or {}
         self.plans = []
-        self.seed_of: dict[tuple[int, int], int] = {}
         self.fail_on_step: int | None = None
 
     def step(self, plan):
@@ -77,14 +76,12 @@ class FakeSteps:
         if self.fail_on_step is not None and len(self.plans) > self.fail_on_step:
             raise RuntimeError("boom in forward")
         results = []
-        for replica, rows in enumerate(plan.rows):
+        for rows in plan.rows:
             out = []
             for row in rows:
-                if row.seed is not None:
-                    self.seed_of[(replica, row.slot)] = row.seed
-                seed = self.seed_of[(replica, row.slot)]
                 position = row.start + len(row.tokens)  # position of the sampled token
-                token = 1 if self.eos_at.get(seed) == position else 2 + (seed + position) % 7
+                eos = self.eos_at.get(row.seed) == position
+                token = 1 if eos else 2 + (row.seed + position) % 7
                 out.append(RowResult(slot=row.slot, token=token, logprob=-0.1 * position))
             results.append(out)
         return results

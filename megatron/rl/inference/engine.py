@@ -105,7 +105,7 @@ class _Request:
             temperature=s.temperature,
             top_p=s.top_p,
             top_k=s.top_k,
-            seed=self.seed if first else None,
+            seed=self.seed,
         )
 
 

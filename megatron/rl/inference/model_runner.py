@@ -1,9 +1,11 @@
 """Runs engine steps on one rank: the forward pass with the KV cache and the seeded sampling.
 
-A ``ModelRunner`` owns the KV cache of its data-parallel replica and one RNG per cache slot. It
-runs on every rank of the replica's tensor-parallel group: the forward is collective over that
-group, the vocab-parallel logits are gathered, and every TP rank samples the same tokens from the
-same seeded RNGs, so no extra broadcast of tokens is needed inside a replica.
+A ``ModelRunner`` owns the KV cache of its data-parallel replica. It runs on every rank of the
+replica's tensor-parallel group: the forward is collective over that group, the vocab-parallel
+logits are gathered, and every TP rank draws the same uniforms, so no broadcast of tokens is
+needed inside a replica. The uniform of a request's token at position p is a pure function of
+(request seed, p) (``token_uniform``): no RNG state lives in the runner, and a token never
+depends on which requests share its batch.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch.distributed as dist
 
 from megatron.rl.inference.sampling import sample_tokens
 from megatron.rl.models.kv_cache import KVCache
+from megatron.rl.seeding import derive_seed
 
 
 @dataclass(frozen=True)
@@ -29,8 +32,8 @@ class RowWork:
     temperature: float
     top_p: float
     top_k: int
-    seed: int | None = None
-    """Set on a request's first step: (re)seeds the slot's sampling RNG."""
+    seed: int
+    """The request's sampling seed."""
 
 
 @dataclass(frozen=True)
@@ -58,34 +61,28 @@ class ModelRunner:
         self.tp_group = tp_group
         self.tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
         self.device = cache.keys.device
-        self._rngs: dict[int, torch.Generator] = {}
 
     @torch.no_grad()
     def run(self, rows: list[RowWork]) -> list[RowResult]:
-        """Feed ``rows`` through the model and sample one token for each, in row order."""
+        """Feed ``rows`` through the model and sample one token for each, in row order.
+
+        The model runs in whatever mode it is in: the owner of the generation window puts it in
+        eval mode for the window (not per step: toggling every module costs ~0.25 ms a step).
+        """
         if not rows:
             return []
         # Decode rows (one token) and prefill rows (many) go in separate forwards so that
         # single-token rows are not padded to the longest prompt.
         decode = [i for i, r in enumerate(rows) if len(r.tokens) == 1]
         prefill = [i for i, r in enumerate(rows) if len(r.tokens) > 1]
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            parts = [
-                self._forward_last_logits([rows[i] for i in b]) for b in (decode, prefill) if b
-            ]
-        finally:
-            self.model.train(was_training)
+        parts = [self._forward_last_logits([rows[i] for i in b]) for b in (decode, prefill) if b]
         logits = torch.cat(parts)[torch.argsort(torch.tensor(decode + prefill))]  # (B, V)
         return self._sample(rows, logits)
 
     def _forward_last_logits(self, rows: list[RowWork]) -> torch.Tensor:
         """Full-vocabulary logits at each row's last new token: (B, V_padded) float32."""
         width = max(len(r.tokens) for r in rows)
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        for b, r in enumerate(rows):
-            ids[b, : len(r.tokens)] = torch.tensor(r.tokens)
+        ids = torch.tensor([r.tokens + (0,) * (width - len(r.tokens)) for r in rows])  # (B, T)
         starts = torch.tensor([r.start for r in rows])
         lengths = torch.tensor([len(r.tokens) for r in rows])
         positions = starts[:, None] + torch.arange(width)[None, :]  # (B, T)
@@ -107,10 +104,7 @@ class ModelRunner:
         return logits.cpu()
 
     def _sample(self, rows: list[RowWork], logits: torch.Tensor) -> list[RowResult]:
-        for r in rows:
-            if r.seed is not None:
-                self._rngs[r.slot] = torch.Generator().manual_seed(r.seed)
-        uniforms = torch.stack([torch.rand((), generator=self._rngs[r.slot]) for r in rows])
+        uniforms = torch.tensor([token_uniform(r.seed, r.start + len(r.tokens)) for r in rows])
         tokens, logprobs = sample_tokens(
             logits,
             temperature=torch.tensor([r.temperature for r in rows]),
@@ -122,3 +116,11 @@ class ModelRunner:
             RowResult(slot=r.slot, token=int(t), logprob=float(lp))
             for r, t, lp in zip(rows, tokens.tolist(), logprobs.tolist())
         ]
+
+
+def token_uniform(seed: int, position: int) -> float:
+    """The uniform in [0, 1) that samples the token at ``position`` of the request ``seed``.
+
+    24 bits, so it is exact in float32 and never rounds up to 1.0.
+    """
+    return (derive_seed(seed, position) >> 39) / 2**24

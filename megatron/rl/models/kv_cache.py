@@ -83,6 +83,9 @@ class KVCacheStep:
         self.context_len = int((starts + lengths).max())
         keys = torch.arange(self.context_len, device=slots.device)
         self.mask = keys[None, None, :] <= self.positions[:, :, None]  # (B, T, L)
+        # Where this step's new keys/values go, shared by every layer: (N,) rows and columns.
+        self.write_rows = slots[:, None].expand_as(self.positions)[self.valid]
+        self.write_cols = self.positions[self.valid]
 
     def attend(
         self,
@@ -98,8 +101,7 @@ class KVCacheStep:
         returns the context (T, B, Hq * D).
         """
         seq, batch, num_heads, head_dim = query.shape
-        rows = self.slots[:, None].expand(batch, seq)[self.valid]  # (N,)
-        cols = self.positions[self.valid]  # (N,)
+        rows, cols = self.write_rows, self.write_cols  # (N,), (N,)
         cache_k = self.cache.keys[layer_index]
         cache_v = self.cache.values[layer_index]
         cache_k[rows, cols] = key.transpose(0, 1)[self.valid].to(cache_k.dtype)

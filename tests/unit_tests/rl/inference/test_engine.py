@@ -61,7 +61,7 @@ def test_generates_until_max_tokens_or_eos():
     assert full.logprobs == pytest.approx([-0.2, -0.3, -0.4, -0.5])
 
 
-def test_prompt_is_fed_once_then_one_token_per_step_with_seed_only_first():
+def test_prompt_is_fed_once_then_one_token_per_step():
     steps = FakeSteps()
 
     async def run():
@@ -75,7 +75,7 @@ def test_prompt_is_fed_once_then_one_token_per_step_with_seed_only_first():
     rows = [plan.rows[0][0] for plan in steps.plans]
     assert [r.tokens for r in rows] == [(2, 3, 4), (2 + (9 + 3) % 7,), (2 + (9 + 4) % 7,)]
     assert [r.start for r in rows] == [0, 3, 4]
-    assert [r.seed for r in rows] == [9, None, None]
+    assert [r.seed for r in rows] == [9, 9, 9]
 
 
 def test_continuous_batching_admits_new_requests_as_slots_free():
@@ -94,10 +94,10 @@ def test_continuous_batching_admits_new_requests_as_slots_free():
     assert [len(o.tokens) for o in outs] == [1, 3, 2, 2, 1]
     widths = [len(plan.rows[0]) for plan in steps.plans]
     assert max(widths) == 2
-    # Request 2 joins (prefill, seed set) in the step after request 0 finished, next to request
+    # Request 2 joins (its first row, start 0) in the step after request 0 finished, next to request
     # 1 which is decoding: prefill and decode rows share a step.
     second = steps.plans[1].rows[0]
-    assert sorted(r.seed is not None for r in second) == [False, True]
+    assert sorted(r.start == 0 for r in second) == [False, True]
     assert sum(widths) == 1 + 3 + 2 + 2 + 1  # one row per generated token, no idle slots
 
 
@@ -204,7 +204,7 @@ def test_window_target_stops_keyed_work_of_later_batches_but_not_unkeyed():
         return unkeyed
 
     assert len(asyncio.run(run()).tokens) == 2
-    assert [sorted(r.seed or 0 for r in p.rows[0]) for p in steps.plans[:2]] == [[2], [0]]
+    assert [[(r.seed, r.start) for r in p.rows[0]] for p in steps.plans[:2]] == [[(2, 0)], [(2, 1)]]
 
 
 def test_step_failure_fails_pending_and_later_requests():

@@ -41,6 +41,7 @@ def generate_on_rank(rank: int, world_size: int) -> list[tuple[int, int, float]]
                 row.temperature,
                 row.top_p,
                 row.top_k,
+                row.seed,
             )
             for r, row in zip(results, rows)
         ]
