@@ -23,7 +23,7 @@ from megatron.rl.inference.engine import LocalEngineConfig
 from megatron.rl.rollout.generator import RolloutConfig
 from megatron.rl.tokenizer import CharTokenizer, Tokenizer
 from megatron.rl.wire import SamplingParams
-from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron.training.checkpointing import Checkpoint, load_checkpoint, save_checkpoint
 from megatron.training.initialize import (
     ParallelContext,
     initialize_distributed,
@@ -45,16 +45,18 @@ def train(args: argparse.Namespace) -> None:
         tokenizer = CharTokenizer()
         model = build_model(args, tokenizer.vocab_size, ctx.device)
         optimizer, scheduler = build_optimizer(model, args)
-        start = load_checkpoint(args.load, model, optimizer, scheduler, ctx) if args.load else 0
+        resumed = Checkpoint(iteration=0, pipeline=None)
+        if args.load:
+            resumed = load_checkpoint(args.load, model, optimizer, scheduler, args, ctx)
         step_fn = functools.partial(
             train_step, model, optimizer, scheduler, micro_batch_size=args.micro_batch_size,
             clip_grad=args.clip_grad, vocab_size=tokenizer.vocab_size, ctx=ctx,
             loss_config=GRPOLossConfig(args.grpo_clamp_eps_lower, args.grpo_clamp_eps_upper),
         )  # fmt: skip
         writer = metrics_writer(args) if ctx.is_main else None
-        with rollout_source(args, ctx, model, tokenizer, agent, start) as rollouts:
+        with rollout_source(args, ctx, model, tokenizer, agent, resumed) as rollouts:
             stop_on_signals(rollouts)
-            for step in range(start, args.train_iters):
+            for step in range(resumed.iteration, args.train_iters):
                 t0 = time.perf_counter()
                 collected = rollouts.next_batch()  # collect (ordered, forced lag)
                 batch = build_train_batch(collected.batch.groups, tokenizer.pad_id)  # advantages
@@ -63,8 +65,11 @@ def train(args: argparse.Namespace) -> None:
                 if writer is not None:  # log
                     elapsed = time.perf_counter() - t0
                     writer.write(step_metrics(step, args.rl_forced_lag, collected, result, elapsed))
-                if args.save and (step + 1) % (args.save_interval or args.train_iters) == 0:
-                    save_checkpoint(args.save, step + 1, model, optimizer, scheduler, args, ctx)
+                if checkpoint_due(args, step + 1):  # checkpoint (after draining the pipeline)
+                    state = rollouts.drain()
+                    save_checkpoint(
+                        args.save, step + 1, model, optimizer, scheduler, state, args, ctx
+                    )
     finally:
         if writer is not None:
             writer.close()
@@ -85,7 +90,7 @@ def rollout_source(
     model: torch.nn.Module,
     tokenizer: Tokenizer,
     agent: Agent,
-    first_step: int,
+    resumed: Checkpoint,
 ) -> RolloutSource:
     """The rollout pipeline described by the flags."""
     sampling = SamplingParams(
@@ -111,10 +116,20 @@ def rollout_source(
             max_seq_len=args.seq_length,
             eos_id=tokenizer.eos_id,
         ),
-        first_step=first_step,
+        first_step=resumed.iteration,
+        resume_from=resumed.pipeline,
         server_config=InferenceServerConfig(
             args.rl_inference_server_host, args.rl_inference_server_port
         ),
+    )
+
+
+def checkpoint_due(args: argparse.Namespace, iteration: int) -> bool:
+    """Whether to save after ``iteration`` steps: every ``--save-interval`` and at the end."""
+    if not args.save:
+        return False
+    return (
+        iteration == args.train_iters or iteration % (args.save_interval or args.train_iters) == 0
     )
 
 

@@ -6,6 +6,8 @@ loop runs until the generator hands over the next ordered batch, the engine is s
 batch is broadcast to every rank. While rank 0 generates, every other rank sits in
 ``StepGroup.follow()`` executing engine steps on its shard of the model. So generation advances
 only while the trainer waits for a batch, and the weights never change during an engine step.
+``drain`` is the other window: before a checkpoint it runs the engine until every submitted batch
+is finished and returns the pipeline state to save.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -24,13 +28,19 @@ from megatron.rl.inference.interface import LocalInferenceInterface
 from megatron.rl.inference.model_runner import ModelRunner
 from megatron.rl.inference.step_group import StepGroup
 from megatron.rl.models.kv_cache import KVCache
-from megatron.rl.rollout.generator import GroupedRolloutGenerator, RolloutBatch, RolloutConfig
+from megatron.rl.rollout.generator import (
+    GroupedRolloutGenerator,
+    PipelineState,
+    RolloutBatch,
+    RolloutConfig,
+)
 from megatron.rl.server.http import EmbeddedServer
 from megatron.rl.server.inference_server import create_inference_app
 from megatron.rl.tokenizer import Tokenizer
 from megatron.training.initialize import ParallelContext
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -70,6 +80,7 @@ class RolloutSource:
         engine_config: LocalEngineConfig,
         first_step: int = 0,
         server_config: InferenceServerConfig = InferenceServerConfig(),
+        resume_from: PipelineState | None = None,
     ) -> None:
         self.ctx = ctx
         self.model = model
@@ -108,6 +119,7 @@ class RolloutSource:
                 lambda: self.policy_version,
                 first_batch_id=first_step,
                 scheduler=self.engine,
+                resume_from=resume_from,
             )
             self._loop.run_until_complete(self._start())
 
@@ -140,31 +152,51 @@ class RolloutSource:
         """
         start = time.perf_counter()
         self._exit_if_stop_requested()
-        self.model.eval()  # generation window; train_step puts it back in training mode
         if self.ctx.is_main:
             tokens_before = self.engine.generated_tokens
-            try:
-                self.engine.resume()
-                self._window = self._loop.create_task(self.generator.next_batch())
-                try:
-                    batch = self._loop.run_until_complete(self._window)
-                except asyncio.CancelledError:
-                    self._exit_if_stop_requested()
-                    raise
-                self.engine.suspend()
-                _check_not_all_failed(batch)
-            except BaseException as exc:
-                self.steps.abort_followers(f"{type(exc).__name__}: {exc}")
-                raise
-            self.steps.stop_followers()
+            batch = self._generation_window(self.generator.next_batch)
+            _check_not_all_failed(batch)
             message = [batch, self.engine.generated_tokens - tokens_before]
         else:
-            self.steps.follow()
+            self._generation_window(None)
             message = [None, None]
         if self.ctx.world_size > 1:
             dist.broadcast_object_list(message, src=0)
         batch, generated = message
         return CollectedBatch(batch, time.perf_counter() - start, generated)
+
+    def drain(self) -> PipelineState | None:
+        """Finish every submitted batch and return the pipeline state (collective).
+
+        Called before a checkpoint; returns the state on rank 0 and ``None`` elsewhere. Tokens
+        generated here belong to the current policy version, as in any window.
+        """
+        self._exit_if_stop_requested()
+        return self._generation_window(self.generator.drain if self.ctx.is_main else None)
+
+    def _generation_window(self, work: Callable[[], Awaitable[T]] | None) -> T | None:
+        """Step the engine until ``work()`` is done (rank 0); other ranks execute the steps.
+
+        The model is in eval mode for the window (``train_step`` puts it back in training mode).
+        """
+        self.model.eval()
+        if work is None:
+            self.steps.follow()
+            return None
+        try:
+            self.engine.resume()
+            self._window = self._loop.create_task(work())
+            try:
+                result = self._loop.run_until_complete(self._window)
+            except asyncio.CancelledError:
+                self._exit_if_stop_requested()
+                raise
+            self.engine.suspend()
+        except BaseException as exc:
+            self.steps.abort_followers(f"{type(exc).__name__}: {exc}")
+            raise
+        self.steps.stop_followers()
+        return result
 
     def request_stop(self, signum: int) -> None:
         """Stop at the next safe point (safe to call from a signal handler).

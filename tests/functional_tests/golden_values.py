@@ -1,29 +1,38 @@
-"""Golden-value regression cases: run a case's training command, compare per-step metrics.
+"""Golden-value regression cases: run a case's training job, compare its per-step metrics.
 
-A case is a folder ``test_cases/<name>/`` with ``model_config.yaml``::
+A case is a folder ``test_cases/<name>/`` holding ``model_config.yaml``::
 
-    nproc_per_node: 1          # torchrun processes
-    args: {rl-forced-lag: 2, train-iters: 12}   # flags of pretrain_grpo.py
-    tolerances:                # per metric: |actual - golden| <= atol + rtol * |golden|
-      loss: {rtol: 1.0e-4, atol: 1.0e-6}
-      staleness_mean: {rtol: 0, atol: 0}
+    nproc_per_node: 1                             # torchrun processes
+    args: {rl-forced-lag: 2, train-iters: 12}     # flags of pretrain_grpo.py
+    env_server: |                                 # optional: serve this env config from a real
+      - agent_type: digits                        #   uvicorn env server; the trainer reaches it
+        env_id: copy                              #   through `remote` agents
+    resume: {save-interval: 10, kill-after-step: 12}   # optional: save every 10 steps, kill -9
+                                                  #   the job once step 12 is logged, resume
+    tolerances: {loss: {rtol: 1.0e-3}}            # optional overrides of TOLERANCES
 
-and ``golden_values.json`` holding ``{metric: [value per step]}`` for the metrics listed in
-``tolerances``.
+and ``golden_values.json``: ``{metric: [value per step]}`` for every metric in ``TOLERANCES``.
+A value matches when ``|actual - golden| <= atol + rtol * |golden|``.
 
-    python tests/functional_tests/golden_values.py --case grpo_tiny_lag2            # compare
-    python tests/functional_tests/golden_values.py --case grpo_tiny_lag2 --update   # rewrite
+    python tests/functional_tests/golden_values.py                          # compare all cases
+    python tests/functional_tests/golden_values.py --case lag2              # one case
+    python tests/functional_tests/golden_values.py --case lag2 --update-golden   # rewrite
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import yaml
@@ -31,20 +40,45 @@ import yaml
 CASES = Path(__file__).parent / "test_cases"
 ROOT = Path(__file__).resolve().parents[2]
 
+EXACT = {"rtol": 0.0, "atol": 0.0}
+TOLERANCES: dict[str, dict[str, float]] = {
+    # Float metrics: bitwise on one machine; the margin absorbs other CPUs' kernels. The loss sums
+    # near-cancelling advantage-weighted terms, so it also gets an absolute floor.
+    "loss": {"rtol": 1e-4, "atol": 1e-6},
+    "grad_norm": {"rtol": 1e-4, "atol": 1e-6},
+    "lr": {"rtol": 1e-9, "atol": 0.0},
+    "reward_mean": {"rtol": 1e-6, "atol": 1e-6},
+    "reward_std": {"rtol": 1e-6, "atol": 1e-6},
+    "completion_tokens_mean": {"rtol": 1e-9, "atol": 0.0},
+    "clip_fraction": {"rtol": 1e-4, "atol": 1e-6},
+    "mismatch_kl": {"rtol": 1e-3, "atol": 1e-7},
+    # The lag contract and the environment accounting: exact.
+    "staleness_min": EXACT,
+    "staleness_mean": EXACT,
+    "staleness_max": EXACT,
+    "token_staleness_min": EXACT,
+    "token_staleness_mean": {"rtol": 0.0, "atol": 1e-9},
+    "token_staleness_max": EXACT,
+    "placeholder_rollouts": EXACT,
+}
+"""Guarded metrics and their default tolerances (a case may override entries)."""
 
-def load_case(name: str) -> dict:
-    """The parsed ``model_config.yaml`` of case ``name``."""
-    return yaml.safe_load((CASES / name / "model_config.yaml").read_text())
+
+# ----------------------------------------------------------------------------- launching
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def training_command(nproc: int, args: dict) -> list[str]:
     """The torchrun command line of pretrain_grpo.py with ``args`` (flag name -> value)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     argv = [f"--{k}={v}" for k, v in args.items()]
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-            f"--master-port={port}", "pretrain_grpo.py", *argv]  # fmt: skip
+            f"--master-port={free_port()}", "pretrain_grpo.py", *argv]  # fmt: skip
 
 
 def subprocess_env() -> dict[str, str]:
@@ -53,68 +87,224 @@ def subprocess_env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=path)
 
 
+def read_metrics(path: Path) -> list[dict]:
+    """The per-step records of a ``--metrics-file``."""
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
 def run_training(nproc: int, args: dict, timeout: float = 600) -> list[dict]:
     """Run pretrain_grpo.py under torchrun with ``args`` and return its per-step metrics."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "metrics.jsonl"
         cmd = training_command(nproc, {**args, "metrics-file": metrics})
-        env = subprocess_env()
         proc = subprocess.run(
-            cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+            cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=timeout
         )
         if proc.returncode != 0:
             raise RuntimeError(
                 f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
             )
-        return [json.loads(line) for line in metrics.read_text().splitlines()]
+        return read_metrics(metrics)
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo.extend(children.get(tree[-1], []))
+    return tree
+
+
+def kill_job(pid: int) -> None:
+    """``kill -9`` every process of a torchrun job (its workers run in their own sessions)."""
+    for p in process_tree(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+
+
+def run_until_step_then_kill(nproc: int, args: dict, metrics: Path, step: int) -> None:
+    """Start the job; ``kill -9`` all its processes once ``step`` is logged (a crash)."""
+    with tempfile.TemporaryFile() as err:
+        cmd = training_command(nproc, {**args, "metrics-file": metrics})
+        job = subprocess.Popen(
+            cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=err
+        )
+        try:
+            deadline = time.monotonic() + 600
+            while not (metrics.exists() and any(m["step"] >= step for m in read_metrics(metrics))):
+                if job.poll() is not None:
+                    err.seek(0)
+                    raise RuntimeError(f"the job ended before step {step}:\n{err.read()[-4000:]}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the job did not reach step {step} in 600 s")
+                time.sleep(0.05)
+        finally:
+            kill_job(job.pid)
+            job.wait()
+
+
+@contextlib.contextmanager
+def env_server(
+    workdir: Path, config: str, log_level: str = "warning"
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Run ``python -m megatron.rl.server.env_server`` on a free port until the block exits.
+
+    Yields the server's URL (once ``/health`` answers) and its process.
+    """
+    import httpx
+
+    env_config = workdir / "server_envs.yaml"
+    env_config.write_text(config)
+    port = free_port()
+    log_path = workdir / "env_server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "megatron.rl.server.env_server", f"--env-config={env_config}",
+             "--host=127.0.0.1", f"--port={port}", f"--log-level={log_level}"],
+            cwd=ROOT, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                with contextlib.suppress(httpx.TransportError):
+                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                        break
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the env server exited:\n{log_path.read_text()}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the env server did not answer /health within 60 s")
+                time.sleep(0.2)
+            yield url, proc
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+def remote_env_config(workdir: Path, url: str, env_ids: list[str]) -> Path:
+    """An env config of one ``remote`` agent per env id of the server at ``url``."""
+    path = workdir / "remote_envs.yaml"
+    path.write_text(
+        "".join(
+            f"- agent_type: remote\n  env_id: remote-{e}\n"
+            f"  agent_args: {{url: '{url}', env_id: {e}, max_retries: 2, backoff_s: 0.2}}\n"
+            for e in env_ids
+        )
+    )
+    return path
+
+
+# ----------------------------------------------------------------------------- cases
+
+
+def case_names() -> list[str]:
+    """Every case folder, sorted."""
+    return sorted(p.name for p in CASES.iterdir() if (p / "model_config.yaml").is_file())
+
+
+def load_case(name: str) -> dict:
+    """The parsed ``model_config.yaml`` of case ``name``."""
+    path = CASES / name / "model_config.yaml"
+    if not path.is_file():
+        raise SystemExit(f"--case {name}: no {path} (cases: {', '.join(case_names())})")
+    return yaml.safe_load(path.read_text())
+
+
+def tolerances(case: dict) -> dict[str, dict[str, float]]:
+    """The case's tolerances: the defaults with its overrides."""
+    merged = {k: dict(v) for k, v in TOLERANCES.items()}
+    for metric, tol in (case.get("tolerances") or {}).items():
+        merged[metric] = {"rtol": 0.0, "atol": 0.0, **tol}
+    return merged
 
 
 def run_case(name: str) -> list[dict]:
-    """Per-step metrics of case ``name``."""
+    """Per-step metrics of case ``name`` (for a resume case: logged before the kill up to the
+    checkpoint, then the resumed run's)."""
     case = load_case(name)
-    return run_training(case["nproc_per_node"], case["args"])
+    nproc, args = case["nproc_per_node"], dict(case["args"])
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        workdir = Path(tmp)
+        if "env_server" in case:
+            url, _ = stack.enter_context(env_server(workdir, case["env_server"]))
+            entries = yaml.safe_load(case["env_server"])
+            env_ids = [e.get("env_id") or f"{e['agent_type']}{i}" for i, e in enumerate(entries)]
+            args["env-config"] = remote_env_config(workdir, url, env_ids)
+        if "resume" not in case:
+            return run_training(nproc, args)
+        resume = case["resume"]
+        save = {"save": workdir / "ckpt", "save-interval": resume["save-interval"]}
+        first = workdir / "before_kill.jsonl"
+        run_until_step_then_kill(nproc, {**args, **save}, first, resume["kill-after-step"])
+        saved_at = int((workdir / "ckpt" / "latest_checkpointed_iteration.txt").read_text())
+        resumed = run_training(nproc, {**args, **save, "load": workdir / "ckpt"})
+        return [m for m in read_metrics(first) if m["step"] < saved_at] + resumed
 
 
-def compare(name: str, metrics: list[dict]) -> list[str]:
-    """Mismatches between ``metrics`` and the case's golden values (empty when all match)."""
+def compare(name: str, metrics: list[dict], golden: dict | None = None) -> list[tuple]:
+    """Mismatches ``(step, metric, golden, actual, difference)``; empty when all match.
+
+    ``golden`` defaults to the case's ``golden_values.json``.
+    """
     case = load_case(name)
-    golden = json.loads((CASES / name / "golden_values.json").read_text())
-    problems = []
-    for metric, tol in case["tolerances"].items():
-        want = golden[metric]
-        got = [m[metric] for m in metrics]
-        if len(got) != len(want):
-            problems.append(f"{metric}: {len(got)} steps, golden has {len(want)}")
+    if golden is None:
+        golden = json.loads((CASES / name / "golden_values.json").read_text())
+    problems: list[tuple] = []
+    for metric, tol in tolerances(case).items():
+        want = golden.get(metric)
+        if want is None:
+            problems.append(("-", metric, "missing", "-", "-"))
             continue
-        for step, (g, w) in enumerate(zip(got, want)):
-            if abs(g - w) > tol["atol"] + tol["rtol"] * abs(w):
-                problems.append(f"{metric} step {step}: got {g!r}, golden {w!r} ({tol})")
+        got = [m.get(metric, math.nan) for m in metrics]
+        if len(got) != len(want):
+            problems.append(("-", metric, f"{len(want)} steps", f"{len(got)} steps", "-"))
+            continue
+        for m, g, w in zip(metrics, got, want):
+            if not abs(g - w) <= tol["atol"] + tol["rtol"] * abs(w):
+                problems.append((m["step"], metric, w, g, g - w))
     return problems
+
+
+def format_table(problems: list[tuple]) -> str:
+    """A readable table of mismatches: step, metric, golden, actual, difference."""
+    rows = [("step", "metric", "golden", "actual", "difference")]
+    rows += [tuple(f"{v:.10g}" if isinstance(v, float) else str(v) for v in p) for p in problems]
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    lines = ["  ".join(c.rjust(w) if i != 1 else c.ljust(w) for i, (c, w) in
+                       enumerate(zip(r, widths))) for r in rows]  # fmt: skip
+    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
 
 
 def update(name: str, metrics: list[dict]) -> None:
     """Rewrite the golden values of case ``name`` from ``metrics``."""
-    case = load_case(name)
-    golden = {metric: [m[metric] for m in metrics] for metric in case["tolerances"]}
-    path = CASES / name / "golden_values.json"
-    path.write_text(json.dumps(golden, indent=1) + "\n")
+    golden = {metric: [m[metric] for m in metrics] for metric in tolerances(load_case(name))}
+    (CASES / name / "golden_values.json").write_text(json.dumps(golden, indent=1) + "\n")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--case", action="append", help="case name (default: all cases)")
-    parser.add_argument("--update", action="store_true", help="rewrite the golden values")
+    parser.add_argument("--case", action="append", help="case name (repeatable; default: all)")
+    parser.add_argument(
+        "--update-golden", action="store_true", help="rewrite the cases' golden_values.json"
+    )
     opts = parser.parse_args()
     failed = False
-    for name in opts.case or sorted(p.name for p in CASES.iterdir() if p.is_dir()):
+    for name in opts.case or case_names():
         metrics = run_case(name)
-        if opts.update:
+        if opts.update_golden:
             update(name, metrics)
             print(f"{name}: golden values updated ({len(metrics)} steps)")
             continue
         problems = compare(name, metrics)
         failed |= bool(problems)
-        print(f"{name}: " + ("OK" if not problems else "MISMATCH\n  " + "\n  ".join(problems)))
+        print(f"{name}: " + ("OK" if not problems else "MISMATCH\n" + format_table(problems)))
     return int(failed)
 
 

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import golden_values
 import httpx
-import pytest
-from golden_values import ROOT, run_training, subprocess_env, training_command
-from grpo_testing.distributed import free_port
+from golden_values import (
+    ROOT,
+    remote_env_config,
+    run_training,
+    subprocess_env,
+    training_command,
+)
 
 COMMON = {"rl-forced-lag": 2, "train-iters": 12, "lr-warmup-iters": 2, "seed": 1234}
 COPY_ENV = "- agent_type: digits\n  env_id: copy\n  agent_args: {task: copy}\n"
@@ -22,72 +26,13 @@ COPY_ENV = "- agent_type: digits\n  env_id: copy\n  agent_args: {task: copy}\n"
 
 @contextlib.contextmanager
 def env_server(tmp_path: Path, config: str = COPY_ENV, log_level: str = "warning"):
-    """Start ``python -m megatron.rl.server.env_server`` and wait until /health answers."""
-    env_config = tmp_path / "server_envs.yaml"
-    env_config.write_text(config)
-    port = free_port()
-    log = open(tmp_path / "env_server.log", "w")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "megatron.rl.server.env_server",
-            f"--env-config={env_config}",
-            "--host=127.0.0.1",
-            f"--port={port}",
-            f"--log-level={log_level}",
-        ],
-        cwd=ROOT,
-        env=subprocess_env(),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            assert proc.poll() is None, (tmp_path / "env_server.log").read_text()
-            assert time.monotonic() < deadline, "env server did not start"
-            time.sleep(0.2)
-        yield url, proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        log.close()
+    """A real env server process serving ``config`` (see ``golden_values.env_server``)."""
+    with golden_values.env_server(tmp_path, config, log_level) as served:
+        yield served
 
 
 def remote_config(tmp_path: Path, url: str, env_id: str = "copy") -> Path:
-    path = tmp_path / "remote.yaml"
-    path.write_text(
-        f"- agent_type: remote\n  env_id: remote-{env_id}\n"
-        f"  agent_args: {{url: '{url}', env_id: {env_id}, max_retries: 2, backoff_s: 0.2}}\n"
-    )
-    return path
-
-
-@pytest.fixture(scope="module")
-def in_process_run():
-    return run_training(1, COMMON)
-
-
-def test_remote_run_equals_the_in_process_run_bitwise(tmp_path, in_process_run):
-    with env_server(tmp_path) as (url, _):
-        remote = run_training(1, {**COMMON, "env-config": remote_config(tmp_path, url)})
-    assert len(remote) >= 10
-    for m in remote:
-        expected = min(m["step"], 2)
-        assert m["staleness_min"] == m["staleness_max"] == expected
-    # The deterministic engine schedule makes HTTP timing irrelevant: identical tokens, rewards
-    # and therefore identical losses.
-    assert [m["reward_mean"] for m in remote] == [m["reward_mean"] for m in in_process_run]
-    assert [m["loss"] for m in remote] == [m["loss"] for m in in_process_run]
-    assert [m["token_staleness_mean"] for m in remote] == [
-        m["token_staleness_mean"] for m in in_process_run
-    ]
+    return remote_env_config(tmp_path, url, [env_id])
 
 
 @contextlib.contextmanager

@@ -17,7 +17,8 @@ independent of network or task timing:
 * Waiting requests are admitted in key order (batch, index, sample); unkeyed requests after them,
   first come first served.
 * ``await_batch(b)`` sets the window target: keyed requests are stepped only while batch ``b``
-  still has an announced, waiting or active request. Unkeyed requests always step.
+  still has an announced, waiting or active request (``b=None``: always). Unkeyed requests always
+  step.
 
 A barrier that waits longer than ``barrier_timeout_s`` is lifted with a warning (an agent that
 announced requests it never sent): the run goes on, without the determinism guarantee.
@@ -183,8 +184,11 @@ class LocalInferenceEngine:
         if self._expected.pop((batch_id, index_in_batch), None) is not None:
             self._wakeup.set()
 
-    def await_batch(self, batch_id: int) -> None:
-        """The trainer now waits for ``batch_id``: keyed work steps only while it is unfinished."""
+    def await_batch(self, batch_id: int | None) -> None:
+        """The trainer now waits for ``batch_id``: keyed work steps only while it is unfinished.
+
+        ``None`` lets every keyed request step (a drain before a checkpoint).
+        """
         self._awaited_batch = batch_id
         self._wakeup.set()
 

@@ -12,6 +12,12 @@ optimizer updates applied so far):
    ``index_in_batch`` order, whatever order the agents finish in.
 3. A failure in any worker fails the pending ``next_batch`` with the original exception; nothing
    waits forever.
+4. Checkpoints keep the contract exact. ``drain`` completes every submitted batch (no generation
+   is left half done) and ``state`` then captures the pipeline: the next batch id (the prompt
+   cursor), how many batches were submitted, and the finished groups not yet consumed, each
+   rollout carrying the policy version it was submitted at. A generator built with
+   ``resume_from=state`` holds the same permits and buffer, so the resumed run submits and hands
+   out exactly what the uninterrupted run would have after the same drain.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from pydantic import BaseModel, ConfigDict
 
 from megatron.rl.agent.api import Agent
 from megatron.rl.inference.interface import InferenceInterface
@@ -58,8 +66,24 @@ class BatchScheduler(Protocol):
     def group_done(self, batch_id: int, index_in_batch: int) -> None:
         """A group has finished; withdraw whatever it announced and did not send."""
 
-    def await_batch(self, batch_id: int) -> None:
-        """The trainer now waits for ``batch_id``."""
+    def await_batch(self, batch_id: int | None) -> None:
+        """The trainer now waits for ``batch_id`` (``None``: for every submitted batch)."""
+
+
+class PipelineState(BaseModel):
+    """The generator's state after ``drain``: what a checkpoint needs to resume the lag exactly."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    next_batch_id: int
+    """The batch the trainer asks for next (the prompt cursor: prompts derive from batch ids)."""
+    submitted: int
+    """Batches submitted so far; batches ``next_batch_id .. submitted - 1`` are in ``groups``."""
+    forced_lag: int
+    groups_per_batch: int
+    group_size: int
+    groups: list[RolloutGroup]
+    """Every finished, unconsumed group, ordered by (batch_id, index_in_batch)."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +142,15 @@ class OrderedReassembly:
         batch = self._groups.pop(batch_id)
         return [batch[i] for i in range(self.groups_per_batch)]
 
+    def buffered(self) -> list[RolloutGroup]:
+        """Every buffered group, ordered by (batch_id, index_in_batch)."""
+        return [g for b in sorted(self._groups) for _, g in sorted(self._groups[b].items())]
+
+    def raise_if_failed(self) -> None:
+        """Raise the error passed to ``fail``, if any."""
+        if self._error is not None:
+            raise self._error
+
     def fail(self, error: BaseException) -> None:
         """Make every current and future ``pop`` raise ``error`` (first failure wins)."""
         if self._error is None:
@@ -136,6 +169,9 @@ class GroupedRolloutGenerator:
     the batch it consumed last and waits for the next batch in order; it is the only thing that
     unblocks the submitter. This object owns all these tasks: ``aclose`` cancels and awaits
     them, and a worker's exception is re-raised by the pending or next ``next_batch``.
+
+    ``resume_from`` restores a ``PipelineState`` taken after ``drain`` (``first_batch_id`` is then
+    the state's ``next_batch_id``).
     """
 
     def __init__(
@@ -146,19 +182,53 @@ class GroupedRolloutGenerator:
         policy_version: Callable[[], int],
         first_batch_id: int = 0,
         scheduler: BatchScheduler | None = None,
+        resume_from: PipelineState | None = None,
     ) -> None:
         self.agent = agent
         self.inference = inference
         self.config = config
         self.policy_version = policy_version
         self.scheduler = scheduler
-        self._gate = asyncio.Semaphore(config.forced_lag + 1)
         self._reassembly = OrderedReassembly(config.groups_per_batch)
         self._next_batch_id = first_batch_id
-        self._first_batch_id = first_batch_id
         self._submitted = first_batch_id  # batches submitted so far (next id to submit)
+        self._release_on_next = False  # the batch consumed last still holds its permit
+        permits = config.forced_lag + 1
+        if resume_from is not None:
+            self._restore(resume_from)
+            permits -= self.in_flight + 1
+        self._gate = asyncio.Semaphore(permits)
+        self._permitted = self._submitted + permits  # batches the gate has let through so far
+        self._progress = asyncio.Event()  # set by the submitter after each batch
         self._tasks: set[asyncio.Task] = set()
         self._submitter: asyncio.Task | None = None
+
+    def _restore(self, state: PipelineState) -> None:
+        cfg = self.config
+        saved = (state.forced_lag, state.groups_per_batch, state.group_size)
+        if saved != (cfg.forced_lag, cfg.groups_per_batch, cfg.group_size):
+            raise ValueError(
+                f"the saved rollout pipeline has forced_lag, groups_per_batch, group_size = "
+                f"{saved}; this run has {(cfg.forced_lag, cfg.groups_per_batch, cfg.group_size)}"
+            )
+        in_flight = state.submitted - state.next_batch_id
+        expected = [
+            (b, i) for b in range(state.next_batch_id, state.submitted)
+            for i in range(cfg.groups_per_batch)
+        ]  # fmt: skip
+        if (
+            not 0 <= in_flight <= cfg.forced_lag
+            or [(g.batch_id, g.index_in_batch) for g in state.groups] != expected
+        ):
+            raise ValueError(
+                f"the saved rollout pipeline is not a drained one: batches "
+                f"{state.next_batch_id}..{state.submitted - 1} must be complete"
+            )
+        for group in state.groups:
+            self._reassembly.put(group)
+        self._next_batch_id = state.next_batch_id
+        self._submitted = state.submitted
+        self._release_on_next = True
 
     @property
     def in_flight(self) -> int:
@@ -174,14 +244,41 @@ class GroupedRolloutGenerator:
         """Release the previous batch's permit and return the next batch, in order."""
         if self._submitter is None:
             raise RuntimeError("call start() before next_batch()")
-        if self._next_batch_id > self._first_batch_id:
+        if self._release_on_next:
             self._gate.release()
+            self._permitted += 1
+            await self._submission_caught_up()
+        self._release_on_next = True
         if self.scheduler is not None:
             self.scheduler.await_batch(self._next_batch_id)
         groups = await self._reassembly.pop(self._next_batch_id)
         batch = RolloutBatch(self._next_batch_id, groups, self.in_flight, self._reassembly.depth)
         self._next_batch_id += 1
         return batch
+
+    async def drain(self) -> PipelineState:
+        """Wait until every submitted batch is finished; return the pipeline state.
+
+        The submitter first takes every permit it is owed, so the state is the same whatever the
+        task interleaving. The inference engine must be stepping meanwhile (the owner resumes
+        it); a worker's failure is raised here.
+        """
+        if self._submitter is None:
+            raise RuntimeError("call start() before drain()")
+        await self._submission_caught_up()
+        if self.scheduler is not None:
+            self.scheduler.await_batch(None)
+        while workers := [t for t in self._tasks if t is not self._submitter]:
+            await asyncio.wait(workers)
+        self._reassembly.raise_if_failed()
+        return PipelineState(
+            next_batch_id=self._next_batch_id,
+            submitted=self._submitted,
+            forced_lag=self.config.forced_lag,
+            groups_per_batch=self.config.groups_per_batch,
+            group_size=self.config.group_size,
+            groups=self._reassembly.buffered(),
+        )
 
     async def aclose(self) -> None:
         """Cancel the submitter and every group worker and wait for them to finish."""
@@ -191,8 +288,22 @@ class GroupedRolloutGenerator:
         await asyncio.gather(*tasks, return_exceptions=True)
         self._reassembly.fail(RuntimeError("the rollout generator was closed"))
 
+    async def _submission_caught_up(self) -> None:
+        """Wait until every batch the gate let through is submitted.
+
+        A released permit is taken by the submitter task on its next turn; waiting for it here
+        makes the submission's policy version the one current at the release, whatever the
+        caller does next, and makes ``drain`` see every batch it must finish.
+        """
+        while self._submitted < self._permitted:
+            if self._submitter.done():
+                self._submitter.result()  # raises what stopped it
+                raise RuntimeError("the rollout submitter stopped")
+            self._progress.clear()
+            await self._progress.wait()
+
     async def _submit_loop(self) -> None:
-        for batch_id in itertools.count(self._first_batch_id):
+        for batch_id in itertools.count(self._submitted):
             await self._gate.acquire()
             version = self.policy_version()
             for index in range(self.config.groups_per_batch):
@@ -210,6 +321,7 @@ class GroupedRolloutGenerator:
                     self.scheduler.expect_group(batch_id, index, expected)
                 self._spawn(self._run_group(request), f"rollout-group-{batch_id}-{index}")
             self._submitted = batch_id + 1
+            self._progress.set()
 
     async def _run_group(self, request: GroupedRolloutRequest) -> None:
         try:
@@ -238,5 +350,6 @@ class GroupedRolloutGenerator:
 
     def _on_task_done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
+        self._progress.set()  # a waiter in _submission_caught_up re-checks the submitter
         if not task.cancelled() and task.exception() is not None:
             self._reassembly.fail(task.exception())
