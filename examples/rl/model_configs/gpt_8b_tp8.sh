@@ -1,0 +1,30 @@
+# ~8B-parameter GPT (40 layers x 4096, 32 heads) for one 8-GPU node, tensor-parallel over 8 GPUs.
+#   source examples/rl/model_configs/gpt_8b_tp8.sh
+#   torchrun --nproc-per-node 8 pretrain_grpo.py "${MODEL_ARGS[@]}" --rl-forced-lag 2 \
+#       --env-config examples/rl/environment_configs/mixture.yaml
+# Across nodes (data parallel over nodes) use the SLURM launcher in examples/rl/ with this file.
+# Parameters: 40 x (4 x 4096^2 + 2 x 4096 x 16384) (layers) + embeddings ~= 8.06e9.
+# Pipeline parallelism (e.g. --pipeline-model-parallel-size 2 with TP 4) is refused until the
+# training loop uses the CUDA tier; so is the precision below. In float32 with AdamW the model
+# states alone take ~16 bytes x 8e9 / 8 GPUs ~= 16 GB per GPU, before activations and KV cache.
+MODEL_ARGS=(
+    --num-layers 40
+    --hidden-size 4096
+    --num-attention-heads 32
+    --ffn-hidden-size 16384
+    --seq-length 1024
+    --max-position-embeddings 1024
+    --make-vocab-size-divisible-by 128
+    --tensor-model-parallel-size 8
+    --pipeline-model-parallel-size 1
+    --micro-batch-size 2
+    --lr 1e-6
+    --min-lr 1e-7
+    --lr-warmup-iters 10
+    --clip-grad 1.0
+    --weight-decay 0.01
+    --inference-max-requests 64
+    # Uncomment once TRAINING_LOOP_USES_TIERS is True in megatron/training/arguments.py:
+    # --bf16
+    # --use-distributed-optimizer
+)

@@ -1,0 +1,52 @@
+"""The example env configs load, and every prompt they draw fits the tiny model's sequence."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+from megatron.rl.agent.api import SingleTurnEnvironment
+from megatron.rl.agent.env_config import load_env_config
+from megatron.rl.seeding import derive_seed
+from megatron.rl.tokenizer import CharTokenizer
+
+ROOT = Path(__file__).resolve().parents[4]
+CONFIGS = ROOT / "examples/rl/environment_configs"
+SEQ_LENGTH, DEFAULT_MAX_TOKENS = 32, 16  # pretrain_grpo.py defaults (and tiny_cpu.sh)
+
+
+@pytest.fixture
+def at_repo_root(monkeypatch):
+    monkeypatch.chdir(ROOT)  # the configs' data paths are relative to the launch directory
+
+
+@pytest.mark.parametrize(
+    "name, env_ids, weights",
+    [
+        pytest.param("countdown", ["countdown"], [1.0], id="countdown"),
+        pytest.param("math", ["math"], [1.0], id="math"),
+        pytest.param("mixture", ["copy", "countdown", "math"], [2.0, 1.0, 1.0], id="mixture"),
+    ],
+)
+def test_config_loads(at_repo_root, name, env_ids, weights):
+    mixture = load_env_config(os.path.join("examples/rl/environment_configs", f"{name}.yaml"))
+    assert [a.env_id for a in mixture.agents] == env_ids
+    assert list(mixture.weights) == weights
+
+
+def test_every_config_is_listed():
+    assert sorted(p.stem for p in CONFIGS.glob("*.yaml")) == ["countdown", "math", "mixture"]
+
+
+@pytest.mark.parametrize("name", ["countdown", "math", "mixture"])
+def test_prompts_fit_the_default_sequence_length_and_alphabet(at_repo_root, name):
+    tokenizer = CharTokenizer()
+    for agent in load_env_config(CONFIGS / f"{name}.yaml").agents:
+        assert isinstance(agent, SingleTurnEnvironment)
+        for i in range(300):
+            p = agent.make_problem(random.Random(derive_seed(1234, i, 0)))
+            tokenizer.encode(p.prompt)
+            assert len(p.prompt) + (p.max_tokens or DEFAULT_MAX_TOKENS) <= SEQ_LENGTH, p
