@@ -1,0 +1,199 @@
+"""Lag sweep: training throughput of ``pretrain_grpo.py`` for forced lag L in {0, 1, 2, 4}.
+
+    python tools/benchmarks/lag_sweep.py [--lags 0 1 2 4 --steps 40 --skip 15 --rounds 2]
+
+Measures, for each L, on the long-tail + slow-reward workload (``envs.LongTailLatencyEnvironment``:
+Pareto token budgets, min 4, shape 1.2, capped at 192; a log-uniform 20-200 ms asyncio reward per
+rollout), with the trainer's default tiny model (2 layers, hidden 64), 8 prompts x 8 samples:
+
+* steps/s: training steps per wall-clock second over steps ``skip..steps-1`` (the first ``skip``
+  steps hold start-up, pipeline fill and the policy learning to stop emitting EOS early, after
+  which every L generates nearly the same tokens: compare the tokens per step);
+* generated tokens/s: tokens the engine sampled over the same window / its wall time;
+* mean active requests: requests decoded per engine step (every active request steps in a
+  generation window), sampled in-process by wrapping ``StepGroup.step``; also engine steps per
+  training step and the share of wall time spent in engine steps;
+* each ratio to L=0.
+
+The environment sends keyed requests, so the engine runs its deterministic schedule (a window
+steps only while the awaited batch has unfinished generations). One extra configuration per
+``--unkeyed-lags`` entry (default: L=2) sends unkeyed requests (``keyed: false``), which the
+engine steps whenever a window is open: it shows what the deterministic schedule costs.
+
+Every configuration runs ``rounds`` times as separate ``torchrun`` processes, interleaved (order
+reversed every other round), so all see the same machine conditions; numbers pool the rounds and
+the steps/s ratio is also given per round (min-max). The engine has 320 KV-cache slots
+(``--inference-max-requests``) in every run: room for the L+1 = 5 batches in flight at L=4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tools.benchmarks.common import Window, pooled, run_trainer, spread, window  # noqa: E402
+
+ENV_CONFIG = """\
+- agent_type: tools.benchmarks.envs:LongTailLatencyEnvironment
+  env_id: longtail
+  agent_args: {{budget_min: 4, budget_alpha: {alpha}, budget_max: {cap},
+               latency_min_ms: 20, latency_max_ms: 200, keyed: {keyed}}}
+"""
+
+
+def trainer_flags(lag: int, opts: argparse.Namespace, env_config: Path) -> list[str]:
+    """``pretrain_grpo.py`` flags of one sweep run (model and batch: the trainer's defaults)."""
+    return [
+        "--rl-forced-lag", str(lag),
+        "--train-iters", str(opts.steps),
+        "--env-config", str(env_config),
+        "--seq-length", str(opts.budget_max + 16),  # prompts are at most 5 tokens
+        "--inference-max-requests", str(opts.slots),
+        "--lr-warmup-iters", "0",
+        "--lr-decay-style", "constant",
+        "--micro-batch-size", str(opts.micro_batch_size),
+        "--log-interval", str(opts.steps),
+    ]  # fmt: skip
+
+
+def describe(w: Window) -> dict[str, float | None]:
+    """The reported numbers of one (pooled) window."""
+    c = w.counters
+    engine_steps = max(c["engine_steps"], 1)
+    return {
+        "steps_per_s": w.steps_per_s,
+        "seconds_per_step": w.seconds_per_step,
+        "uncontended_steps_per_s": w.uncontended_steps_per_s,
+        "runq_fraction": w.runq_fraction,
+        "generated_tokens_per_s": c["generated_tokens"] / w.seconds,
+        "generated_tokens_per_step": c["generated_tokens"] / w.steps,
+        "mean_active_requests": c["engine_rows"] / engine_steps,
+        "engine_steps_per_step": c["engine_steps"] / w.steps,
+        "engine_prefill_step_fraction": c["engine_prefill_steps"] / engine_steps,
+        "engine_busy_fraction": c["engine_seconds"] / w.seconds,
+        "waiting_fraction": (c["collect_seconds"] - c["engine_seconds"]) / w.seconds,
+        "train_fraction": c["train_seconds"] / w.seconds,
+        "completion_tokens_mean": w.completion_tokens_mean,
+    }
+
+
+def configurations(opts: argparse.Namespace) -> list[tuple[str, int, bool]]:
+    """(name, forced lag, keyed requests) of every run; the first is the reference."""
+    keyed = [(f"L={lag}", lag, True) for lag in opts.lags]
+    return keyed + [(f"L={lag}, unkeyed", lag, False) for lag in opts.unkeyed_lags]
+
+
+def run(opts: argparse.Namespace, logs: Path) -> dict[str, Any]:
+    """Run the interleaved sweep; returns per-configuration results, ratios and the flags."""
+    logs.mkdir(parents=True, exist_ok=True)
+    env_configs = {}
+    for keyed in (True, False):
+        env_configs[keyed] = logs / f"longtail_env_{'keyed' if keyed else 'unkeyed'}.yaml"
+        env_configs[keyed].write_text(
+            ENV_CONFIG.format(
+                alpha=opts.budget_alpha, cap=opts.budget_max, keyed=str(keyed).lower()
+            )
+        )
+    configs = configurations(opts)
+    windows: dict[str, list[Window]] = {name: [] for name, _, _ in configs}
+    for r in range(opts.rounds):
+        for name, lag, keyed in configs if r % 2 == 0 else list(reversed(configs)):
+            flags = trainer_flags(lag, opts, env_configs[keyed])
+            log = logs / f"{name.replace('=', '').replace(', ', '_')}_round{r}.log"
+            print(f"  lag sweep: round {r + 1}/{opts.rounds}, {name}", flush=True)
+            summary = run_trainer(flags, opts.threads, log)
+            windows[name].append(window(summary, opts.skip))
+    base = windows[configs[0][0]]
+    results = []
+    for name, lag, keyed in configs:
+        row = {"name": name, "lag": lag, "keyed": keyed, **describe(pooled(windows[name]))}
+        row["steps_per_s_ratio_per_round"] = [
+            w.steps_per_s / b.steps_per_s for w, b in zip(windows[name], base)
+        ]
+        results.append(row)
+    ref = results[0]
+    for row in results:
+        for key in (
+            "steps_per_s",
+            "uncontended_steps_per_s",
+            "generated_tokens_per_s",
+            "mean_active_requests",
+        ):
+            ok = row[key] is not None and ref[key] is not None
+            row[f"{key}_ratio"] = row[key] / ref[key] if ok else None
+    return {
+        "flags": trainer_flags(0, opts, Path("longtail_env.yaml"))[2:],
+        "env_config": env_configs[True].read_text(),
+        "steps": opts.steps,
+        "skip": opts.skip,
+        "rounds": opts.rounds,
+        "threads": opts.threads,
+        "results": results,
+    }
+
+
+def markdown(res: dict[str, Any]) -> str:
+    """The sweep as a markdown table."""
+    lines = [
+        "| config | steps/s | ratio to L=0 (per round) | ratio without run-queue wait"
+        " | generated tok/s | ratio | mean active requests | ratio"
+        " | engine steps per step (with prefill) | time in engine / waiting / training"
+        " | run-queue wait | s/step | gen tok/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in res["results"]:
+        unc = (
+            "n/a"
+            if r["uncontended_steps_per_s_ratio"] is None
+            else (f"{r['uncontended_steps_per_s_ratio']:.2f}x")
+        )
+        runq = "n/a" if r["runq_fraction"] is None else f"{r['runq_fraction']:.0%}"
+        lines.append(
+            f"| {r['name']} | {r['steps_per_s']:.2f} | **{r['steps_per_s_ratio']:.2f}x** "
+            f"({spread(r['steps_per_s_ratio_per_round'])}) | {unc} | "
+            f"{r['generated_tokens_per_s']:.0f} | {r['generated_tokens_per_s_ratio']:.2f}x | "
+            f"{r['mean_active_requests']:.1f} | {r['mean_active_requests_ratio']:.2f}x | "
+            f"{r['engine_steps_per_step']:.1f} ({r['engine_prefill_step_fraction']:.0%}) | "
+            f"{r['engine_busy_fraction']:.0%} / {r['waiting_fraction']:.0%} / "
+            f"{r['train_fraction']:.0%} | {runq} | {r['seconds_per_step']:.3f} | "
+            f"{r['generated_tokens_per_step']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The sweep's options (shared with ``run_all.py``)."""
+    parser.add_argument("--lags", type=int, nargs="+", default=[0, 1, 2, 4])
+    parser.add_argument(
+        "--unkeyed-lags", type=int, nargs="*", default=[2], help="Extra runs, unkeyed requests."
+    )
+    parser.add_argument("--steps", type=int, default=40, help="Training steps per run.")
+    parser.add_argument("--skip", type=int, default=15, help="Leading steps not measured.")
+    parser.add_argument("--rounds", type=int, default=2, help="Interleaved repetitions.")
+    parser.add_argument("--slots", type=int, default=320, help="--inference-max-requests.")
+    parser.add_argument("--budget-alpha", type=float, default=1.2, help="Pareto shape.")
+    parser.add_argument("--budget-max", type=int, default=192, help="Longest token budget.")
+    parser.add_argument("--micro-batch-size", type=int, default=32, help="Trainer micro-batch.")
+    parser.add_argument("--threads", type=int, default=1, help="Torch threads per process.")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    parser.add_argument("--json", type=Path, default=None, help="Also write the results here.")
+    opts = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        res = run(opts, Path(tmp))
+    print(markdown(res))
+    if opts.json:
+        opts.json.write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,377 @@
+"""Regenerates every benchmark result: engine throughput, TRL side by side, lag sweep.
+
+    pip install torch==2.13.0 -e '.[bench]'
+    python tools/benchmarks/run_all.py            # about 8 minutes on 2 CPU cores
+
+Runs ``engine_throughput.py``, ``trl_side_by_side.py`` and ``lag_sweep.py`` (see their
+docstrings for what each measures) one after another in this single invocation, then writes
+
+* ``benchmarks/results/RESULTS.md``: the machine, the commands, one markdown table per benchmark
+  and whether the targets of issue 7 were met;
+* ``benchmarks/results/benchmarks.png``: the ratios as bar charts (absolute times are in the
+  tables, never used as bars);
+* ``benchmarks/results/results.json``: every number, for diffs between runs.
+
+Every comparison inside a benchmark is measured side by side (interleaved runs in this one
+invocation); ratios, not absolute times, are what the targets are checked against.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tools.benchmarks import engine_throughput, lag_sweep, trl_side_by_side  # noqa: E402
+from tools.benchmarks.common import REPO, machine, spread, subprocess_env  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "results"
+LAG_TARGET = 2.0
+"""Issue 7: L=2 must reach this many times the steps/s of L=0."""
+
+
+def run_engine(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """``engine_throughput.py`` in its own process (it initializes torch.distributed)."""
+    out = workdir / "engine.json"
+    cmd = [
+        sys.executable, str(REPO / "tools" / "benchmarks" / "engine_throughput.py"),
+        "--json", str(out), "--threads", str(opts.threads), "--repeats", str(opts.engine_repeats),
+    ]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=subprocess_env(opts.threads), capture_output=True, text=True,
+        timeout=600, check=False,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"engine_throughput.py failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+        )
+    return json.loads(out.read_text())
+
+
+def _ratio_bars(ax, rows: list[dict], series: list[tuple[str, str]], spread_key: str) -> None:
+    """Grouped bars of ``series`` (key, label) per row; the first gets per-round error bars."""
+    width = 0.8 / len(series)
+    for k, (key, label) in enumerate(series):
+        xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(rows))]
+        vals = [r[key] if r.get(key) is not None else 0.0 for r in rows]
+        bars = ax.bar(xs, vals, width, label=label)
+        if k == 0:
+            lo = [v - min(r[spread_key]) for v, r in zip(vals, rows)]
+            hi = [max(r[spread_key]) - v for v, r in zip(vals, rows)]
+            ax.errorbar(xs, vals, yerr=[lo, hi], fmt="none", c="k", lw=1)
+        if k in (0, len(series) - 1):  # the table has every number; keep the chart legible
+            ax.bar_label(bars, fmt="%.2f", fontsize=6)
+
+
+def plot(res: dict[str, Any], path: Path) -> None:
+    """Three bar charts of ratios: lag sweep, engine throughput, TRL side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5.2))
+
+    ax = axes[0]
+    rows = res["lag_sweep"]["results"]
+    series = [
+        ("steps_per_s_ratio", "steps/s (wall clock)"),
+        ("uncontended_steps_per_s_ratio", "steps/s without run-queue wait"),
+        ("generated_tokens_per_s_ratio", "generated tokens/s"),
+        ("mean_active_requests_ratio", "mean active requests"),
+    ]
+    _ratio_bars(ax, rows, series, "steps_per_s_ratio_per_round")
+    ax.axhline(LAG_TARGET, ls="--", c="r", lw=1, label=f"target: L=2 steps/s {LAG_TARGET}x")
+    ax.axhline(1.0, c="gray", lw=0.8)
+    ax.set_xticks(range(len(rows)), [r["name"].replace(", ", "\n") for r in rows])
+    ax.set_ylabel("ratio to L=0")
+    ax.set_title("Lag sweep (long-tail lengths, 20-200 ms reward)", fontsize=10)
+    ax.legend(fontsize=7)
+
+    ax = axes[1]
+    rows = res["engine"]["results"]
+    rel = [1.0 / r["engine_b64_over_this"] for r in rows]
+    bars = ax.bar(range(len(rows)), rel, color="tab:green")
+    ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(rows)), [r["name"].replace(", ", "\n") for r in rows], fontsize=7)
+    ax.set_ylabel("tokens/s relative to the engine at batch 64 (log)")
+    ax.set_title(f"Generation throughput ({res['engine']['new_tokens']} new tokens)", fontsize=10)
+
+    ax = axes[2]
+    rows = res["trl"]["results"]
+    series = [
+        ("speedup_vs_trl", "wall clock"),
+        ("uncontended_speedup_vs_trl", "without run-queue wait"),
+        ("cpu_speedup_vs_trl", "CPU time"),
+    ]
+    _ratio_bars(ax, rows, series, "speedup_vs_trl_per_round")
+    ax.axhline(1.0, ls="--", c="r", lw=1, label="TRL (target: ours above it at L=2)")
+    ax.set_xticks(range(len(rows)), [r["name"].replace(", ", "\n") for r in rows], fontsize=7)
+    ax.set_ylabel("TRL s/step ÷ s/step  (> 1: faster than TRL)")
+    ax.set_title("GRPO step time vs TRL GRPOTrainer (8 x 8, 16 tokens)", fontsize=10)
+    ax.legend(fontsize=7)
+
+    m = res["machine"]
+    fig.suptitle(
+        f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}, {res['threads']} torch thread(s) "
+        f"per process; error bars: per-round range; all measured side by side in one run "
+        f"({res['started']})",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def targets(res: dict[str, Any]) -> list[str]:
+    """One line per target of issue 7, met or not, with the measured ratios."""
+    lags = {r["name"]: r for r in res["lag_sweep"]["results"]}
+    lines = []
+    if "L=2" in lags and "L=0" in lags:
+        r = lags["L=2"]
+        met = r["steps_per_s_ratio"] >= LAG_TARGET
+        unc = r["uncontended_steps_per_s_ratio"]
+        lines.append(
+            f"- L=2 steps/s >= {LAG_TARGET}x L=0: **{'met' if met else 'not met'}**: "
+            f"{r['steps_per_s_ratio']:.2f}x (rounds {spread(r['steps_per_s_ratio_per_round'])}"
+            + ("" if unc is None else f"; {unc:.2f}x without run-queue wait")
+            + ")."
+        )
+    trl = {r["name"]: r for r in res["trl"]["results"]}
+    if "ours L=2" in trl:
+        r = trl["ours L=2"]
+        met = r["speedup_vs_trl"] > 1.0 and min(r["speedup_vs_trl_per_round"]) > 1.0
+        unc = r.get("uncontended_speedup_vs_trl")
+        lines.append(
+            f"- ours faster than TRL at L=2: **{'met' if met else 'not met'}**: TRL s/step ÷ ours "
+            f"= {r['speedup_vs_trl']:.2f}x (rounds {spread(r['speedup_vs_trl_per_round'])}"
+            + ("" if unc is None else f"; {unc:.2f}x without run-queue wait")
+            + f"; {r['cpu_speedup_vs_trl']:.2f}x in CPU time)."
+        )
+    return lines
+
+
+def report(res: dict[str, Any]) -> str:
+    """RESULTS.md."""
+    m = res["machine"]
+    lag, trl, eng = res["lag_sweep"], res["trl"], res["engine"]
+    params = ", ".join(f"{k}: {v:,}" for k, v in eng["parameters"].items())
+    load = ", ".join(f"{x:.1f}" for x in res["load_average_at_start"])
+    return f"""# Benchmark results
+
+Regenerate with `python tools/benchmarks/run_all.py` (after
+`pip install torch==2.13.0 -e '.[bench]'`); what each benchmark measures is in
+`benchmarks/README.md` and in the scripts' docstrings.
+
+**Measured side by side.** Every ratio below compares configurations that ran interleaved
+(alternating order) within this one invocation of `run_all.py`, started {res['started']} and
+lasting {res['seconds'] / 60:.1f} min. Absolute times are for reference only: this machine is
+shared and other jobs (test suites) used its cores during the run (load average at the start:
+{load}). The *run-queue wait* columns say how much: the share of wall time the benchmark's main
+thread was ready to run but waited for a core (`/proc/thread-self/schedstat`); the *without
+run-queue wait* ratios subtract that time, as an estimate for an otherwise idle machine.
+
+## Machine
+
+| | |
+|---|---|
+| CPU (`/proc/cpuinfo`) | {m['cpu']} ({m['cpu_detail']}) |
+| cores | {m['cores']} |
+| memory | {m['memory']} |
+| torch threads per benchmark process | {res['threads']} |
+| Python | {m['python']} |
+| torch | {m['torch']} |
+| megatron-core | {m['megatron.core']} |
+| transformers | {m['transformers']} |
+| trl | {m['trl']} |
+| platform | {m['platform']} |
+
+## Targets (issue 7)
+
+{chr(10).join(targets(res))}
+
+## 1. Lag sweep
+
+`pretrain_grpo.py` with the trainer's default model (2 layers, hidden 64, 4 heads) and batch
+(8 prompts x 8 samples) on `tools.benchmarks.envs:LongTailLatencyEnvironment`: per-rollout token
+budgets from a Pareto distribution (min 4, shape 1.2, cap 192: median ~7 tokens, a few rollouts
+per batch run to 192) and a log-uniform 20-200 ms `asyncio.sleep` reward per rollout. The reward
+(fraction of the budget used) saturates within the skipped steps, so every L generates nearly
+the same tokens (column *gen tok/step*). Interleaved rounds: {lag['rounds']}, of
+{lag['steps']} steps per L; the first {lag['skip']} steps of each run (start-up, pipeline fill,
+learning) are not measured.
+Flags besides `--rl-forced-lag L`: `{' '.join(lag['flags'])}`.
+
+{lag_sweep.markdown(lag)}
+
+*L=2, unkeyed* runs the same workload with requests sent without rollout keys
+(`keyed: false`), which the engine steps whenever a generation window is open instead of only
+while the awaited batch has unfinished generations: the gap to *L=2* is what the deterministic
+schedule costs here (mostly windows that wait for the last rewards with the engine idle).
+
+*Mean active requests*: requests decoded per engine step, counted in-process by wrapping
+`StepGroup.step` (all active requests step together in a generation window); *engine steps per
+step*: engine forward steps per training step, in parentheses the share of them that also
+prefill a newly admitted prompt. *Time in engine / waiting / training*: shares of wall time spent
+in engine steps, in the generation window with no engine step running (rewards being awaited,
+asyncio overhead), and in the training step.
+
+## 2. Engine throughput
+
+{eng['new_tokens']} new tokens per request (EOS disabled), {eng['prompt_length']}-token prompts,
+sampling at temperature 1; the megatron-core model and the Hugging Face GPT-2 have the same shape
+and parameter count ({params}); median of {eng['repeats']} interleaved repeats, in one process.
+
+{engine_throughput.markdown(eng)}
+
+## 3. TRL GRPOTrainer side by side
+
+Same model shape (random init), digit-copy prompts and reward, 8 prompts x 8 samples, at most 16
+new tokens, temperature 1, micro-batches of 32, lr 3e-3 constant, clip 0.2/0.28, no KL term;
+{trl['steps']} steps per run of which the first {trl['skip']} are not measured;
+interleaved rounds: {trl['rounds']}. Our flags besides `--rl-forced-lag` and
+`--inference-max-requests`: `{' '.join(trl['flags'])}`.
+
+{trl_side_by_side.markdown(trl)}
+
+The trainers' policies learn at different speeds, and EOS ends a completion early on both
+sides, so the mean tokens per completion (last column) differ; fewer tokens per step means less
+work per step.
+
+## Reading the results
+
+{chr(10).join(notes(res))}
+
+![benchmarks](benchmarks.png)
+"""
+
+
+def notes(res: dict[str, Any]) -> list[str]:
+    """Observations computed from the numbers (each a markdown bullet)."""
+    out = []
+    lag = {r["name"]: r for r in res["lag_sweep"]["results"]}
+    if "L=0" in lag and "L=2" in lag:
+        l0, l2 = lag["L=0"], lag["L=2"]
+        out.append(
+            f"- Lag pays off through batching the long tail: per training step the engine runs "
+            f"{l0['engine_steps_per_step']:.0f} forward steps at L=0 with "
+            f"{l0['mean_active_requests']:.1f} requests each, and "
+            f"{l2['engine_steps_per_step']:.0f} steps with {l2['mean_active_requests']:.1f} "
+            f"requests at L=2, for nearly the same tokens."
+        )
+        s0, s2 = l0["seconds_per_step"], l2["seconds_per_step"]
+        out.append(
+            f"- What lag does not hide at L=2: training is {l2['train_fraction']:.0%} of the step "
+            f"({l2['train_fraction'] * s2:.3f} s vs {l0['train_fraction'] * s0:.3f} s at L=0: the "
+            f"same work whatever L; micro-batches are padded to their longest rollout, up to "
+            f"~200 tokens on this workload), and {l2['waiting_fraction']:.0%} is spent in the "
+            f"generation window with the engine idle ({l2['waiting_fraction'] * s2:.3f} s), "
+            f"mostly the awaited batch's last 20-200 ms rewards."
+        )
+    if "L=2, unkeyed" in lag and "L=2" in lag:
+        u, k = lag["L=2, unkeyed"], lag["L=2"]
+        cost = k["seconds_per_step"] / u["seconds_per_step"]
+        out.append(
+            f"- The deterministic schedule costs {cost:.2f}x in step time at L=2: unkeyed "
+            f"requests keep later batches generating while the awaited batch's rewards are "
+            f"pending (idle share {u['waiting_fraction']:.0%} instead of "
+            f"{k['waiting_fraction']:.0%}), reaching {u['steps_per_s_ratio']:.2f}x L=0."
+        )
+    eng = {r["name"]: r for r in res["engine"]["results"]}
+    b = res["engine"]["batch"]
+    hf, serial = eng.get(f"HF generate, batch {b}"), eng.get("engine, one at a time")
+    if hf and serial:
+        out.append(
+            f"- Batching is the engine's lever ({serial['engine_b64_over_this']:.0f}x over one "
+            f"request at a time), but at batch {b} HF `generate` on the same-size GPT-2 is "
+            f"{1 / hf['engine_b64_over_this']:.2f}x the engine's tokens/s."
+        )
+    trl = {r["name"]: r for r in res["trl"]["results"]}
+    if "ours L=0" in trl and "ours L=2, 64 slots" in trl:
+        out.append(
+            f"- Against TRL, ours at L=0 runs at {trl['ours L=0']['speedup_vs_trl']:.2f}x TRL's "
+            f"speed; L=2 needs KV-cache slots for all 3 batches in flight "
+            f"(`--inference-max-requests 192`): with the default 64 it reaches "
+            f"{trl['ours L=2, 64 slots']['speedup_vs_trl']:.2f}x."
+        )
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", type=int, default=1, help="Torch threads per process.")
+    parser.add_argument("--rounds", type=int, default=2, help="Interleaved rounds (sweep, TRL).")
+    parser.add_argument("--engine-repeats", type=int, default=7)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="Results directory.")
+    parser.add_argument(
+        "--render-only",
+        action="store_true",
+        help="Rewrite RESULTS.md and the plot from the results.json in --out; measure nothing.",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="Smoke test: few steps, one round (numbers not meaningful; use with --out).",
+    )
+    opts = parser.parse_args()
+    if opts.render_only:
+        res = json.loads((opts.out / "results.json").read_text())
+        write_results(res, opts.out)
+        return
+
+    common = ["--rounds", str(opts.rounds), "--threads", str(opts.threads)]
+    if opts.quick:
+        common = ["--rounds", "1", "--threads", str(opts.threads), "--steps", "12", "--skip", "6"]
+        opts.engine_repeats = 2
+    lag_sweep.add_arguments(p := argparse.ArgumentParser())
+    sweep_opts = p.parse_args(common)
+    trl_side_by_side.add_arguments(p := argparse.ArgumentParser())
+    trl_opts = p.parse_args(common)
+
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
+    started = time.time()
+    res: dict[str, Any] = {
+        "started": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+        "machine": machine(),
+        "threads": opts.threads,
+        "load_average_at_start": os.getloadavg(),
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        print("engine throughput ...", flush=True)
+        res["engine"] = run_engine(opts, Path(tmp))
+        print(engine_throughput.markdown(res["engine"]), flush=True)
+        print("TRL side by side ...", flush=True)
+        res["trl"] = trl_side_by_side.run(trl_opts, Path(tmp) / "trl")
+        print(trl_side_by_side.markdown(res["trl"]), flush=True)
+        print("lag sweep ...", flush=True)
+        res["lag_sweep"] = lag_sweep.run(sweep_opts, Path(tmp) / "lag")
+        print(lag_sweep.markdown(res["lag_sweep"]), flush=True)
+    res["seconds"] = time.time() - started
+    res["load_average_at_end"] = os.getloadavg()
+
+    opts.out.mkdir(parents=True, exist_ok=True)
+    (opts.out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
+    write_results(res, opts.out)
+
+
+def write_results(res: dict[str, Any], out: Path) -> None:
+    """RESULTS.md and benchmarks.png from the measured ``res``."""
+    plot(res, out / "benchmarks.png")
+    (out / "RESULTS.md").write_text(report(res))
+    print("\n".join(targets(res)))
+    print(f"wrote {out}/RESULTS.md, benchmarks.png ({res['seconds']:.0f} s of measurements)")
+
+
+if __name__ == "__main__":
+    main()
