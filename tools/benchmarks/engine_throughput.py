@@ -14,7 +14,7 @@ the same shape and parameter count (the trainer's default: 2 layers, hidden 64, 
   on the equivalent GPT-2, all ``--batch`` prompts in one call;
 * ``HF generate, one at a time``: ``generate`` per prompt;
 * ``recompute, batch 64``: the megatron-core model re-running the whole prefix every token
-  (no KV cache), what ``tools/bench_generation.py`` compares against.
+  (no KV cache).
 
 The one-at-a-time loops run ``--serial-requests`` requests (tokens/s does not depend on how
 many). All configurations run in one process, interleaved (rotating order) ``--repeats`` times;
