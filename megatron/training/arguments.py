@@ -9,8 +9,15 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 from pathlib import Path
+
+TRAINING_LOOP_USES_TIERS = False
+"""Whether ``megatron.training.grpo.train`` builds its model, optimizer, train step, engine and
+checkpoints through ``megatron.training.tiers`` (issue 6). Until it does, the CUDA-tier flags
+(``--bf16``, ``--use-distributed-optimizer``, ``--pipeline-model-parallel-size`` > 1) are refused on
+CUDA too instead of being silently ignored; set it to True together with that wiring."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--pipeline-model-parallel-size", type=int, default=1, help="PP degree (must be 1 on CPU)."
     )
     g.add_argument(
+        "--use-distributed-optimizer",
+        action="store_true",
+        help="Shard the optimizer state over the data-parallel ranks (megatron-core's "
+        "distributed optimizer; CUDA only).",
+    )
+    g.add_argument(
         "--distributed-timeout-minutes",
         type=int,
         default=10,
@@ -61,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=32, help="Rollouts per micro-batch.")
+    g.add_argument(
+        "--bf16",
+        action="store_true",
+        help="Train and generate in bfloat16 with float32 main weights and gradient reduction "
+        "(CUDA only; the CPU tier trains in float32).",
+    )
     g.add_argument(
         "--global-batch-size",
         type=int,
@@ -111,6 +130,51 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.28,
         help="Clip importance ratios above 1 + eps.",
     )
+    g.add_argument(
+        "--grpo-kl-beta",
+        type=float,
+        default=0.0,
+        help="Weight beta of the k3 KL penalty towards a frozen reference policy (0: off, no "
+        "reference model). The reference is the initial weights (rebuilt from --seed on resume) "
+        "or --ref-load.",
+    )
+    g.add_argument(
+        "--ref-load",
+        type=str,
+        default=None,
+        help="Checkpoint directory (as written by --save) whose model weights are the reference "
+        "policy of --grpo-kl-beta; read again on every start, also when resuming.",
+    )
+    g.add_argument(
+        "--grpo-entropy-term-weight",
+        type=float,
+        default=0.0,
+        help="Weight of the entropy bonus: loss -= weight x mean token entropy (0: off).",
+    )
+    g.add_argument(
+        "--grpo-iterations",
+        type=int,
+        default=1,
+        help="Optimizer updates per collected batch; > 1 takes the ratio against the policy "
+        "before the step's first update. The LR schedule and the policy version advance once "
+        "per step.",
+    )
+    g.add_argument(
+        "--grpo-filter-groups-with-same-reward",
+        action="store_true",
+        help="Dynamic sampling: train only on groups whose rewards differ. Each batch is "
+        "generated as --grpo-max-generation-rounds rounds of --grpo-prompts-per-step groups, "
+        "all submitted together (keeping staleness exactly --rl-forced-lag); the first "
+        "--grpo-prompts-per-step groups with differing rewards are trained.",
+    )
+    g.add_argument(
+        "--grpo-max-generation-rounds",
+        type=int,
+        default=1,
+        help="Rounds of --grpo-prompts-per-step groups generated per batch for "
+        "--grpo-filter-groups-with-same-reward; too few qualifying groups after them stops the "
+        "run with an error.",
+    )
 
     g = p.add_argument_group("RL")
     g.add_argument(
@@ -160,6 +224,55 @@ def build_parser() -> argparse.ArgumentParser:
         help="Concurrent generation requests (KV-cache slots) of the whole job, split "
         "evenly over the data-parallel replicas; keeping it fixed keeps the generation "
         "schedule, and so the results, independent of the parallel layout.",
+    )
+    g.add_argument(
+        "--rl-inference-logprobs-is-correction",
+        action="store_true",
+        help="Take the ratio against the trainer's pre-update policy and weight each token by "
+        "the truncated importance weight min(pi_old / pi_inference, C) with the engine's "
+        "per-token logprobs; logs the train/inference mismatch (is_* metrics).",
+    )
+    g.add_argument(
+        "--rl-importance-sampling-truncation-coef",
+        type=float,
+        default=None,
+        help="C of --rl-inference-logprobs-is-correction (default 2.0).",
+    )
+    g.add_argument(
+        "--rl-use-sequence-packing",
+        action="store_true",
+        help="Pack the rollouts of each micro-batch into rows of --seq-length tokens with "
+        "per-sequence attention (block-diagonal causal mask, positions restarting at 0).",
+    )
+
+    g = p.add_argument_group("evaluation")
+    g.add_argument(
+        "--eval-interval",
+        type=int,
+        default=None,
+        help="Evaluate every N steps (after the update) on a held-out prompt set: greedy "
+        "reward and pass@k, logged as eval/* (default: never).",
+    )
+    g.add_argument("--eval-prompts", type=int, default=32, help="Held-out prompts per environment.")
+    g.add_argument(
+        "--eval-samples",
+        type=int,
+        default=8,
+        help="n: sampled completions per held-out prompt for pass@k (at the training sampling "
+        "parameters).",
+    )
+    g.add_argument(
+        "--eval-pass-k",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="The k of the unbiased pass@k estimator to log (each <= --eval-samples).",
+    )
+    g.add_argument(
+        "--eval-correct-threshold",
+        type=float,
+        default=1.0,
+        help="A sampled completion counts as correct for pass@k when its reward is >= this.",
     )
 
     g = p.add_argument_group("output")
@@ -233,12 +346,18 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> list
             f"world size {world_size} must be divisible by --tensor-model-parallel-size x "
             f"--pipeline-model-parallel-size ({tp} x {pp})",
         )
-        why = (
-            "is not supported on CPU: megatron-core's pipeline schedules are CUDA-only, use 1"
-            if not cuda
-            else "is not supported yet by the trainer's inference engine, use 1"
-        )
-        check(pp == 1, f"--pipeline-model-parallel-size {pp} {why}")
+        if not cuda:
+            why = "is not supported on CPU: megatron-core's pipeline schedules are CUDA-only, use 1"
+            check(pp == 1, f"--pipeline-model-parallel-size {pp} {why}")
+        elif not TRAINING_LOOP_USES_TIERS:
+            why = "is not supported yet by the trainer's inference engine, use 1"
+            check(pp == 1, f"--pipeline-model-parallel-size {pp} {why}")
+        elif args.num_layers >= 1:
+            check(
+                args.num_layers % pp == 0,
+                f"--num-layers ({args.num_layers}) must be divisible by "
+                f"--pipeline-model-parallel-size ({pp})",
+            )
         check(
             args.num_attention_heads % tp == 0,
             f"--num-attention-heads ({args.num_attention_heads}) must be divisible by "
@@ -276,6 +395,22 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> list
             f"--global-batch-size ({args.global_batch_size}) must be divisible by "
             f"--micro-batch-size x data-parallel size ({args.micro_batch_size} x {dp})",
         )
+
+    tier_flags = (
+        ("--bf16", args.bf16),
+        ("--use-distributed-optimizer", args.use_distributed_optimizer),
+    )
+    for flag in (f for f, on in tier_flags if on):
+        if not cuda:
+            errors.append(
+                f"{flag} is not supported on CPU: it needs the CUDA tier (megatron-core's "
+                "mixed-precision and distributed optimizers are CUDA-only)"
+            )
+        elif not TRAINING_LOOP_USES_TIERS:
+            errors.append(
+                f"{flag} is not supported yet: the training loop does not use the CUDA tier "
+                "(megatron/training/tiers.py) yet"
+            )
 
     check(args.lr > 0, f"--lr must be > 0, got {args.lr}")
     check(0 <= args.min_lr <= args.lr, f"--min-lr ({args.min_lr}) must be in [0, --lr]")
@@ -322,6 +457,77 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> list
         check(args.save is not None, "--save-interval needs --save")
     if args.load is not None:
         check(Path(args.load).is_dir(), f"--load: no such directory {args.load!r}")
+    errors += validate_algorithm_args(args, cuda)
+    return errors
+
+
+def validate_algorithm_args(args: argparse.Namespace, cuda: bool) -> list[str]:
+    """Checks of the optional GRPO terms, dynamic sampling, packing and evaluation flags.
+
+    Dynamic sampling never refills a batch later or from a later batch (either would break the
+    exact forced lag, and borrowing could deadlock the submission gate); it over-submits rounds
+    instead (``megatron/rl/grpo/filtering.py``), so the only combinations to refuse here are
+    rounds without the filter and values out of range.
+    """
+    errors: list[str] = []
+
+    def check(ok: bool, message: str) -> None:
+        if not ok:
+            errors.append(message)
+
+    check(
+        math.isfinite(args.grpo_kl_beta) and args.grpo_kl_beta >= 0,
+        f"--grpo-kl-beta must be >= 0, got {args.grpo_kl_beta}",
+    )
+    if args.ref_load is not None:
+        check(
+            args.grpo_kl_beta > 0,
+            "--ref-load needs --grpo-kl-beta > 0 (only the KL term uses the reference policy)",
+        )
+        check(Path(args.ref_load).is_dir(), f"--ref-load: no such directory {args.ref_load!r}")
+    check(
+        math.isfinite(args.grpo_entropy_term_weight),
+        f"--grpo-entropy-term-weight must be finite, got {args.grpo_entropy_term_weight}",
+    )
+    check(args.grpo_iterations >= 1, f"--grpo-iterations must be >= 1, got {args.grpo_iterations}")
+    check(
+        args.grpo_max_generation_rounds >= 1,
+        f"--grpo-max-generation-rounds must be >= 1, got {args.grpo_max_generation_rounds}",
+    )
+    check(
+        args.grpo_max_generation_rounds == 1 or args.grpo_filter_groups_with_same_reward,
+        "--grpo-max-generation-rounds > 1 needs --grpo-filter-groups-with-same-reward (extra "
+        "rounds are only generated to replace groups that filter drops)",
+    )
+    coef = args.rl_importance_sampling_truncation_coef
+    if coef is not None:
+        check(
+            args.rl_inference_logprobs_is_correction,
+            "--rl-importance-sampling-truncation-coef needs --rl-inference-logprobs-is-correction",
+        )
+        check(
+            math.isfinite(coef) and coef > 0,
+            f"--rl-importance-sampling-truncation-coef must be > 0, got {coef}",
+        )
+    if args.eval_interval is not None:
+        check(args.eval_interval >= 1, f"--eval-interval must be >= 1, got {args.eval_interval}")
+    check(args.eval_prompts >= 1, f"--eval-prompts must be >= 1, got {args.eval_prompts}")
+    check(args.eval_samples >= 1, f"--eval-samples must be >= 1, got {args.eval_samples}")
+    bad_k = [k for k in args.eval_pass_k if not 1 <= k <= args.eval_samples]
+    check(
+        not bad_k,
+        f"--eval-pass-k values must be in [1, --eval-samples ({args.eval_samples})], got {bad_k}",
+    )
+    if cuda and TRAINING_LOOP_USES_TIERS:
+        algorithm_flags = (
+            ("--grpo-kl-beta", args.grpo_kl_beta != 0),
+            ("--grpo-entropy-term-weight", args.grpo_entropy_term_weight != 0),
+            ("--grpo-iterations", args.grpo_iterations != 1),
+            ("--rl-inference-logprobs-is-correction", args.rl_inference_logprobs_is_correction),
+            ("--rl-use-sequence-packing", args.rl_use_sequence_packing),
+        )
+        for flag in (f for f, on in algorithm_flags if on):
+            errors.append(f"{flag} is not supported by the CUDA tier's train step yet")
     return errors
 
 

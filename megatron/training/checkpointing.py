@@ -47,8 +47,16 @@ RESUME_FLAGS = (
     "hidden_size",
     "num_attention_heads",
     "ffn_hidden_size",
+    "grpo_filter_groups_with_same_reward",
+    "grpo_max_generation_rounds",
 )
 """Flags a resumed run must share with the saved one (different values break exact resume)."""
+
+RESUME_FLAG_DEFAULTS = {
+    "grpo_filter_groups_with_same_reward": False,
+    "grpo_max_generation_rounds": 1,
+}
+"""Values of resume flags added later, assumed for checkpoints saved before they existed."""
 
 
 @dataclass(frozen=True)
@@ -150,7 +158,8 @@ def load_checkpoint(
             f"{state['tensor_model_parallel_size']}, this run uses {ctx.tp_size}"
         )
     for name in RESUME_FLAGS:
-        saved, now = state["args"].get(name), getattr(args, name)
+        default = RESUME_FLAG_DEFAULTS.get(name)
+        saved, now = state["args"].get(name, default), getattr(args, name, default)
         if saved != now:
             flag = "--" + name.replace("_", "-")
             raise SystemExit(f"--load {root}: saved with {flag} {saved}, this run uses {now}")
@@ -166,6 +175,33 @@ def load_checkpoint(
             raise SystemExit(f"--load {root}: missing {rollout_file}")
         pipeline = PipelineState.model_validate_json(rollout_file.read_text())
     return Checkpoint(iteration, pipeline)
+
+
+def load_reference_weights(root: str, model: torch.nn.Module, ctx: ParallelContext) -> int:
+    """Load the model weights of the latest checkpoint under ``root`` (``--ref-load``) into
+    ``model``, this rank's tensor-parallel shard; returns the checkpoint's iteration.
+
+    Only the weights are read (no optimizer, RNG or rollout state), so any checkpoint of a model
+    of the same shape and TP size serves as a reference policy.
+    """
+    tracker = Path(root) / TRACKER
+    if not tracker.is_file():
+        raise SystemExit(f"--ref-load {root}: no {TRACKER} found")
+    iteration = int(tracker.read_text().strip())
+    path = _shard(_iter_dir(root, iteration), ctx.tp_rank)
+    if not path.is_file():
+        raise SystemExit(f"--ref-load {root}: missing {path}")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if state["tensor_model_parallel_size"] != ctx.tp_size:
+        raise SystemExit(
+            f"--ref-load {root}: saved with --tensor-model-parallel-size "
+            f"{state['tensor_model_parallel_size']}, this run uses {ctx.tp_size}"
+        )
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as exc:
+        raise SystemExit(f"--ref-load {root}: the weights do not fit this model: {exc}") from None
+    return iteration
 
 
 def _barrier() -> None:

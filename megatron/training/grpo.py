@@ -3,6 +3,11 @@
 Every rank runs this loop. Rank 0 also owns the rollout pipeline (agents, forced-lag generator,
 inference engine, and the inference server when remote environments need it) inside
 ``RolloutSource``; the other ranks take part in its engine steps and receive each batch from it.
+
+Optional pieces, each off by default: dynamic sampling picks the groups a step trains on
+(``training_groups``; ``megatron/rl/grpo/filtering.py``), the step options add the reference KL,
+entropy, IS correction, repeated updates and packing (``train_step.py``), and evaluation runs on
+its own engine between steps (``evaluation.py``).
 """
 
 from __future__ import annotations
@@ -12,18 +17,26 @@ import functools
 import signal
 import threading
 import time
+from typing import Any
 
 import torch
 
 from megatron.rl.agent.api import Agent
 from megatron.rl.agent.env_config import EnvConfigError, load_env_config
 from megatron.rl.grpo.batch import build_train_batch
+from megatron.rl.grpo.filtering import (
+    DynamicSamplingConfig,
+    DynamicSamplingExhausted,
+    select_groups,
+)
+from megatron.rl.grpo.importance import ImportanceConfig
 from megatron.rl.grpo.loss import GRPOLossConfig
 from megatron.rl.inference.engine import LocalEngineConfig
 from megatron.rl.rollout.generator import RolloutConfig
 from megatron.rl.tokenizer import CharTokenizer, Tokenizer
-from megatron.rl.wire import SamplingParams
+from megatron.rl.wire import RolloutGroup, SamplingParams
 from megatron.training.checkpointing import Checkpoint, load_checkpoint, save_checkpoint
+from megatron.training.evaluation import Evaluator, eval_agents, eval_config
 from megatron.training.initialize import (
     ParallelContext,
     initialize_distributed,
@@ -32,18 +45,20 @@ from megatron.training.initialize import (
 from megatron.training.metrics import MetricsWriter, step_metrics
 from megatron.training.model_provider import build_model
 from megatron.training.optimizer import build_optimizer
-from megatron.training.rollouts import InferenceServerConfig, RolloutSource
-from megatron.training.train_step import train_step
+from megatron.training.reference import build_reference_model
+from megatron.training.rollouts import CollectedBatch, InferenceServerConfig, RolloutSource
+from megatron.training.train_step import StepOptions, train_step
 
 
 def train(args: argparse.Namespace) -> None:
     """Run GRPO for ``--train-iters`` steps (resuming from ``--load`` if given)."""
     agent = load_agent(args)
     ctx = initialize_distributed(args)
-    writer = None
+    writer = evaluator = None
     try:
         tokenizer = CharTokenizer()
         model = build_model(args, tokenizer.vocab_size, ctx.device)
+        reference = build_reference_model(args, model, tokenizer.vocab_size, ctx)  # before --load
         optimizer, scheduler = build_optimizer(model, args)
         resumed = Checkpoint(iteration=0, pipeline=None)
         if args.load:
@@ -51,37 +66,136 @@ def train(args: argparse.Namespace) -> None:
         step_fn = functools.partial(
             train_step, model, optimizer, scheduler, micro_batch_size=args.micro_batch_size,
             clip_grad=args.clip_grad, vocab_size=tokenizer.vocab_size, ctx=ctx,
-            loss_config=GRPOLossConfig(args.grpo_clamp_eps_lower, args.grpo_clamp_eps_upper),
+            loss_config=loss_config(args), options=step_options(args, reference),
         )  # fmt: skip
         writer = metrics_writer(args) if ctx.is_main else None
+        evaluator = build_evaluator(args, ctx, model, tokenizer, agent)
         with rollout_source(args, ctx, model, tokenizer, agent, resumed) as rollouts:
             stop_on_signals(rollouts)
             for step in range(resumed.iteration, args.train_iters):
                 t0 = time.perf_counter()
                 collected = rollouts.next_batch()  # collect (ordered, forced lag)
-                batch = build_train_batch(collected.batch.groups, tokenizer.pad_id)  # advantages
-                result = step_fn(batch)  # train step: one optimizer update
+                groups, extra = training_groups(args, collected)  # dynamic sampling (if on)
+                batch = build_train_batch(groups, tokenizer.pad_id)  # advantages
+                result = step_fn(batch)  # train step: --grpo-iterations optimizer updates
                 rollouts.policy_version = step + 1
+                elapsed = time.perf_counter() - t0
+                extra.update(run_evaluation(args, evaluator, step + 1))  # own engine and window
                 if writer is not None:  # log
-                    elapsed = time.perf_counter() - t0
-                    writer.write(step_metrics(step, args.rl_forced_lag, collected, result, elapsed))
+                    m = step_metrics(step, args.rl_forced_lag, collected, result, elapsed, extra)
+                    writer.write(m)
                 if checkpoint_due(args, step + 1):  # checkpoint (after draining the pipeline)
                     state = rollouts.drain()
                     save_checkpoint(
                         args.save, step + 1, model, optimizer, scheduler, state, args, ctx
                     )
     finally:
+        if evaluator is not None:
+            evaluator.close()
         if writer is not None:
             writer.close()
         shutdown_distributed()
 
 
+def loss_config(args: argparse.Namespace) -> GRPOLossConfig:
+    """Clipping and the optional KL and entropy terms of the loss."""
+    return GRPOLossConfig(
+        args.grpo_clamp_eps_lower,
+        args.grpo_clamp_eps_upper,
+        kl_beta=args.grpo_kl_beta,
+        entropy_weight=args.grpo_entropy_term_weight,
+    )
+
+
+def step_options(args: argparse.Namespace, reference: torch.nn.Module | None) -> StepOptions:
+    """Iterations, reference model, IS correction and packing of the train step."""
+    importance = None
+    if args.rl_inference_logprobs_is_correction:
+        coef = args.rl_importance_sampling_truncation_coef
+        importance = ImportanceConfig(truncation_coef=2.0 if coef is None else coef)
+    return StepOptions(
+        iterations=args.grpo_iterations,
+        reference_model=reference,
+        importance=importance,
+        packing_capacity=args.seq_length if args.rl_use_sequence_packing else None,
+    )
+
+
+def generation_rounds(args: argparse.Namespace) -> int:
+    """Rounds of groups generated per batch (> 1 only with dynamic sampling)."""
+    return args.grpo_max_generation_rounds if args.grpo_filter_groups_with_same_reward else 1
+
+
+def training_groups(
+    args: argparse.Namespace, collected: CollectedBatch
+) -> tuple[list[RolloutGroup], dict[str, Any]]:
+    """The groups the step trains on, and the dynamic-sampling metrics (every rank alike)."""
+    groups = collected.batch.groups
+    if not args.grpo_filter_groups_with_same_reward:
+        return groups, {}
+    config = DynamicSamplingConfig(args.grpo_prompts_per_step, generation_rounds(args))
+    try:
+        chosen = select_groups(groups, config, collected.batch.batch_id)
+    except DynamicSamplingExhausted as err:
+        raise SystemExit(f"pretrain_grpo.py: error: {err}") from None
+    kept = [r.reward for g in chosen.groups for r in g.rollouts if not r.is_placeholder]
+    return chosen.groups, {
+        "dynamic_sampling_rounds": chosen.rounds_used,
+        "dynamic_sampling_dropped_groups": chosen.dropped,
+        "dynamic_sampling_generated_groups": len(groups),
+        "dynamic_sampling_kept_reward_mean": sum(kept) / max(len(kept), 1),
+    }
+
+
+def build_evaluator(
+    args: argparse.Namespace,
+    ctx: ParallelContext,
+    model: torch.nn.Module,
+    tokenizer: Tokenizer,
+    agent: Agent,
+) -> Evaluator | None:
+    """The evaluation engine of ``--eval-interval`` (None when evaluation is off)."""
+    if args.eval_interval is None:
+        return None
+    return Evaluator(
+        ctx,
+        model,
+        tokenizer,
+        agent if ctx.is_main else None,
+        eval_config(args),
+        engine_config(args, ctx, tokenizer),
+    )
+
+
+def run_evaluation(
+    args: argparse.Namespace, evaluator: Evaluator | None, iteration: int
+) -> dict[str, Any]:
+    """Evaluate after every ``--eval-interval`` steps (collective); the eval/* metrics."""
+    if evaluator is None or iteration % args.eval_interval != 0:
+        return {}
+    return evaluator.run(policy_version=iteration)
+
+
+def engine_config(
+    args: argparse.Namespace, ctx: ParallelContext, tokenizer: Tokenizer
+) -> LocalEngineConfig:
+    """KV-cache slots per data-parallel replica, sequence length and EOS of an engine."""
+    return LocalEngineConfig(
+        max_requests=args.inference_max_requests // ctx.dp_size,
+        max_seq_len=args.seq_length,
+        eos_id=tokenizer.eos_id,
+    )
+
+
 def load_agent(args: argparse.Namespace) -> Agent:
     """The env-config's agents; a bad config exits before anything is built."""
     try:
-        return load_env_config(args.env_config)
+        agent = load_env_config(args.env_config)
     except EnvConfigError as err:
         raise SystemExit(f"pretrain_grpo.py: error: --env-config: {err}") from None
+    if args.eval_interval is not None:
+        eval_agents(agent)  # refuses remote environments on every rank, before any collective
+    return agent
 
 
 def rollout_source(
@@ -106,16 +220,12 @@ def rollout_source(
         agent if ctx.is_main else None,
         RolloutConfig(
             forced_lag=args.rl_forced_lag,
-            groups_per_batch=args.grpo_prompts_per_step,
+            groups_per_batch=args.grpo_prompts_per_step * generation_rounds(args),
             group_size=args.grpo_group_size,
             seed=args.seed,
             sampling=sampling,
         ),
-        LocalEngineConfig(
-            max_requests=args.inference_max_requests // ctx.dp_size,
-            max_seq_len=args.seq_length,
-            eos_id=tokenizer.eos_id,
-        ),
+        engine_config(args, ctx, tokenizer),
         first_step=resumed.iteration,
         resume_from=resumed.pipeline,
         server_config=InferenceServerConfig(

@@ -46,9 +46,20 @@ def rollout_metrics(batch: RolloutBatch, step: int) -> dict[str, Any]:
 
 
 def step_metrics(
-    step: int, lag: int, collected: CollectedBatch, result: StepResult, step_seconds: float
+    step: int,
+    lag: int,
+    collected: CollectedBatch,
+    result: StepResult,
+    step_seconds: float,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Everything logged for one step, as a flat JSON-serializable dict."""
+    """Everything logged for one step, as a flat JSON-serializable dict.
+
+    Optional features add keys only when enabled: ``result.extra`` (``ref_kl``, ``entropy``, the
+    train/inference mismatch ``is_abs_delta_p``, ``is_kl``, ``is_weight_mean``,
+    ``is_truncated_fraction``, ``is_truncated_sequence_fraction``) and ``extra`` from the loop
+    (dynamic sampling ``dynamic_sampling_*``, evaluation ``eval/*``).
+    """
     return {
         "step": step,
         "loss": result.loss,
@@ -65,6 +76,8 @@ def step_metrics(
         "collect_seconds": collected.seconds,
         "train_seconds": result.seconds,
         "step_seconds": step_seconds,
+        **result.extra,
+        **(extra or {}),
     }
 
 
@@ -80,7 +93,35 @@ def format_log_line(m: dict[str, Any], train_iters: int) -> str:
         f"gen {m['generated_tokens_per_s']:.0f} tok/s | train {m['trained_tokens_per_s']:.0f} tok/s"
         f" | step {m['step_seconds'] * 1000:.0f} ms"
         + (f" | failed rollouts {m['placeholder_rollouts']}" if m["placeholder_rollouts"] else "")
+        + _optional_log_fields(m)
     )
+
+
+def _optional_log_fields(m: dict[str, Any]) -> str:
+    """Log-line fields of the optional features that are on."""
+    parts = []
+    if "ref_kl" in m:
+        parts.append(f"ref-kl {m['ref_kl']:.2e}")
+    if "entropy" in m:
+        parts.append(f"entropy {m['entropy']:.3f}")
+    if "is_kl" in m:
+        parts.append(
+            f"train/inference |dp| {m['is_abs_delta_p']:.2e} kl {m['is_kl']:.2e} "
+            f"truncated {m['is_truncated_fraction']:.3f}"
+        )
+    if "dynamic_sampling_rounds" in m:
+        parts.append(
+            f"kept groups after {m['dynamic_sampling_rounds']} round(s), dropped "
+            f"{m['dynamic_sampling_dropped_groups']}"
+        )
+    if "eval/greedy_reward" in m:
+        passk = " ".join(
+            f"{k[5:]} {v:.3f}"
+            for k, v in m.items()
+            if k.startswith("eval/pass@") and k.count("/") == 1
+        )
+        parts.append(f"eval greedy {m['eval/greedy_reward']:.3f} {passk}")
+    return "".join(f" | {p}" for p in parts)
 
 
 class MetricsWriter:

@@ -7,6 +7,7 @@ import argparse
 import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron.rl.models.gpt_spec import SDPASpecProvider, gpt_layer_spec
 
@@ -20,9 +21,9 @@ def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
     return -(-vocab_size // divisible_by) * divisible_by
 
 
-def transformer_config(args: argparse.Namespace) -> TransformerConfig:
-    """megatron-core config of the model described by the flags."""
-    return TransformerConfig(
+def transformer_config(args: argparse.Namespace, **overrides) -> TransformerConfig:
+    """megatron-core config of the model described by the flags (``overrides``: tier settings)."""
+    fields = dict(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
@@ -40,17 +41,35 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
     )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
 
 
-def build_model(args: argparse.Namespace, vocab_size: int, device: torch.device) -> GPTModel:
-    """The GPT described by ``args`` with learned absolute positions and tied embeddings."""
-    model = GPTModel(
-        config=transformer_config(args),
-        transformer_layer_spec=gpt_layer_spec(SDPASpecProvider()),
+def gpt_model(
+    args: argparse.Namespace,
+    vocab_size: int,
+    config: TransformerConfig,
+    layer_spec: ModuleSpec,
+    pre_process: bool = True,
+    post_process: bool = True,
+) -> GPTModel:
+    """The GPT (this pipeline stage's part) with learned absolute positions and tied embeddings."""
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
         vocab_size=padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by),
         max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
         parallel_output=True,
         share_embeddings_and_output_weights=True,
         position_embedding_type="learned_absolute",
+    )
+
+
+def build_model(args: argparse.Namespace, vocab_size: int, device: torch.device) -> GPTModel:
+    """The CPU tier's GPT described by ``args`` (SDPA core attention, float32, one stage)."""
+    model = gpt_model(
+        args, vocab_size, transformer_config(args), gpt_layer_spec(SDPASpecProvider())
     )
     return model.to(device)

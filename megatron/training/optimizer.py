@@ -8,6 +8,7 @@ group) and computes the global gradient norm counting each tensor-parallel shard
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,13 @@ def build_optimizer(
         eps=args.adam_eps,
         weight_decay=args.weight_decay,
     )
-    scheduler = OptimizerParamScheduler(
+    return optimizer, build_scheduler(optimizer, args)
+
+
+def build_scheduler(optimizer: Any, args: argparse.Namespace) -> OptimizerParamScheduler:
+    """Warmup + decay down to ``--min-lr`` at ``--train-iters`` (both tiers; ``optimizer`` is a
+    torch or a megatron-core optimizer)."""
+    return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if args.lr_warmup_iters > 0 else args.lr,
         max_lr=args.lr,
@@ -43,7 +50,6 @@ def build_optimizer(
         wd_incr_steps=max(args.train_iters, 1),
         wd_incr_style="constant",
     )
-    return optimizer, scheduler
 
 
 def allreduce_gradients(params: list[torch.nn.Parameter], group: dist.ProcessGroup | None) -> None:

@@ -21,7 +21,8 @@ def token_logprobs(
         targets: (B, T) token ids.
         vocab_size: real vocabulary size; ids >= vocab_size (embedding padding) get probability
             0, exactly as in the inference engine's sampler.
-        temperature: (B,) per-sequence sampling temperature (0 = greedy, treated as 1).
+        temperature: (B,) per-sequence or (B, T) per-token (packed rows) sampling temperature
+            (0 = greedy, treated as 1).
         tp_group: tensor-parallel group the vocab is split over (None or size 1: not split).
 
     Returns:
@@ -30,7 +31,7 @@ def token_logprobs(
     logits = logits.float()
     if temperature is not None:
         t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).float()
-        logits = logits / t[:, None, None]
+        logits = logits / (t[:, None, None] if t.dim() == 1 else t[..., None])
     tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
     part = logits.shape[-1]
     first = (dist.get_rank(tp_group) if tp_size > 1 else 0) * part

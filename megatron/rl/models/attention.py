@@ -6,6 +6,9 @@ memory pool, so it cannot run on CPU. This module has the same constructor and f
 ``torch.nn.functional.scaled_dot_product_attention``. During cached inference it defers to the
 active ``KVCacheStep`` (see ``kv_cache.py``); otherwise it is causal self-attention over the
 input, which is what training needs (sequences are right-padded, so causality masks padding).
+An explicit ``attention_mask`` (megatron-core's boolean convention, ``True`` = masked out) replaces
+the causal mask: sequence packing passes a block-diagonal causal mask so that packed sequences
+never attend to each other (``megatron/rl/grpo/packing.py``).
 """
 
 from __future__ import annotations
@@ -68,11 +71,17 @@ class SDPACoreAttention(MegatronModule):
             key = key.repeat_interleave(groups, dim=2)
             value = value.repeat_interleave(groups, dim=2)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # (b, h, s, d)
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            is_causal=True,
-            scale=self.softmax_scale,
-        )
+        if attention_mask is None:
+            out = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                is_causal=True,
+                scale=self.softmax_scale,
+            )
+        else:  # packed sequences: megatron-core's bool mask (b|1, 1, s, s), True = masked out
+            allowed = ~attention_mask.to(device=q.device, dtype=torch.bool)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=allowed, scale=self.softmax_scale
+            )
         return out.permute(2, 0, 1, 3).reshape(seq, batch, num_heads * head_dim)

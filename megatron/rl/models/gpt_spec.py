@@ -4,9 +4,15 @@
 ``ModuleSpec``. ``SDPASpecProvider`` is megatron-core's local backend with the device-agnostic,
 KV-cache-aware core attention swapped in; it runs on CPU (gloo) and CUDA. A Transformer Engine
 backend (megatron-core's ``TESpecProvider``) plugs into the same function on CUDA.
+``select_backend`` is the one place that chooses: Transformer Engine on CUDA when it imports,
+the SDPA backend otherwise (megatron-core's local modules pick Apex's fused layer norm by
+themselves when Apex imports).
 """
 
 from __future__ import annotations
+
+import functools
+import importlib
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
@@ -26,6 +32,29 @@ class SDPASpecProvider(LocalSpecProvider):
     def core_attention(self) -> type:
         """Which module computes softmax(QK^T)V."""
         return SDPACoreAttention
+
+
+@functools.lru_cache(maxsize=None)
+def transformer_engine_importable() -> bool:
+    """Whether Transformer Engine's PyTorch package imports here (any import error: no)."""
+    try:
+        importlib.import_module("transformer_engine.pytorch")
+    except Exception:  # a broken install fails with OSError/RuntimeError as often as ImportError
+        return False
+    return True
+
+
+def _te_spec_provider() -> BackendSpecProvider:
+    from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+    return TESpecProvider()
+
+
+def select_backend(cuda: bool) -> BackendSpecProvider:
+    """The layer backend of a tier: Transformer Engine on CUDA when it imports, else SDPA."""
+    if cuda and transformer_engine_importable():
+        return _te_spec_provider()
+    return SDPASpecProvider()
 
 
 def gpt_layer_spec(backend: BackendSpecProvider, qk_layernorm: bool = False) -> ModuleSpec:

@@ -130,3 +130,68 @@ def test_entry_script_exits_non_zero_naming_the_flag(argv, flag):
     assert proc.returncode == 2
     assert flag in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        pytest.param(["--grpo-kl-beta", "-0.1"], "--grpo-kl-beta", id="negative-kl-beta"),
+        pytest.param(
+            ["--ref-load", "/nonexistent-dir"], "--ref-load needs --grpo-kl-beta", id="ref-no-kl"
+        ),
+        pytest.param(
+            ["--grpo-kl-beta", "0.1", "--ref-load", "/nonexistent-dir"],
+            "--ref-load: no such directory",
+            id="missing-ref-dir",
+        ),
+        pytest.param(
+            ["--grpo-entropy-term-weight", "nan"], "--grpo-entropy-term-weight", id="entropy-nan"
+        ),
+        pytest.param(["--grpo-iterations", "0"], "--grpo-iterations", id="zero-iterations"),
+        pytest.param(
+            ["--grpo-max-generation-rounds", "2"],
+            "--grpo-max-generation-rounds > 1 needs --grpo-filter-groups-with-same-reward",
+            id="rounds-without-filter",
+        ),
+        pytest.param(
+            ["--grpo-filter-groups-with-same-reward", "--grpo-max-generation-rounds", "0"],
+            "--grpo-max-generation-rounds",
+            id="zero-rounds",
+        ),
+        pytest.param(
+            ["--rl-importance-sampling-truncation-coef", "2"],
+            "--rl-importance-sampling-truncation-coef needs --rl-inference-logprobs-is-correction",
+            id="coef-without-correction",
+        ),
+        pytest.param(
+            [
+                "--rl-inference-logprobs-is-correction",
+                "--rl-importance-sampling-truncation-coef",
+                "0",
+            ],
+            "--rl-importance-sampling-truncation-coef must be > 0",
+            id="zero-coef",
+        ),
+        pytest.param(["--eval-interval", "0"], "--eval-interval", id="zero-eval-interval"),
+        pytest.param(["--eval-prompts", "0"], "--eval-prompts", id="zero-eval-prompts"),
+        pytest.param(["--eval-samples", "0"], "--eval-samples", id="zero-eval-samples"),
+        pytest.param(
+            ["--eval-samples", "4", "--eval-pass-k", "1", "8"], "--eval-pass-k", id="k-above-n"
+        ),
+    ],
+)
+def test_bad_algorithm_flags_are_reported_by_name(argv, flag):
+    errors = errors_for(argv)
+    assert any(flag in e for e in errors), errors
+
+
+def test_algorithm_flags_together_are_valid(tmp_path):
+    argv = [
+        "--grpo-kl-beta", "0.05", "--ref-load", str(tmp_path), "--grpo-entropy-term-weight",
+        "0.001", "--grpo-iterations", "2", "--grpo-filter-groups-with-same-reward",
+        "--grpo-max-generation-rounds", "3", "--rl-inference-logprobs-is-correction",
+        "--rl-importance-sampling-truncation-coef", "1.5", "--rl-use-sequence-packing",
+        "--eval-interval", "10", "--eval-samples", "8", "--eval-pass-k", "1", "8",
+        "--rl-forced-lag", "2",
+    ]  # fmt: skip
+    assert errors_for(argv) == []

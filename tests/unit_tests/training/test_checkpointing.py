@@ -124,6 +124,7 @@ def test_a_crash_during_a_save_leaves_the_previous_checkpoint_intact(tmp_path, m
         pytest.param("rl_forced_lag", 1, id="lag"),
         pytest.param("grpo_group_size", 8, id="group-size"),
         pytest.param("seed", 4, id="seed"),
+        pytest.param("grpo_max_generation_rounds", 2, id="dynamic-sampling-rounds"),
     ],
 )
 def test_resume_with_a_different_contract_flag_is_refused_naming_it(tmp_path, flag, value):

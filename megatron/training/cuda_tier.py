@@ -1,0 +1,318 @@
+"""The CUDA tier: megatron-core all the way (see ``megatron.training.tiers``).
+
+* Model: the same GPT as the CPU tier (``model_provider.gpt_model``), this rank's pipeline stage,
+  with the Transformer Engine layer spec when ``transformer_engine`` imports (else megatron-core's
+  local modules with the SDPA core attention; they pick Apex's fused layer norm when Apex
+  imports), ``Float16Module`` for ``--bf16``, wrapped in megatron-core's
+  ``DistributedDataParallel`` (float32 gradient reduction).
+* Optimizer: ``get_megatron_optimizer`` (Adam with decoupled weight decay = AdamW; float32 main
+  weights under ``--bf16``; ``--use-distributed-optimizer`` shards its state over DP) and the
+  same LR schedule as the CPU tier.
+* Train step: ``get_forward_backward_func()`` runs the micro-batches (the 1F1B pipeline schedule
+  when PP > 1) with ``calculate_per_token_loss``: each micro-batch backpropagates its GRPO loss
+  *sum* and megatron-core's ``finalize_model_grads`` divides the DP-reduced gradients by the
+  global number of loss tokens, which is exactly the CPU tier's global token-mean loss.
+* Rollouts: megatron-core's ``DynamicInferenceEngine`` on the trained model itself
+  (``megatron.rl.inference.dynamic_engine``), suspended during the train step.
+* Checkpoints: ``megatron.training.dist_checkpoint`` (``dist_checkpointing``, torch_dist).
+
+The order of an update is the CPU tier's: the scheduler steps first (update k uses the schedule's
+value at k + 1), then the optimizer. ``--clip-grad 0`` measures the gradient norm without
+clipping, as on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
+
+from megatron.rl.grpo.batch import TrainBatch
+from megatron.rl.grpo.logprobs import token_logprobs
+from megatron.rl.grpo.loss import LossInputs, grpo_loss
+from megatron.rl.inference.dynamic_engine import (
+    DynamicEngineConfig,
+    DynamicInferenceEngineAdapter,
+    attention_backend_name,
+    build_dynamic_step_group,
+)
+from megatron.rl.models.gpt_spec import gpt_layer_spec, select_backend
+from megatron.training.model_provider import gpt_model, padded_vocab_size, transformer_config
+from megatron.training.optimizer import build_scheduler
+from megatron.training.tiers import Tier
+from megatron.training.train_step import StepResult
+
+NO_CLIP = 1e30
+"""``clip_grad`` given to megatron-core for ``--clip-grad 0``: it computes the norm only when
+clipping is on, and never reaches this."""
+
+
+def apex_fused_wgrad_importable() -> bool:
+    """Whether Apex's fused weight-gradient accumulation kernel is importable."""
+    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+
+
+def cuda_transformer_config(args, transformer_engine: bool):
+    """The model config of the flags with the CUDA tier's precision and fusions."""
+    dtype = torch.bfloat16 if getattr(args, "bf16", False) else torch.float32
+    return transformer_config(
+        args,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        calculate_per_token_loss=True,
+        bias_dropout_fusion=True,
+        gradient_accumulation_fusion=transformer_engine or apex_fused_wgrad_importable(),
+    )
+
+
+def micro_batches(
+    batch: TrainBatch, first: int, rows: int, size: int, fixed_width: bool
+) -> list[TrainBatch]:
+    """Micro-batches of ``size`` rows covering rows ``[first, first + rows)`` of ``batch``.
+
+    With ``fixed_width`` every micro-batch keeps the batch's full width (pipeline stages exchange
+    activations of one fixed shape); otherwise each is trimmed to its longest row.
+    """
+    out = []
+    for start in range(first, first + rows, size):
+        if not fixed_width:
+            out.append(batch.rows(start, start + size))
+            continue
+        s = slice(start, start + size)
+        out.append(
+            TrainBatch(
+                input_ids=batch.input_ids[s],
+                target_ids=batch.target_ids[s],
+                loss_mask=batch.loss_mask[s],
+                inference_logprobs=batch.inference_logprobs[s],
+                advantages=batch.advantages[s],
+                temperature=batch.temperature[s],
+                lengths=batch.lengths[s],
+            )
+        )
+    return out
+
+
+class CUDATier(Tier):
+    """megatron-core DDP, optimizer, pipeline schedules, dynamic engine and dist checkpoints."""
+
+    name = "cuda"
+
+    @property
+    def transformer_engine(self) -> bool:
+        """Whether the Transformer Engine layer spec is in use."""
+        from megatron.rl.models.gpt_spec import SDPASpecProvider
+
+        return not isinstance(select_backend(cuda=True), SDPASpecProvider)
+
+    def describe(self) -> str:
+        """Tier, layer spec, precision, optimizer, PP and engine attention, for the log."""
+        args = self.args
+        return (
+            f"tier: cuda | layer spec: "
+            f"{'transformer_engine' if self.transformer_engine else 'local (sdpa)'} | "
+            f"{'bf16' if getattr(args, 'bf16', False) else 'fp32'} | optimizer: megatron-core "
+            f"{'distributed ' if getattr(args, 'use_distributed_optimizer', False) else ''}adam"
+            f" | pp: {args.pipeline_model_parallel_size} | rollouts: megatron-core "
+            f"DynamicInferenceEngine ({attention_backend_name()})"
+        )
+
+    # ----------------------------------------------------------------- model, optimizer
+
+    def build_model(self, vocab_size: int) -> torch.nn.Module:
+        """This stage's GPT on the current CUDA device, in bf16 if asked, wrapped in DDP."""
+        args = self.args
+        te = self.transformer_engine
+        config = cuda_transformer_config(args, te)
+        model = gpt_model(
+            args,
+            vocab_size,
+            config,
+            gpt_layer_spec(select_backend(cuda=True)),
+            pre_process=parallel_state.is_pipeline_first_stage(),
+            post_process=parallel_state.is_pipeline_last_stage(),
+        )
+        model.cuda(torch.cuda.current_device())
+        if config.bf16:
+            model = Float16Module(config, model)
+        ddp = DistributedDataParallel(
+            config=config,
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True,
+                overlap_grad_reduce=False,
+                use_distributed_optimizer=getattr(args, "use_distributed_optimizer", False),
+                check_for_nan_in_grad=True,
+            ),
+            module=model,
+        )
+        config.no_sync_func = ddp.no_sync
+        config.finalize_model_grads_func = finalize_model_grads
+        return ddp
+
+    def build_optimizer(self, model: torch.nn.Module) -> tuple[Any, Any]:
+        """megatron-core's Adam(W) for the DDP model and the shared LR schedule."""
+        args = self.args
+        config = model.config
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=args.lr,
+                min_lr=args.min_lr,
+                weight_decay=args.weight_decay,
+                adam_beta1=args.adam_beta1,
+                adam_beta2=args.adam_beta2,
+                adam_eps=args.adam_eps,
+                clip_grad=args.clip_grad if args.clip_grad > 0 else NO_CLIP,
+                bf16=config.bf16,
+                params_dtype=config.params_dtype,
+                use_distributed_optimizer=getattr(args, "use_distributed_optimizer", False),
+            ),
+            [model],
+        )
+        config.grad_scale_func = optimizer.scale_loss
+        return optimizer, build_scheduler(optimizer, args)
+
+    # ----------------------------------------------------------------- train step
+
+    def train_step(self, model, optimizer, scheduler, batch, loss_config, vocab_size, options=None):
+        """Forward/backward over the micro-batches with megatron-core's schedule, then update.
+
+        Only the plain step: default ``options`` and a loss without KL or entropy terms (argument
+        validation refuses the flags that need more on CUDA).
+        """
+        if options is not None and options != type(options)():
+            raise NotImplementedError(f"the CUDA tier's train step supports no {options}")
+        if getattr(loss_config, "kl_beta", 0.0) or getattr(loss_config, "entropy_weight", 0.0):
+            raise NotImplementedError("the CUDA tier's train step has no KL or entropy term yet")
+        start = time.perf_counter()
+        args, ctx = self.args, self.ctx
+        model.train()
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        per_rank = batch.num_rows // ctx.dp_size
+        micro = micro_batches(
+            batch, ctx.dp_rank * per_rank, per_rank, args.micro_batch_size, fixed_width=pp > 1
+        )
+        sums: list[torch.Tensor] = []  # loss, clipped, ratio, mismatch-kl per micro-batch
+        forward_step = functools.partial(
+            _forward_step, loss_config=loss_config, vocab_size=vocab_size, ctx=ctx, sums=sums
+        )
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(micro),
+            model=[model],
+            num_microbatches=len(micro),
+            seq_length=int(micro[0].input_ids.shape[1]),
+            micro_batch_size=args.micro_batch_size,
+            forward_only=False,
+        )
+        scheduler.step(increment=1)  # update k uses the schedule's value at k + 1
+        lr = optimizer.param_groups[0]["lr"]
+        _, grad_norm, _ = optimizer.step()
+        totals = torch.stack(sums).sum(0) if sums else torch.zeros(4, dtype=torch.float64)
+        totals = totals.cuda()
+        if ctx.dp_size > 1:
+            dist.all_reduce(totals, group=ctx.dp_group)
+        if pp > 1:  # only the last stage computed the loss
+            dist.all_reduce(totals, group=parallel_state.get_pipeline_model_parallel_group())
+        totals = totals.cpu()
+        num_tokens = batch.num_loss_tokens
+        denom = max(num_tokens, 1)
+        return StepResult(
+            loss=float(totals[0]) / denom,
+            grad_norm=float(grad_norm or 0.0),
+            lr=lr,
+            clip_fraction=float(totals[1]) / denom,
+            ratio_mean=float(totals[2]) / denom,
+            mismatch_kl=float(totals[3]) / denom,
+            loss_tokens=num_tokens,
+            trained_tokens=int(batch.lengths.sum()),
+            seconds=time.perf_counter() - start,
+        )
+
+    # ----------------------------------------------------------------- rollouts
+
+    def build_step_group(self, model, engine_config, vocab_size):
+        """megatron-core's dynamic engine on this rank's shard, under a ``WindowedStepGroup``."""
+        return build_dynamic_step_group(
+            model,
+            DynamicEngineConfig(
+                max_requests=engine_config.max_requests,
+                max_seq_len=engine_config.max_seq_len,
+                eos_id=engine_config.eos_id,
+            ),
+            vocab_size,
+            padded_vocab_size(vocab_size, self.args.make_vocab_size_divisible_by),
+            self.ctx.dp_rank,
+            self.ctx.dp_size,
+            self.ctx.is_replica_leader,
+        )
+
+    def build_engine(self, steps, engine_config, policy_version):
+        """The scheduler over megatron-core's engine."""
+        return DynamicInferenceEngineAdapter(steps, engine_config, policy_version)
+
+    # ----------------------------------------------------------------- checkpoints
+
+    def save_checkpoint(self, root, iteration, model, optimizer, scheduler, pipeline):
+        """``dist_checkpointing`` (torch_dist) save."""
+        from megatron.training.dist_checkpoint import save_checkpoint
+
+        save_checkpoint(root, iteration, model, optimizer, scheduler, pipeline, self.args, self.ctx)
+
+    def load_checkpoint(self, root, model, optimizer, scheduler):
+        """``dist_checkpointing`` load (any TP/PP/DP layout of the same model)."""
+        from megatron.training.dist_checkpoint import load_checkpoint
+
+        return load_checkpoint(root, model, optimizer, scheduler, self.args, self.ctx)
+
+
+def _forward_step(data_iterator, model, *, loss_config, vocab_size, ctx, sums):
+    """megatron-core's ``forward_step_func``: one micro-batch through this stage."""
+    micro: TrainBatch = next(data_iterator)
+    ids = micro.input_ids.cuda(non_blocking=True)  # (b, t); ignored past the first stage
+    positions = torch.arange(ids.shape[1], device=ids.device)[None, :].expand_as(ids)
+    output = model(ids, positions, None)  # last stage: (b, t, V/tp) logits; else activations
+    return output, functools.partial(
+        _loss, micro, loss_config=loss_config, vocab_size=vocab_size, ctx=ctx, sums=sums
+    )
+
+
+def _loss(micro: TrainBatch, logits: torch.Tensor, *, loss_config, vocab_size, ctx, sums):
+    """GRPO loss *sum* of a micro-batch, its loss-token count, and the metric sums."""
+    dev = logits.device
+    logprobs = token_logprobs(
+        logits.float(),
+        micro.target_ids.to(dev),
+        vocab_size,
+        micro.temperature.to(dev),
+        ctx.tp_group,
+    )
+    out = grpo_loss(
+        LossInputs(
+            trainer_logprobs=logprobs,
+            inference_logprobs=micro.inference_logprobs.to(dev),
+            advantages=micro.advantages.to(dev),
+            loss_mask=micro.loss_mask.to(dev),
+        ),
+        loss_config,
+    )
+    parts = (out.loss_sum, out.clipped_tokens, out.ratio_sum, out.mismatch_kl_sum)
+    sums.append(torch.stack([p.detach().double() for p in parts]).cpu())
+    num_tokens = micro.loss_mask.sum().to(device=dev, dtype=torch.int)
+    return out.loss_sum, num_tokens, {"loss_sum": out.loss_sum.detach()}

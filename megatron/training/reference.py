@@ -1,0 +1,41 @@
+"""The frozen reference policy of the KL term (``--grpo-kl-beta``, ``--ref-load``).
+
+The reference is a second model of the same shape (this rank's TP shard) holding either the
+policy's *initial* weights or, with ``--ref-load DIR``, the model weights of the latest checkpoint
+in DIR. It is not saved in checkpoints. On resume it is rebuilt the same way: the policy is first
+built from ``--seed`` exactly as in the original run (``--seed`` and the model shape must match to
+resume), the reference copies those initial weights, and only then does ``--load`` overwrite the
+policy; ``--ref-load`` is simply read again. Building it does not advance the run's RNG streams,
+so a run with the KL term draws the same random numbers as one without.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from megatron.training.checkpointing import load_reference_weights
+from megatron.training.initialize import ParallelContext
+from megatron.training.model_provider import build_model
+
+
+def build_reference_model(
+    args: argparse.Namespace, policy: torch.nn.Module, vocab_size: int, ctx: ParallelContext
+) -> torch.nn.Module | None:
+    """The frozen reference (eval mode, no gradients), or None when ``--grpo-kl-beta`` is 0.
+
+    Call before ``--load`` restores the policy, so that ``policy`` holds its initial weights.
+    """
+    if args.grpo_kl_beta == 0:
+        return None
+    devices = [ctx.device] if ctx.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):  # initialization draws from the global RNG
+        reference = build_model(args, vocab_size, ctx.device)
+    if args.ref_load is not None:
+        load_reference_weights(args.ref_load, reference, ctx)
+    else:
+        reference.load_state_dict(policy.state_dict())
+    reference.eval()
+    reference.requires_grad_(False)
+    return reference

@@ -1,0 +1,144 @@
+"""Run megatron-core's real ``DynamicInferenceEngine`` on CPU, against the local engine.
+
+megatron-core's dynamic context and engine allocate with ``torch.cuda.current_device()`` and time
+steps with CUDA events; nothing else in their Python code needs a GPU. This script, run in its own
+process (it patches ``torch.cuda`` globally), points those calls at the CPU, then generates the
+same requests with the CPU tier's ``LocalInferenceEngine`` and with the CUDA tier's adapter over
+megatron-core's engine (dynamic context, paged KV cache, ``GPTInferenceWrapper``, the seeded
+controller, ``flash_reference`` attention), with and without suspend/resume windows, and prints
+one JSON line per run. It exercises megatron-core's request bookkeeping, block tables and
+attention calls without a GPU; the ``gpu`` tests run the same comparison on CUDA.
+
+    python tests/grpo_testing/emulated_dynamic_engine.py [--block-size 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+
+class _Event:
+    """CPU stand-in for ``torch.cuda.Event`` (megatron-core times engine steps with it)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def record(self, *args) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, other) -> float:
+        return 0.0
+
+
+def point_cuda_at_cpu() -> None:
+    """Make megatron-core's CUDA allocations and timing calls work on a CPU-only torch."""
+    plain_empty_like = torch.empty_like
+
+    def empty_like(tensor, *args, pin_memory=False, **kwargs):
+        return plain_empty_like(tensor, *args, **kwargs)
+
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.is_available = lambda: True
+    torch.cuda.Event = _Event
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.memory_stats = lambda *a, **k: collections.defaultdict(int)
+    torch.empty_like = empty_like
+    import megatron.core.inference.engines.dynamic_engine as engine_module
+
+    engine_module.range_push = engine_module.range_pop = lambda *a, **k: None
+
+
+REQUESTS = [  # prompt, temperature, max_tokens, seed
+    ([2, 3, 4], 0.0, 6, 11),
+    ([5], 1.0, 8, 12),
+    ([6, 7, 8, 9, 10, 11], 1.0, 5, 13),
+    ([3, 3], 0.0, 9, 14),
+    ([12, 13, 14, 15], 0.7, 7, 15),
+    ([4, 2], 1.0, 4, 16),
+]
+
+
+async def generate(engine, windows: bool):
+    """All requests at once; with ``windows``, suspend and resume every few loop turns."""
+    from megatron.rl.wire import SamplingParams
+
+    engine.start()
+    tasks = [
+        asyncio.ensure_future(
+            engine.generate(p, SamplingParams(temperature=t, max_tokens=n), seed=s)
+        )
+        for p, t, n, s in REQUESTS
+    ]
+    try:
+        while not all(t.done() for t in tasks):
+            engine.resume()
+            for _ in range(3 if windows else 10_000):
+                await asyncio.sleep(0)
+            if windows:
+                engine.suspend()
+                engine.steps.stop_followers()
+        return [t.result() for t in tasks]
+    finally:
+        await engine.aclose()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--block-size", type=int, default=16)
+    opts = parser.parse_args()
+    root = Path(__file__).resolve().parents[2]
+    sys.path[:0] = [str(root), str(root / "tests")]
+    torch.set_num_threads(1)
+    point_cuda_at_cpu()
+    from grpo_testing.distributed import init_single_rank_world
+    from grpo_testing.models import VOCAB, tiny_gpt
+
+    from megatron.rl.inference import dynamic_engine as de
+    from megatron.rl.inference.engine import LocalEngineConfig, LocalInferenceEngine
+    from megatron.rl.inference.model_runner import ModelRunner
+    from megatron.rl.inference.step_group import StepGroup
+    from megatron.rl.models.kv_cache import KVCache
+
+    init_single_rank_world()
+    with torch.no_grad():
+        model = tiny_gpt(seed=3).eval()
+    c = model.config
+    cache = KVCache(c.num_layers, 3, 32, c.num_query_groups, c.kv_channels, torch.float32, "cpu")
+    local = LocalInferenceEngine(
+        StepGroup(ModelRunner(model, cache, VOCAB)), LocalEngineConfig(3, 32, 1), lambda: 0
+    )
+    want = asyncio.run(generate(local, windows=False))
+    for windows in (False, True):
+        config = de.DynamicEngineConfig(3, 32, eos_id=1, block_size_tokens=opts.block_size)
+        steps = de.build_dynamic_step_group(model, config, VOCAB, 24)
+        engine = de.DynamicInferenceEngineAdapter(steps, LocalEngineConfig(3, 32, 1), lambda: 0)
+        got = asyncio.run(generate(engine, windows))
+        same = [g.tokens == w.tokens for g, w in zip(got, want)]
+        diff = max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g.logprobs, w.logprobs))
+        print(
+            json.dumps(
+                {
+                    "windows": windows,
+                    "same_tokens": same,
+                    "max_logprob_difference": diff,
+                    "megatron_steps": steps.runner.steps,
+                    "attention": de.attention_backend_name(),
+                    "tokens": sum(len(g.tokens) for g in got),
+                }
+            ),
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

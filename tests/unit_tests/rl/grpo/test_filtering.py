@@ -1,0 +1,79 @@
+"""Dynamic sampling: the first P groups with differing rewards, in (round, index) order."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron.rl.grpo.filtering import (
+    DynamicSamplingConfig,
+    DynamicSamplingExhausted,
+    has_reward_variance,
+    select_groups,
+)
+from megatron.rl.wire import RolloutGroup, TokenRollout
+
+
+def rollout(reward: float, placeholder: bool = False) -> TokenRollout:
+    return TokenRollout(
+        env_id="e", problem_id="p", prompt="", completion="", reward=reward,
+        error="boom" if placeholder else None, tokens=[] if placeholder else [3, 4],
+        generation_mask=[] if placeholder else [False, True],
+        logprobs=[] if placeholder else [-1.0],
+        policy_versions=[] if placeholder else [0], submission_policy_version=0, temperature=1.0,
+    )  # fmt: skip
+
+
+def group(index: int, *rewards: float, placeholders: int = 0) -> RolloutGroup:
+    rollouts = [rollout(r) for r in rewards] + [rollout(0.5, True)] * placeholders
+    return RolloutGroup(batch_id=7, index_in_batch=index, rollouts=rollouts)
+
+
+@pytest.mark.parametrize(
+    "g, expected",
+    [
+        pytest.param(group(0, 1, 1, 1), False, id="all-equal"),
+        pytest.param(group(0, 0, 1, 1), True, id="one-differs"),
+        pytest.param(group(0, 1, placeholders=2), False, id="one-valid-rollout"),
+        pytest.param(group(0, 1, 1, placeholders=1), False, id="placeholder-not-counted"),
+        pytest.param(group(0, 0, 1, placeholders=1), True, id="two-valid-differ"),
+    ],
+)
+def test_reward_variance(g, expected):
+    assert has_reward_variance(g) is expected
+
+
+def test_keeps_first_groups_with_variance_and_reports_rounds():
+    # P = 2, R = 3: round 0 = indices 0, 1; round 1 = 2, 3; round 2 = 4, 5
+    groups = [
+        group(0, 1, 1),  # dropped
+        group(1, 0, 1),  # kept
+        group(2, 0, 0),  # dropped
+        group(3, 0.5, 1),  # kept -> batch full in round 2
+        group(4, 0, 1),
+        group(5, 0, 1),
+    ]
+    out = select_groups(groups, DynamicSamplingConfig(2, 3), batch_id=7)
+    assert [g.index_in_batch for g in out.groups] == [1, 3]
+    assert out.dropped == 2 and out.rounds_used == 2
+
+
+def test_first_round_suffices():
+    groups = [group(0, 0, 1), group(1, 0, 1), group(2, 1, 1), group(3, 1, 1)]
+    out = select_groups(groups, DynamicSamplingConfig(2, 2))
+    assert [g.index_in_batch for g in out.groups] == [0, 1]
+    assert out.dropped == 0 and out.rounds_used == 1
+
+
+def test_too_few_groups_is_an_error_naming_the_flags():
+    groups = [group(0, 0, 1), group(1, 1, 1), group(2, 1, 1), group(3, 0, 0)]
+    with pytest.raises(DynamicSamplingExhausted) as err:
+        select_groups(groups, DynamicSamplingConfig(2, 2), batch_id=7)
+    message = str(err.value)
+    assert "batch 7" in message and "only 1 of 2" in message
+    assert "--grpo-max-generation-rounds" in message
+    assert "--grpo-filter-groups-with-same-reward" in message
+
+
+def test_wrong_number_of_groups_is_rejected():
+    with pytest.raises(ValueError, match="expected 4 groups"):
+        select_groups([group(0, 0, 1)], DynamicSamplingConfig(2, 2))

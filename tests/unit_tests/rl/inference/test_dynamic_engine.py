@@ -1,0 +1,342 @@
+"""The megatron-core dynamic-engine adapter: scheduling, runner bookkeeping, seeded sampling.
+
+On CPU the runner drives ``FakeDynamicEngine`` (megatron-core's request semantics, full
+recomputation of a real tiny GPT); every test compares against the CPU tier's local engine on the
+same weights. The ``gpu`` tests drive megatron-core's real ``DynamicInferenceEngine``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+
+import pytest
+import torch
+from grpo_testing.fake_dynamic import FakeDynamicEngine
+from grpo_testing.models import VOCAB, tiny_gpt
+
+from megatron.rl.inference.dynamic_engine import (
+    BoundedRowWork,
+    DynamicEngineConfig,
+    DynamicEngineRunner,
+    DynamicInferenceEngineAdapter,
+    RowSampling,
+    SeededSampler,
+    WindowedStepGroup,
+    drive,
+)
+from megatron.rl.inference.engine import EngineError, LocalEngineConfig, LocalInferenceEngine
+from megatron.rl.inference.model_runner import ModelRunner, RowWork
+from megatron.rl.inference.step_group import StepGroup
+from megatron.rl.models.kv_cache import KVCache
+from megatron.rl.wire import SamplingParams
+
+EOS = 1
+SEQ = 32
+
+REQUESTS = [  # prompt, temperature, max_tokens, seed
+    ([2, 3, 4], 0.0, 6, 11),
+    ([5], 1.0, 8, 12),
+    ([6, 7, 8, 9, 10, 11], 1.0, 5, 13),
+    ([3, 3], 0.0, 9, 14),
+    ([12, 13, 14, 15], 0.7, 7, 15),
+    ([4, 2], 1.0, 4, 16),
+]
+
+
+@pytest.fixture
+def model(single_rank_world):
+    with torch.no_grad():
+        yield tiny_gpt(seed=3).eval()
+
+
+def logits_fn(model):
+    def full(tokens: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            ids = torch.tensor([tokens])
+            return model(ids, torch.arange(len(tokens))[None], None)[0, -1].float()
+
+    return full
+
+
+def local_engine(model, max_requests=3) -> LocalInferenceEngine:
+    c = model.config
+    cache = KVCache(
+        c.num_layers, max_requests, SEQ, c.num_query_groups, c.kv_channels, torch.float32, "cpu"
+    )
+    steps = StepGroup(ModelRunner(model, cache, VOCAB))
+    return LocalInferenceEngine(steps, LocalEngineConfig(max_requests, SEQ, EOS), lambda: 0)
+
+
+def dynamic_engine(model, max_requests=3, fake_max_requests=None, fake_seq=SEQ, version=None):
+    sampler = SeededSampler(VOCAB)
+    fake_max = max_requests if fake_max_requests is None else fake_max_requests
+    fake = FakeDynamicEngine(sampler, logits_fn(model), fake_max, fake_seq)
+    runner = DynamicEngineRunner(fake, sampler, DynamicEngineConfig(max_requests, SEQ, EOS))
+    steps = WindowedStepGroup(runner)
+    engine = DynamicInferenceEngineAdapter(
+        steps, LocalEngineConfig(max_requests, SEQ, EOS), version or (lambda: 0)
+    )
+    return engine, fake, runner
+
+
+async def generate_all(engine, requests=REQUESTS):
+    engine.start()
+    engine.resume()
+    try:
+        return await asyncio.gather(
+            *(
+                engine.generate(p, SamplingParams(temperature=t, max_tokens=n), seed=s)
+                for p, t, n, s in requests
+            )
+        )
+    finally:
+        await engine.aclose()
+
+
+def assert_same_outputs(got, want):
+    for g, w in zip(got, want):
+        assert g.tokens == w.tokens
+        assert g.finish_reason == w.finish_reason
+        assert g.logprobs == pytest.approx(w.logprobs, abs=1e-4)
+
+
+def test_outputs_equal_the_local_engine_on_the_same_weights(model):
+    want = asyncio.run(generate_all(local_engine(model)))
+    engine, fake, runner = dynamic_engine(model)
+    got = asyncio.run(generate_all(engine))
+    assert_same_outputs(got, want)
+    assert any(t == 0.0 for _, t, _, _ in REQUESTS) and any(o.finish_reason for o in got)
+    assert not fake.requests and not fake.active  # every megatron-core request finished
+
+
+def test_each_request_gets_its_token_budget_and_eos_as_termination(model):
+    engine, fake, _ = dynamic_engine(model)
+    asyncio.run(generate_all(engine))
+    adds = [entry for entry in fake.log if entry[0] == "add"]
+    assert [(prompt, budget) for _, _, prompt, budget in adds] == [
+        (tuple(p), n) for p, _, n, _ in REQUESTS
+    ]
+
+
+def test_windows_suspend_and_resume_megatron_core_without_changing_outputs(model):
+    want = asyncio.run(generate_all(local_engine(model)))
+    engine, fake, runner = dynamic_engine(model)
+
+    async def windows():
+        engine.start()
+        tasks = [
+            asyncio.ensure_future(
+                engine.generate(p, SamplingParams(temperature=t, max_tokens=n), seed=s)
+            )
+            for p, t, n, s in REQUESTS
+        ]
+        try:
+            while not all(t.done() for t in tasks):
+                engine.resume()
+                for _ in range(3):  # a short generation window
+                    await asyncio.sleep(0)
+                engine.suspend()
+                engine.steps.stop_followers()  # what RolloutSource does at the end of a window
+                assert fake.suspended or all(t.done() for t in tasks)
+            return [t.result() for t in tasks]
+        finally:
+            await engine.aclose()
+
+    got = asyncio.run(windows())
+    assert_same_outputs(got, want)
+    kinds = [entry[0] for entry in fake.log]
+    assert kinds.count("suspend") >= 2 and kinds.count("resume") >= 2
+
+
+def test_a_cancelled_request_is_finished_in_megatron_core_when_its_slot_is_reused(model):
+    engine, fake, runner = dynamic_engine(model, max_requests=1)
+    (want,) = asyncio.run(generate_all(local_engine(model, 1), REQUESTS[1:2]))
+
+    async def run():
+        engine.start()
+        engine.resume()
+        try:
+            doomed = asyncio.ensure_future(engine.generate([2, 2, 2], SamplingParams(), seed=1))
+            for _ in range(4):
+                await asyncio.sleep(0)
+            doomed.cancel()
+            p, t, n, s = REQUESTS[1]
+            return await engine.generate(p, SamplingParams(temperature=t, max_tokens=n), seed=s)
+        finally:
+            await engine.aclose()
+
+    got = asyncio.run(run())
+    assert_same_outputs([got], [want])
+    assert not fake.requests and not fake.stop_word_finished_request_ids
+
+
+def test_tokens_sampled_ahead_are_handed_over_in_order(model):
+    """Keyed rows outside the window target still advance in megatron-core while an unkeyed
+    request steps; the scheduler later receives exactly the tokens the local engine samples."""
+
+    buffered = []
+
+    async def scenario(engine, runner=None):
+        engine.start()
+        engine.resume()
+        try:
+            engine.await_batch(0)
+            first = asyncio.ensure_future(
+                engine.generate([2, 3], SamplingParams(max_tokens=1), seed=5, key=(0, 0, 0))
+            )
+            later = asyncio.ensure_future(
+                engine.generate([4, 5], SamplingParams(max_tokens=6), seed=6, key=(1, 0, 0))
+            )
+            free = asyncio.ensure_future(
+                engine.generate([6], SamplingParams(max_tokens=12), seed=7)
+            )
+            await asyncio.gather(first, free)
+            if runner is not None:  # the later request advanced while only `free` was planned
+                buffered.append(sum(len(r.ahead) for r in runner._requests.values()))
+            engine.await_batch(1)
+            return await asyncio.gather(first, later, free)
+        finally:
+            await engine.aclose()
+
+    want = asyncio.run(scenario(local_engine(model)))
+    engine, fake, runner = dynamic_engine(model)
+    got = asyncio.run(scenario(engine, runner))
+    assert_same_outputs(got, want)
+    assert buffered[0] > 0
+
+
+def test_a_request_megatron_core_cannot_schedule_fails_instead_of_hanging(model):
+    engine, _, _ = dynamic_engine(model, fake_max_requests=0)
+    with pytest.raises(EngineError, match="could not schedule"):
+        asyncio.run(generate_all(engine, REQUESTS[:1]))
+
+
+def test_a_request_megatron_core_fails_fails_the_engine(model):
+    engine, _, _ = dynamic_engine(model, fake_seq=6)  # megatron-core's context is shorter
+    with pytest.raises(EngineError, match="failed request"):
+        asyncio.run(generate_all(engine, REQUESTS[:1]))
+
+
+def test_a_decode_row_for_an_unknown_slot_is_an_error():
+    runner = DynamicEngineRunner(object(), SeededSampler(VOCAB), DynamicEngineConfig())
+    with pytest.raises(RuntimeError, match="slot 3"):
+        runner.run([RowWork(slot=3, tokens=(5,), start=4, temperature=1, top_p=1, top_k=0, seed=1)])
+
+
+def test_bounded_rows_travel_between_ranks():
+    row = BoundedRowWork(
+        slot=1, tokens=(2, 3), start=0, temperature=1.0, top_p=1.0, top_k=0, seed=9, max_tokens=4
+    )
+    assert pickle.loads(pickle.dumps(row)) == row
+
+
+def test_sampler_is_seeded_per_request_and_masks_padded_vocabulary():
+    sampler = SeededSampler(vocab_size=5)
+    sampler.requests = {7: RowSampling(3, 1.0, 1.0, 0), 8: RowSampling(4, 1.0, 1.0, 0)}
+    logits = torch.zeros(2, 8)
+    logits[:, 5:] = 100.0  # padded ids: must never be sampled
+    alone = sampler.sample(logits[:1], [7], [10]).tolist()
+    together = sampler.sample(logits, [7, 8], [10, 3]).tolist()
+    assert together[0] == alone[0]  # independent of batch composition
+    assert all(t < 5 for t in together)
+    assert [rid for rid, _, _ in sampler.take()] == [7, 8]
+    assert sampler.take() == []
+
+
+def test_drive_runs_coroutines_that_only_yield_to_the_loop():
+    async def steps():
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        return 42
+
+    assert drive(steps()) == 42
+
+    async def waits_for_a_future():
+        await asyncio.get_running_loop().create_future()
+
+    with pytest.raises(RuntimeError):
+        drive(waits_for_a_future())
+
+
+def test_the_adapter_needs_the_dynamic_runner(model):
+    with pytest.raises(TypeError, match="DynamicEngineRunner"):
+        DynamicInferenceEngineAdapter(
+            StepGroup(object()), LocalEngineConfig(), lambda: 0  # type: ignore[arg-type]
+        )
+
+
+# --------------------------------------------------------------------- megatron-core, CUDA
+
+
+@pytest.mark.gpu
+def test_greedy_outputs_of_megatron_core_equal_the_local_engine_on_cuda(single_rank_world):
+    from megatron.rl.inference.dynamic_engine import attention_backend_name, build_megatron_engine
+
+    torch.cuda.set_device(0)
+    with torch.no_grad():
+        model = tiny_gpt(seed=3).cuda().eval()
+    greedy = [(p, 0.0, n, s) for p, _, n, s in REQUESTS]
+    c = model.config
+    cache = KVCache(c.num_layers, 3, SEQ, c.num_query_groups, c.kv_channels, torch.float32, "cuda")
+    local = LocalInferenceEngine(
+        StepGroup(ModelRunner(model, cache, VOCAB)), LocalEngineConfig(3, SEQ, EOS), lambda: 0
+    )
+    want = asyncio.run(generate_all(local, greedy))
+
+    config = DynamicEngineConfig(max_requests=3, max_seq_len=SEQ, eos_id=EOS, block_size_tokens=256)
+    sampler = SeededSampler(VOCAB)
+    megatron_engine = build_megatron_engine(model, config, VOCAB, 24, sampler)
+    runner = DynamicEngineRunner(megatron_engine, sampler, config)
+    engine = DynamicInferenceEngineAdapter(
+        WindowedStepGroup(runner), LocalEngineConfig(3, SEQ, EOS), lambda: 0
+    )
+    got = asyncio.run(generate_all(engine, greedy))
+    print("attention backend:", attention_backend_name())
+    for g, w in zip(got, want):
+        assert g.tokens == w.tokens
+        assert g.logprobs == pytest.approx(w.logprobs, abs=1e-3)
+
+
+@pytest.mark.gpu
+def test_megatron_core_engine_survives_suspend_resume_windows_on_cuda(single_rank_world):
+    from megatron.rl.inference.dynamic_engine import build_dynamic_step_group
+
+    torch.cuda.set_device(0)
+    with torch.no_grad():
+        model = tiny_gpt(seed=3).cuda().eval()
+    config = DynamicEngineConfig(max_requests=3, max_seq_len=SEQ, eos_id=EOS)
+    steps = build_dynamic_step_group(model, config, VOCAB, 24)
+    engine = DynamicInferenceEngineAdapter(steps, LocalEngineConfig(3, SEQ, EOS), lambda: 0)
+    want = asyncio.run(generate_all(local_engine_on(model, "cuda"), REQUESTS))
+
+    async def windows():
+        engine.start()
+        tasks = [
+            asyncio.ensure_future(
+                engine.generate(p, SamplingParams(temperature=t, max_tokens=n), seed=s)
+            )
+            for p, t, n, s in REQUESTS
+        ]
+        try:
+            while not all(t.done() for t in tasks):
+                engine.resume()
+                for _ in range(3):
+                    await asyncio.sleep(0)
+                engine.suspend()
+                engine.steps.stop_followers()
+            return [t.result() for t in tasks]
+        finally:
+            await engine.aclose()
+
+    got = asyncio.run(windows())
+    for g, w in zip(got, want):
+        assert g.tokens == w.tokens
+
+
+def local_engine_on(model, device: str) -> LocalInferenceEngine:
+    c = model.config
+    cache = KVCache(c.num_layers, 3, SEQ, c.num_query_groups, c.kv_channels, torch.float32, device)
+    return LocalInferenceEngine(
+        StepGroup(ModelRunner(model, cache, VOCAB)), LocalEngineConfig(3, SEQ, EOS), lambda: 0
+    )

@@ -1,0 +1,252 @@
+"""GPU benchmark of the CUDA tier: rollout generation tokens/s and training tokens/s + MFU.
+
+    python tools/bench_cuda.py                          # ~125M GPT (12 x 768, 12 heads), bf16
+    python tools/bench_cuda.py --engine local           # the CPU tier's engine, same GPU, to compare
+    python tools/bench_cuda.py --fp32 --train-steps 5   # float32 weights and math
+
+Builds the model, optimizer and engine through ``megatron.training.cuda_tier.CUDATier`` (megatron-core
+DDP, ``get_megatron_optimizer``, ``get_forward_backward_func``, ``DynamicInferenceEngine`` with
+flash-attn or ``flash_reference``) on one GPU, then measures:
+
+* generation: ``--gen-requests`` requests of ``--prompt-len`` random prompt tokens, each generating
+  exactly ``--gen-tokens`` tokens (no EOS), all submitted at once; generated tokens / wall time of
+  the whole window (after one warm-up window);
+* training: GRPO optimizer steps on a synthetic batch of ``--batch-size`` full-length rollouts
+  (``--seq-length`` tokens, the last ``--seq-length - --prompt-len`` generated); trained tokens /
+  step time, median over ``--train-steps`` after ``--warmup-steps``. MFU is the model FLOPs per
+  trained token (``training_flops_per_token``: 3 x forward matmul FLOPs incl. the output layer and
+  causal attention, no recomputation) times tokens/s over the GPU's peak dense bf16 FLOP/s
+  (``--peak-tflops``; known for H100/H200/A100 by device name).
+
+Prints one JSON object (also the attention kernels the engine used and the parameter count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron.rl.grpo.batch import TrainBatch  # noqa: E402
+from megatron.rl.grpo.loss import GRPOLossConfig  # noqa: E402
+from megatron.rl.inference.engine import LocalEngineConfig  # noqa: E402
+from megatron.rl.wire import SamplingParams  # noqa: E402
+from megatron.training.arguments import build_parser  # noqa: E402
+
+PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.4, "H200": 989.4, "A100": 312.0}
+"""Dense bf16 tensor-core peak per device name fragment (first match wins; SXM for H100)."""
+
+
+def training_flops_per_token(
+    num_layers: int,
+    hidden: int,
+    ffn: int,
+    heads: int,
+    kv_heads: int,
+    seq_len: int,
+    vocab: int,
+) -> float:
+    """Model FLOPs of one trained token: 3 x (2 x matmul weights + causal attention)."""
+    kv_dim = hidden * kv_heads // heads
+    per_layer = hidden * (hidden + 2 * kv_dim) + hidden * hidden + 2 * hidden * ffn
+    matmul_weights = num_layers * per_layer + hidden * vocab  # + the output layer
+    attention = num_layers * 2 * hidden * seq_len  # QK^T and AV over seq_len / 2 keys on average
+    return 3.0 * (2.0 * matmul_weights + attention)
+
+
+def peak_tflops_for(device_name: str) -> float | None:
+    """Dense bf16 peak TFLOP/s of a device, if known."""
+    for fragment, peak in PEAK_BF16_TFLOPS.items():
+        if fragment in device_name:
+            return peak
+    return None
+
+
+def trainer_args(opts: argparse.Namespace) -> argparse.Namespace:
+    """Trainer flags of the benchmarked model (derived fields filled as validation would)."""
+    args = build_parser().parse_args([])
+    args.__dict__.update(
+        num_layers=opts.num_layers,
+        hidden_size=opts.hidden_size,
+        num_attention_heads=opts.num_attention_heads,
+        ffn_hidden_size=4 * opts.hidden_size,
+        seq_length=opts.seq_length,
+        max_position_embeddings=opts.seq_length,
+        micro_batch_size=opts.micro_batch_size,
+        bf16=not opts.fp32,
+        use_distributed_optimizer=opts.distributed_optimizer,
+        lr=1e-4,
+        min_lr=1e-5,
+        lr_warmup_iters=0,
+        train_iters=1000,
+        world_size=1,
+        data_parallel_size=1,
+        inference_max_requests=opts.gen_requests,
+    )
+    return args
+
+
+def synthetic_batch(rows: int, seq_len: int, prompt_len: int, vocab: int) -> TrainBatch:
+    """Full-length rollouts of random tokens; the tokens after the prompt carry loss."""
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(2, vocab, (rows, seq_len + 1), generator=g)
+    mask = torch.zeros(rows, seq_len)
+    mask[:, prompt_len - 1 :] = 1.0
+    return TrainBatch(
+        input_ids=tokens[:, :-1],
+        target_ids=tokens[:, 1:],
+        loss_mask=mask,
+        inference_logprobs=-torch.rand(rows, seq_len, generator=g) * 10 * mask,
+        advantages=torch.randn(rows, generator=g),
+        temperature=torch.ones(rows),
+        lengths=torch.full((rows,), seq_len),
+    )
+
+
+def bench_training(tier, model, optimizer, scheduler, opts, vocab: int) -> dict:
+    """Median step time and throughput of GRPO steps on a synthetic batch."""
+    batch = synthetic_batch(opts.batch_size, opts.seq_length, opts.prompt_len, vocab)
+    loss = GRPOLossConfig(0.2, 0.28)
+    times = []
+    for step in range(opts.warmup_steps + opts.train_steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        result = tier.train_step(model, optimizer, scheduler, batch, loss, vocab)
+        torch.cuda.synchronize()
+        if step >= opts.warmup_steps:
+            times.append(time.perf_counter() - t0)
+    seconds = statistics.median(times)
+    tokens_per_s = result.trained_tokens / seconds
+    flops = training_flops_per_token(
+        opts.num_layers, opts.hidden_size, 4 * opts.hidden_size, opts.num_attention_heads,
+        opts.num_attention_heads, opts.seq_length, vocab,
+    )  # fmt: skip
+    peak = opts.peak_tflops or peak_tflops_for(torch.cuda.get_device_name())
+    return {
+        "train_step_seconds": seconds,
+        "train_tokens_per_s": tokens_per_s,
+        "train_model_tflops_per_s": flops * tokens_per_s / 1e12,
+        "mfu": None if peak is None else flops * tokens_per_s / (peak * 1e12),
+        "peak_tflops": peak,
+        "loss": result.loss,
+    }
+
+
+async def _generate(engine, prompts: list[list[int]], new_tokens: int) -> float:
+    sampling = SamplingParams(temperature=1.0, max_tokens=new_tokens)
+    engine.resume()
+    t0 = time.perf_counter()
+    outs = await asyncio.gather(
+        *(engine.generate(p, sampling, seed=i) for i, p in enumerate(prompts))
+    )
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    engine.suspend()
+    engine.steps.stop_followers()  # end the window (releases megatron-core's KV memory)
+    assert all(len(o.tokens) == new_tokens for o in outs)
+    return elapsed
+
+
+def bench_generation(tier, model, opts, vocab: int) -> dict:
+    """Generated tokens/s of one window of ``--gen-requests`` concurrent requests."""
+    from megatron.training.tiers import CPUTier
+
+    builder = CPUTier(tier.args, tier.ctx) if opts.engine == "local" else tier
+    config = LocalEngineConfig(opts.gen_requests, opts.seq_length, eos_id=-1)  # never stops early
+    steps = builder.build_step_group(model, config, vocab)
+    engine = builder.build_engine(steps, config, lambda: 0)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, vocab, (opts.prompt_len,), generator=g).tolist()]
+    prompts *= opts.gen_requests
+    model.eval()
+
+    async def run() -> tuple[float, float]:
+        engine.start()
+        try:
+            warm = await _generate(engine, prompts[: max(1, len(prompts) // 8)], 8)
+            timed = await _generate(engine, prompts, opts.gen_tokens)
+            return warm, timed
+        finally:
+            await engine.aclose()
+
+    _, seconds = asyncio.run(run())
+    tokens = opts.gen_requests * opts.gen_tokens
+    return {
+        "engine": opts.engine,
+        "generation_seconds": seconds,
+        "generated_tokens": tokens,
+        "generated_tokens_per_s": tokens / seconds,
+    }
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """Benchmark options."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    p.add_argument("--num-layers", type=int, default=12)
+    p.add_argument("--hidden-size", type=int, default=768)
+    p.add_argument("--num-attention-heads", type=int, default=12)
+    p.add_argument("--vocab-size", type=int, default=50257, help="Token ids (padded to 128).")
+    p.add_argument("--seq-length", type=int, default=1024, help="Prompt + generation length.")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--gen-tokens", type=int, default=256, help="Tokens each request generates.")
+    p.add_argument("--gen-requests", type=int, default=128, help="Concurrent requests.")
+    p.add_argument("--batch-size", type=int, default=32, help="Rollouts per training step.")
+    p.add_argument("--micro-batch-size", type=int, default=8)
+    p.add_argument("--train-steps", type=int, default=10)
+    p.add_argument("--warmup-steps", type=int, default=3)
+    p.add_argument("--fp32", action="store_true", help="Float32 instead of bf16.")
+    p.add_argument("--distributed-optimizer", action="store_true")
+    p.add_argument("--engine", choices=["dynamic", "local"], default="dynamic")
+    p.add_argument("--peak-tflops", type=float, default=None, help="GPU peak for the MFU.")
+    p.add_argument("--skip-training", action="store_true")
+    p.add_argument("--skip-generation", action="store_true")
+    opts = p.parse_args(argv)
+    if opts.prompt_len + opts.gen_tokens > opts.seq_length:
+        p.error("--prompt-len + --gen-tokens must not exceed --seq-length")
+    if opts.batch_size % opts.micro_batch_size:
+        p.error("--batch-size must be a multiple of --micro-batch-size")
+    return opts
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark on the current GPU and print the results as JSON."""
+    opts = parse(argv)
+    if not torch.cuda.is_available():
+        print("bench_cuda.py needs a CUDA device", file=sys.stderr)
+        return 2
+    from megatron.core.utils import unwrap_model
+
+    from megatron.training.cuda_tier import CUDATier
+    from megatron.training.initialize import initialize_distributed, shutdown_distributed
+
+    args = trainer_args(opts)
+    ctx = initialize_distributed(args)
+    try:
+        tier = CUDATier(args, ctx)
+        model = tier.build_model(opts.vocab_size)
+        optimizer, scheduler = tier.build_optimizer(model)
+        params = sum(p.numel() for p in unwrap_model(model).parameters())
+        out = {"device": torch.cuda.get_device_name(), "parameters": params}
+        out["precision"] = "fp32" if opts.fp32 else "bf16"
+        if not opts.skip_training:
+            out.update(bench_training(tier, model, optimizer, scheduler, opts, opts.vocab_size))
+        if not opts.skip_generation:
+            out.update(bench_generation(tier, model, opts, opts.vocab_size))
+        out["tier"] = tier.describe()
+        out["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 1024**3
+        print(json.dumps(out, indent=1))
+    finally:
+        shutdown_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

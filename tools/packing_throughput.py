@@ -1,0 +1,112 @@
+"""Trained tokens/s of a GRPO train step with and without sequence packing, on a mixed-length batch.
+
+    python tools/packing_throughput.py [--seq-length 256 --rollouts 64 --micro-batch-size 32]
+
+The batch is ``--rollouts`` synthetic rollouts (one group per ``--group-size``) whose lengths are
+spread uniformly over [``--min-length``, ``--seq-length``]: prompt tokens then generated tokens,
+random ids, random rewards. The same batch is trained with ``train_step`` unpacked (each
+micro-batch right-padded to its longest rollout) and packed (``--rl-use-sequence-packing``: rows of
+``--seq-length`` tokens, block-diagonal causal mask), alternating, from the same initial weights;
+reported is the median over ``--repeats`` of real (non-padding) tokens per second of the step, and
+the packed/unpacked ratio. Model flags are those of ``pretrain_grpo.py`` (default: the tiny model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron.rl.grpo.batch import TrainBatch, build_train_batch  # noqa: E402
+from megatron.rl.grpo.loss import GRPOLossConfig  # noqa: E402
+from megatron.rl.tokenizer import CharTokenizer  # noqa: E402
+from megatron.rl.wire import RolloutGroup, TokenRollout  # noqa: E402
+from megatron.training.arguments import build_parser, validate_args  # noqa: E402
+from megatron.training.initialize import initialize_distributed  # noqa: E402
+from megatron.training.model_provider import build_model  # noqa: E402
+from megatron.training.optimizer import build_optimizer  # noqa: E402
+from megatron.training.train_step import StepOptions, train_step  # noqa: E402
+
+
+def mixed_length_batch(
+    rollouts: int, group_size: int, min_length: int, max_length: int, vocab: int, seed: int
+) -> TrainBatch:
+    """``rollouts`` trajectories with lengths uniform in [min_length, max_length]."""
+    rng = random.Random(seed)
+    groups = []
+    for g in range(rollouts // group_size):
+        members = []
+        for _ in range(group_size):
+            n = rng.randint(min_length, max_length)
+            prompt = rng.randint(1, max(1, n // 4))
+            tokens = [rng.randrange(2, vocab) for _ in range(n)]
+            members.append(
+                TokenRollout(
+                    env_id="bench", problem_id=str(g), prompt="", completion="",
+                    reward=rng.random(), tokens=tokens,
+                    generation_mask=[False] * prompt + [True] * (n - prompt),
+                    logprobs=[-rng.uniform(0.5, 3.0) for _ in range(n - prompt)],
+                    policy_versions=[0] * (n - prompt), submission_policy_version=0,
+                    temperature=1.0,
+                )  # fmt: skip
+            )
+        groups.append(RolloutGroup(batch_id=0, index_in_batch=g, rollouts=members))
+    return build_train_batch(groups, pad_id=0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse the flags, build the model and the batch, time both layouts, print the result."""
+    tool = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    tool.add_argument("--rollouts", type=int, default=64)
+    tool.add_argument("--group-size", type=int, default=8)
+    tool.add_argument("--min-length", type=int, default=8)
+    tool.add_argument("--repeats", type=int, default=7)
+    known, rest = tool.parse_known_args(argv)
+    args = build_parser().parse_args(["--lr-warmup-iters", "0", *rest])
+    problems = validate_args(args, world_size=1, cuda=torch.cuda.is_available())
+    if problems:
+        raise SystemExit("\n".join(problems))
+    ctx = initialize_distributed(args)
+    vocab = CharTokenizer().vocab_size
+    batch = mixed_length_batch(
+        known.rollouts, known.group_size, known.min_length, args.seq_length, vocab, args.seed
+    )
+    layouts = {"unpacked": None, "packed": args.seq_length}
+    states = {}
+    for name in layouts:
+        torch.manual_seed(args.seed)
+        model = build_model(args, vocab, ctx.device)
+        states[name] = (model, *build_optimizer(model, args))
+    rates: dict[str, list[float]] = {name: [] for name in layouts}
+    losses: dict[str, float] = {}
+    for _ in range(known.repeats + 1):  # the first round warms up
+        for name, capacity in layouts.items():
+            model, optimizer, scheduler = states[name]
+            result = train_step(
+                model, optimizer, scheduler, batch, args.micro_batch_size, args.clip_grad,
+                GRPOLossConfig(), vocab, ctx, StepOptions(packing_capacity=capacity),
+            )  # fmt: skip
+            rates[name].append(result.trained_tokens / result.seconds)
+            losses.setdefault(name, result.loss)
+    lengths = batch.lengths.tolist()
+    print(
+        f"batch: {len(lengths)} rollouts, lengths {min(lengths)}..{max(lengths)} "
+        f"(mean {statistics.fmean(lengths):.1f}), seq-length {args.seq_length}, micro-batch "
+        f"{args.micro_batch_size}, model {args.num_layers}x{args.hidden_size}, "
+        f"threads {torch.get_num_threads()}"
+    )
+    median = {name: statistics.median(r[1:]) for name, r in rates.items()}
+    for name in layouts:
+        rate, loss = median[name], losses[name]
+        print(f"{name:>9}: {rate:10.0f} trained tokens/s (first-step loss {loss:+.6e})")
+    print(f"gain: {median['packed'] / median['unpacked']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
