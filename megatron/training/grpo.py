@@ -68,7 +68,7 @@ def train(args: argparse.Namespace) -> None:
             clip_grad=args.clip_grad, vocab_size=tokenizer.vocab_size, ctx=ctx,
             loss_config=loss_config(args), options=step_options(args, reference),
         )  # fmt: skip
-        writer = metrics_writer(args) if ctx.is_main else None
+        writer = metrics_writer(args, resumed.iteration) if ctx.is_main else None
         evaluator = build_evaluator(args, ctx, model, tokenizer, agent)
         with rollout_source(args, ctx, model, tokenizer, agent, resumed) as rollouts:
             stop_on_signals(rollouts)
@@ -243,10 +243,10 @@ def checkpoint_due(args: argparse.Namespace, iteration: int) -> bool:
     )
 
 
-def metrics_writer(args: argparse.Namespace) -> MetricsWriter:
-    """Log line, JSONL and TensorBoard outputs of the flags."""
+def metrics_writer(args: argparse.Namespace, first_step: int) -> MetricsWriter:
+    """Log line, JSONL and TensorBoard outputs of the flags (a resumed run starts at first_step)."""
     return MetricsWriter(
-        args.train_iters, args.log_interval, args.metrics_file, args.tensorboard_dir
+        args.train_iters, args.log_interval, args.metrics_file, args.tensorboard_dir, first_step
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from pathlib import Path
 from typing import Any
@@ -124,8 +125,30 @@ def _optional_log_fields(m: dict[str, Any]) -> str:
     return "".join(f" | {p}" for p in parts)
 
 
+def _drop_records_from(path: Path, first_step: int) -> None:
+    """Rewrite the JSONL file at ``path`` without records of steps >= ``first_step``."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line torn by a crash mid-write
+        if record.get("step", -1) < first_step:
+            kept.append(line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
 class MetricsWriter:
-    """Writes metrics on rank 0: stdout every ``log_interval`` steps, JSONL and TensorBoard always."""
+    """Writes metrics on rank 0: stdout every ``log_interval`` steps, JSONL and TensorBoard always.
+
+    The JSONL file is appended to. A run resumed at ``first_step`` first drops the records of
+    steps >= ``first_step`` (logged after the checkpoint by the run that stopped, and trained
+    again now) and a torn last line, so the file holds each step once.
+    """
 
     def __init__(
         self,
@@ -133,12 +156,15 @@ class MetricsWriter:
         log_interval: int,
         metrics_file: str | None = None,
         tensorboard_dir: str | None = None,
+        first_step: int = 0,
     ) -> None:
         self.train_iters = train_iters
         self.log_interval = log_interval
         self._jsonl = None
         if metrics_file is not None:
             Path(metrics_file).parent.mkdir(parents=True, exist_ok=True)
+            if first_step > 0:
+                _drop_records_from(Path(metrics_file), first_step)
             self._jsonl = open(metrics_file, "a", encoding="utf-8")
         self._tb = None
         if tensorboard_dir is not None:

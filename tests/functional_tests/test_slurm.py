@@ -363,8 +363,8 @@ def test_requeued_job_resumes_from_its_last_checkpoint(cluster, tmp_path):
     resumed = re.search(r"resuming from \S+, iteration (\d+)", log)
     assert resumed, log[-4000:]
     iteration = int(resumed.group(1))
+    assert 2 <= iteration < 40
+    # The resumed run dropped the first run's records of steps it trains again: each step once.
     steps = [m["step"] for m in read_metrics(tmp_path / "run" / "metrics.jsonl")]
-    first_run = len(steps) - (40 - iteration)  # steps the first run logged before the requeue
-    assert 2 <= iteration <= first_run < 40
-    assert steps == list(range(first_run)) + list(range(iteration, 40))  # appended: both runs
-    print(f"requeued after step {first_run - 1}, resumed at iteration {iteration}")
+    assert steps == list(range(40))
+    print(f"requeued and resumed at iteration {iteration}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 import torch
@@ -145,3 +146,17 @@ def test_missing_rollout_state_is_named(tmp_path):
     (tmp_path / "iter_0000003" / "rollout_state.json").unlink()
     with pytest.raises(SystemExit, match="rollout_state.json"):
         load_checkpoint(str(tmp_path), model, optimizer, scheduler, run_args(), context())
+
+
+def test_a_resumed_run_drops_metrics_records_it_trains_again(tmp_path):
+    from megatron.training.metrics import MetricsWriter
+
+    path = tmp_path / "metrics.jsonl"
+    lines = [f'{{"step": {s}, "loss": {s / 10}}}\n' for s in range(13)] + ['{"step": 13, "lo']
+    path.write_text("".join(lines))  # steps 0-12, then a line torn by kill -9
+    writer = MetricsWriter(train_iters=20, log_interval=100, metrics_file=str(path), first_step=10)
+    writer.write({"step": 10, "loss": 9.0})
+    writer.close()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(11))
+    assert records[9]["loss"] == 0.9 and records[10]["loss"] == 9.0
