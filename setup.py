@@ -23,6 +23,7 @@ setup(
         "httpx>=0.27",
         "pydantic>=2",
         "pyyaml>=6",
+        "einops>=0.7",  # megatron-core's dynamic inference (CUDA tier; its CPU emulation test)
     ],
     extras_require={
         "test": [

@@ -86,6 +86,11 @@ def _attend(
             f"flash_reference: {num_heads} query heads are not a multiple of {num_kv_heads} kv heads"
         )
     groups = num_heads // num_kv_heads
+    # Keys past a sequence's length come from unwritten cache memory, which may hold NaN or inf:
+    # zero them, since a masked probability of 0 times NaN would still poison the output.
+    key_valid = torch.arange(k.shape[1], device=k.device)[None, :] < lens_k[:, None]  # (B, Lk)
+    k = k.masked_fill(~key_valid[:, :, None, None], 0)
+    v = v.masked_fill(~key_valid[:, :, None, None], 0)
     qf = q.float().permute(0, 2, 1, 3)  # (B, Hq, Lq, D)
     kf = k.float().permute(0, 2, 1, 3).repeat_interleave(groups, dim=1)  # (B, Hq, Lk, D)
     vf = v.float().permute(0, 2, 1, 3).repeat_interleave(groups, dim=1)  # (B, Hq, Lk, Dv)

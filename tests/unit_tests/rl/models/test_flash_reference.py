@@ -46,7 +46,10 @@ def paged(seqs, block_size, num_blocks, seed=0):
     g = torch.Generator().manual_seed(seed)
     order = torch.randperm(num_blocks, generator=g).tolist()
     heads = seqs[0].shape[1]
-    cache = torch.randn(num_blocks, block_size, heads, D, generator=g)  # garbage everywhere
+    # Unwritten cache memory is garbage, NaN and inf included (the engine allocates with empty).
+    cache = torch.randn(num_blocks, block_size, heads, D, generator=g)
+    cache[::2] = float("nan")
+    cache[1::4] = float("inf")
     max_blocks = max(-(-s.shape[0] // block_size) for s in seqs) + 1
     table = torch.full((len(seqs), max_blocks), -1, dtype=torch.int32)
     for b, s in enumerate(seqs):
