@@ -19,7 +19,8 @@ async def gather_all(*awaitables: Awaitable[T]) -> list[T]:
         async with asyncio.TaskGroup() as group:
             tasks = [group.create_task(_as_coroutine(a)) for a in awaitables]
     except BaseExceptionGroup as eg:
-        raise eg.exceptions[0] from None
+        first = eg.exceptions[0]
+        raise first from first.__cause__  # keeps its own cause; drops the group as context
     return [t.result() for t in tasks]
 
 

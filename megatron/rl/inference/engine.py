@@ -206,7 +206,7 @@ class LocalInferenceEngine:
             await asyncio.gather(self._task, return_exceptions=True)
         if self._error is None:
             self._error = EngineError("the inference engine was shut down")
-        self._fail_pending(EngineError("the inference engine was shut down"))
+        self._fail_pending("the inference engine was shut down")
 
     def suspend(self) -> None:
         """Stop stepping after the current step (the trainer is about to update the weights)."""
@@ -260,9 +260,7 @@ class LocalInferenceEngine:
             raise
         except BaseException as exc:
             self._error = exc
-            error = EngineError(f"inference engine step failed: {exc!r}")
-            error.__cause__ = exc
-            self._fail_pending(error)
+            self._fail_pending(f"inference engine step failed: {exc!r}", cause=exc)
             raise
 
     async def _sleep_until_woken(self, timeout: float | None = None) -> None:
@@ -342,9 +340,16 @@ class LocalInferenceEngine:
         for req in [r for r in self._active.values() if r.future.done()]:
             self._release(req)
 
-    def _fail_pending(self, error: BaseException) -> None:
+    def _fail_pending(self, message: str, cause: BaseException | None = None) -> None:
+        """Fail every queued and active request with an ``EngineError`` of its own.
+
+        One instance per future: an exception object shared by several tasks would collect every
+        task's frames in its traceback as each of them re-raises it.
+        """
         for req in [*self._waiting, *self._active.values()]:
             if not req.future.done():
+                error = EngineError(message)
+                error.__cause__ = cause
                 req.future.set_exception(error)
         self._waiting.clear()
         self._active.clear()

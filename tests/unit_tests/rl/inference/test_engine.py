@@ -226,6 +226,8 @@ def test_step_failure_fails_pending_and_later_requests():
     results = asyncio.run(run())
     assert all(isinstance(r, EngineError) for r in results)
     assert isinstance(results[0].__cause__, RuntimeError)
+    assert results[0].__cause__ is results[1].__cause__  # the step's own exception
+    assert results[0] is not results[1]  # one instance per request: tracebacks do not pile up
     assert "boom in forward" in str(results[0])
 
 
