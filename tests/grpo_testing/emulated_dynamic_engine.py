@@ -2,11 +2,11 @@
 
 megatron-core's dynamic context and engine allocate with ``torch.cuda.current_device()`` and time
 steps with CUDA events; nothing else in their Python code needs a GPU. This script, run in its own
-process (it patches ``torch.cuda`` globally), points those calls at the CPU, then generates the
-same requests with the CPU tier's ``LocalInferenceEngine`` and with the CUDA tier's adapter over
-megatron-core's engine (dynamic context, paged KV cache, ``GPTInferenceWrapper``, the seeded
-controller, ``flash_reference`` attention), with and without suspend/resume windows, and prints
-one JSON line per run. It exercises megatron-core's request bookkeeping, block tables and
+process (``grpo_testing.emulated_cuda`` patches torch globally), points those calls at the CPU,
+then generates the same requests with the CPU tier's ``LocalInferenceEngine`` and with the CUDA
+tier's adapter over megatron-core's engine (dynamic context, paged KV cache,
+``GPTInferenceWrapper``, the seeded controller, ``flash_reference`` attention), with and without
+suspend/resume windows, and prints one JSON line per run. It exercises megatron-core's request bookkeeping, block tables and
 attention calls without a GPU; the ``gpu`` tests run the same comparison on CUDA.
 
     python tests/grpo_testing/emulated_dynamic_engine.py [--block-size 16]
@@ -16,47 +16,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import json
 import sys
 from pathlib import Path
 
 import torch
-
-
-class _Event:
-    """CPU stand-in for ``torch.cuda.Event`` (megatron-core times engine steps with it)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        pass
-
-    def record(self, *args) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def elapsed_time(self, other) -> float:
-        return 0.0
-
-
-def point_cuda_at_cpu() -> None:
-    """Make megatron-core's CUDA allocations and timing calls work on a CPU-only torch."""
-    plain_empty_like = torch.empty_like
-
-    def empty_like(tensor, *args, pin_memory=False, **kwargs):
-        return plain_empty_like(tensor, *args, **kwargs)
-
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.is_available = lambda: True
-    torch.cuda.Event = _Event
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.memory_stats = lambda *a, **k: collections.defaultdict(int)
-    torch.empty_like = empty_like
-    import megatron.core.inference.engines.dynamic_engine as engine_module
-
-    engine_module.range_push = engine_module.range_pop = lambda *a, **k: None
-
 
 REQUESTS = [  # prompt, temperature, max_tokens, seed
     ([2, 3, 4], 0.0, 6, 11),
@@ -92,6 +56,15 @@ async def generate(engine, windows: bool):
         await engine.aclose()
 
 
+def poison_stale_metadata(runner) -> None:
+    """Suspend megatron-core's engine, then fill the request metadata it just freed with the first
+    token request 0 generates: an engine that still read the freed tensors after resuming would
+    take that token for the termination id and finish requests early."""
+    runner.end_window()
+    stale = runner.engine.controller._request_metadata["termination_id"]
+    stale.fill_(4)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--block-size", type=int, default=16)
@@ -99,7 +72,9 @@ def main() -> None:
     root = Path(__file__).resolve().parents[2]
     sys.path[:0] = [str(root), str(root / "tests")]
     torch.set_num_threads(1)
-    point_cuda_at_cpu()
+    from grpo_testing.emulated_cuda import emulate_cuda_on_cpu
+
+    emulate_cuda_on_cpu()
     from grpo_testing.distributed import init_single_rank_world
     from grpo_testing.models import VOCAB, tiny_gpt
 
@@ -118,9 +93,11 @@ def main() -> None:
         StepGroup(ModelRunner(model, cache, VOCAB)), LocalEngineConfig(3, 32, 1), lambda: 0
     )
     want = asyncio.run(generate(local, windows=False))
-    for windows in (False, True):
+    for windows, suspended_first in ((False, False), (True, False), (True, True)):
         config = de.DynamicEngineConfig(3, 32, eos_id=1, block_size_tokens=opts.block_size)
         steps = de.build_dynamic_step_group(model, config, VOCAB, 24)
+        if suspended_first:  # the trainer's first window ends before any request is added
+            poison_stale_metadata(steps.runner)
         engine = de.DynamicInferenceEngineAdapter(steps, LocalEngineConfig(3, 32, 1), lambda: 0)
         got = asyncio.run(generate(engine, windows))
         same = [g.tokens == w.tokens for g, w in zip(got, want)]
@@ -129,6 +106,7 @@ def main() -> None:
             json.dumps(
                 {
                     "windows": windows,
+                    "suspended_first": suspended_first,
                     "same_tokens": same,
                     "max_logprob_difference": diff,
                     "megatron_steps": steps.runner.steps,

@@ -233,6 +233,22 @@ class SteppedDynamicInferenceEngine(DynamicInferenceEngine):
         self._loop = _DetachedLoop()
         super().reset()
 
+    def resume(self) -> None:
+        """Resume as megatron-core does, then point the controller at the new request metadata.
+
+        megatron-core 0.16's ``resume`` reallocates the context's request-metadata tensors, but the
+        controller keeps references to the GPU-resident ones it bound at construction
+        (``termination_id``): it would compare sampled tokens against the freed tensors' stale or
+        never-written values and finish requests on arbitrary tokens.
+        """
+        was_suspended = self.is_suspended
+        super().resume()
+        if was_suspended:
+            metadata = self.controller._request_metadata
+            for label, _, on_gpu in self.context.request_metadata_types:
+                if on_gpu:
+                    metadata[label] = self.context.request_metadata[label]
+
 
 def drive(coro: Coroutine) -> Any:
     """Run a coroutine that only yields to the event loop (``asyncio.sleep(0)``) to completion.
@@ -481,14 +497,17 @@ class DynamicInferenceEngineAdapter(LocalInferenceEngine):
 
 
 def attention_backend_name() -> str:
-    """Which attention kernels megatron-core's dynamic engine uses here."""
+    """Which attention kernels megatron-core's dynamic engine uses here (before or after
+    ``build_megatron_engine`` installs the reference where flash-attn is missing)."""
     from megatron.core.transformer import attention
 
     if flash_reference.reference_in_use():
         return "flash_reference (PyTorch)"
     if attention.HAVE_FA3:
         return "flash-attn 3"
-    return "flash-attn 2" if attention.flash_attn_varlen_func is not None else "none"
+    if attention.flash_attn_varlen_func is not None:
+        return "flash-attn 2"
+    return "flash_reference (PyTorch)"
 
 
 def build_megatron_engine(

@@ -28,7 +28,11 @@ def test_megatron_cores_engine_on_cpu_matches_the_local_engine(block_size):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     runs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert [r["windows"] for r in runs] == [False, True]
+    assert [(r["windows"], r["suspended_first"]) for r in runs] == [
+        (False, False),
+        (True, False),
+        (True, True),  # resumed engines read the reallocated request metadata
+    ]
     for run in runs:
         assert all(run["same_tokens"]), run
         assert run["max_logprob_difference"] < 1e-4, run
