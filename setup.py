@@ -24,6 +24,7 @@ setup(
         "pydantic>=2",
         "pyyaml>=6",
         "einops>=0.7",  # megatron-core's dynamic inference (CUDA tier; its CPU emulation test)
+        "psutil>=5.9",  # megatron-core's dist_checkpointing writer (CUDA tier); hangs without it
     ],
     extras_require={
         "test": [

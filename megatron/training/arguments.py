@@ -13,12 +13,6 @@ import math
 import os
 from pathlib import Path
 
-TRAINING_LOOP_USES_TIERS = False
-"""Whether ``megatron.training.grpo.train`` builds its model, optimizer, train step, engine and
-checkpoints through ``megatron.training.tiers`` (issue 6). Until it does, the CUDA-tier flags
-(``--bf16``, ``--use-distributed-optimizer``, ``--pipeline-model-parallel-size`` > 1) are refused on
-CUDA too instead of being silently ignored; set it to True together with that wiring."""
-
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every flag, grouped as in Megatron-LM."""
@@ -349,9 +343,6 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> list
         if not cuda:
             why = "is not supported on CPU: megatron-core's pipeline schedules are CUDA-only, use 1"
             check(pp == 1, f"--pipeline-model-parallel-size {pp} {why}")
-        elif not TRAINING_LOOP_USES_TIERS:
-            why = "is not supported yet by the trainer's inference engine, use 1"
-            check(pp == 1, f"--pipeline-model-parallel-size {pp} {why}")
         elif args.num_layers >= 1:
             check(
                 args.num_layers % pp == 0,
@@ -400,17 +391,11 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> list
         ("--bf16", args.bf16),
         ("--use-distributed-optimizer", args.use_distributed_optimizer),
     )
-    for flag in (f for f, on in tier_flags if on):
-        if not cuda:
-            errors.append(
-                f"{flag} is not supported on CPU: it needs the CUDA tier (megatron-core's "
-                "mixed-precision and distributed optimizers are CUDA-only)"
-            )
-        elif not TRAINING_LOOP_USES_TIERS:
-            errors.append(
-                f"{flag} is not supported yet: the training loop does not use the CUDA tier "
-                "(megatron/training/tiers.py) yet"
-            )
+    for flag in (f for f, on in tier_flags if on and not cuda):
+        errors.append(
+            f"{flag} is not supported on CPU: it needs the CUDA tier (megatron-core's "
+            "mixed-precision and distributed optimizers are CUDA-only)"
+        )
 
     check(args.lr > 0, f"--lr must be > 0, got {args.lr}")
     check(0 <= args.min_lr <= args.lr, f"--min-lr ({args.min_lr}) must be in [0, --lr]")
@@ -518,7 +503,7 @@ def validate_algorithm_args(args: argparse.Namespace, cuda: bool) -> list[str]:
         not bad_k,
         f"--eval-pass-k values must be in [1, --eval-samples ({args.eval_samples})], got {bad_k}",
     )
-    if cuda and TRAINING_LOOP_USES_TIERS:
+    if cuda:
         algorithm_flags = (
             ("--grpo-kl-beta", args.grpo_kl_beta != 0),
             ("--grpo-entropy-term-weight", args.grpo_entropy_term_weight != 0),

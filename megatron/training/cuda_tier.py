@@ -146,7 +146,7 @@ class CUDATier(Tier):
             pre_process=parallel_state.is_pipeline_first_stage(),
             post_process=parallel_state.is_pipeline_last_stage(),
         )
-        model.cuda(torch.cuda.current_device())
+        model.to(self.ctx.device)
         if config.bf16:
             model = Float16Module(config, model)
         ddp = DistributedDataParallel(

@@ -1,9 +1,9 @@
 """Periodic evaluation (``--eval-interval``): greedy reward and pass@k on a held-out prompt set.
 
-Evaluation runs on its own engine: a second ``LocalInferenceEngine`` with its own KV cache and
-``StepGroup`` over the same model object, driven from its own event loop, in a window of its own
-between two training steps (after the update of step s, so at policy version s + 1). The training
-engine is suspended throughout and its cache, queues and slots are untouched, so the training
+Evaluation runs on its own engine: a second engine of the tier (the local engine on CPU,
+megatron-core's dynamic engine on CUDA) with its own KV cache and step group over the same model
+object, driven from its own event loop, in a window of its own between two training steps (after
+the update of step s, so at policy version s + 1). The training engine is suspended throughout and its cache, queues and slots are untouched, so the training
 run's schedule, tokens, losses and staleness are exactly those of a run without evaluation (the
 forced-lag contract does not see it). Sampling uses no global RNG (each request has its own seeded
 stream), and evaluation requests are keyed and announced on their own engine, so evaluation
@@ -23,14 +23,12 @@ import torch
 from megatron.rl.agent.api import Agent
 from megatron.rl.agent.mixture import MixtureAgent
 from megatron.rl.eval.runner import EvalConfig, eval_metrics, evaluate_agents
-from megatron.rl.inference.engine import LocalEngineConfig, LocalInferenceEngine
+from megatron.rl.inference.engine import LocalEngineConfig
 from megatron.rl.inference.interface import LocalInferenceInterface
-from megatron.rl.inference.model_runner import ModelRunner
-from megatron.rl.inference.step_group import StepGroup
-from megatron.rl.models.kv_cache import KVCache
 from megatron.rl.tokenizer import Tokenizer
 from megatron.rl.wire import SamplingParams
 from megatron.training.initialize import ParallelContext
+from megatron.training.tiers import Tier
 
 
 def eval_config(args: argparse.Namespace) -> EvalConfig:
@@ -69,6 +67,7 @@ class Evaluator:
     def __init__(
         self,
         ctx: ParallelContext,
+        tier: Tier,
         model: torch.nn.Module,
         tokenizer: Tokenizer,
         agent: Agent | None,
@@ -79,27 +78,14 @@ class Evaluator:
         self.model = model
         self.config = config
         self.policy_version = 0
-        mc = model.config
-        cache = KVCache(
-            num_layers=mc.num_layers,
-            num_slots=engine_config.max_requests,
-            max_seq_len=engine_config.max_seq_len,
-            num_kv_heads=mc.num_query_groups // ctx.tp_size,
-            head_dim=mc.kv_channels,
-            dtype=mc.params_dtype,
-            device=ctx.device,
-        )
-        runner = ModelRunner(model, cache, tokenizer.vocab_size, ctx.tp_group)
-        self.steps = StepGroup(runner, ctx.dp_rank, ctx.dp_size, ctx.is_replica_leader)
+        self.steps = tier.build_step_group(model, engine_config, tokenizer.vocab_size)
         self._loop: asyncio.AbstractEventLoop | None = None
         if ctx.is_main:
             if agent is None:
                 raise ValueError("rank 0 needs the agent")
             self.agents = eval_agents(agent)
             self._loop = asyncio.new_event_loop()
-            self.engine = LocalInferenceEngine(
-                self.steps, engine_config, lambda: self.policy_version
-            )
+            self.engine = tier.build_engine(self.steps, engine_config, lambda: self.policy_version)
             self.inference = LocalInferenceInterface(self.engine, tokenizer)
             self._loop.run_until_complete(self._start())
 

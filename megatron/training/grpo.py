@@ -35,7 +35,7 @@ from megatron.rl.inference.engine import LocalEngineConfig
 from megatron.rl.rollout.generator import RolloutConfig
 from megatron.rl.tokenizer import CharTokenizer, Tokenizer
 from megatron.rl.wire import RolloutGroup, SamplingParams
-from megatron.training.checkpointing import Checkpoint, load_checkpoint, save_checkpoint
+from megatron.training.checkpointing import Checkpoint
 from megatron.training.evaluation import Evaluator, eval_agents, eval_config
 from megatron.training.initialize import (
     ParallelContext,
@@ -43,11 +43,10 @@ from megatron.training.initialize import (
     shutdown_distributed,
 )
 from megatron.training.metrics import MetricsWriter, step_metrics
-from megatron.training.model_provider import build_model
-from megatron.training.optimizer import build_optimizer
 from megatron.training.reference import build_reference_model
 from megatron.training.rollouts import CollectedBatch, InferenceServerConfig, RolloutSource
-from megatron.training.train_step import StepOptions, train_step
+from megatron.training.tiers import Tier, select_tier
+from megatron.training.train_step import StepOptions
 
 
 def train(args: argparse.Namespace) -> None:
@@ -56,28 +55,30 @@ def train(args: argparse.Namespace) -> None:
     ctx = initialize_distributed(args)
     writer = evaluator = None
     try:
+        tier = select_tier(args, ctx)  # CPU or CUDA: model, optimizer, step, engine, checkpoints
         tokenizer = CharTokenizer()
-        model = build_model(args, tokenizer.vocab_size, ctx.device)
+        model = tier.build_model(tokenizer.vocab_size)
         reference = build_reference_model(args, model, tokenizer.vocab_size, ctx)  # before --load
-        optimizer, scheduler = build_optimizer(model, args)
+        optimizer, scheduler = tier.build_optimizer(model)
         resumed = Checkpoint(iteration=0, pipeline=None)
         if args.load:
-            resumed = load_checkpoint(args.load, model, optimizer, scheduler, args, ctx)
+            resumed = tier.load_checkpoint(args.load, model, optimizer, scheduler)
         step_fn = functools.partial(
-            train_step, model, optimizer, scheduler, micro_batch_size=args.micro_batch_size,
-            clip_grad=args.clip_grad, vocab_size=tokenizer.vocab_size, ctx=ctx,
-            loss_config=loss_config(args), options=step_options(args, reference),
+            tier.train_step, model, optimizer, scheduler, loss_config=loss_config(args),
+            vocab_size=tokenizer.vocab_size, options=step_options(args, reference),
         )  # fmt: skip
+        if ctx.is_main:
+            print(tier.describe(), flush=True)
         writer = metrics_writer(args, resumed.iteration) if ctx.is_main else None
-        evaluator = build_evaluator(args, ctx, model, tokenizer, agent)
-        with rollout_source(args, ctx, model, tokenizer, agent, resumed) as rollouts:
+        evaluator = build_evaluator(args, ctx, tier, model, tokenizer, agent)
+        with rollout_source(args, ctx, tier, model, tokenizer, agent, resumed) as rollouts:
             stop_on_signals(rollouts)
             for step in range(resumed.iteration, args.train_iters):
                 t0 = time.perf_counter()
                 collected = rollouts.next_batch()  # collect (ordered, forced lag)
                 groups, extra = training_groups(args, collected)  # dynamic sampling (if on)
                 batch = build_train_batch(groups, tokenizer.pad_id)  # advantages
-                result = step_fn(batch)  # train step: --grpo-iterations optimizer updates
+                result = step_fn(batch=batch)  # train step: --grpo-iterations optimizer updates
                 rollouts.policy_version = step + 1
                 elapsed = time.perf_counter() - t0
                 extra.update(run_evaluation(args, evaluator, step + 1))  # own engine and window
@@ -86,9 +87,7 @@ def train(args: argparse.Namespace) -> None:
                     writer.write(m)
                 if checkpoint_due(args, step + 1):  # checkpoint (after draining the pipeline)
                     state = rollouts.drain()
-                    save_checkpoint(
-                        args.save, step + 1, model, optimizer, scheduler, state, args, ctx
-                    )
+                    tier.save_checkpoint(args.save, step + 1, model, optimizer, scheduler, state)
     finally:
         if evaluator is not None:
             evaluator.close()
@@ -150,6 +149,7 @@ def training_groups(
 def build_evaluator(
     args: argparse.Namespace,
     ctx: ParallelContext,
+    tier: Tier,
     model: torch.nn.Module,
     tokenizer: Tokenizer,
     agent: Agent,
@@ -159,6 +159,7 @@ def build_evaluator(
         return None
     return Evaluator(
         ctx,
+        tier,
         model,
         tokenizer,
         agent if ctx.is_main else None,
@@ -201,6 +202,7 @@ def load_agent(args: argparse.Namespace) -> Agent:
 def rollout_source(
     args: argparse.Namespace,
     ctx: ParallelContext,
+    tier: Tier,
     model: torch.nn.Module,
     tokenizer: Tokenizer,
     agent: Agent,
@@ -215,6 +217,7 @@ def rollout_source(
     )
     return RolloutSource(
         ctx,
+        tier,
         model,
         tokenizer,
         agent if ctx.is_main else None,

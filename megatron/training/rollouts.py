@@ -23,11 +23,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.rl.agent.api import Agent
-from megatron.rl.inference.engine import LocalEngineConfig, LocalInferenceEngine
+from megatron.rl.inference.engine import LocalEngineConfig
 from megatron.rl.inference.interface import LocalInferenceInterface
-from megatron.rl.inference.model_runner import ModelRunner
-from megatron.rl.inference.step_group import StepGroup
-from megatron.rl.models.kv_cache import KVCache
 from megatron.rl.rollout.generator import (
     GroupedRolloutGenerator,
     PipelineState,
@@ -38,6 +35,7 @@ from megatron.rl.server.http import EmbeddedServer
 from megatron.rl.server.inference_server import create_inference_app
 from megatron.rl.tokenizer import Tokenizer
 from megatron.training.initialize import ParallelContext
+from megatron.training.tiers import Tier
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -73,6 +71,7 @@ class RolloutSource:
     def __init__(
         self,
         ctx: ParallelContext,
+        tier: Tier,
         model: torch.nn.Module,
         tokenizer: Tokenizer,
         agent: Agent | None,
@@ -85,18 +84,7 @@ class RolloutSource:
         self.ctx = ctx
         self.model = model
         self.policy_version = first_step
-        config = model.config
-        cache = KVCache(
-            num_layers=config.num_layers,
-            num_slots=engine_config.max_requests,
-            max_seq_len=engine_config.max_seq_len,
-            num_kv_heads=config.num_query_groups // ctx.tp_size,
-            head_dim=config.kv_channels,
-            dtype=config.params_dtype,
-            device=ctx.device,
-        )
-        runner = ModelRunner(model, cache, tokenizer.vocab_size, ctx.tp_group)
-        self.steps = StepGroup(runner, ctx.dp_rank, ctx.dp_size, ctx.is_replica_leader)
+        self.steps = tier.build_step_group(model, engine_config, tokenizer.vocab_size)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: EmbeddedServer | None = None
         self._window: asyncio.Task | None = None
@@ -108,9 +96,7 @@ class RolloutSource:
             self.tokenizer = tokenizer
             self.server_config = server_config
             self._loop = asyncio.new_event_loop()
-            self.engine = LocalInferenceEngine(
-                self.steps, engine_config, lambda: self.policy_version
-            )
+            self.engine = tier.build_engine(self.steps, engine_config, lambda: self.policy_version)
             self.inference = LocalInferenceInterface(self.engine, tokenizer)
             self.generator = GroupedRolloutGenerator(
                 agent,

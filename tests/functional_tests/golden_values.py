@@ -26,6 +26,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -74,11 +75,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def training_command(nproc: int, args: dict) -> list[str]:
-    """The torchrun command line of pretrain_grpo.py with ``args`` (flag name -> value)."""
-    argv = [f"--{k}={v}" for k, v in args.items()]
+def training_command(nproc: int, args: dict, script: str = "pretrain_grpo.py") -> list[str]:
+    """The torchrun command line of ``script`` with ``args`` (flag name -> value; True: a switch)."""
+    argv = [f"--{k}" if v is True else f"--{k}={v}" for k, v in args.items()]
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-            f"--master-port={free_port()}", "pretrain_grpo.py", *argv]  # fmt: skip
+            f"--master-port={free_port()}", script, *argv]  # fmt: skip
 
 
 def subprocess_env() -> dict[str, str]:
@@ -92,11 +93,13 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def run_training(nproc: int, args: dict, timeout: float = 600) -> list[dict]:
-    """Run pretrain_grpo.py under torchrun with ``args`` and return its per-step metrics."""
+def run_training(
+    nproc: int, args: dict, timeout: float = 600, script: str = "pretrain_grpo.py"
+) -> list[dict]:
+    """Run ``script`` (pretrain_grpo.py) under torchrun with ``args``; its per-step metrics."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "metrics.jsonl"
-        cmd = training_command(nproc, {**args, "metrics-file": metrics})
+        cmd = training_command(nproc, {**args, "metrics-file": metrics}, script)
         proc = subprocess.run(
             cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=timeout
         )
@@ -105,6 +108,18 @@ def run_training(nproc: int, args: dict, timeout: float = 600) -> list[dict]:
                 f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
             )
         return read_metrics(metrics)
+
+
+def checkpoint_of_iteration(root: Path, iteration: int, dest: Path) -> Path:
+    """A ``--load`` folder ``dest`` whose latest checkpoint is ``root``'s at ``iteration``.
+
+    Resuming from it continues the run that saved ``root`` (same flags, same ``--train-iters``),
+    as if that run had stopped after ``iteration`` steps.
+    """
+    name = f"iter_{iteration:07d}"
+    shutil.copytree(root / name, dest / name)
+    (dest / "latest_checkpointed_iteration.txt").write_text(f"{iteration}\n")
+    return dest
 
 
 def process_tree(pid: int) -> list[int]:

@@ -1,8 +1,7 @@
 """``pretrain_grpo.py`` on the CUDA tier (megatron-core DDP/optimizer, DynamicInferenceEngine).
 
-Every test needs CUDA (``gpu`` marker) and the training loop wired to ``megatron.training.tiers``
-(``megatron.training.arguments.TRAINING_LOOP_USES_TIERS``); multi-GPU cases skip below their GPU
-count. Each run trains the default 2-layer model for a few steps.
+Every test needs CUDA (``gpu`` marker); multi-GPU cases skip below their GPU count. Each run
+trains the default 2-layer model for a few steps.
 """
 
 from __future__ import annotations
@@ -17,18 +16,11 @@ import tempfile
 from pathlib import Path
 
 import pytest
-
-from megatron.training import arguments
+from golden_values import checkpoint_of_iteration
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not arguments.TRAINING_LOOP_USES_TIERS,
-        reason="grpo.train does not use megatron.training.tiers yet (issue 6 integration)",
-    ),
-]
+pytestmark = pytest.mark.gpu
 
 BASE = [
     "--train-iters", "5", "--rl-forced-lag", "1", "--grpo-prompts-per-step", "4",
@@ -116,11 +108,10 @@ def test_pipeline_parallel_2_trains():
 
 
 def test_dist_checkpoint_resume_reproduces_the_uninterrupted_run(tmp_path):
-    lag0 = ["--rl-forced-lag", "0"]
-    whole, _ = train(1, *lag0, "--save", str(tmp_path / "a"), "--save-interval", "3")
-    _, _ = train(1, *lag0, "--train-iters", "3", "--save", str(tmp_path / "b"))
-    resumed, _ = train(1, *lag0, "--load", str(tmp_path / "b"))
-    assert (tmp_path / "b" / "iter_0000003" / "metadata.json").is_file()  # dist_checkpointing
+    whole, _ = train(1, "--save", str(tmp_path / "a"), "--save-interval", "3")
+    assert (tmp_path / "a" / "iter_0000003" / "metadata.json").is_file()  # dist_checkpointing
+    load = checkpoint_of_iteration(tmp_path / "a", 3, tmp_path / "b")
+    resumed, _ = train(1, "--load", str(load))
     assert [m["step"] for m in resumed] == [3, 4]
     for a, b in zip(whole[3:], resumed):
         assert b["reward_mean"] == pytest.approx(a["reward_mean"], abs=1e-6)

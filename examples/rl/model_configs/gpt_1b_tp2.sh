@@ -23,9 +23,6 @@ MODEL_ARGS=(
     --clip-grad 1.0
     --weight-decay 0.01
     --inference-max-requests 256
-    # CUDA-tier precision and optimizer sharding: the flags exist, but validation refuses them
-    # until the training loop uses the CUDA tier (TRAINING_LOOP_USES_TIERS in
-    # megatron/training/arguments.py); uncomment then.
-    # --bf16
-    # --use-distributed-optimizer
+    --bf16  # CUDA tier: bf16 weights and activations, float32 main weights and gradients
+    --use-distributed-optimizer  # optimizer state sharded over data-parallel ranks
 )

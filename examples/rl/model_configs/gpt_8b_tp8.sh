@@ -24,7 +24,6 @@ MODEL_ARGS=(
     --clip-grad 1.0
     --weight-decay 0.01
     --inference-max-requests 64
-    # Uncomment once TRAINING_LOOP_USES_TIERS is True in megatron/training/arguments.py:
-    # --bf16
-    # --use-distributed-optimizer
+    --bf16  # CUDA tier: bf16 weights and activations, float32 main weights and gradients
+    --use-distributed-optimizer  # optimizer state sharded over data-parallel ranks
 )

@@ -1,5 +1,5 @@
-"""CUDA-tier flags: refused on CPU (naming the flag), refused on CUDA until the training loop
-uses the tier, validated on CUDA once it does."""
+"""CUDA-tier flags: refused on CPU (naming the flag), accepted and validated on CUDA; the step
+options the CUDA tier's train step lacks are refused on CUDA by name."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import sys
 
 import pytest
 
-from megatron.training import arguments
 from megatron.training.arguments import build_parser, validate_args
 
 
@@ -33,15 +32,7 @@ def test_flags_default_off_and_change_nothing_on_cpu():
     assert validate_args(args, 1, cuda=False) == []
 
 
-@pytest.mark.parametrize("flag", ["--bf16", "--use-distributed-optimizer"])
-def test_on_cuda_they_wait_for_the_training_loop_to_use_the_tier(flag):
-    assert not arguments.TRAINING_LOOP_USES_TIERS
-    (error,) = errors_for([flag], cuda=True)
-    assert error.startswith(flag) and "tiers.py" in error
-
-
-def test_on_cuda_with_the_tier_wired_they_are_accepted_and_pp_is_validated(monkeypatch):
-    monkeypatch.setattr(arguments, "TRAINING_LOOP_USES_TIERS", True)
+def test_on_cuda_they_are_accepted_and_pp_is_validated():
     argv = ["--bf16", "--use-distributed-optimizer", "--pipeline-model-parallel-size", "2"]
     assert errors_for(argv, world_size=2, cuda=True) == []
     (error,) = errors_for(
@@ -56,3 +47,19 @@ def test_entry_script_refuses_bf16_on_cpu_with_status_2():
     )
     assert proc.returncode == 2
     assert "--bf16" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        pytest.param(["--grpo-kl-beta", "0.1"], id="kl"),
+        pytest.param(["--grpo-entropy-term-weight", "0.01"], id="entropy"),
+        pytest.param(["--grpo-iterations", "2"], id="iterations"),
+        pytest.param(["--rl-inference-logprobs-is-correction"], id="is-correction"),
+        pytest.param(["--rl-use-sequence-packing"], id="packing"),
+    ],
+)
+def test_step_options_the_cuda_train_step_lacks_are_refused_on_cuda_by_name(argv):
+    assert errors_for(argv, cuda=False) == []
+    (error,) = errors_for(argv, cuda=True)
+    assert error.startswith(argv[0]) and "CUDA tier" in error

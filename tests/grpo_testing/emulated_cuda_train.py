@@ -1,0 +1,56 @@
+"""Run ``pretrain_grpo.py``'s training loop on the CUDA tier, emulated on the CPU.
+
+    python tests/grpo_testing/emulated_cuda_train.py [--keep-kv-between-windows] [flags]
+
+Flags are validated as on a CUDA machine (``--bf16``, ``--use-distributed-optimizer`` accepted).
+torch.distributed starts on gloo with the CPU as the context's device; the loop then runs
+``CUDATier`` (megatron-core DDP, ``get_megatron_optimizer``, ``get_forward_backward_func``, the
+``DynamicInferenceEngine`` adapter with ``flash_reference`` attention) under
+``grpo_testing.emulated_cuda``. One process per run: the emulation patches torch globally.
+
+``--keep-kv-between-windows`` keeps megatron-core's KV cache across generation windows (the
+default suspends the engine and re-prefills active requests under the new weights); the CPU
+tier's engine keeps its cache, so only with it do runs with a forced lag match the CPU tier.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+import torch  # noqa: E402
+from grpo_testing.emulated_cuda import emulate_cuda_on_cpu  # noqa: E402
+
+emulate_cuda_on_cpu()
+
+import functools  # noqa: E402
+
+import megatron.training.cuda_tier as cuda_tier  # noqa: E402
+import megatron.training.grpo as grpo  # noqa: E402
+from megatron.training.arguments import parse_args  # noqa: E402
+
+
+def initialize_on_gloo(args):
+    """``initialize_distributed`` as on a CPU machine (gloo, CPU device)."""
+    torch.cuda.is_available = lambda: False
+    try:
+        return initialize_distributed(args)
+    finally:
+        torch.cuda.is_available = lambda: True
+
+
+initialize_distributed = grpo.initialize_distributed
+grpo.initialize_distributed = initialize_on_gloo
+grpo.select_tier = cuda_tier.CUDATier
+
+if __name__ == "__main__":  # dist_checkpointing's writer processes re-import this file
+    argv = sys.argv[1:]
+    if "--keep-kv-between-windows" in argv:
+        argv.remove("--keep-kv-between-windows")
+        cuda_tier.DynamicEngineConfig = functools.partial(
+            cuda_tier.DynamicEngineConfig, release_memory_between_windows=False
+        )
+    grpo.train(parse_args(argv))
