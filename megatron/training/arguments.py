@@ -506,9 +506,6 @@ def validate_algorithm_args(args: argparse.Namespace, cuda: bool) -> list[str]:
     if cuda:
         algorithm_flags = (
             ("--grpo-kl-beta", args.grpo_kl_beta != 0),
-            ("--grpo-entropy-term-weight", args.grpo_entropy_term_weight != 0),
-            ("--grpo-iterations", args.grpo_iterations != 1),
-            ("--rl-inference-logprobs-is-correction", args.rl_inference_logprobs_is_correction),
             ("--rl-use-sequence-packing", args.rl_use_sequence_packing),
         )
         for flag in (f for f, on in algorithm_flags if on):

@@ -11,7 +11,10 @@
 * Train step: ``get_forward_backward_func()`` runs the micro-batches (the 1F1B pipeline schedule
   when PP > 1) with ``calculate_per_token_loss``: each micro-batch backpropagates its GRPO loss
   *sum* and megatron-core's ``finalize_model_grads`` divides the DP-reduced gradients by the
-  global number of loss tokens, which is exactly the CPU tier's global token-mean loss.
+  global number of loss tokens, which is exactly the CPU tier's global token-mean loss. The loss
+  of a micro-batch is the CPU tier's (``train_step.micro_batch_loss``), so ``--grpo-iterations``,
+  the entropy term and the IS correction behave alike; the reference KL term and sequence packing
+  are CPU-tier only for now.
 * Rollouts: megatron-core's ``DynamicInferenceEngine`` on the trained model itself
   (``megatron.rl.inference.dynamic_engine``), suspended during the train step.
 * Checkpoints: ``megatron.training.dist_checkpoint`` (``dist_checkpointing``, torch_dist).
@@ -29,7 +32,6 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import (
     DistributedDataParallel,
@@ -41,8 +43,9 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
 from megatron.rl.grpo.batch import TrainBatch
+from megatron.rl.grpo.entropy import token_entropy
 from megatron.rl.grpo.logprobs import token_logprobs
-from megatron.rl.grpo.loss import LossInputs, grpo_loss
+from megatron.rl.grpo.loss import GRPOLossConfig
 from megatron.rl.inference.dynamic_engine import (
     DynamicEngineConfig,
     DynamicInferenceEngineAdapter,
@@ -53,7 +56,14 @@ from megatron.rl.models.gpt_spec import gpt_layer_spec, select_backend
 from megatron.training.model_provider import gpt_model, padded_vocab_size, transformer_config
 from megatron.training.optimizer import build_scheduler
 from megatron.training.tiers import Tier
-from megatron.training.train_step import StepResult
+from megatron.training.train_step import (
+    MicroBatchTerms,
+    StepOptions,
+    has_extras,
+    metric_sums,
+    micro_batch_loss,
+    step_result,
+)
 
 NO_CLIP = 1e30
 """``clip_grad`` given to megatron-core for ``--clip-grad 0``: it computes the norm only when
@@ -189,61 +199,64 @@ class CUDATier(Tier):
     # ----------------------------------------------------------------- train step
 
     def train_step(self, model, optimizer, scheduler, batch, loss_config, vocab_size, options=None):
-        """Forward/backward over the micro-batches with megatron-core's schedule, then update.
+        """``options.iterations`` updates, each a forward/backward over the micro-batches with
+        megatron-core's schedule; the entropy term and IS correction as on the CPU tier.
 
-        Only the plain step: default ``options`` and a loss without KL or entropy terms (argument
-        validation refuses the flags that need more on CUDA).
+        The reference KL term and sequence packing are not implemented here (argument validation
+        refuses their flags on CUDA).
         """
-        if options is not None and options != type(options)():
-            raise NotImplementedError(f"the CUDA tier's train step supports no {options}")
-        if getattr(loss_config, "kl_beta", 0.0) or getattr(loss_config, "entropy_weight", 0.0):
-            raise NotImplementedError("the CUDA tier's train step has no KL or entropy term yet")
+        options = StepOptions() if options is None else options
+        if options.reference_model is not None or loss_config.kl_beta:
+            raise NotImplementedError("the CUDA tier's train step has no reference KL term yet")
+        if options.packing_capacity is not None:
+            raise NotImplementedError("the CUDA tier's train step has no sequence packing yet")
         start = time.perf_counter()
-        args, ctx = self.args, self.ctx
-        model.train()
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
+        ctx = self.ctx
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         per_rank = batch.num_rows // ctx.dp_size
         micro = micro_batches(
-            batch, ctx.dp_rank * per_rank, per_rank, args.micro_batch_size, fixed_width=pp > 1
+            batch, ctx.dp_rank * per_rank, per_rank, self.args.micro_batch_size, fixed_width=pp > 1
         )
-        sums: list[torch.Tensor] = []  # loss, clipped, ratio, mismatch-kl per micro-batch
+        terms = [MicroBatchTerms() for _ in micro]
+        updates = [
+            self._update(model, optimizer, scheduler, micro, terms, loss_config, vocab_size,
+                         options, advance_schedule=iteration == 0)
+            for iteration in range(options.iterations)
+        ]  # fmt: skip
+        groups = [ctx.dp_group] if ctx.dp_size > 1 else []
+        if pp > 1:  # only the last stage computed the loss
+            groups.append(parallel_state.get_pipeline_model_parallel_group())
+        return step_result(updates, terms, batch, loss_config, options, groups, ctx.device, start)
+
+    def _update(
+        self, model, optimizer, scheduler, micro, terms, loss_config, vocab_size, options,
+        advance_schedule,
+    ) -> tuple[torch.Tensor, float, float]:  # fmt: skip
+        """One optimizer update: this rank's metric sums, the grad norm and the LR."""
+        model.train()
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        extras = has_extras(loss_config, options)
+        sums: list[torch.Tensor] = []  # metric_sums of each micro-batch (last stage only)
         forward_step = functools.partial(
-            _forward_step, loss_config=loss_config, vocab_size=vocab_size, ctx=ctx, sums=sums
-        )
+            _forward_step, loss_config=loss_config, vocab_size=vocab_size, ctx=self.ctx,
+            options=options, extras=extras, sums=sums,
+        )  # fmt: skip
         get_forward_backward_func()(
             forward_step_func=forward_step,
-            data_iterator=iter(micro),
+            data_iterator=iter(list(zip(micro, terms))),
             model=[model],
             num_microbatches=len(micro),
             seq_length=int(micro[0].input_ids.shape[1]),
-            micro_batch_size=args.micro_batch_size,
+            micro_batch_size=self.args.micro_batch_size,
             forward_only=False,
         )
-        scheduler.step(increment=1)  # update k uses the schedule's value at k + 1
+        if advance_schedule:  # update k uses the schedule's value at k + 1 (no zero-LR step)
+            scheduler.step(increment=1)
         lr = optimizer.param_groups[0]["lr"]
         _, grad_norm, _ = optimizer.step()
-        totals = torch.stack(sums).sum(0) if sums else torch.zeros(4, dtype=torch.float64)
-        totals = totals.cuda()
-        if ctx.dp_size > 1:
-            dist.all_reduce(totals, group=ctx.dp_group)
-        if pp > 1:  # only the last stage computed the loss
-            dist.all_reduce(totals, group=parallel_state.get_pipeline_model_parallel_group())
-        totals = totals.cpu()
-        num_tokens = batch.num_loss_tokens
-        denom = max(num_tokens, 1)
-        return StepResult(
-            loss=float(totals[0]) / denom,
-            grad_norm=float(grad_norm or 0.0),
-            lr=lr,
-            clip_fraction=float(totals[1]) / denom,
-            ratio_mean=float(totals[2]) / denom,
-            mismatch_kl=float(totals[3]) / denom,
-            loss_tokens=num_tokens,
-            trained_tokens=int(batch.lengths.sum()),
-            seconds=time.perf_counter() - start,
-        )
+        total = torch.stack(sums).sum(0) if sums else torch.zeros(6 if extras else 4).double()
+        return total, float(grad_norm or 0.0), lr
 
     # ----------------------------------------------------------------- rollouts
 
@@ -282,37 +295,41 @@ class CUDATier(Tier):
         return load_checkpoint(root, model, optimizer, scheduler, self.args, self.ctx)
 
 
-def _forward_step(data_iterator, model, *, loss_config, vocab_size, ctx, sums):
+def _forward_step(data_iterator, model, *, loss_config, vocab_size, ctx, options, extras, sums):
     """megatron-core's ``forward_step_func``: one micro-batch through this stage."""
-    micro: TrainBatch = next(data_iterator)
-    ids = micro.input_ids.cuda(non_blocking=True)  # (b, t); ignored past the first stage
+    micro, terms = next(data_iterator)
+    ids = micro.input_ids.to(ctx.device, non_blocking=True)  # (b, t); ignored past the first stage
     positions = torch.arange(ids.shape[1], device=ids.device)[None, :].expand_as(ids)
     output = model(ids, positions, None)  # last stage: (b, t, V/tp) logits; else activations
     return output, functools.partial(
-        _loss, micro, loss_config=loss_config, vocab_size=vocab_size, ctx=ctx, sums=sums
-    )
+        _loss, micro, terms, loss_config=loss_config, vocab_size=vocab_size, ctx=ctx,
+        options=options, extras=extras, sums=sums,
+    )  # fmt: skip
 
 
-def _loss(micro: TrainBatch, logits: torch.Tensor, *, loss_config, vocab_size, ctx, sums):
+def _loss(
+    micro: TrainBatch,
+    terms: MicroBatchTerms,
+    logits: torch.Tensor,
+    *,
+    loss_config: GRPOLossConfig,
+    vocab_size: int,
+    ctx,
+    options: StepOptions = StepOptions(),
+    extras: bool = False,
+    sums: list[torch.Tensor],
+):
     """GRPO loss *sum* of a micro-batch, its loss-token count, and the metric sums."""
     dev = logits.device
+    logits = logits.float()  # (b, t, V/tp)
+    temperature = micro.temperature.to(dev)
     logprobs = token_logprobs(
-        logits.float(),
-        micro.target_ids.to(dev),
-        vocab_size,
-        micro.temperature.to(dev),
-        ctx.tp_group,
+        logits, micro.target_ids.to(dev), vocab_size, temperature, ctx.tp_group
     )
-    out = grpo_loss(
-        LossInputs(
-            trainer_logprobs=logprobs,
-            inference_logprobs=micro.inference_logprobs.to(dev),
-            advantages=micro.advantages.to(dev),
-            loss_mask=micro.loss_mask.to(dev),
-        ),
-        loss_config,
-    )
-    parts = (out.loss_sum, out.clipped_tokens, out.ratio_sum, out.mismatch_kl_sum)
-    sums.append(torch.stack([p.detach().double() for p in parts]).cpu())
+    entropy = None
+    if loss_config.entropy_weight != 0.0:
+        entropy = token_entropy(logits, vocab_size, temperature, ctx.tp_group)
+    out = micro_batch_loss(logprobs, entropy, micro, loss_config, vocab_size, ctx, options, terms)
+    sums.append(metric_sums(out, extras))
     num_tokens = micro.loss_mask.sum().to(device=dev, dtype=torch.int)
     return out.loss_sum, num_tokens, {"loss_sum": out.loss_sum.detach()}

@@ -143,7 +143,6 @@ def forward_backward_step(
     ``terms`` caches what the first iteration computes for the later ones (needed with any
     optional term of ``options``/``loss_config``).
     """
-    dev = ctx.device
     logprobs, entropy = policy_logprobs(
         model,
         micro_batch,
@@ -152,6 +151,29 @@ def forward_backward_step(
         options.packing_capacity,
         with_entropy=loss_config.entropy_weight != 0.0,
     )  # (b, t)
+    out = micro_batch_loss(
+        logprobs, entropy, micro_batch, loss_config, vocab_size, ctx, options, terms
+    )
+    (out.loss_sum / max(num_global_tokens, 1)).backward()
+    return out
+
+
+def micro_batch_loss(
+    logprobs: torch.Tensor,
+    entropy: torch.Tensor | None,
+    micro_batch: TrainBatch,
+    loss_config: GRPOLossConfig,
+    vocab_size: int,
+    ctx: ParallelContext,
+    options: StepOptions = StepOptions(),
+    terms: MicroBatchTerms | None = None,
+) -> LossOutput:
+    """GRPO loss sums of a micro-batch from its (b, t) policy logprobs (and (b, t) entropies).
+
+    Shared by both tiers' train steps. ``terms`` caches what the first iteration computes for the
+    later ones (needed with any optional term of ``options``/``loss_config``).
+    """
+    dev = logprobs.device
     inputs = LossInputs(
         trainer_logprobs=logprobs,
         inference_logprobs=micro_batch.inference_logprobs.to(dev),
@@ -162,15 +184,21 @@ def forward_backward_step(
     if options.needs_old_logprobs or loss_config.kl_beta != 0.0:
         if terms is None:
             raise ValueError("the optional GRPO terms need a MicroBatchTerms cache")
-        inputs = _with_cached_terms(inputs, model, micro_batch, vocab_size, ctx, options, terms)
-    out = grpo_loss(inputs, loss_config)
-    (out.loss_sum / max(num_global_tokens, 1)).backward()
-    return out
+        inputs = _with_cached_terms(inputs, micro_batch, vocab_size, ctx, options, terms)
+    return grpo_loss(inputs, loss_config)
+
+
+def metric_sums(out: LossOutput, extras: bool) -> torch.Tensor:
+    """(4,) float64 loss, clipped-token, ratio and mismatch-KL sums; (6,) with ``extras`` (also
+    reference KL and entropy sums), on the CPU."""
+    parts = [out.loss_sum, out.clipped_tokens, out.ratio_sum, out.mismatch_kl_sum]
+    if extras:
+        parts += [out.ref_kl_sum, out.entropy_sum]
+    return torch.stack([p.detach().double().cpu() for p in parts])
 
 
 def _with_cached_terms(
     inputs: LossInputs,
-    model: torch.nn.Module,
     micro_batch: TrainBatch,
     vocab_size: int,
     ctx: ParallelContext,
@@ -232,7 +260,7 @@ def train_step(
     ]
     terms = [MicroBatchTerms() for _ in micros]
     num_tokens = batch.num_loss_tokens  # global: every rank holds the whole batch
-    extras = _has_extras(loss_config, options)
+    extras = has_extras(loss_config, options)
     updates = []
     for iteration in range(options.iterations):
         sums, grad_norm, lr = _update(
@@ -240,15 +268,39 @@ def train_step(
             num_tokens, ctx, options, advance_schedule=iteration == 0, extras=extras,
         )  # fmt: skip
         updates.append((sums, grad_norm, lr))
-    mismatch = None
-    if options.importance is not None:
-        mismatch = torch.stack([t.mismatch for t in terms]).sum(0) if terms else None
+    groups = [ctx.dp_group] if ctx.dp_size > 1 else []
+    return step_result(updates, terms, batch, loss_config, options, groups, ctx.device, start)
+
+
+def step_result(
+    updates: list[tuple[torch.Tensor, float, float]],
+    terms: list[MicroBatchTerms],
+    batch: TrainBatch,
+    loss_config: GRPOLossConfig,
+    options: StepOptions,
+    groups: list[dist.ProcessGroup],
+    device: torch.device,
+    start: float,
+) -> StepResult:
+    """The step's global results from each update's (sums, grad norm, LR) on this rank.
+
+    Sums are averaged over the updates, joined by the IS mismatch sums of the micro-batches this
+    rank computed a loss for, then summed over ``groups`` (on ``device``: NCCL reduces on the GPU).
+    """
     sums = torch.stack([u[0] for u in updates]).mean(0) if len(updates) > 1 else updates[0][0]
-    if mismatch is not None:
-        sums = torch.cat([sums, mismatch])
-    if ctx.dp_size > 1:
-        dist.all_reduce(sums, group=ctx.dp_group)
+    with_mismatch = options.importance is not None
+    if with_mismatch:
+        mismatch = [t.mismatch for t in terms if t.mismatch is not None]
+        zeros = torch.zeros(len(MISMATCH_FIELDS), dtype=torch.float64)
+        sums = torch.cat([sums, torch.stack(mismatch).sum(0) if mismatch else zeros])
+    if groups:
+        sums = sums.to(device)
+        for group in groups:
+            dist.all_reduce(sums, group=group)
+        sums = sums.cpu()
+    num_tokens = batch.num_loss_tokens
     denom = max(num_tokens, 1)
+    extras = has_extras(loss_config, options)
     return StepResult(
         loss=float(sums[0]) / denom,
         grad_norm=sum(u[1] for u in updates) / len(updates),
@@ -259,11 +311,11 @@ def train_step(
         loss_tokens=num_tokens,
         trained_tokens=int(batch.lengths.sum()) * options.iterations,
         seconds=time.perf_counter() - start,
-        extra=_extra_metrics(sums, denom, loss_config, mismatch is not None) if extras else {},
+        extra=_extra_metrics(sums, denom, loss_config, with_mismatch) if extras else {},
     )
 
 
-def _has_extras(loss_config: GRPOLossConfig, options: StepOptions) -> bool:
+def has_extras(loss_config: GRPOLossConfig, options: StepOptions) -> bool:
     """Whether the step reports more than the default metrics."""
     return (
         loss_config.kl_beta != 0.0
@@ -296,10 +348,7 @@ def _update(
         out = forward_backward_step(
             model, micro, loss_config, num_tokens, vocab_size, ctx, options, micro_terms
         )
-        parts = [out.loss_sum, out.clipped_tokens, out.ratio_sum, out.mismatch_kl_sum]
-        if extras:
-            parts += [out.ref_kl_sum, out.entropy_sum]
-        sums += torch.stack([p.detach().double().cpu() for p in parts])
+        sums += metric_sums(out, extras)
     params = [p for p in model.parameters() if p.requires_grad]
     allreduce_gradients(params, ctx.dp_group)
     grad_norm = clip_grad_norm(params, clip_grad, ctx.tp_group)

@@ -77,6 +77,15 @@ def test_bf16_with_the_distributed_optimizer():
     assert "bf16" in output and "distributed adam" in output
 
 
+def test_iterations_entropy_and_is_correction():
+    metrics, _ = train(
+        1, "--grpo-iterations", "2", "--grpo-entropy-term-weight", "0.01",
+        "--rl-inference-logprobs-is-correction",
+    )  # fmt: skip
+    assert_trained(metrics)
+    assert all(m["entropy"] > 0 and math.isfinite(m["is_kl"]) for m in metrics)
+
+
 def test_two_identical_runs_give_identical_rewards():
     first, _ = train(1, "--train-iters", "3")
     second, _ = train(1, "--train-iters", "3")

@@ -90,3 +90,17 @@ def test_dist_checkpoint_resume_continues_the_run_exactly(tmp_path):
     assert [m["step"] for m in resumed] == [2, 3]
     for a, b in zip(whole[2:], resumed):
         assert {k: b[k] for k in TOLERANCES} == {k: a[k] for k in TOLERANCES}
+
+
+def test_step_options_match_the_cpu_tier():
+    """--grpo-iterations, the entropy term and the IS correction share the CPU tier's loss."""
+    options = {
+        "rl-forced-lag": 1, "keep-kv-between-windows": True, "grpo-iterations": 2,
+        "grpo-entropy-term-weight": 0.01, "rl-inference-logprobs-is-correction": True,
+    }  # fmt: skip
+    cpu = run_training(1, {**BASE, **{k: v for k, v in options.items() if "kv" not in k}})
+    cuda = run_training(1, {**BASE, **options}, script=EMULATED)
+    assert_same_run(cpu, cuda)
+    for a, b in zip(cpu, cuda):
+        for metric in ("entropy", "is_kl", "is_abs_delta_p", "is_weight_mean", "ratio_mean"):
+            assert b[metric] == pytest.approx(a[metric], rel=1e-4, abs=1e-7), (a["step"], metric)

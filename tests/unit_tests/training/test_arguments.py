@@ -103,11 +103,6 @@ def test_bad_flags_are_reported_by_name(argv, world_size, flag):
     assert any(flag in e for e in errors), errors
 
 
-def test_pipeline_parallel_on_cuda_is_refused_with_its_own_reason():
-    (error,) = errors_for(["--pipeline-model-parallel-size", "2"], world_size=2, cuda=True)
-    assert "--pipeline-model-parallel-size 2" in error and "inference engine" in error
-
-
 def test_every_problem_is_reported_at_once():
     errors = errors_for(["--rl-forced-lag", "-1", "--grpo-group-size", "1", "--lr", "0"])
     assert len(errors) >= 3

@@ -53,9 +53,6 @@ def test_entry_script_refuses_bf16_on_cpu_with_status_2():
     "argv",
     [
         pytest.param(["--grpo-kl-beta", "0.1"], id="kl"),
-        pytest.param(["--grpo-entropy-term-weight", "0.01"], id="entropy"),
-        pytest.param(["--grpo-iterations", "2"], id="iterations"),
-        pytest.param(["--rl-inference-logprobs-is-correction"], id="is-correction"),
         pytest.param(["--rl-use-sequence-packing"], id="packing"),
     ],
 )
@@ -63,3 +60,11 @@ def test_step_options_the_cuda_train_step_lacks_are_refused_on_cuda_by_name(argv
     assert errors_for(argv, cuda=False) == []
     (error,) = errors_for(argv, cuda=True)
     assert error.startswith(argv[0]) and "CUDA tier" in error
+
+
+def test_step_options_the_cuda_train_step_has_are_accepted_on_cuda():
+    argv = [
+        "--grpo-entropy-term-weight", "0.01", "--grpo-iterations", "2",
+        "--rl-inference-logprobs-is-correction",
+    ]  # fmt: skip
+    assert errors_for(argv, cuda=True) == []

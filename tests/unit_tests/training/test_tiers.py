@@ -27,7 +27,7 @@ from megatron.training.cuda_tier import (
 from megatron.training.initialize import ParallelContext
 from megatron.training.model_provider import build_model
 from megatron.training.tiers import CPUTier, select_tier, tier_class
-from megatron.training.train_step import forward_backward_step
+from megatron.training.train_step import MicroBatchTerms, forward_backward_step
 
 LOSS = GRPOLossConfig(0.2, 0.28)
 
@@ -153,8 +153,9 @@ def test_cuda_loss_function_returns_the_cpu_tiers_sums_and_the_token_count(cpu_w
     logits = model(ids, torch.arange(ids.shape[1])[None].expand_as(ids), None)
     sums: list[torch.Tensor] = []
     loss_sum, num_tokens, report = _loss(
-        micro, logits, loss_config=LOSS, vocab_size=VOCAB, ctx=cpu_world, sums=sums
-    )
+        micro, MicroBatchTerms(), logits, loss_config=LOSS, vocab_size=VOCAB, ctx=cpu_world,
+        sums=sums,
+    )  # fmt: skip
     assert int(num_tokens) == micro.num_loss_tokens and num_tokens.dtype == torch.int32
     assert float(loss_sum.detach()) == pytest.approx(float(cpu.loss_sum.detach()), rel=1e-6)
     assert loss_sum.requires_grad  # megatron-core backpropagates the sum
@@ -270,7 +271,7 @@ def test_the_cuda_tier_refuses_step_options_it_does_not_implement(cpu_world):
     from megatron.training.train_step import StepOptions
 
     tier = CUDATier(train_args(), cpu_world)
-    with pytest.raises(NotImplementedError, match="CUDA tier"):
-        tier.train_step(None, None, None, None, LOSS, VOCAB, options=StepOptions(iterations=2))
+    with pytest.raises(NotImplementedError, match="packing"):
+        tier.train_step(None, None, None, None, LOSS, VOCAB, StepOptions(packing_capacity=32))
     with pytest.raises(NotImplementedError, match="KL"):
         tier.train_step(None, None, None, None, GRPOLossConfig(0.2, 0.28, kl_beta=0.1), VOCAB)
