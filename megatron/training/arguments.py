@@ -220,6 +220,17 @@ def build_parser() -> argparse.ArgumentParser:
         "schedule, and so the results, independent of the parallel layout.",
     )
     g.add_argument(
+        "--rl-deterministic-schedule",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Step the requests of later batches only while the batch the trainer waits for "
+        "still generates, so which policy version generates each token, and the whole run, is "
+        "reproducible. --no-rl-deterministic-schedule keeps every batch in flight generating "
+        "for the whole window, also while the awaited batch's rewards are computed: faster "
+        "with slow rewards, but tokens then depend on timing (submission staleness stays "
+        "exact).",
+    )
+    g.add_argument(
         "--rl-inference-logprobs-is-correction",
         action="store_true",
         help="Take the ratio against the trainer's pre-update policy and weight each token by "

@@ -13,6 +13,7 @@ its own engine between steps (``evaluation.py``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import signal
 import threading
@@ -228,7 +229,9 @@ def rollout_source(
             seed=args.seed,
             sampling=sampling,
         ),
-        engine_config(args, ctx, tokenizer),
+        dataclasses.replace(
+            engine_config(args, ctx, tokenizer), window_target=args.rl_deterministic_schedule
+        ),
         first_step=resumed.iteration,
         resume_from=resumed.pipeline,
         server_config=InferenceServerConfig(

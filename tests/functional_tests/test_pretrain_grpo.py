@@ -121,6 +121,18 @@ def test_resume_after_kill_9_continues_the_uninterrupted_run_exactly(runs, tmp_p
     assert all(m["staleness_min"] == m["staleness_max"] == 2 for m in resumed[2:])
 
 
+def test_throughput_schedule_keeps_submission_staleness_exact():
+    """--no-rl-deterministic-schedule lets later batches generate during reward waits: which
+    window generates a token depends on timing, the batch a step trains on does not."""
+    case = load_case("lag2")
+    args = {**case["args"], "train-iters": 8, "no-rl-deterministic-schedule": True}
+    metrics = run_training(case["nproc_per_node"], args)
+    assert [(m["staleness_min"], m["staleness_max"]) for m in metrics] == [
+        (min(s, 2), min(s, 2)) for s in range(8)
+    ]
+    assert all(0 <= m["token_staleness_max"] <= min(m["step"], 2) for m in metrics)
+
+
 def test_bad_env_config_exits_naming_file_entry_and_field(tmp_path):
     config = tmp_path / "envs.yaml"
     config.write_text("- agent_type: digits\n  agent_args: {task: copy, max_digitz: 3}\n")

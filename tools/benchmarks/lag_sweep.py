@@ -15,10 +15,13 @@ rollout), with the trainer's default tiny model (2 layers, hidden 64), 8 prompts
   training step and the share of wall time spent in engine steps;
 * each ratio to L=0.
 
-The environment sends keyed requests, so the engine runs its deterministic schedule (a window
-steps only while the awaited batch has unfinished generations). One extra configuration per
-``--unkeyed-lags`` entry (default: L=2) sends unkeyed requests (``keyed: false``), which the
-engine steps whenever a window is open: it shows what the deterministic schedule costs.
+The trainer runs its deterministic schedule (``--rl-deterministic-schedule``, the default: a
+window steps later batches only while the awaited batch has unfinished generations). One extra
+configuration per ``--throughput-lags`` entry (default: L=2) runs ``--no-rl-deterministic-schedule``
+(every batch in flight steps whenever a window is open, also while the awaited batch's rewards are
+computed): it shows what the deterministic schedule costs. Every run trains with
+``--rl-use-sequence-packing`` (``--no-sequence-packing``: padded micro-batches), the setting for
+long-tailed lengths: a padded micro-batch costs its longest rollout in every row.
 
 Every configuration runs ``rounds`` times as separate ``torchrun`` processes, interleaved (order
 reversed every other round), so all see the same machine conditions; numbers pool the rounds and
@@ -43,11 +46,13 @@ ENV_CONFIG = """\
 - agent_type: tools.benchmarks.envs:LongTailLatencyEnvironment
   env_id: longtail
   agent_args: {{budget_min: 4, budget_alpha: {alpha}, budget_max: {cap},
-               latency_min_ms: 20, latency_max_ms: 200, keyed: {keyed}}}
+               latency_min_ms: 20, latency_max_ms: 200}}
 """
 
 
-def trainer_flags(lag: int, opts: argparse.Namespace, env_config: Path) -> list[str]:
+def trainer_flags(
+    lag: int, opts: argparse.Namespace, env_config: Path, deterministic: bool = True
+) -> list[str]:
     """``pretrain_grpo.py`` flags of one sweep run (model and batch: the trainer's defaults)."""
     return [
         "--rl-forced-lag", str(lag),
@@ -59,6 +64,8 @@ def trainer_flags(lag: int, opts: argparse.Namespace, env_config: Path) -> list[
         "--lr-decay-style", "constant",
         "--micro-batch-size", str(opts.micro_batch_size),
         "--log-interval", str(opts.steps),
+        *(["--rl-use-sequence-packing"] if opts.sequence_packing else []),
+        *([] if deterministic else ["--no-rl-deterministic-schedule"]),
     ]  # fmt: skip
 
 
@@ -84,35 +91,30 @@ def describe(w: Window) -> dict[str, float | None]:
 
 
 def configurations(opts: argparse.Namespace) -> list[tuple[str, int, bool]]:
-    """(name, forced lag, keyed requests) of every run; the first is the reference."""
-    keyed = [(f"L={lag}", lag, True) for lag in opts.lags]
-    return keyed + [(f"L={lag}, unkeyed", lag, False) for lag in opts.unkeyed_lags]
+    """(name, forced lag, deterministic schedule) of every run; the first is the reference."""
+    deterministic = [(f"L={lag}", lag, True) for lag in opts.lags]
+    return deterministic + [(f"L={lag}, throughput", lag, False) for lag in opts.throughput_lags]
 
 
 def run(opts: argparse.Namespace, logs: Path) -> dict[str, Any]:
     """Run the interleaved sweep; returns per-configuration results, ratios and the flags."""
     logs.mkdir(parents=True, exist_ok=True)
-    env_configs = {}
-    for keyed in (True, False):
-        env_configs[keyed] = logs / f"longtail_env_{'keyed' if keyed else 'unkeyed'}.yaml"
-        env_configs[keyed].write_text(
-            ENV_CONFIG.format(
-                alpha=opts.budget_alpha, cap=opts.budget_max, keyed=str(keyed).lower()
-            )
-        )
+    env_config = logs / "longtail_env.yaml"
+    env_config.write_text(ENV_CONFIG.format(alpha=opts.budget_alpha, cap=opts.budget_max))
     configs = configurations(opts)
     windows: dict[str, list[Window]] = {name: [] for name, _, _ in configs}
     for r in range(opts.rounds):
-        for name, lag, keyed in configs if r % 2 == 0 else list(reversed(configs)):
-            flags = trainer_flags(lag, opts, env_configs[keyed])
+        for name, lag, deterministic in configs if r % 2 == 0 else list(reversed(configs)):
+            flags = trainer_flags(lag, opts, env_config, deterministic)
             log = logs / f"{name.replace('=', '').replace(', ', '_')}_round{r}.log"
             print(f"  lag sweep: round {r + 1}/{opts.rounds}, {name}", flush=True)
             summary = run_trainer(flags, opts.threads, log)
             windows[name].append(window(summary, opts.skip))
     base = windows[configs[0][0]]
     results = []
-    for name, lag, keyed in configs:
-        row = {"name": name, "lag": lag, "keyed": keyed, **describe(pooled(windows[name]))}
+    for name, lag, deterministic in configs:
+        row = {"name": name, "lag": lag, "deterministic": deterministic}
+        row.update(describe(pooled(windows[name])))
         row["steps_per_s_ratio_per_round"] = [
             w.steps_per_s / b.steps_per_s for w, b in zip(windows[name], base)
         ]
@@ -129,7 +131,7 @@ def run(opts: argparse.Namespace, logs: Path) -> dict[str, Any]:
             row[f"{key}_ratio"] = row[key] / ref[key] if ok else None
     return {
         "flags": trainer_flags(0, opts, Path("longtail_env.yaml"))[2:],
-        "env_config": env_configs[True].read_text(),
+        "env_config": env_config.read_text(),
         "steps": opts.steps,
         "skip": opts.skip,
         "rounds": opts.rounds,
@@ -171,7 +173,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The sweep's options (shared with ``run_all.py``)."""
     parser.add_argument("--lags", type=int, nargs="+", default=[0, 1, 2, 4])
     parser.add_argument(
-        "--unkeyed-lags", type=int, nargs="*", default=[2], help="Extra runs, unkeyed requests."
+        "--throughput-lags",
+        type=int,
+        nargs="*",
+        default=[2],
+        help="Extra runs with --no-rl-deterministic-schedule.",
     )
     parser.add_argument("--steps", type=int, default=40, help="Training steps per run.")
     parser.add_argument("--skip", type=int, default=15, help="Leading steps not measured.")
@@ -181,6 +187,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget-max", type=int, default=192, help="Longest token budget.")
     parser.add_argument("--micro-batch-size", type=int, default=32, help="Trainer micro-batch.")
     parser.add_argument("--threads", type=int, default=1, help="Torch threads per process.")
+    parser.add_argument(
+        "--sequence-packing",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Train with --rl-use-sequence-packing (every L alike).",
+    )
 
 
 def main() -> None:

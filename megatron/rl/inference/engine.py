@@ -18,7 +18,8 @@ independent of network or task timing:
   first come first served.
 * ``await_batch(b)`` sets the window target: keyed requests are stepped only while batch ``b``
   still has an announced, waiting or active request (``b=None``: always). Unkeyed requests always
-  step.
+  step. ``LocalEngineConfig.window_target=False`` turns the target off (a throughput mode: batches
+  ahead of the trainer keep generating while it waits for rewards, at timing-dependent versions).
 
 A barrier that waits longer than ``barrier_timeout_s`` is lifted with a warning (an agent that
 announced requests it never sent): the run goes on, without the determinism guarantee.
@@ -55,6 +56,10 @@ class LocalEngineConfig:
     """Token that ends a generation."""
     barrier_timeout_s: float = 60.0
     """Longest wait for announced requests before stepping without them."""
+    window_target: bool = True
+    """Step keyed requests only while the awaited batch is unfinished (``await_batch``). False:
+    keyed requests step whenever the engine is resumed, like unkeyed ones (faster, but which
+    window generates a token then depends on timing)."""
 
 
 @dataclass(frozen=True)
@@ -275,7 +280,7 @@ class LocalInferenceEngine:
 
     def _keyed_work_allowed(self) -> bool:
         b = self._awaited_batch
-        if b is None:
+        if b is None or not self.config.window_target:
             return True
         return any(k[0] == b for k in self._expected) or any(
             r.key is not None and r.key[0] == b

@@ -207,6 +207,20 @@ def test_window_target_stops_keyed_work_of_later_batches_but_not_unkeyed():
     assert [[(r.seed, r.start) for r in p.rows[0]] for p in steps.plans[:2]] == [[(2, 0)], [(2, 1)]]
 
 
+def test_without_the_window_target_later_batches_step_while_the_awaited_one_has_no_work():
+    steps = FakeSteps()
+
+    async def run():
+        engine = await running(make_engine(steps, window_target=False))
+        engine.await_batch(0)  # batch 0 has no work (its rewards are being computed)
+        out = await asyncio.wait_for(engine.generate([2], sampling(2), seed=1, key=(1, 0, 0)), 1)
+        await engine.aclose()
+        return out
+
+    assert asyncio.run(run()).tokens == [2 + (1 + p) % 7 for p in (1, 2)]
+    assert [[(r.seed, r.start) for r in p.rows[0]] for p in steps.plans] == [[(1, 0)], [(1, 1)]]
+
+
 def test_step_failure_fails_pending_and_later_requests():
     steps = FakeSteps()
     steps.fail_on_step = 1
