@@ -179,11 +179,11 @@ Regenerate with `python tools/benchmarks/run_all.py` (after
 
 **Measured side by side.** Every ratio below compares configurations that ran interleaved
 (alternating order) within this one invocation of `run_all.py`, started {res['started']} and
-lasting {res['seconds'] / 60:.1f} min. Absolute times are for reference only: this machine is
-shared and other jobs (test suites) used its cores during the run (load average at the start:
-{load}). The *run-queue wait* columns say how much: the share of wall time the benchmark's main
-thread was ready to run but waited for a core (`/proc/thread-self/schedstat`); the *without
-run-queue wait* ratios subtract that time, as an estimate for an otherwise idle machine.
+lasting {res['seconds'] / 60:.1f} min. Absolute times are for reference only: this machine may be
+shared with other jobs (load average at the start: {load}). The *run-queue wait* columns say how
+much they took: the share of wall time the benchmark's main thread was ready to run but waited
+for a core (`/proc/thread-self/schedstat`); the *without run-queue wait* ratios subtract that
+time, as an estimate for an otherwise idle machine.
 
 ## Machine
 
