@@ -34,6 +34,9 @@ from megatron.rl.inference.protocol import InferenceEngine
 from megatron.rl.inference.step_group import StepGroup
 from megatron.rl.models.kv_cache import KVCache
 from megatron.rl.rollout.generator import PipelineState
+from megatron.training import checkpointing, model_provider
+from megatron.training import optimizer as cpu_optimizer
+from megatron.training import train_step
 from megatron.training.checkpointing import Checkpoint
 from megatron.training.initialize import ParallelContext
 from megatron.training.train_step import StepResult
@@ -119,21 +122,15 @@ class CPUTier(Tier):
 
     def build_model(self, vocab_size: int) -> torch.nn.Module:
         """Float32 GPT with the SDPA core attention on ``ctx.device``."""
-        from megatron.training.model_provider import build_model
-
-        return build_model(self.args, vocab_size, self.ctx.device)
+        return model_provider.build_model(self.args, vocab_size, self.ctx.device)
 
     def build_optimizer(self, model: torch.nn.Module) -> tuple[Any, Any]:
         """torch AdamW and the shared LR schedule."""
-        from megatron.training.optimizer import build_optimizer
-
-        return build_optimizer(model, self.args)
+        return cpu_optimizer.build_optimizer(model, self.args)
 
     def train_step(self, model, optimizer, scheduler, batch, loss_config, vocab_size, options=None):
         """Micro-batches, flattened DP all-reduce, clipping, AdamW (``train_step.train_step``)."""
-        from megatron.training.train_step import train_step
-
-        return train_step(
+        return train_step.train_step(
             model,
             optimizer,
             scheduler,
@@ -143,7 +140,7 @@ class CPUTier(Tier):
             loss_config=loss_config,
             vocab_size=vocab_size,
             ctx=self.ctx,
-            **({} if options is None else {"options": options}),
+            options=train_step.StepOptions() if options is None else options,
         )
 
     def build_step_group(self, model, engine_config, vocab_size):
@@ -167,15 +164,13 @@ class CPUTier(Tier):
 
     def save_checkpoint(self, root, iteration, model, optimizer, scheduler, pipeline):
         """Per-rank ``torch.save`` (``megatron.training.checkpointing``)."""
-        from megatron.training.checkpointing import save_checkpoint
-
-        save_checkpoint(root, iteration, model, optimizer, scheduler, pipeline, self.args, self.ctx)
+        checkpointing.save_checkpoint(
+            root, iteration, model, optimizer, scheduler, pipeline, self.args, self.ctx
+        )
 
     def load_checkpoint(self, root, model, optimizer, scheduler):
         """Per-rank ``torch.load`` (``megatron.training.checkpointing``)."""
-        from megatron.training.checkpointing import load_checkpoint
-
-        return load_checkpoint(root, model, optimizer, scheduler, self.args, self.ctx)
+        return checkpointing.load_checkpoint(root, model, optimizer, scheduler, self.args, self.ctx)
 
 
 def tier_class(device: torch.device) -> type[Tier]:
