@@ -241,7 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--rl-importance-sampling-truncation-coef",
         type=float,
         default=None,
-        help="C of --rl-inference-logprobs-is-correction (default 2.0).",
+        help="C of --rl-inference-logprobs-is-correction (default 1.0: weights only ever "
+        "down-weight a token; see megatron/rl/grpo/importance.py).",
     )
     g.add_argument(
         "--rl-use-sequence-packing",

@@ -112,7 +112,7 @@ def step_options(args: argparse.Namespace, reference: torch.nn.Module | None) ->
     importance = None
     if args.rl_inference_logprobs_is_correction:
         coef = args.rl_importance_sampling_truncation_coef
-        importance = ImportanceConfig(truncation_coef=2.0 if coef is None else coef)
+        importance = ImportanceConfig() if coef is None else ImportanceConfig(coef)
     return StepOptions(
         iterations=args.grpo_iterations,
         reference_model=reference,

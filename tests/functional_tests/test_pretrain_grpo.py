@@ -149,17 +149,28 @@ def test_bad_env_config_exits_naming_file_entry_and_field(tmp_path):
 
 
 @pytest.mark.slow
-def test_default_main_job_learns_within_ten_minutes():
-    """The README's main command: reward rises from ~0.03 to >= 0.5 with forced lag 2."""
+@pytest.mark.parametrize(
+    "flags",
+    [
+        pytest.param({}, id="default"),
+        pytest.param({"rl-inference-logprobs-is-correction": True}, id="is-correction"),
+    ],
+)
+def test_default_main_job_learns_within_ten_minutes(flags):
+    """The README's main command: reward rises from ~0.03 to >= 0.5 with forced lag 2; also with
+    the IS correction on, whose mismatch metrics are then logged (non-zero once the policy moved).
+    """
     start = time.monotonic()
-    metrics = run_training(1, {"rl-forced-lag": 2}, timeout=600)
+    metrics = run_training(1, {"rl-forced-lag": 2, **flags}, timeout=600)
     elapsed = time.monotonic() - start
     rewards = [m["reward_mean"] for m in metrics]
     first, last = statistics.fmean(rewards[:10]), statistics.fmean(rewards[-10:])
     print(
-        f"default run: {len(metrics)} steps in {elapsed:.0f} s, reward first-10 {first:.3f} "
-        f"last-10 {last:.3f}"
+        f"default run {flags}: {len(metrics)} steps in {elapsed:.0f} s, reward first-10 "
+        f"{first:.3f} last-10 {last:.3f}"
     )
     assert elapsed < 600
     assert last >= 0.5 and last >= 2 * first
     assert all(m["staleness_min"] == m["staleness_max"] == min(m["step"], 2) for m in metrics)
+    if flags:
+        assert all(m["is_kl"] > 0 and m["is_abs_delta_p"] > 0 for m in metrics[2:])
