@@ -2,13 +2,13 @@
 
 Evaluation runs on its own engine: a second engine of the tier (the local engine on CPU,
 megatron-core's dynamic engine on CUDA) with its own KV cache and step group over the same model
-object, driven from its own event loop, in a window of its own between two training steps (after
-the update of step s, so at policy version s + 1). The training engine is suspended throughout and its cache, queues and slots are untouched, so the training
-run's schedule, tokens, losses and staleness are exactly those of a run without evaluation (the
-forced-lag contract does not see it). Sampling uses no global RNG (each request has its own seeded
-stream), and evaluation requests are keyed and announced on their own engine, so evaluation
-results are deterministic too. Remote environments are refused: they generate through the
-trainer's inference server, i.e. the training engine.
+object, driven from its own event loop, in a window of its own between two training steps (after the
+update of step s, so at policy version s + 1). The training engine is suspended throughout and its
+cache, queues and slots are untouched, so the training run's schedule, tokens, losses and staleness
+are exactly those of a run without evaluation (the forced-lag contract does not see it). Sampling
+uses no global RNG (each request has its own seeded stream), and evaluation requests are keyed and
+announced on their own engine, so evaluation results are deterministic too. Remote environments are
+refused: they generate through the trainer's inference server, i.e. the training engine.
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ def free_port() -> int:
 
 
 def training_command(nproc: int, args: dict, script: str = "pretrain_grpo.py") -> list[str]:
-    """The torchrun command line of ``script`` with ``args`` (flag name -> value; True: a switch)."""
+    """The torchrun command line of ``script`` with ``args`` (flag -> value; True: a switch)."""
     argv = [f"--{k}" if v is True else f"--{k}={v}" for k, v in args.items()]
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
             f"--master-port={free_port()}", script, *argv]  # fmt: skip

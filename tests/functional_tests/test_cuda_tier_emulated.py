@@ -1,12 +1,12 @@
 """The training loop on the CUDA tier, emulated on the CPU, against the CPU tier.
 
 ``grpo_testing/emulated_cuda_train.py`` runs ``pretrain_grpo.py``'s loop with ``CUDATier``:
-megatron-core ``DistributedDataParallel``, ``get_megatron_optimizer`` (also bf16 and the
-distributed optimizer), ``get_forward_backward_func`` (also the 1F1B pipeline schedule),
-rollouts from megatron-core's ``DynamicInferenceEngine`` with the ``flash_reference`` attention
-and ``dist_checkpointing`` save/resume, all on a CPU-only torch (``grpo_testing/emulated_cuda.py``). Without a GPU this is what shows that
-the tier is wired into the loop and computes what the CPU tier computes; the ``gpu`` tests in
-``test_cuda_tier.py`` run the real thing.
+megatron-core ``DistributedDataParallel``, ``get_megatron_optimizer`` (also bf16 and the distributed
+optimizer), ``get_forward_backward_func`` (also the 1F1B pipeline schedule), rollouts from
+megatron-core's ``DynamicInferenceEngine`` with the ``flash_reference`` attention and
+``dist_checkpointing`` save/resume, all on a CPU-only torch (``grpo_testing/emulated_cuda.py``).
+Without a GPU this is what shows that the tier is wired into the loop and computes what the CPU tier
+computes; the ``gpu`` tests in ``test_cuda_tier.py`` run the real thing.
 """
 
 from __future__ import annotations

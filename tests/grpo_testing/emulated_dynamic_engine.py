@@ -2,11 +2,11 @@
 
 megatron-core's dynamic context and engine allocate with ``torch.cuda.current_device()`` and time
 steps with CUDA events; nothing else in their Python code needs a GPU. This script, run in its own
-process (``grpo_testing.emulated_cuda`` patches torch globally), points those calls at the CPU,
-then generates the same requests with the CPU tier's ``LocalInferenceEngine`` and with the CUDA
-tier's adapter over megatron-core's engine (dynamic context, paged KV cache,
-``GPTInferenceWrapper``, the seeded controller, ``flash_reference`` attention), with and without
-suspend/resume windows, and prints one JSON line per run. It exercises megatron-core's request bookkeeping, block tables and
+process (``grpo_testing.emulated_cuda`` patches torch globally), points those calls at the CPU, then
+generates the same requests with the CPU tier's ``LocalInferenceEngine`` and with the CUDA tier's
+adapter over megatron-core's engine (dynamic context, paged KV cache, ``GPTInferenceWrapper``, the
+seeded controller, ``flash_reference`` attention), with and without suspend/resume windows, and
+prints one JSON line per run. It exercises megatron-core's request bookkeeping, block tables and
 attention calls without a GPU; the ``gpu`` tests run the same comparison on CUDA.
 
     python tests/grpo_testing/emulated_dynamic_engine.py [--block-size 16]
