@@ -5,8 +5,8 @@
 See ``python pretrain_grpo.py --help`` for every flag and README.md for the design.
 """
 
-from megatron.training.arguments import parse_args
-from megatron.training.grpo import train
+from megatron.trainer.arguments import parse_args
+from megatron.trainer.grpo import train
 
 if __name__ == "__main__":
     train(parse_args())

@@ -1,4 +1,4 @@
-"""Packaging of the GRPO trainer: the namespace packages megatron.rl and megatron.training.
+"""Packaging of the GRPO trainer: the namespace packages megatron.rl and megatron.trainer.
 
 ``megatron`` itself has no ``__init__.py``: the megatron-core wheel provides ``megatron.core`` in
 the same namespace.
@@ -13,7 +13,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
-    packages=find_namespace_packages(include=["megatron.rl*", "megatron.training*"]),
+    packages=find_namespace_packages(include=["megatron.rl*", "megatron.trainer*"]),
     py_modules=["pretrain_grpo"],
     install_requires=[
         "torch>=2.6",

@@ -4,7 +4,7 @@
     python tools/bench_cuda.py --engine local           # the CPU tier's engine, same GPU, to compare
     python tools/bench_cuda.py --fp32 --train-steps 5   # float32 weights and math
 
-Builds the model, optimizer and engine through ``megatron.training.cuda_tier.CUDATier`` (megatron-core
+Builds the model, optimizer and engine through ``megatron.trainer.tiers.cuda.CUDATier`` (megatron-core
 DDP, ``get_megatron_optimizer``, ``get_forward_backward_func``, ``DynamicInferenceEngine`` with
 flash-attn or ``flash_reference``) on one GPU, then measures:
 
@@ -37,9 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron.rl.grpo.batch import TrainBatch  # noqa: E402
 from megatron.rl.grpo.loss import GRPOLossConfig  # noqa: E402
-from megatron.rl.inference.engine import LocalEngineConfig  # noqa: E402
+from megatron.rl.inference.scheduler import SchedulerConfig  # noqa: E402
 from megatron.rl.wire import SamplingParams  # noqa: E402
-from megatron.training.arguments import build_parser  # noqa: E402
+from megatron.trainer.arguments import build_parser  # noqa: E402
+from megatron.trainer.checkpointing import TrainState  # noqa: E402
+from megatron.trainer.step import StepConfig  # noqa: E402
 
 PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.4, "H200": 989.4, "A100": 312.0}
 """Dense bf16 tensor-core peak per device name fragment (first match wins; SXM for H100)."""
@@ -111,15 +113,15 @@ def synthetic_batch(rows: int, seq_len: int, prompt_len: int, vocab: int) -> Tra
     )
 
 
-def bench_training(tier, model, optimizer, scheduler, opts, vocab: int) -> dict:
+def bench_training(tier, state: TrainState, opts, vocab: int) -> dict:
     """Median step time and throughput of GRPO steps on a synthetic batch."""
     batch = synthetic_batch(opts.batch_size, opts.seq_length, opts.prompt_len, vocab)
-    loss = GRPOLossConfig(0.2, 0.28)
+    config = StepConfig(GRPOLossConfig(0.2, 0.28), vocab, opts.micro_batch_size, clip_grad=1.0)
     times = []
     for step in range(opts.warmup_steps + opts.train_steps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        result = tier.train_step(model, optimizer, scheduler, batch, loss, vocab)
+        result = tier.train_step(state, batch, config)
         torch.cuda.synchronize()
         if step >= opts.warmup_steps:
             times.append(time.perf_counter() - t0)
@@ -150,17 +152,17 @@ async def _generate(engine, prompts: list[list[int]], new_tokens: int) -> float:
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     engine.suspend()
-    engine.steps.stop_followers()  # end the window (releases megatron-core's KV memory)
+    engine.steps.stop_followers()  # end the window (megatron-core releases its KV memory)
     assert all(len(o.tokens) == new_tokens for o in outs)
     return elapsed
 
 
 def bench_generation(tier, model, opts, vocab: int) -> dict:
     """Generated tokens/s of one window of ``--gen-requests`` concurrent requests."""
-    from megatron.training.tiers import CPUTier
+    from megatron.trainer.tiers import CPUTier
 
     builder = CPUTier(tier.args, tier.ctx) if opts.engine == "local" else tier
-    config = LocalEngineConfig(opts.gen_requests, opts.seq_length, eos_id=-1)  # never stops early
+    config = SchedulerConfig(opts.gen_requests, opts.seq_length, eos_id=-1)  # never stops early
     steps = builder.build_step_group(model, config, vocab)
     engine = builder.build_engine(steps, config, lambda: 0)
     g = torch.Generator().manual_seed(1)
@@ -224,20 +226,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from megatron.core.utils import unwrap_model
 
-    from megatron.training.cuda_tier import CUDATier
-    from megatron.training.initialize import initialize_distributed, shutdown_distributed
+    from megatron.trainer.initialize import initialize_distributed, shutdown_distributed
+    from megatron.trainer.tiers.cuda import CUDATier
 
     args = trainer_args(opts)
     ctx = initialize_distributed(args)
     try:
         tier = CUDATier(args, ctx)
         model = tier.build_model(opts.vocab_size)
-        optimizer, scheduler = tier.build_optimizer(model)
+        state = TrainState(model, *tier.build_optimizer(model))
         params = sum(p.numel() for p in unwrap_model(model).parameters())
         out = {"device": torch.cuda.get_device_name(), "parameters": params}
         out["precision"] = "fp32" if opts.fp32 else "bf16"
         if not opts.skip_training:
-            out.update(bench_training(tier, model, optimizer, scheduler, opts, opts.vocab_size))
+            out.update(bench_training(tier, state, opts, opts.vocab_size))
         if not opts.skip_generation:
             out.update(bench_generation(tier, model, opts, opts.vocab_size))
         out["tier"] = tier.describe()

@@ -31,8 +31,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from megatron.rl.http_client import ClientPool  # noqa: E402
 from megatron.rl.inference.interface import InferenceInterface  # noqa: E402
-from megatron.rl.server.http import ClientPool  # noqa: E402
 from megatron.rl.tokenizer import CharTokenizer  # noqa: E402
 from megatron.rl.wire import (  # noqa: E402
     GroupedRolloutCall,

@@ -14,6 +14,7 @@ the packed/unpacked ratio. Model flags are those of ``pretrain_grpo.py`` (defaul
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import statistics
 import sys
@@ -24,14 +25,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron.rl.grpo.batch import TrainBatch, build_train_batch  # noqa: E402
-from megatron.rl.grpo.loss import GRPOLossConfig  # noqa: E402
 from megatron.rl.tokenizer import CharTokenizer  # noqa: E402
 from megatron.rl.wire import RolloutGroup, TokenRollout  # noqa: E402
-from megatron.training.arguments import build_parser, validate_args  # noqa: E402
-from megatron.training.initialize import initialize_distributed  # noqa: E402
-from megatron.training.model_provider import build_model  # noqa: E402
-from megatron.training.optimizer import build_optimizer  # noqa: E402
-from megatron.training.train_step import StepOptions, train_step  # noqa: E402
+from megatron.trainer import config  # noqa: E402
+from megatron.trainer.arguments import build_parser, validate_args  # noqa: E402
+from megatron.trainer.checkpointing import TrainState  # noqa: E402
+from megatron.trainer.initialize import initialize_distributed  # noqa: E402
+from megatron.trainer.model_provider import build_model  # noqa: E402
+from megatron.trainer.optimizer import build_optimizer  # noqa: E402
+from megatron.trainer.tiers.cpu import train_step  # noqa: E402
 
 
 def mixed_length_batch(
@@ -82,16 +84,13 @@ def main(argv: list[str] | None = None) -> None:
     for name in layouts:
         torch.manual_seed(args.seed)
         model = build_model(args, vocab, ctx.device)
-        states[name] = (model, *build_optimizer(model, args))
+        states[name] = TrainState(model, *build_optimizer(model, args))
     rates: dict[str, list[float]] = {name: [] for name in layouts}
     losses: dict[str, float] = {}
     for _ in range(known.repeats + 1):  # the first round warms up
         for name, capacity in layouts.items():
-            model, optimizer, scheduler = states[name]
-            result = train_step(
-                model, optimizer, scheduler, batch, args.micro_batch_size, args.clip_grad,
-                GRPOLossConfig(), vocab, ctx, StepOptions(packing_capacity=capacity),
-            )  # fmt: skip
+            step = dataclasses.replace(config.step_config(args, vocab), packing_capacity=capacity)
+            result = train_step(states[name], batch, step, ctx)
             rates[name].append(result.trained_tokens / result.seconds)
             losses.setdefault(name, result.loss)
     lengths = batch.lengths.tolist()

@@ -148,16 +148,6 @@ class TokenRollout(Rollout):
         """A masked stand-in for a rollout whose environment raised; it carries no loss."""
         return self.error is not None
 
-    @property
-    def first_token_policy_version(self) -> int | None:
-        """Policy version of the first generated token (None if nothing was generated)."""
-        return self.policy_versions[0] if self.policy_versions else None
-
-    @property
-    def last_token_policy_version(self) -> int | None:
-        """Policy version of the last generated token (None if nothing was generated)."""
-        return self.policy_versions[-1] if self.policy_versions else None
-
 
 class RolloutGroup(WireModel):
     """The rollouts of one GRPO group, tagged with where they belong in the batch order."""

@@ -5,7 +5,7 @@
 Flags are validated as on a CUDA machine (``--bf16``, ``--use-distributed-optimizer`` accepted).
 torch.distributed starts on gloo with the CPU as the context's device; the loop then runs
 ``CUDATier`` (megatron-core DDP, ``get_megatron_optimizer``, ``get_forward_backward_func``, the
-``DynamicInferenceEngine`` adapter with ``flash_reference`` attention) under
+``DynamicInferenceEngine`` row runner with ``flash_reference`` attention) under
 ``grpo_testing.emulated_cuda``. One process per run: the emulation patches torch globally.
 
 ``--keep-kv-between-windows`` keeps megatron-core's KV cache across generation windows (the
@@ -28,9 +28,9 @@ emulate_cuda_on_cpu()
 
 import functools  # noqa: E402
 
-import megatron.training.cuda_tier as cuda_tier  # noqa: E402
-import megatron.training.grpo as grpo  # noqa: E402
-from megatron.training.arguments import parse_args  # noqa: E402
+import megatron.trainer.grpo as grpo  # noqa: E402
+import megatron.trainer.tiers.cuda as cuda_tier  # noqa: E402
+from megatron.trainer.arguments import parse_args  # noqa: E402
 
 
 def initialize_on_gloo(args):

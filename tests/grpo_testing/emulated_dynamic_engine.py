@@ -1,9 +1,9 @@
-"""Run megatron-core's real ``DynamicInferenceEngine`` on CPU, against the local engine.
+"""Run megatron-core's real ``DynamicInferenceEngine`` on CPU, against the KV-cache runner.
 
 megatron-core's dynamic context and engine allocate with ``torch.cuda.current_device()`` and time
 steps with CUDA events; nothing else in their Python code needs a GPU. This script, run in its own
 process (``grpo_testing.emulated_cuda`` patches torch globally), points those calls at the CPU, then
-generates the same requests with the CPU tier's ``LocalInferenceEngine`` and with the CUDA tier's
+generates the same requests with the CPU tier's ``ContinuousBatchingScheduler`` and with the CUDA tier's
 adapter over megatron-core's engine (dynamic context, paged KV cache, ``GPTInferenceWrapper``, the
 seeded controller, ``flash_reference`` attention), with and without suspend/resume windows, and
 prints one JSON line per run. It exercises megatron-core's request bookkeeping, block tables and
@@ -79,8 +79,9 @@ def main() -> None:
     from grpo_testing.models import VOCAB, tiny_gpt
 
     from megatron.rl.inference import dynamic_engine as de
-    from megatron.rl.inference.engine import LocalEngineConfig, LocalInferenceEngine
-    from megatron.rl.inference.model_runner import ModelRunner
+    from megatron.rl.inference.dynamic_runner import DynamicEngineConfig
+    from megatron.rl.inference.kv_cache_runner import KVCacheRowRunner
+    from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig
     from megatron.rl.inference.step_group import StepGroup
     from megatron.rl.models.kv_cache import KVCache
 
@@ -89,16 +90,16 @@ def main() -> None:
         model = tiny_gpt(seed=3).eval()
     c = model.config
     cache = KVCache(c.num_layers, 3, 32, c.num_query_groups, c.kv_channels, torch.float32, "cpu")
-    local = LocalInferenceEngine(
-        StepGroup(ModelRunner(model, cache, VOCAB)), LocalEngineConfig(3, 32, 1), lambda: 0
+    local = ContinuousBatchingScheduler(
+        StepGroup(KVCacheRowRunner(model, cache, VOCAB)), SchedulerConfig(3, 32, 1), lambda: 0
     )
     want = asyncio.run(generate(local, windows=False))
     for windows, suspended_first in ((False, False), (True, False), (True, True)):
-        config = de.DynamicEngineConfig(3, 32, eos_id=1, block_size_tokens=opts.block_size)
+        config = DynamicEngineConfig(3, 32, eos_id=1, block_size_tokens=opts.block_size)
         steps = de.build_dynamic_step_group(model, config, VOCAB, 24)
         if suspended_first:  # the trainer's first window ends before any request is added
             poison_stale_metadata(steps.runner)
-        engine = de.DynamicInferenceEngineAdapter(steps, LocalEngineConfig(3, 32, 1), lambda: 0)
+        engine = ContinuousBatchingScheduler(steps, SchedulerConfig(3, 32, 1), lambda: 0)
         got = asyncio.run(generate(engine, windows))
         same = [g.tokens == w.tokens for g, w in zip(got, want)]
         diff = max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g.logprobs, w.logprobs))

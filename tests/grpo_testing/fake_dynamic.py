@@ -1,4 +1,4 @@
-"""A CPU stand-in for megatron-core's ``DynamicInferenceEngine`` as ``DynamicEngineRunner`` uses it.
+"""A CPU stand-in for megatron-core's ``DynamicInferenceEngine`` as ``DynamicEngineRowRunner`` uses it.
 
 It keeps megatron-core's request semantics that the runner relies on: a FIFO waiting queue, at
 most ``max_requests`` active requests, every active request advanced by every step, a request

@@ -6,9 +6,8 @@ import random
 
 from megatron.rl.agent.api import Problem
 from megatron.rl.environments.digits import DigitTaskEnvironment
-from megatron.rl.inference.engine import InvalidInferenceRequest
 from megatron.rl.inference.interface import InferenceInterface
-from megatron.rl.inference.model_runner import RowResult
+from megatron.rl.inference.protocol import InvalidInferenceRequest, RowResult
 from megatron.rl.tokenizer import CharTokenizer
 from megatron.rl.wire import InferenceRequest, InferenceResponse
 

@@ -7,7 +7,7 @@ import argparse
 import torch
 from megatron.core import parallel_state
 
-from megatron.training.model_provider import build_model
+from megatron.trainer.model_provider import build_model
 
 VOCAB = 21
 

@@ -1,4 +1,5 @@
-"""Engine throughput: generated tokens/s of the local engine vs naive loops and HF ``generate``.
+"""Engine throughput: generated tokens/s of the scheduler + KV-cache runner vs naive loops and HF
+``generate``.
 
     python tools/benchmarks/engine_throughput.py [--batch 64 --new-tokens 32 --repeats 7]
 
@@ -7,7 +8,7 @@ exactly ``--new-tokens``; temperature 1, no top-k/top-p) for the same prompts on
 the same shape and parameter count (the trainer's default: 2 layers, hidden 64, 4 heads, MLP
 256, vocabulary padded to 128, random init):
 
-* ``engine, batch 64``: the trainer's ``LocalInferenceEngine`` (continuous batching, per-slot
+* ``engine, batch 64``: the trainer's ``ContinuousBatchingScheduler`` (continuous batching, per-slot
   KV cache) on the megatron-core ``GPTModel``, ``--batch`` requests in flight at once;
 * ``engine, one at a time``: the same engine, requests awaited one after another (batch 1);
 * ``HF generate, batch 64``: ``transformers`` ``GPT2LMHeadModel.generate`` (sampling, KV cache)
@@ -37,16 +38,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megatron.rl.inference.engine import LocalEngineConfig, LocalInferenceEngine  # noqa: E402
-from megatron.rl.inference.model_runner import ModelRunner  # noqa: E402
+from megatron.rl.inference.kv_cache_runner import KVCacheRowRunner  # noqa: E402
 from megatron.rl.inference.sampling import sample_tokens  # noqa: E402
+from megatron.rl.inference.scheduler import (  # noqa: E402
+    ContinuousBatchingScheduler,
+    SchedulerConfig,
+)
 from megatron.rl.inference.step_group import StepGroup  # noqa: E402
 from megatron.rl.models.kv_cache import KVCache  # noqa: E402
 from megatron.rl.tokenizer import CharTokenizer  # noqa: E402
 from megatron.rl.wire import SamplingParams  # noqa: E402
-from megatron.training.arguments import build_parser, validate_args  # noqa: E402
-from megatron.training.initialize import initialize_distributed  # noqa: E402
-from megatron.training.model_provider import build_model  # noqa: E402
+from megatron.trainer.arguments import build_parser, validate_args  # noqa: E402
+from megatron.trainer.initialize import initialize_distributed  # noqa: E402
+from megatron.trainer.model_provider import build_model  # noqa: E402
 from tools.benchmarks.common import Stopwatch  # noqa: E402
 from tools.benchmarks.hf_models import gpt2_like, unused_ids  # noqa: E402
 
@@ -61,15 +65,17 @@ NAMES = [
 
 
 def time_engine(model, prompts: list[list[int]], new_tokens: int, concurrent: bool) -> Stopwatch:
-    """Time for the local engine to generate ``new_tokens`` for every prompt."""
+    """Time for the engine (scheduler + KV-cache runner) to generate ``new_tokens`` for every prompt."""
     c = model.config
     seq = len(prompts[0]) + new_tokens
     slots = len(prompts) if concurrent else 1
     cache = KVCache(c.num_layers, slots, seq, c.num_query_groups, c.kv_channels,
                     torch.float32, torch.device("cpu"))  # fmt: skip
-    runner = ModelRunner(model, cache, CharTokenizer().vocab_size)
+    runner = KVCacheRowRunner(model, cache, CharTokenizer().vocab_size)
     # eos_id=-1: no token ends a request, so each runs exactly to its budget
-    engine = LocalInferenceEngine(StepGroup(runner), LocalEngineConfig(slots, seq, -1), lambda: 0)
+    engine = ContinuousBatchingScheduler(
+        StepGroup(runner), SchedulerConfig(slots, seq, -1), lambda: 0
+    )
     sampling = SamplingParams(max_tokens=new_tokens)
 
     async def generate() -> Stopwatch:

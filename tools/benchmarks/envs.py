@@ -25,8 +25,8 @@ from pydantic import Field, model_validator
 
 from megatron.rl.agent.api import Agent, AgentArgs, Problem, placeholder_rollout
 from megatron.rl.environments.digits import DigitTaskEnvironment
-from megatron.rl.inference.engine import InvalidInferenceRequest
 from megatron.rl.inference.interface import InferenceInterface
+from megatron.rl.inference.protocol import InvalidInferenceRequest
 from megatron.rl.seeding import derive_seed
 from megatron.rl.wire import (
     GroupedRolloutRequest,

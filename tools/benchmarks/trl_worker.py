@@ -51,7 +51,12 @@ def main() -> None:
     from megatron.rl.seeding import derive_seed
     from tools.benchmarks.common import thread_clocks
     from tools.benchmarks.envs import FixedBudgetDigits
-    from tools.benchmarks.hf_models import char_tokenizer, gpt2_like, padded_vocab, unused_ids
+    from tools.benchmarks.hf_models import (
+        char_tokenizer,
+        gpt2_like,
+        padded_vocab,
+        unused_ids,
+    )
 
     vocab = padded_vocab()
     model = gpt2_like(

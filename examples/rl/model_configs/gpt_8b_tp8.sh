@@ -4,9 +4,12 @@
 #       --env-config examples/rl/environment_configs/mixture.yaml
 # Across nodes (data parallel over nodes) use the SLURM launcher in examples/rl/ with this file.
 # Parameters: 40 x (4 x 4096^2 + 2 x 4096 x 16384) (layers) + embeddings ~= 8.06e9.
-# Pipeline parallelism (e.g. --pipeline-model-parallel-size 2 with TP 4) is refused until the
-# training loop uses the CUDA tier; so is the precision below. In float32 with AdamW the model
-# states alone take ~16 bytes x 8e9 / 8 GPUs ~= 16 GB per GPU, before activations and KV cache.
+# Runs on the CUDA tier (refused on CPU: --bf16, --use-distributed-optimizer). Pipeline
+# parallelism works there too (e.g. --tensor-model-parallel-size 4 --pipeline-model-parallel-size
+# 2). Memory of the model states: bf16 weights (2 B/param), float32 gradients (4 B) and float32
+# main weights + Adam moments (12 B, sharded over the data-parallel ranks by
+# --use-distributed-optimizer): ~18 B x 8e9 / 8 GPUs ~= 18 GB per GPU at DP 1, before activations
+# and the KV cache of the rollout engine.
 MODEL_ARGS=(
     --num-layers 40
     --hidden-size 4096

@@ -21,8 +21,8 @@ from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
-from megatron.rl.inference.engine import InvalidInferenceRequest
 from megatron.rl.inference.interface import InferenceInterface
+from megatron.rl.inference.protocol import InvalidInferenceRequest
 from megatron.rl.seeding import derive_seed
 from megatron.rl.wire import (
     GroupedRolloutRequest,

@@ -16,8 +16,8 @@ import httpx
 from pydantic import Field
 
 from megatron.rl.agent.api import Agent, AgentArgs
+from megatron.rl.http_client import ClientPool, RemoteCallError, RetryPolicy, call_json
 from megatron.rl.inference.interface import InferenceInterface
-from megatron.rl.server.http import ClientPool, RemoteCallError, RetryPolicy, call_json
 from megatron.rl.wire import (
     HTTP_URL_PATTERN,
     GroupedRolloutCall,
@@ -39,7 +39,7 @@ class RemoteAgentArgs(AgentArgs):
     single_turn: bool = Field(
         True,
         description="The environment sends one generation request per rollout, all at once, "
-        "which lets the engine schedule deterministically (see LocalInferenceEngine).",
+        "which lets the engine schedule deterministically (see ContinuousBatchingScheduler).",
     )
     timeout_s: float = Field(900.0, gt=0, description="Read timeout of one group call.")
     connect_timeout_s: float = Field(5.0, gt=0, description="Connect timeout.")

@@ -25,7 +25,7 @@ from megatron.rl.agent.api import Agent
 from megatron.rl.async_utils import gather_all
 from megatron.rl.eval.passk import mean_pass_at_k
 from megatron.rl.inference.interface import InferenceInterface
-from megatron.rl.rollout.generator import BatchScheduler
+from megatron.rl.inference.protocol import BatchScheduler
 from megatron.rl.seeding import derive_seed
 from megatron.rl.wire import GroupedRolloutRequest, RolloutGroup, SamplingParams
 

@@ -43,9 +43,12 @@ class TrainBatch:
         """Generated tokens that carry loss."""
         return int(self.loss_mask.sum())
 
-    def rows(self, start: int, stop: int) -> "TrainBatch":
-        """Rows [start, stop), trimmed to their own longest sequence."""
-        width = max(1, int(self.lengths[start:stop].max())) if stop > start else 1
+    def rows(self, start: int, stop: int, trim: bool = True) -> "TrainBatch":
+        """Rows [start, stop), trimmed to their own longest sequence (or, without ``trim``, at
+        the batch's full width)."""
+        width = self.input_ids.shape[1]
+        if trim:
+            width = max(1, int(self.lengths[start:stop].max())) if stop > start else 1
         return TrainBatch(
             input_ids=self.input_ids[start:stop, :width],
             target_ids=self.target_ids[start:stop, :width],

@@ -36,16 +36,16 @@ class ImportanceConfig:
             raise ValueError(f"truncation_coef must be > 0, got {self.truncation_coef}")
 
 
-MISMATCH_FIELDS = (
-    "tokens",
-    "sequences",
-    "abs_delta_p",
-    "kl",
-    "truncated_tokens",
-    "truncated_sequences",
-    "weight",
+MISMATCH_SUMS = (
+    "is/tokens",
+    "is/sequences",
+    "is/abs_delta_p",
+    "is/kl",
+    "is/truncated_tokens",
+    "is/truncated_sequences",
+    "is/weight",
 )
-"""The entries of the vector returned by ``mismatch_sums``, in order."""
+"""The names of the sums ``mismatch_sums`` returns."""
 
 
 def importance_weights(
@@ -70,16 +70,18 @@ def mismatch_sums(
     inference_logprobs: torch.Tensor,
     mask: torch.Tensor,
     config: ImportanceConfig,
-) -> torch.Tensor:
-    """Sums (float64, ordered as ``MISMATCH_FIELDS``) over masked tokens of a micro-batch.
+) -> dict[str, torch.Tensor]:
+    """Float64 sums over the masked tokens of a micro-batch, by name (``is/...``).
 
-    * ``abs_delta_p``: |pi_old(y) - pi_inference(y)|, per token;
-    * ``kl``: k3 estimate of KL(pi_inference || pi_old) (the tokens are pi_inference's samples);
-    * ``truncated_tokens`` / ``truncated_sequences``: tokens whose weight exceeded C, and rows
-      with at least one such token (rows without masked tokens are not counted in ``sequences``);
-    * ``weight``: the (truncated) importance weight.
+    * ``is/abs_delta_p``: |pi_old(y) - pi_inference(y)|, per token;
+    * ``is/kl``: k3 estimate of KL(pi_inference || pi_old) (the tokens are pi_inference's samples);
+    * ``is/truncated_tokens`` / ``is/truncated_sequences``: tokens whose weight exceeded C, and
+      rows with at least one such token (rows without masked tokens are not counted in
+      ``is/sequences``);
+    * ``is/weight``: the (truncated) importance weight;
+    * ``is/tokens``, ``is/sequences``: the counts ``mismatch_metrics`` divides by.
 
-    Divide by ``tokens`` (or ``sequences``) after summing over micro-batches and ranks.
+    Add them over micro-batches and ranks, then call ``mismatch_metrics``.
     """
     with torch.no_grad():
         m = mask.double()
@@ -90,14 +92,25 @@ def mismatch_sums(
             cut = (log_w.exp() > config.truncation_coef) & (m > 0)  # (B, T)
         has_tokens = m.sum(dim=1) > 0  # (B,)
         weight = importance_weights(old_logprobs, inference_logprobs, mask, config).double() * m
-        return torch.stack(
-            [
-                m.sum(),
-                has_tokens.double().sum(),
-                delta_p.sum(),
-                (k3(log_w) * m).sum(),
-                cut.double().sum(),
-                (cut.any(dim=1) & has_tokens).double().sum(),
-                weight.sum(),
-            ]
-        ).cpu()
+        sums = [
+            m.sum(),
+            has_tokens.double().sum(),
+            delta_p.sum(),
+            (k3(log_w) * m).sum(),
+            cut.double().sum(),
+            (cut.any(dim=1) & has_tokens).double().sum(),
+            weight.sum(),
+        ]
+        return {name: value.cpu() for name, value in zip(MISMATCH_SUMS, sums)}
+
+
+def mismatch_metrics(sums: dict[str, float]) -> dict[str, float]:
+    """The logged ``is_*`` metrics from the global ``is/...`` sums of ``mismatch_sums``."""
+    tokens, sequences = max(sums["is/tokens"], 1.0), max(sums["is/sequences"], 1.0)
+    return {
+        "is_abs_delta_p": sums["is/abs_delta_p"] / tokens,
+        "is_kl": sums["is/kl"] / tokens,
+        "is_weight_mean": sums["is/weight"] / tokens,
+        "is_truncated_fraction": sums["is/truncated_tokens"] / tokens,
+        "is_truncated_sequence_fraction": sums["is/truncated_sequences"] / sequences,
+    }

@@ -13,8 +13,13 @@ weighs the same). Per token:
 * ``old_logprobs`` given (``--grpo-iterations`` > 1 or the IS correction): r_t = pi_theta / pi_old
   with pi_old the trainer's pre-update policy, and ``is_weights`` w_t = min(pi_old / pi_inference,
   C) correct for the train/inference mismatch (``importance.py``).
-* ``ref_logprobs`` and ``kl_beta`` > 0: the k3 penalty towards the reference policy (``kl.py``).
-* ``entropy`` and ``entropy_weight`` != 0: an entropy bonus (``entropy.py``).
+* ``terms``: additive per-token terms, one module each in ``terms/`` (the k3 penalty towards the
+  reference policy ``beta * k3_t``, the entropy bonus ``-entropy_weight * H_t``, ...); each
+  reports its metric by name.
+
+Metrics travel by name: ``LossOutput.metric_sums()`` maps each metric to its sum over the
+micro-batch's loss tokens; the trainer adds them over micro-batches and ranks in a fixed key order
+and divides by the global number of loss tokens.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron.rl.grpo.kl import reference_kl
+from megatron.rl.grpo.terms.base import LossTerm
 
 
 @dataclass(frozen=True)
@@ -34,10 +39,12 @@ class GRPOLossConfig:
     """Ratios below 1 - eps_lower are clipped (for negative advantages)."""
     clamp_eps_upper: float = 0.28
     """Ratios above 1 + eps_upper are clipped (for positive advantages)."""
-    kl_beta: float = 0.0
-    """beta: weight of the k3 KL penalty towards the reference policy (needs ``ref_logprobs``)."""
-    entropy_weight: float = 0.0
-    """Weight of the entropy bonus (subtracted from the loss; needs ``entropy``)."""
+    terms: tuple[LossTerm, ...] = ()
+    """Additive per-token terms (reference KL, entropy bonus, ...), applied in ``name`` order."""
+
+    def requires(self, name: str) -> bool:
+        """Whether a term reads the optional input ``name`` (``ref_logprobs``, ``entropy``)."""
+        return any(name in term.requires for term in self.terms)
 
 
 @dataclass(frozen=True)
@@ -57,9 +64,9 @@ class LossInputs:
     is_weights: torch.Tensor | None = None
     """(B, T) importance weights multiplying the surrogate (no gradient); None: 1."""
     ref_logprobs: torch.Tensor | None = None
-    """(B, T) log pi_ref of the reference policy (no gradient); needed when kl_beta > 0."""
+    """(B, T) log pi_ref of the reference policy (no gradient), for terms that require it."""
     entropy: torch.Tensor | None = None
-    """(B, T) differentiable policy entropy; needed when entropy_weight != 0."""
+    """(B, T) differentiable policy entropy, for terms that require it."""
 
 
 @dataclass(frozen=True)
@@ -74,10 +81,19 @@ class LossOutput:
     """Scalar: sum over masked tokens of pi_theta / pi_behaviour."""
     mismatch_kl_sum: torch.Tensor
     """Scalar: sum of the k3 estimate of KL(denominator || theta), a lag/mismatch diagnostic."""
-    ref_kl_sum: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
-    """Scalar: sum of the k3 estimate of KL(theta || ref) (0 without ``ref_logprobs``)."""
-    entropy_sum: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
-    """Scalar: sum of the policy entropy (0 without ``entropy``)."""
+    term_sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Scalar sum over masked tokens of each term's metric, by term name."""
+
+    def metric_sums(self) -> dict[str, torch.Tensor]:
+        """Every reported sum by metric name (detached): the loss, the surrogate's statistics
+        (``clip_fraction``, ``ratio_mean``, ``mismatch_kl``) and each term's metric."""
+        return {
+            "loss": self.loss_sum.detach(),
+            "clip_fraction": self.clipped_tokens,
+            "ratio_mean": self.ratio_sum,
+            "mismatch_kl": self.mismatch_kl_sum,
+            **self.term_sums,
+        }
 
 
 def grpo_loss(inputs: LossInputs, config: GRPOLossConfig) -> LossOutput:
@@ -93,7 +109,7 @@ def grpo_loss(inputs: LossInputs, config: GRPOLossConfig) -> LossOutput:
     with torch.no_grad():
         was_clipped = ((clipped < unclipped) & (mask > 0)).sum()
         k3 = ratio - 1.0 - log_ratio  # (B, T), >= 0
-    extras = _penalties(inputs, config)
+    extras = _terms(inputs, config)
     if inputs.is_weights is None and extras is None:
         loss_sum = -(surrogate * mask).sum()
     else:
@@ -105,31 +121,21 @@ def grpo_loss(inputs: LossInputs, config: GRPOLossConfig) -> LossOutput:
         clipped_tokens=was_clipped.float(),
         ratio_sum=(ratio.detach() * mask).sum(),
         mismatch_kl_sum=(k3 * mask).sum(),
-        **({} if extras is None else extras[1]),
+        term_sums={} if extras is None else extras[1],
     )
 
 
-def _penalties(
+def _terms(
     inputs: LossInputs, config: GRPOLossConfig
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
-    """(B, T) KL penalty minus entropy bonus and their masked sums; None when both are off."""
-    use_kl = config.kl_beta != 0.0
-    use_entropy = config.entropy_weight != 0.0
-    if use_kl and inputs.ref_logprobs is None:
-        raise ValueError("kl_beta > 0 needs ref_logprobs")
-    if use_entropy and inputs.entropy is None:
-        raise ValueError("entropy_weight != 0 needs entropy")
-    if not (use_kl or use_entropy):
+    """(B, T) sum of the terms and each term's masked metric sum; None without terms."""
+    if not config.terms:
         return None
     mask = inputs.loss_mask
-    term = torch.zeros_like(inputs.trainer_logprobs)  # (B, T)
+    total = torch.zeros_like(inputs.trainer_logprobs)  # (B, T)
     sums: dict[str, torch.Tensor] = {}
-    if use_kl:
-        kl = reference_kl(inputs.trainer_logprobs, inputs.ref_logprobs, mask)  # (B, T)
-        term = term + config.kl_beta * kl
-        sums["ref_kl_sum"] = (kl.detach() * mask).sum()
-    if use_entropy:
-        entropy = inputs.entropy * mask  # (B, T)
-        term = term - config.entropy_weight * entropy
-        sums["entropy_sum"] = entropy.detach().sum()
-    return term, sums
+    for term in sorted(config.terms, key=lambda t: t.name):
+        value = term.compute(inputs)
+        total = total + value.per_token
+        sums[term.name] = (value.metric.detach() * mask).sum()
+    return total, sums

@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from megatron.rl.async_utils import gather_all
-from megatron.rl.inference.engine import InvalidInferenceRequest, LocalInferenceEngine
+from megatron.rl.inference.protocol import InferenceEngine, InvalidInferenceRequest
 from megatron.rl.seeding import derive_seed
 from megatron.rl.tokenizer import Tokenizer
 from megatron.rl.wire import InferenceRequest, InferenceResponse
@@ -44,9 +44,9 @@ def sample_request(request: InferenceRequest, i: int) -> InferenceRequest:
 
 
 class LocalInferenceInterface(InferenceInterface):
-    """Tokenizes requests and runs them on the trainer's own ``LocalInferenceEngine``."""
+    """Tokenizes requests and runs them on the trainer's own ``InferenceEngine``."""
 
-    def __init__(self, engine: LocalInferenceEngine, tokenizer: Tokenizer) -> None:
+    def __init__(self, engine: InferenceEngine, tokenizer: Tokenizer) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
 

@@ -1,38 +1,106 @@
-"""The interfaces both inference tiers implement, so nothing above them knows which one runs.
+"""The inference protocol: its types, and the two seams every inference backend plugs into.
 
-Two seams:
+Everything above inference (agents, the rollout generator, the servers, the training loop's
+generation windows) imports from here, never from an implementation module.
 
-* ``InferenceEngine`` is what the rollout generator, ``LocalInferenceInterface`` and the training
-  loop's generation windows talk to: ``generate`` with per-token logprobs and policy versions, the
-  schedule hints of the forced-lag generator (``expect_group``/``group_done``/``await_batch``, see
-  ``megatron.rl.rollout.generator.BatchScheduler``), the lifecycle (``start``/``aclose``) and the
-  generation window (``resume``/``suspend``). ``LocalInferenceEngine`` (CPU tier) and
-  ``DynamicInferenceEngineAdapter`` (CUDA tier, megatron-core's ``DynamicInferenceEngine``)
-  implement it.
-* ``RowRunner`` is what a ``StepGroup`` executes on every rank: one engine step of a data-parallel
-  replica's rows (``RowWork`` -> ``RowResult``). ``ModelRunner`` (own KV cache) and
-  ``DynamicEngineRunner`` (megatron-core's dynamic context and paged KV cache) implement it.
+* ``InferenceEngine``: what agents generate through (``generate`` with per-token logprobs and
+  policy versions), the schedule hints of the forced-lag generator (``BatchScheduler``), the
+  lifecycle (``start``/``aclose``) and the generation window (``resume``/``suspend``). One
+  implementation: ``scheduler.ContinuousBatchingScheduler``.
+* ``RowRunner``: what a ``StepGroup`` executes on every rank, one engine step of a data-parallel
+  replica's rows (``RowWork`` -> ``RowResult``). Implementations: ``KVCacheRowRunner`` (the CPU
+  tier: the trained model with a per-slot KV cache) and ``DynamicEngineRowRunner`` (the CUDA tier:
+  megatron-core's ``DynamicInferenceEngine`` on the trained model).
 
-Both protocols are ``runtime_checkable`` so that tests can assert conformance; the check only sees
+The protocols are ``runtime_checkable`` so that tests can assert conformance; the check only sees
 member names, the conformance tests exercise the behaviour.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Literal, Protocol, runtime_checkable
 
-from megatron.rl.inference.engine import GenerationOutput
-from megatron.rl.inference.model_runner import RowResult, RowWork
 from megatron.rl.wire import SamplingParams
 
 Key = tuple[int, int, int]
 """A rollout key: (batch_id, index_in_batch, sample_index)."""
 
-__all__ = ["GenerationOutput", "InferenceEngine", "Key", "RowRunner"]
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    """What the engine returns for one request."""
+
+    tokens: list[int]
+    """Generated token ids, EOS included when the request stopped on it."""
+    logprobs: list[float]
+    """Per generated token, under the tempered sampling policy."""
+    policy_versions: list[int]
+    """Policy version that generated each token."""
+    finish_reason: Literal["stop", "length"]
+    """"stop": EOS sampled; "length": ``max_tokens`` reached."""
+
+
+class EngineError(RuntimeError):
+    """The engine failed or was closed; every pending and later request raises this."""
+
+
+class InvalidInferenceRequest(ValueError):
+    """The request itself is unusable (too long, tokens outside the vocabulary, ...).
+
+    Agents treat it as an environment error (a masked placeholder rollout), not a crash.
+    """
+
+
+@dataclass(frozen=True)
+class RowWork:
+    """New tokens for one request (one cache slot) in one engine step."""
+
+    slot: int
+    """The request's slot in its replica."""
+    tokens: tuple[int, ...]
+    """Tokens to feed: the whole prompt on a request's first step, then its last sampled token."""
+    start: int
+    """Position of ``tokens[0]`` in the request's sequence."""
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    """The request's sampling seed."""
+    max_tokens: int = 0
+    """The request's token budget (0: unknown; runners that need it use the rest of the
+    sequence length)."""
+
+
+@dataclass(frozen=True)
+class RowResult:
+    """The token sampled for one row, and its logprob under the tempered policy."""
+
+    slot: int
+    token: int
+    logprob: float
 
 
 @runtime_checkable
-class InferenceEngine(Protocol):
+class BatchScheduler(Protocol):
+    """Schedule hints the rollout generator gives the engine (deterministic schedule).
+
+    Requests carrying a rollout key are scheduled by key; these hints tell the engine which keyed
+    requests are coming and which batch the trainer waits for.
+    """
+
+    def expect_group(self, batch_id: int, index_in_batch: int, num_requests: int) -> None:
+        """Group (batch, index) is about to send ``num_requests`` keyed requests."""
+
+    def group_done(self, batch_id: int, index_in_batch: int) -> None:
+        """Group (batch, index) will send nothing more that it announced."""
+
+    def await_batch(self, batch_id: int | None) -> None:
+        """The trainer waits for ``batch_id`` (None: for every submitted batch)."""
+
+
+@runtime_checkable
+class InferenceEngine(BatchScheduler, Protocol):
     """Generates completions on the trainer's own model, stepped only inside generation windows."""
 
     generated_tokens: int
@@ -54,18 +122,6 @@ class InferenceEngine(Protocol):
         """
         ...
 
-    def expect_group(self, batch_id: int, index_in_batch: int, num_requests: int) -> None:
-        """Group (batch, index) is about to send ``num_requests`` keyed requests."""
-        ...
-
-    def group_done(self, batch_id: int, index_in_batch: int) -> None:
-        """Group (batch, index) will send nothing more that it announced."""
-        ...
-
-    def await_batch(self, batch_id: int | None) -> None:
-        """The trainer waits for ``batch_id``; keyed work steps only while it is unfinished."""
-        ...
-
     def start(self) -> None:
         """Start the engine's loop task (suspended until ``resume``)."""
         ...
@@ -82,16 +138,6 @@ class InferenceEngine(Protocol):
         """Open a generation window."""
         ...
 
-    @property
-    def num_active(self) -> int:
-        """Requests being decoded."""
-        ...
-
-    @property
-    def num_waiting(self) -> int:
-        """Requests queued for capacity."""
-        ...
-
 
 @runtime_checkable
 class RowRunner(Protocol):
@@ -100,4 +146,8 @@ class RowRunner(Protocol):
 
     def run(self, rows: list[RowWork]) -> list[RowResult]:
         """Feed ``rows`` and sample one token for each row that produced one, in row order."""
+        ...
+
+    def end_window(self) -> None:
+        """The generation window closed on this rank (the weights are about to change)."""
         ...

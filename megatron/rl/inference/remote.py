@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from megatron.rl.inference.engine import InvalidInferenceRequest
+from megatron.rl.http_client import ClientPool, RemoteCallError, RetryPolicy, call_json
 from megatron.rl.inference.interface import InferenceInterface
-from megatron.rl.server.http import ClientPool, RemoteCallError, RetryPolicy, call_json
+from megatron.rl.inference.protocol import InvalidInferenceRequest
 from megatron.rl.wire import (
     CompletionRequest,
     CompletionResponse,

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron.rl.seeding import derive_seed
+
 
 def sample_tokens(
     logits: torch.Tensor,
@@ -51,3 +53,11 @@ def sample_tokens(
     sampled = order.gather(-1, pick).squeeze(-1)  # (B,)
     tokens = torch.where(greedy, order[:, 0], sampled)
     return tokens, logprobs_all.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def token_uniform(seed: int, position: int) -> float:
+    """The uniform in [0, 1) that samples the token at ``position`` of the request ``seed``.
+
+    24 bits, so it is exact in float32 and never rounds up to 1.0.
+    """
+    return (derive_seed(seed, position) >> 39) / 2**24

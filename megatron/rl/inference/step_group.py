@@ -3,12 +3,13 @@
 Protocol (all messages are broadcast from global rank 0 over the world group):
 
 * ``("step", plan)``: every rank runs ``plan.rows[its data-parallel replica]`` on its
-  ``ModelRunner`` (collective inside the replica's tensor-parallel group); each replica leader
+  ``RowRunner`` (collective inside the replica's tensor-parallel group); each replica leader
   (TP rank 0) sends its results back with ``gather_object``.
 * ``("stop", None)``: the generation window is over; followers return from ``follow()``.
 * ``("abort", reason)``: rank 0 failed; followers raise instead of waiting forever.
 
-With one process there is no communication at all.
+When a window ends (stop or abort) every rank calls its runner's ``end_window`` (megatron-core's
+engine releases its KV memory there). With one process there is no communication at all.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from megatron.rl.inference.model_runner import ModelRunner, RowResult, RowWork
+from megatron.rl.inference.protocol import RowResult, RowRunner, RowWork
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class StepGroup:
 
     def __init__(
         self,
-        runner: ModelRunner,
+        runner: RowRunner,
         dp_rank: int = 0,
         dp_size: int = 1,
         is_replica_leader: bool = True,
@@ -64,24 +65,30 @@ class StepGroup:
         return self._run_and_gather(plan)
 
     def follow(self) -> None:
-        """Execute rank 0's plans until it stops the window (ranks other than 0)."""
-        while True:
-            kind, payload = self._broadcast(None)
-            if kind == "stop":
-                return
-            if kind == "abort":
-                raise GenerationAborted(f"rank 0 aborted generation: {payload}")
-            self._run_and_gather(payload)
+        """Execute rank 0's plans until it stops the window, then end it here (other ranks)."""
+        try:
+            while True:
+                kind, payload = self._broadcast(None)
+                if kind == "stop":
+                    return
+                if kind == "abort":
+                    raise GenerationAborted(f"rank 0 aborted generation: {payload}")
+                self._run_and_gather(payload)
+        finally:
+            self.runner.end_window()
 
     def stop_followers(self) -> None:
-        """End the generation window on the other ranks (rank 0 only)."""
+        """End the generation window on every rank (rank 0 only)."""
         if self.distributed:
             self._broadcast(("stop", None))
+        self.runner.end_window()
 
     def abort_followers(self, reason: str) -> None:
-        """Make followers raise ``GenerationAborted`` (rank 0 only, on failure)."""
+        """Make followers raise ``GenerationAborted`` and end the window here (rank 0, on
+        failure)."""
         if self.distributed:
             self._broadcast(("abort", reason))
+        self.runner.end_window()
 
     def _run_and_gather(self, plan: StepPlan) -> list[list[RowResult]]:
         mine = self.runner.run(list(plan.rows[self.dp_rank]))

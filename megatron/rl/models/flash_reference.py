@@ -31,8 +31,6 @@ flash-attn (and FA3) are not importable; the CUDA tier calls it before building 
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
 _MAX_SCORE_ELEMENTS = 1 << 27
@@ -260,11 +258,6 @@ def flash_attn_with_kvcache(
 def _reference_is_new_enough(version: str, check_equality: bool = True) -> bool:
     """Stands in for megatron-core's ``is_fa_min_version`` once the reference is installed."""
     return True
-
-
-def flash_attn_importable() -> bool:
-    """Whether the real flash-attn package (v2) can be found."""
-    return importlib.util.find_spec("flash_attn") is not None
 
 
 def install_into_megatron_core(force: bool = False) -> bool:

@@ -1,4 +1,4 @@
-"""Per-slot KV cache for continuous batching on the local engine.
+"""Per-slot KV cache of the CPU tier's row runner (``KVCacheRowRunner``).
 
 The cache holds, for every attention layer, keys and values of shape
 ``(num_slots, max_seq_len, num_kv_heads, head_dim)``. A request owns one slot for its lifetime and

@@ -26,12 +26,12 @@ import asyncio
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict
 
 from megatron.rl.agent.api import Agent
 from megatron.rl.inference.interface import InferenceInterface
+from megatron.rl.inference.protocol import BatchScheduler
 from megatron.rl.wire import GroupedRolloutRequest, RolloutGroup, SamplingParams
 
 
@@ -55,19 +55,6 @@ class RolloutConfig:
             raise ValueError(f"forced_lag must be >= 0, got {self.forced_lag}")
         if self.groups_per_batch < 1 or self.group_size < 1:
             raise ValueError("groups_per_batch and group_size must be >= 1")
-
-
-class BatchScheduler(Protocol):
-    """Schedule hints the generator gives the inference engine (see ``LocalInferenceEngine``)."""
-
-    def expect_group(self, batch_id: int, index_in_batch: int, num_requests: int) -> None:
-        """A group is about to send ``num_requests`` keyed requests."""
-
-    def group_done(self, batch_id: int, index_in_batch: int) -> None:
-        """A group has finished; withdraw whatever it announced and did not send."""
-
-    def await_batch(self, batch_id: int | None) -> None:
-        """The trainer now waits for ``batch_id`` (``None``: for every submitted batch)."""
 
 
 class PipelineState(BaseModel):

@@ -35,13 +35,9 @@ from fastapi import FastAPI, HTTPException
 from megatron.rl.agent.api import Agent, placeholder_rollout
 from megatron.rl.agent.env_config import EnvConfigError, load_env_config
 from megatron.rl.agent.mixture import MixtureAgent
+from megatron.rl.http_client import ClientPool, RetryPolicy
 from megatron.rl.inference.remote import InferenceUnavailable, RemoteInferenceInterface
-from megatron.rl.server.http import (
-    ERROR_RESPONSES,
-    ClientPool,
-    RetryPolicy,
-    install_error_handlers,
-)
+from megatron.rl.server.http import ERROR_RESPONSES, install_error_handlers
 from megatron.rl.wire import (
     EnvironmentInfo,
     EvaluationRequest,

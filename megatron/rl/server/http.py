@@ -1,135 +1,34 @@
-"""HTTP plumbing shared by the env server, the inference server and their clients.
+"""HTTP plumbing of the env server and the trainer's inference server.
 
-* ``call_json``: one JSON request with bounded retries and exponential backoff; the final error
-  names the URL and the last failure. Retried: connection failures, dropped connections, 429
-  and 5xx answers. Not retried: other 4xx (the request itself is wrong) and read timeouts (the
-  server is alive but slow; retrying would only multiply the wait).
 * ``install_error_handlers``: every error answer is ``ErrorResponse`` with a sentence naming the
   offending field, instead of FastAPI's default list.
-* ``ClientPool``: several small ``httpx.AsyncClient`` pools used round-robin. httpcore's pool
-  scans every connection it holds on each request and release (encode/httpcore#1035): with 64
-  keep-alive connections, 64 concurrent calls took 0.68 s on loopback, with 16-connection shards
-  0.06 s (measured here, 2 cores).
 * ``EmbeddedServer``: uvicorn inside an already running event loop (the trainer's), leaving the
   process's signal handlers alone.
+
+Clients live in ``megatron.rl.http_client``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import socket
-from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
 
 from megatron.rl.wire import ErrorResponse
 
 logger = logging.getLogger(__name__)
 
-RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 422, 424, 500, 503)
 }
 """``responses=`` for routes, so the OpenAPI schema documents the error body."""
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """How often and how patiently to retry a failed call."""
-
-    max_retries: int = 3
-    """Retries after the first attempt."""
-    backoff_s: float = 0.5
-    """Sleep before retry k is backoff_s * 2**k, capped at max_backoff_s."""
-    max_backoff_s: float = 8.0
-
-
-class ClientPool:
-    """Round-robin over ``ceil(max_connections / shard_size)`` httpx clients of small pools."""
-
-    def __init__(
-        self,
-        max_connections: int,
-        timeout: httpx.Timeout,
-        transport: httpx.AsyncBaseTransport | None = None,
-        shard_size: int = 16,
-    ) -> None:
-        shards = max(1, -(-max_connections // shard_size))
-        per_shard = -(-max_connections // shards)
-        limits = httpx.Limits(max_connections=per_shard, max_keepalive_connections=per_shard)
-        self._clients = [
-            httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport)
-            for _ in range(shards)
-        ]
-        self._next = itertools.cycle(self._clients)
-
-    def client(self) -> httpx.AsyncClient:
-        """The client for the next call."""
-        return next(self._next)
-
-    async def aclose(self) -> None:
-        """Close every client."""
-        for client in self._clients:
-            await client.aclose()
-
-
-class RemoteCallError(RuntimeError):
-    """A call failed for good; the message names the URL.
-
-    ``status`` is the HTTP status of the last answer (None when no answer came).
-    """
-
-    def __init__(self, message: str, status: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-async def call_json(
-    client: httpx.AsyncClient | ClientPool,
-    method: str,
-    url: str,
-    payload: BaseModel | None = None,
-    policy: RetryPolicy = RetryPolicy(),
-) -> Any:
-    """Send ``payload`` as JSON and return the decoded JSON answer, retrying per ``policy``."""
-    pool = client if isinstance(client, ClientPool) else None
-    body = None if payload is None else payload.model_dump_json()
-    headers = {"content-type": "application/json"} if body is not None else None
-    attempts = policy.max_retries + 1
-    last = ""
-    for attempt in range(attempts):
-        try:
-            http = pool.client() if pool is not None else client
-            response = await http.request(method, url, content=body, headers=headers)
-        except httpx.ReadTimeout as exc:
-            raise RemoteCallError(f"{method} {url}: no answer within the read timeout ({exc!r})")
-        except httpx.TransportError as exc:
-            last = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        else:
-            if response.status_code < 400:
-                return response.json()
-            last = f"HTTP {response.status_code}: {_detail(response)}"
-            if response.status_code not in RETRYABLE_STATUS:
-                raise RemoteCallError(f"{method} {url} failed with {last}", response.status_code)
-        if attempt + 1 < attempts:
-            await asyncio.sleep(min(policy.max_backoff_s, policy.backoff_s * 2**attempt))
-    raise RemoteCallError(f"{method} {url} failed after {attempts} attempts; last error: {last}")
-
-
-def _detail(response: httpx.Response) -> str:
-    try:
-        return str(response.json().get("detail", response.text))[:2000]
-    except (ValueError, AttributeError):
-        return response.text[:2000]
 
 
 def install_error_handlers(app: FastAPI) -> None:

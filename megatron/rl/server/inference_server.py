@@ -17,8 +17,8 @@ import time
 
 from fastapi import FastAPI, HTTPException
 
-from megatron.rl.inference.engine import EngineError, InvalidInferenceRequest
 from megatron.rl.inference.interface import InferenceInterface
+from megatron.rl.inference.protocol import EngineError, InvalidInferenceRequest
 from megatron.rl.server.http import ERROR_RESPONSES, install_error_handlers
 from megatron.rl.tokenizer import Tokenizer
 from megatron.rl.wire import (

@@ -12,7 +12,11 @@ from examples.rl.environments.math.answers import (
     final_answer,
     normalize_answer,
 )
-from examples.rl.environments.math.dataset import MathDatasetError, MathRecord, load_jsonl
+from examples.rl.environments.math.dataset import (
+    MathDatasetError,
+    MathRecord,
+    load_jsonl,
+)
 from examples.rl.environments.math.environment import MathArgs, MathEnvironment
 
 __all__ = [

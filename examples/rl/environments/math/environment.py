@@ -24,7 +24,11 @@ from pathlib import Path
 
 from pydantic import Field, field_validator
 
-from examples.rl.environments.math.answers import answers_match, extract_boxed, final_answer
+from examples.rl.environments.math.answers import (
+    answers_match,
+    extract_boxed,
+    final_answer,
+)
 from examples.rl.environments.math.dataset import load_jsonl
 from megatron.rl.agent.api import AgentArgs, Problem, SingleTurnEnvironment
 

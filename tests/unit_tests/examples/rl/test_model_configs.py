@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.training.arguments import build_parser, validate_args
+from megatron.trainer.arguments import build_parser, validate_args
 
 ROOT = Path(__file__).resolve().parents[4]
 CONFIGS = ROOT / "examples/rl/model_configs"

@@ -9,7 +9,11 @@ import pytest
 from grpo_testing.fakes import SeededInference
 
 from megatron.rl.agent.env_config import EnvConfigError, build_agents
-from megatron.rl.agent.remote import RemoteAgent, RemoteAgentArgs, RemoteEnvironmentError
+from megatron.rl.agent.remote import (
+    RemoteAgent,
+    RemoteAgentArgs,
+    RemoteEnvironmentError,
+)
 from megatron.rl.server.env_server import create_app
 from megatron.rl.server.http import EmbeddedServer
 from megatron.rl.server.inference_server import create_inference_app

@@ -15,8 +15,8 @@ import pytest
 
 from megatron.rl.agent.api import Problem, SingleTurnEnvironment
 from megatron.rl.environments.digits import positional_match_reward
-from megatron.rl.inference.engine import InvalidInferenceRequest
 from megatron.rl.inference.interface import InferenceInterface
+from megatron.rl.inference.protocol import InvalidInferenceRequest
 from megatron.rl.seeding import derive_seed
 from megatron.rl.tokenizer import CharTokenizer
 from megatron.rl.wire import (

@@ -9,7 +9,12 @@ import pytest
 from grpo_testing.fakes import SeededInference
 
 from megatron.rl.environments.digits import DigitTaskArgs, DigitTaskEnvironment
-from megatron.rl.eval.runner import EVAL_STREAM, EvalConfig, eval_metrics, evaluate_agents
+from megatron.rl.eval.runner import (
+    EVAL_STREAM,
+    EvalConfig,
+    eval_metrics,
+    evaluate_agents,
+)
 from megatron.rl.inference.interface import InferenceInterface
 from megatron.rl.seeding import derive_seed
 from megatron.rl.tokenizer import CharTokenizer

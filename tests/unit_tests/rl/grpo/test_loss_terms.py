@@ -1,7 +1,8 @@
-"""The optional terms of ``grpo_loss``: ratio against pi_old, IS weights, k3 KL, entropy bonus.
+"""The optional inputs of ``grpo_loss`` (ratio against pi_old, IS weights) and its terms together.
 
 Every case is one generated token whose values are chosen so the loss is easy to compute by
-hand; the default path (no optional inputs) is covered by ``test_grpo_loss.py``.
+hand; the default path (no optional inputs) is covered by ``test_grpo_loss.py``, each term alone
+by ``terms/test_<term>.py``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ import pytest
 import torch
 
 from megatron.rl.grpo.loss import GRPOLossConfig, LossInputs, grpo_loss
+from megatron.rl.grpo.terms import loss_terms
+from megatron.rl.grpo.terms.entropy_bonus import EntropyBonus
+from megatron.rl.grpo.terms.reference_kl import ReferenceKL
 
 
 def t(x: float) -> torch.Tensor:
@@ -69,50 +73,42 @@ def test_importance_weight_scales_the_surrogate(w, loss, grad):
     assert trainer.grad.item() == pytest.approx(grad)
 
 
-@pytest.mark.parametrize(
-    "p_theta, p_ref, beta",
-    [
-        pytest.param(0.4, 0.4, 0.1, id="kl-zero-at-reference"),
-        pytest.param(0.2, 0.4, 0.1, id="reference-twice-as-likely"),
-        pytest.param(0.5, 0.25, 0.05, id="reference-half-as-likely"),
-    ],
-)
-def test_k3_kl_penalty(p_theta, p_ref, beta):
-    # advantage 0: only the penalty remains; k3 = q - ln q - 1 with q = pi_ref / pi_theta
-    trainer, x = inputs(p_theta, p_theta, adv=0.0, p_ref=p_ref)
-    out = grpo_loss(x, GRPOLossConfig(**CLIP, kl_beta=beta))
-    q = p_ref / p_theta
-    assert out.ref_kl_sum.item() == pytest.approx(q - math.log(q) - 1)
-    assert out.loss_sum.item() == pytest.approx(beta * (q - math.log(q) - 1))
-    out.loss_sum.backward()
-    assert trainer.grad.item() == pytest.approx(beta * (1 - q))
-
-
-def test_entropy_bonus_is_subtracted():
-    _, x = inputs(0.4, 0.4, adv=1.0, entropy=2.0)
-    out = grpo_loss(x, GRPOLossConfig(**CLIP, entropy_weight=0.01))
-    assert out.loss_sum.item() == pytest.approx(-1.0 - 0.01 * 2.0)
-    assert out.entropy_sum.item() == pytest.approx(2.0)
-
-
 def test_all_terms_together():
     # r = 1.1, w = 0.5, A = 2, k3 with q = 0.5 / 0.44, entropy 1.5
     _, x = inputs(0.44, 0.8, adv=2.0, p_old=0.4, w=0.5, p_ref=0.5, entropy=1.5)
-    out = grpo_loss(x, GRPOLossConfig(**CLIP, kl_beta=0.1, entropy_weight=0.02))
+    out = grpo_loss(x, GRPOLossConfig(**CLIP, terms=(ReferenceKL(0.1), EntropyBonus(0.02))))
     q = 0.5 / 0.44
     assert out.loss_sum.item() == pytest.approx(
         -0.5 * 2.2 + 0.1 * (q - math.log(q) - 1) - 0.02 * 1.5
     )
+    assert set(out.metric_sums()) == {
+        "loss", "clip_fraction", "ratio_mean", "mismatch_kl", "ref_kl", "entropy"
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize(
     "config, missing",
     [
-        pytest.param(GRPOLossConfig(kl_beta=0.1), "ref_logprobs", id="kl-without-reference"),
-        pytest.param(GRPOLossConfig(entropy_weight=0.1), "entropy", id="entropy-missing"),
+        pytest.param(
+            GRPOLossConfig(terms=(ReferenceKL(0.1),)), "ref_logprobs", id="kl-without-reference"
+        ),
+        pytest.param(GRPOLossConfig(terms=(EntropyBonus(0.1),)), "entropy", id="entropy-missing"),
     ],
 )
 def test_missing_inputs_of_an_enabled_term_raise(config, missing):
     _, x = inputs(0.4, 0.4)
     with pytest.raises(ValueError, match=missing):
         grpo_loss(x, config)
+
+
+def test_every_term_module_is_discovered_with_its_flag():
+    terms = loss_terms()
+    assert [t.name for t in terms] == ["entropy", "ref_kl"]
+    assert [t.flag for t in terms] == ["--grpo-entropy-term-weight", "--grpo-kl-beta"]
+    assert all(t.help for t in terms)
+
+
+@pytest.mark.parametrize("term", loss_terms(), ids=lambda t: t.name)
+def test_a_term_weight_must_be_finite(term):
+    with pytest.raises(ValueError, match="finite"):
+        term(float("nan"))

@@ -1,8 +1,8 @@
-"""The megatron-core dynamic-engine adapter: scheduling, runner bookkeeping, seeded sampling.
+"""The megatron-core row runner under the scheduler: bookkeeping, windows, seeded sampling.
 
 On CPU the runner drives ``FakeDynamicEngine`` (megatron-core's request semantics, full
-recomputation of a real tiny GPT); every test compares against the CPU tier's local engine on the
-same weights. The ``gpu`` tests drive megatron-core's real ``DynamicInferenceEngine``.
+recomputation of a real tiny GPT); every test compares against the CPU tier's KV-cache runner on
+the same weights. The ``gpu`` tests drive megatron-core's real ``DynamicInferenceEngine``.
 """
 
 from __future__ import annotations
@@ -15,18 +15,16 @@ import torch
 from grpo_testing.fake_dynamic import FakeDynamicEngine
 from grpo_testing.models import VOCAB, tiny_gpt
 
-from megatron.rl.inference.dynamic_engine import (
-    BoundedRowWork,
+from megatron.rl.inference.dynamic_runner import (
     DynamicEngineConfig,
-    DynamicEngineRunner,
-    DynamicInferenceEngineAdapter,
+    DynamicEngineRowRunner,
     RowSampling,
     SeededSampler,
-    WindowedStepGroup,
     drive,
 )
-from megatron.rl.inference.engine import EngineError, LocalEngineConfig, LocalInferenceEngine
-from megatron.rl.inference.model_runner import ModelRunner, RowWork
+from megatron.rl.inference.kv_cache_runner import KVCacheRowRunner
+from megatron.rl.inference.protocol import EngineError, RowWork
+from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig
 from megatron.rl.inference.step_group import StepGroup
 from megatron.rl.models.kv_cache import KVCache
 from megatron.rl.wire import SamplingParams
@@ -59,23 +57,23 @@ def logits_fn(model):
     return full
 
 
-def local_engine(model, max_requests=3) -> LocalInferenceEngine:
+def local_engine(model, max_requests=3) -> ContinuousBatchingScheduler:
     c = model.config
     cache = KVCache(
         c.num_layers, max_requests, SEQ, c.num_query_groups, c.kv_channels, torch.float32, "cpu"
     )
-    steps = StepGroup(ModelRunner(model, cache, VOCAB))
-    return LocalInferenceEngine(steps, LocalEngineConfig(max_requests, SEQ, EOS), lambda: 0)
+    steps = StepGroup(KVCacheRowRunner(model, cache, VOCAB))
+    return ContinuousBatchingScheduler(steps, SchedulerConfig(max_requests, SEQ, EOS), lambda: 0)
 
 
 def dynamic_engine(model, max_requests=3, fake_max_requests=None, fake_seq=SEQ, version=None):
     sampler = SeededSampler(VOCAB)
     fake_max = max_requests if fake_max_requests is None else fake_max_requests
     fake = FakeDynamicEngine(sampler, logits_fn(model), fake_max, fake_seq)
-    runner = DynamicEngineRunner(fake, sampler, DynamicEngineConfig(max_requests, SEQ, EOS))
-    steps = WindowedStepGroup(runner)
-    engine = DynamicInferenceEngineAdapter(
-        steps, LocalEngineConfig(max_requests, SEQ, EOS), version or (lambda: 0)
+    runner = DynamicEngineRowRunner(fake, sampler, DynamicEngineConfig(max_requests, SEQ, EOS))
+    steps = StepGroup(runner)
+    engine = ContinuousBatchingScheduler(
+        steps, SchedulerConfig(max_requests, SEQ, EOS), version or (lambda: 0)
     )
     return engine, fake, runner
 
@@ -173,7 +171,7 @@ def test_a_cancelled_request_is_finished_in_megatron_core_when_its_slot_is_reuse
 
 def test_tokens_sampled_ahead_are_handed_over_in_order(model):
     """Keyed rows outside the window target still advance in megatron-core while an unkeyed
-    request steps; the scheduler later receives exactly the tokens the local engine samples."""
+    request steps; the scheduler later receives exactly the tokens the KV-cache runner samples."""
 
     buffered = []
 
@@ -219,13 +217,13 @@ def test_a_request_megatron_core_fails_fails_the_engine(model):
 
 
 def test_a_decode_row_for_an_unknown_slot_is_an_error():
-    runner = DynamicEngineRunner(object(), SeededSampler(VOCAB), DynamicEngineConfig())
+    runner = DynamicEngineRowRunner(object(), SeededSampler(VOCAB), DynamicEngineConfig())
     with pytest.raises(RuntimeError, match="slot 3"):
         runner.run([RowWork(slot=3, tokens=(5,), start=4, temperature=1, top_p=1, top_k=0, seed=1)])
 
 
-def test_bounded_rows_travel_between_ranks():
-    row = BoundedRowWork(
+def test_rows_with_their_token_budget_travel_between_ranks():
+    row = RowWork(
         slot=1, tokens=(2, 3), start=0, temperature=1.0, top_p=1.0, top_k=0, seed=9, max_tokens=4
     )
     assert pickle.loads(pickle.dumps(row)) == row
@@ -259,19 +257,15 @@ def test_drive_runs_coroutines_that_only_yield_to_the_loop():
         drive(waits_for_a_future())
 
 
-def test_the_adapter_needs_the_dynamic_runner(model):
-    with pytest.raises(TypeError, match="DynamicEngineRunner"):
-        DynamicInferenceEngineAdapter(
-            StepGroup(object()), LocalEngineConfig(), lambda: 0  # type: ignore[arg-type]
-        )
-
-
 # --------------------------------------------------------------------- megatron-core, CUDA
 
 
 @pytest.mark.gpu
 def test_greedy_outputs_of_megatron_core_equal_the_local_engine_on_cuda(single_rank_world):
-    from megatron.rl.inference.dynamic_engine import attention_backend_name, build_megatron_engine
+    from megatron.rl.inference.dynamic_engine import (
+        attention_backend_name,
+        build_megatron_engine,
+    )
 
     torch.cuda.set_device(0)
     with torch.no_grad():
@@ -279,18 +273,16 @@ def test_greedy_outputs_of_megatron_core_equal_the_local_engine_on_cuda(single_r
     greedy = [(p, 0.0, n, s) for p, _, n, s in REQUESTS]
     c = model.config
     cache = KVCache(c.num_layers, 3, SEQ, c.num_query_groups, c.kv_channels, torch.float32, "cuda")
-    local = LocalInferenceEngine(
-        StepGroup(ModelRunner(model, cache, VOCAB)), LocalEngineConfig(3, SEQ, EOS), lambda: 0
+    local = ContinuousBatchingScheduler(
+        StepGroup(KVCacheRowRunner(model, cache, VOCAB)), SchedulerConfig(3, SEQ, EOS), lambda: 0
     )
     want = asyncio.run(generate_all(local, greedy))
 
     config = DynamicEngineConfig(max_requests=3, max_seq_len=SEQ, eos_id=EOS, block_size_tokens=256)
     sampler = SeededSampler(VOCAB)
     megatron_engine = build_megatron_engine(model, config, VOCAB, 24, sampler)
-    runner = DynamicEngineRunner(megatron_engine, sampler, config)
-    engine = DynamicInferenceEngineAdapter(
-        WindowedStepGroup(runner), LocalEngineConfig(3, SEQ, EOS), lambda: 0
-    )
+    runner = DynamicEngineRowRunner(megatron_engine, sampler, config)
+    engine = ContinuousBatchingScheduler(StepGroup(runner), SchedulerConfig(3, SEQ, EOS), lambda: 0)
     got = asyncio.run(generate_all(engine, greedy))
     print("attention backend:", attention_backend_name())
     for g, w in zip(got, want):
@@ -307,7 +299,7 @@ def test_megatron_core_engine_survives_suspend_resume_windows_on_cuda(single_ran
         model = tiny_gpt(seed=3).cuda().eval()
     config = DynamicEngineConfig(max_requests=3, max_seq_len=SEQ, eos_id=EOS)
     steps = build_dynamic_step_group(model, config, VOCAB, 24)
-    engine = DynamicInferenceEngineAdapter(steps, LocalEngineConfig(3, SEQ, EOS), lambda: 0)
+    engine = ContinuousBatchingScheduler(steps, SchedulerConfig(3, SEQ, EOS), lambda: 0)
     want = asyncio.run(generate_all(local_engine_on(model, "cuda"), REQUESTS))
 
     async def windows():
@@ -334,9 +326,9 @@ def test_megatron_core_engine_survives_suspend_resume_windows_on_cuda(single_ran
         assert g.tokens == w.tokens
 
 
-def local_engine_on(model, device: str) -> LocalInferenceEngine:
+def local_engine_on(model, device: str) -> ContinuousBatchingScheduler:
     c = model.config
     cache = KVCache(c.num_layers, 3, SEQ, c.num_query_groups, c.kv_channels, torch.float32, device)
-    return LocalInferenceEngine(
-        StepGroup(ModelRunner(model, cache, VOCAB)), LocalEngineConfig(3, SEQ, EOS), lambda: 0
+    return ContinuousBatchingScheduler(
+        StepGroup(KVCacheRowRunner(model, cache, VOCAB)), SchedulerConfig(3, SEQ, EOS), lambda: 0
     )

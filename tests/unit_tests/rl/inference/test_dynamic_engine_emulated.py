@@ -1,4 +1,4 @@
-"""megatron-core's real DynamicInferenceEngine, emulated on CPU, equals the local engine.
+"""megatron-core's real DynamicInferenceEngine, emulated on CPU, equals the KV-cache runner.
 
 ``grpo_testing/emulated_dynamic_engine.py`` runs in a subprocess because it points ``torch.cuda``
 at the CPU for the whole process. Needs einops (megatron-core's dynamic attention path uses it).

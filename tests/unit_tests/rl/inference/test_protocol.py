@@ -1,8 +1,9 @@
-"""Both engines speak ``InferenceEngine`` and both step executors speak ``RowRunner``.
+"""The scheduler speaks ``InferenceEngine`` and both row runners speak ``RowRunner``.
 
 ``runtime_checkable`` only checks member names; the behaviour of each implementation is tested in
-``test_engine.py``/``test_kv_cache.py`` (local) and ``test_dynamic_engine.py`` (megatron-core).
-This module pins the signatures: the adapter must not drift from the protocol.
+``test_scheduler.py``/``test_kv_cache.py`` (KV-cache runner) and ``test_dynamic_engine.py``
+(megatron-core runner). This module pins the signatures: implementations must not drift from the
+protocol.
 """
 
 from __future__ import annotations
@@ -13,58 +14,50 @@ import pytest
 from grpo_testing.fakes import FakeSteps
 
 from megatron.rl.inference import protocol
-from megatron.rl.inference.dynamic_engine import (
+from megatron.rl.inference.dynamic_runner import (
     DynamicEngineConfig,
-    DynamicEngineRunner,
-    DynamicInferenceEngineAdapter,
+    DynamicEngineRowRunner,
     SeededSampler,
-    WindowedStepGroup,
 )
-from megatron.rl.inference.engine import LocalEngineConfig, LocalInferenceEngine
-from megatron.rl.inference.model_runner import ModelRunner
-from megatron.rl.rollout.generator import BatchScheduler
-
-MEMBERS = [
-    name
-    for name, value in vars(protocol.InferenceEngine).items()
-    if not name.startswith("_") and (callable(value) or isinstance(value, property))
-]
+from megatron.rl.inference.kv_cache_runner import KVCacheRowRunner
+from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig
 
 
-def engines():
-    local = LocalInferenceEngine(FakeSteps(), LocalEngineConfig(), lambda: 0)
-    runner = DynamicEngineRunner(object(), SeededSampler(8), DynamicEngineConfig())
-    dynamic = DynamicInferenceEngineAdapter(
-        WindowedStepGroup(runner), LocalEngineConfig(), lambda: 0
-    )
-    return [local, dynamic]
+def members(cls: type) -> list[str]:
+    """Public methods and properties a protocol class declares itself."""
+    return [
+        name
+        for name, value in vars(cls).items()
+        if not name.startswith("_") and (callable(value) or isinstance(value, property))
+    ]
 
 
-@pytest.mark.parametrize("engine", engines(), ids=["local", "dynamic"])
-def test_engines_satisfy_the_engine_protocol(engine):
-    assert isinstance(engine, protocol.InferenceEngine)
-    for name in MEMBERS:
-        want = getattr(protocol.InferenceEngine, name)
-        got = getattr(type(engine), name)
-        if isinstance(want, property):
-            assert isinstance(got, property), name
-            continue
+@pytest.mark.parametrize("proto", [protocol.InferenceEngine, protocol.BatchScheduler])
+def test_the_scheduler_satisfies_the_engine_protocol(proto):
+    engine = ContinuousBatchingScheduler(FakeSteps(), SchedulerConfig(), lambda: 0)
+    assert isinstance(engine, proto)
+    assert members(proto)
+    for name in members(proto):
+        want, got = getattr(proto, name), getattr(type(engine), name)
         assert inspect.signature(got) == inspect.signature(want), name
         assert inspect.iscoroutinefunction(got) == inspect.iscoroutinefunction(want), name
 
 
-@pytest.mark.parametrize("engine", engines(), ids=["local", "dynamic"])
-@pytest.mark.parametrize("hint", ["expect_group", "group_done", "await_batch"])
-def test_engines_take_the_generators_schedule_hints(engine, hint):
-    want = inspect.signature(getattr(BatchScheduler, hint))
-    assert inspect.signature(getattr(type(engine), hint)) == want
+@pytest.mark.parametrize(
+    "runner",
+    [
+        KVCacheRowRunner.__new__(KVCacheRowRunner),
+        DynamicEngineRowRunner(object(), SeededSampler(8), DynamicEngineConfig()),
+    ],
+    ids=["kv_cache", "dynamic"],
+)
+def test_both_row_runners_satisfy_the_row_runner_protocol(runner):
+    assert isinstance(runner, protocol.RowRunner)
+    for name in members(protocol.RowRunner):
+        want, got = getattr(protocol.RowRunner, name), getattr(type(runner), name)
+        assert inspect.signature(got) == inspect.signature(want), name
 
 
-@pytest.mark.parametrize("runner", [ModelRunner, DynamicEngineRunner], ids=["local", "dynamic"])
-def test_step_executors_satisfy_the_row_runner_protocol(runner):
-    assert inspect.signature(runner.run) == inspect.signature(protocol.RowRunner.run)
-
-
-def test_protocol_is_runtime_checkable_against_a_non_engine():
+def test_protocols_are_runtime_checkable_against_a_non_engine():
     assert not isinstance(object(), protocol.InferenceEngine)
     assert not isinstance(object(), protocol.RowRunner)

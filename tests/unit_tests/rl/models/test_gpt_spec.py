@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 
 from megatron.rl.models import gpt_spec
@@ -37,15 +35,32 @@ def test_cuda_falls_back_to_the_sdpa_backend_without_transformer_engine(monkeypa
     assert spec.submodules.self_attention.submodules.core_attention is SDPACoreAttention
 
 
-def test_importability_is_probed_by_importing():
+@pytest.mark.parametrize(
+    "outcome, importable",
+    [
+        pytest.param(lambda: object(), True, id="imports"),
+        pytest.param(ImportError("No module named 'transformer_engine'"), False, id="missing"),
+        pytest.param(OSError("libtransformer_engine.so: cannot open"), False, id="broken-lib"),
+        pytest.param(RuntimeError("CUDA driver too old"), False, id="broken-runtime"),
+    ],
+)
+def test_importability_is_probed_by_importing_transformer_engine(monkeypatch, outcome, importable):
+    probed = []
+
+    def fake_import(name):
+        probed.append(name)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome()
+
+    monkeypatch.setattr(gpt_spec.importlib, "import_module", fake_import)
     gpt_spec.transformer_engine_importable.cache_clear()
     try:
-        importlib.import_module("transformer_engine.pytorch")
-    except Exception:
-        expected = False
-    else:
-        expected = True
-    assert gpt_spec.transformer_engine_importable() is expected
+        assert gpt_spec.transformer_engine_importable() is importable
+        assert gpt_spec.transformer_engine_importable() is importable  # cached: probed once
+    finally:
+        gpt_spec.transformer_engine_importable.cache_clear()
+    assert probed == ["transformer_engine.pytorch"]
 
 
 def test_the_real_transformer_engine_provider_builds_a_fused_spec():

@@ -8,7 +8,8 @@ import pytest
 import torch
 from grpo_testing.models import VOCAB, tiny_gpt
 
-from megatron.rl.inference.model_runner import ModelRunner, RowWork
+from megatron.rl.inference.kv_cache_runner import KVCacheRowRunner
+from megatron.rl.inference.protocol import RowWork
 from megatron.rl.models.kv_cache import KVCache
 
 
@@ -113,7 +114,7 @@ def test_cache_rejects_a_step_past_its_length():
 @pytest.mark.parametrize("device", DEVICES)
 def test_runner_greedy_generation_matches_full_recompute(single_rank_world, device):
     model = tiny_gpt().to(device)
-    runner = ModelRunner(model, make_cache(model), VOCAB)
+    runner = KVCacheRowRunner(model, make_cache(model), VOCAB)
     prompts = {0: [2, 5, 7], 1: [3], 2: [4, 4, 9, 10, 11]}
     seqs = {s: list(p) for s, p in prompts.items()}
     rows = [
@@ -146,7 +147,7 @@ class PaddingLovingModel(torch.nn.Module):
 
 def test_runner_never_samples_padded_vocabulary_ids():
     cache = KVCache(1, 3, 8, 1, 4, torch.float32, torch.device("cpu"))
-    runner = ModelRunner(PaddingLovingModel(), cache, VOCAB)
+    runner = KVCacheRowRunner(PaddingLovingModel(), cache, VOCAB)
     rows = [
         RowWork(s, (2, 3), 0, temperature=t, top_p=1.0, top_k=0, seed=s)
         for s, t in enumerate([0.0, 1.0, 3.0])

@@ -1,4 +1,4 @@
-"""The forced-lag contract of ``GroupedRolloutGenerator`` (DESIGN.md, points 1-5).
+"""The forced-lag contract of ``GroupedRolloutGenerator`` (docs/architecture.md, points 1-4).
 
 The fake agent finishes groups after random delays, so later groups and later batches often
 finish first; the trainer side is simulated by a loop that bumps the policy version after each

@@ -9,8 +9,8 @@ import pytest
 from grpo_testing.fakes import SeededInference
 
 from megatron.rl.agent.env_config import build_agents
+from megatron.rl.http_client import RetryPolicy
 from megatron.rl.server.env_server import EnvServerConfig, create_app
-from megatron.rl.server.http import RetryPolicy
 from megatron.rl.server.inference_server import create_inference_app
 from megatron.rl.wire import GroupedRolloutCall, GroupedRolloutRequest, RolloutGroup
 

@@ -1,23 +1,16 @@
-"""Retries, error messages, client pools and the embedded server."""
+"""The embedded uvicorn server of the trainer's inference server."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
 
 import httpx
 import pytest
 from fastapi import FastAPI, HTTPException
 
-from megatron.rl.server.http import (
-    ClientPool,
-    EmbeddedServer,
-    RemoteCallError,
-    RetryPolicy,
-    call_json,
-)
-
-FAST = RetryPolicy(max_retries=2, backoff_s=0.001)
+from megatron.rl.server.http import EmbeddedServer
 
 
 def scripted_app(statuses: list[int]):
@@ -34,77 +27,6 @@ def scripted_app(statuses: list[int]):
         return {"n": len(calls)}
 
     return app, calls
-
-
-def call(app, policy=FAST, timeout=5.0):
-    async def run():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), timeout=timeout) as c:
-            return await call_json(c, "GET", "http://server/x", policy=policy)
-
-    return asyncio.run(run())
-
-
-def test_retries_5xx_then_succeeds():
-    app, calls = scripted_app([503, 502, 200])
-    assert call(app) == {"n": 3}
-
-
-def test_gives_up_after_max_retries_naming_the_url_and_last_error():
-    app, calls = scripted_app([503])
-    with pytest.raises(RemoteCallError, match=r"http://server/x failed after 3 attempts.*503"):
-        call(app)
-    assert len(calls) == 3
-
-
-def test_4xx_is_not_retried_and_keeps_the_status():
-    app, calls = scripted_app([422, 200])
-    with pytest.raises(RemoteCallError, match="scripted 422") as info:
-        call(app)
-    assert info.value.status == 422 and len(calls) == 1
-
-
-def test_connection_refused_is_retried_then_reported():
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-
-    async def run():
-        async with httpx.AsyncClient() as c:
-            await call_json(c, "GET", f"http://127.0.0.1:{port}/x", policy=FAST)
-
-    with pytest.raises(RemoteCallError, match=f"127.0.0.1:{port}.*after 3 attempts.*Connect"):
-        asyncio.run(run())
-
-
-def test_read_timeout_is_not_retried():
-    app = FastAPI()
-    calls = []
-
-    @app.get("/x")
-    async def slow():
-        calls.append(1)
-        await asyncio.sleep(5)
-
-    async def run():
-        server = await EmbeddedServer.start(app, "127.0.0.1", 0)
-        try:
-            async with httpx.AsyncClient(timeout=httpx.Timeout(0.2)) as c:
-                await call_json(c, "GET", f"{server.url}/x", policy=FAST)
-        finally:
-            server.force_exit = True
-            await server.stop()
-
-    with pytest.raises(RemoteCallError, match="read timeout"):
-        asyncio.run(run())
-    assert len(calls) == 1
-
-
-def test_client_pool_spreads_calls_over_small_pools():
-    pool = ClientPool(max_connections=40, timeout=httpx.Timeout(1.0), shard_size=16)
-    clients = [pool.client() for _ in range(6)]
-    assert len({id(c) for c in clients}) == 3  # ceil(40 / 16) shards, used in turn
-    assert clients[:3] == clients[3:]
-    asyncio.run(pool.aclose())
 
 
 def test_embedded_server_serves_on_a_free_port_and_stops():
@@ -127,8 +49,6 @@ def test_embedded_server_serves_on_a_free_port_and_stops():
 
 
 def test_embedded_server_leaves_signal_handlers_alone():
-    import signal
-
     app, _ = scripted_app([200])
     before = signal.getsignal(signal.SIGTERM)
 

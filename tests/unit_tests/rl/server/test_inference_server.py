@@ -1,4 +1,4 @@
-"""The trainer's inference server (OpenAI completions subset) over the real local engine."""
+"""The trainer's inference server (OpenAI completions subset) over the real engine (scheduler + KV-cache runner)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import httpx
 import pytest
 from grpo_testing.fakes import FakeSteps, SeededInference
 
-from megatron.rl.inference.engine import LocalEngineConfig, LocalInferenceEngine
 from megatron.rl.inference.interface import LocalInferenceInterface
+from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig
 from megatron.rl.seeding import derive_seed
 from megatron.rl.server.inference_server import create_inference_app
 from megatron.rl.tokenizer import CharTokenizer
@@ -22,8 +22,8 @@ def post_completions(bodies: list, steps: FakeSteps | None = None, fail: bool = 
     tokenizer = CharTokenizer()
 
     async def run():
-        engine = LocalInferenceEngine(
-            steps, LocalEngineConfig(max_requests=4, max_seq_len=24), lambda: 7
+        engine = ContinuousBatchingScheduler(
+            steps, SchedulerConfig(max_requests=4, max_seq_len=24), lambda: 7
         )
         engine.start()
         engine.resume()

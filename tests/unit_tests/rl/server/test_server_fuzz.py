@@ -14,8 +14,8 @@ from grpo_testing.fakes import FakeSteps, SeededInference
 from hypothesis import HealthCheck, settings
 
 from megatron.rl.agent.env_config import build_agents
-from megatron.rl.inference.engine import LocalEngineConfig, LocalInferenceEngine
 from megatron.rl.inference.interface import LocalInferenceInterface
+from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig
 from megatron.rl.server.env_server import create_app
 from megatron.rl.server.inference_server import create_inference_app
 from megatron.rl.tokenizer import CharTokenizer
@@ -54,7 +54,7 @@ def test_env_server_never_answers_5xx(case):
 
 
 def inference_app_over_a_running_engine():
-    """The inference server over a real LocalInferenceEngine whose loop the app's lifespan runs
+    """The inference server over a real ContinuousBatchingScheduler whose loop the app's lifespan runs
     (schemathesis serves ASGI apps from its own event loop; each lifespan gets a fresh engine)."""
     tokenizer = CharTokenizer()
     interface = LocalInferenceInterface(None, tokenizer)
@@ -62,8 +62,8 @@ def inference_app_over_a_running_engine():
 
     @contextlib.asynccontextmanager
     async def engine_running(app):
-        interface.engine = LocalInferenceEngine(
-            FakeSteps(), LocalEngineConfig(max_requests=8, max_seq_len=64), lambda: 0
+        interface.engine = ContinuousBatchingScheduler(
+            FakeSteps(), SchedulerConfig(max_requests=8, max_seq_len=64), lambda: 0
         )
         interface.engine.start()
         interface.engine.resume()

@@ -6,7 +6,11 @@ import re
 
 import pytest
 
-from examples.rl.environments.math.dataset import MathDatasetError, MathRecord, load_jsonl
+from examples.rl.environments.math.dataset import (
+    MathDatasetError,
+    MathRecord,
+    load_jsonl,
+)
 
 GOOD = '{"question": "1+1=", "answer": "2"}'
 

@@ -1,0 +1,338 @@
+"""The continuous-batching scheduler: the inference engine of both tiers.
+
+Requests arrive through ``await engine.generate(...)`` from any number of agent tasks. One loop
+task owns all scheduling state: it admits waiting requests into free slots (spread over
+data-parallel replicas), feeds each active request its prompt once and then one token per step,
+and resolves a request's future when it samples EOS or reaches its token budget. The steps run on
+a ``StepGroup`` of row runners (``protocol.RowRunner``): ``KVCacheRowRunner`` on the CPU tier,
+``DynamicEngineRowRunner`` (megatron-core's ``DynamicInferenceEngine``) on the CUDA tier. Every
+step runs the same model object the trainer updates, so each token records the policy version
+that produced it.
+
+Deterministic schedule. Requests that carry a ``RolloutKey`` are scheduled by key, not by arrival
+time, which makes the sequence of engine steps (and so which policy version generates each token)
+independent of network or task timing:
+
+* ``expect_group(batch, index, n)`` announces that group (batch, index) is about to send ``n``
+  keyed requests. While any announced request has not arrived, the engine does not step (the
+  barrier); ``group_done`` withdraws what a group will no longer send.
+* Waiting requests are admitted in key order (batch, index, sample); unkeyed requests after them,
+  first come first served.
+* ``await_batch(b)`` sets the window target: keyed requests are stepped only while batch ``b``
+  still has an announced, waiting or active request (``b=None``: always). Unkeyed requests always
+  step. ``SchedulerConfig.window_target=False`` turns the target off (a throughput mode: batches
+  ahead of the trainer keep generating while it waits for rewards, at timing-dependent versions).
+
+A barrier that waits longer than ``barrier_timeout_s`` is lifted with a warning (an agent that
+announced requests it never sent): the run goes on, without the determinism guarantee.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from megatron.rl.inference.protocol import (
+    EngineError,
+    GenerationOutput,
+    InvalidInferenceRequest,
+    Key,
+    RowResult,
+    RowWork,
+)
+from megatron.rl.inference.step_group import StepGroup, StepPlan
+from megatron.rl.wire import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Capacity and scheduling limits of the scheduler (per data-parallel replica)."""
+
+    max_requests: int = 64
+    """Slots per data-parallel replica: the most requests decoded at once on each."""
+    max_seq_len: int = 128
+    """Longest prompt + generation a request may reach (the KV cache length)."""
+    eos_id: int = 1
+    """Token that ends a generation."""
+    barrier_timeout_s: float = 60.0
+    """Longest wait for announced requests before stepping without them."""
+    window_target: bool = True
+    """Step keyed requests only while the awaited batch is unfinished (``await_batch``). False:
+    keyed requests step whenever the engine is resumed, like unkeyed ones (faster, but which
+    window generates a token then depends on timing)."""
+
+
+@dataclass
+class _Request:
+    order: tuple
+    prompt: list[int]
+    sampling: SamplingParams
+    seed: int
+    key: Key | None
+    future: asyncio.Future
+    replica: int = -1
+    slot: int = -1
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    def __lt__(self, other: "_Request") -> bool:
+        return self.order < other.order
+
+    def next_row(self) -> RowWork:
+        """The tokens this request feeds in the coming step."""
+        first = not self.tokens
+        s = self.sampling
+        return RowWork(
+            slot=self.slot,
+            tokens=tuple(self.prompt if first else self.tokens[-1:]),
+            start=0 if first else len(self.prompt) + len(self.tokens) - 1,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            seed=self.seed,
+            max_tokens=s.max_tokens,
+        )
+
+
+class ContinuousBatchingScheduler:
+    """Continuous batching over a ``StepGroup`` (``protocol.InferenceEngine``); suspended outside
+    generation windows.
+
+    The loop task (``start``/``aclose``) consumes queued requests and produces tokens. It waits
+    while suspended (``suspend``/``resume``, driven by the owner of the training loop), while no
+    request can step (``generate``, ``group_done`` and ``await_batch`` wake it), or at the
+    barrier. If a step raises, the loop fails every pending request with ``EngineError`` and later
+    ``generate`` calls raise at once.
+    """
+
+    def __init__(
+        self, steps: StepGroup, config: SchedulerConfig, policy_version: Callable[[], int]
+    ) -> None:
+        self.steps = steps
+        self.config = config
+        self.policy_version = policy_version
+        self._waiting: list[_Request] = []  # heap by order
+        self._active: dict[tuple[int, int], _Request] = {}
+        self._free = [list(range(config.max_requests)) for _ in range(steps.num_replicas)]
+        self._arrivals = itertools.count()
+        self._expected: dict[tuple[int, int], int] = {}
+        self._awaited_batch: int | None = None
+        self._resumed = asyncio.Event()
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._error: BaseException | None = None
+        self.generated_tokens = 0
+        """Tokens sampled since start (a counter for throughput metrics)."""
+
+    # ----------------------------------------------------------------- requests
+
+    async def generate(
+        self,
+        prompt_tokens: list[int],
+        sampling: SamplingParams,
+        seed: int,
+        key: Key | None = None,
+    ) -> GenerationOutput:
+        """Generate a completion of ``prompt_tokens``; resolves when it stops."""
+        if self._error is not None:
+            raise EngineError(
+                f"the inference engine is unavailable: {self._error}"
+            ) from self._error
+        if self._task is None:
+            raise RuntimeError("the inference engine is not running: call start() first")
+        total = len(prompt_tokens) + sampling.max_tokens
+        if not prompt_tokens or total > self.config.max_seq_len:
+            raise InvalidInferenceRequest(
+                f"prompt of {len(prompt_tokens)} tokens plus max_tokens={sampling.max_tokens} "
+                f"does not fit the engine's max_seq_len={self.config.max_seq_len}"
+            )
+        arrival = next(self._arrivals)
+        order = (0, *key, arrival) if key is not None else (1, arrival)
+        future = asyncio.get_running_loop().create_future()
+        heapq.heappush(
+            self._waiting, _Request(order, list(prompt_tokens), sampling, seed, key, future)
+        )
+        if key is not None:
+            self._arrived(key[:2])
+        self._wakeup.set()
+        return await future
+
+    # ----------------------------------------------------------------- schedule hints
+
+    def expect_group(self, batch_id: int, index_in_batch: int, num_requests: int) -> None:
+        """Group (batch, index) is about to send ``num_requests`` keyed requests."""
+        if num_requests > 0:
+            self._expected[(batch_id, index_in_batch)] = num_requests
+
+    def group_done(self, batch_id: int, index_in_batch: int) -> None:
+        """Group (batch, index) will send nothing more that it announced."""
+        if self._expected.pop((batch_id, index_in_batch), None) is not None:
+            self._wakeup.set()
+
+    def await_batch(self, batch_id: int | None) -> None:
+        """The trainer now waits for ``batch_id``: keyed work steps only while it is unfinished.
+
+        ``None`` lets every keyed request step (a drain before a checkpoint).
+        """
+        self._awaited_batch = batch_id
+        self._wakeup.set()
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        """Start the loop task (suspended until ``resume``)."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="engine-loop")
+
+    async def aclose(self) -> None:
+        """Cancel the loop task; pending and later requests fail with ``EngineError``."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._error is None:
+            self._error = EngineError("the inference engine was shut down")
+        self._fail_pending("the inference engine was shut down")
+
+    def suspend(self) -> None:
+        """Stop stepping after the current step (the trainer is about to update the weights)."""
+        self._resumed.clear()
+
+    def resume(self) -> None:
+        """Let the loop step again."""
+        self._resumed.set()
+        self._wakeup.set()
+
+    # ----------------------------------------------------------------- the loop
+
+    async def _loop(self) -> None:
+        try:
+            barrier_since: float | None = None
+            while True:
+                await self._resumed.wait()
+                self._release_cancelled()
+                if self._expected:
+                    barrier_since = barrier_since or time.monotonic()
+                    waited = time.monotonic() - barrier_since
+                    if waited < self.config.barrier_timeout_s:
+                        await self._sleep_until_woken(self.config.barrier_timeout_s - waited)
+                        continue
+                    logger.warning(
+                        "inference engine: announced requests of groups %s did not arrive within "
+                        "%.0f s; stepping without them (the schedule is no longer deterministic)",
+                        sorted(self._expected),
+                        self.config.barrier_timeout_s,
+                    )
+                    self._expected.clear()
+                barrier_since = None
+                self._admit()
+                rows = self._plan()
+                if not any(rows):
+                    await self._sleep_until_woken()
+                    continue
+                self._step(rows)
+                await asyncio.sleep(0)  # let agents queue new requests between steps
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            self._error = exc
+            self._fail_pending(f"inference engine step failed: {exc!r}", cause=exc)
+            raise
+
+    async def _sleep_until_woken(self, timeout: float | None = None) -> None:
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation that
+        # arrives as the event is set, and aclose() would then wait for this loop forever.
+        self._wakeup.clear()
+        try:
+            async with asyncio.timeout(timeout):
+                await self._wakeup.wait()
+        except TimeoutError:
+            pass
+
+    def _keyed_work_allowed(self) -> bool:
+        b = self._awaited_batch
+        if b is None or not self.config.window_target:
+            return True
+        return any(k[0] == b for k in self._expected) or any(
+            r.key is not None and r.key[0] == b
+            for r in itertools.chain(self._waiting, self._active.values())
+        )
+
+    def _plan(self) -> list[list[RowWork]]:
+        keyed = self._keyed_work_allowed()
+        rows: list[list[RowWork]] = [[] for _ in range(self.steps.num_replicas)]
+        for (replica, _), req in sorted(self._active.items(), key=lambda kv: kv[1].order):
+            if keyed or req.key is None:
+                rows[replica].append(req.next_row())
+        return rows
+
+    def _step(self, rows: list[list[RowWork]]) -> None:
+        results = self.steps.step(StepPlan(tuple(tuple(r) for r in rows)))
+        version = self.policy_version()
+        for replica, replica_results in enumerate(results):
+            for res in replica_results:
+                self._record(self._active[(replica, res.slot)], res, version)
+
+    def _record(self, req: _Request, res: RowResult, version: int) -> None:
+        req.tokens.append(res.token)
+        req.logprobs.append(res.logprob)
+        req.versions.append(version)
+        self.generated_tokens += 1
+        if res.token == self.config.eos_id:
+            self._finish(req, "stop")
+        elif len(req.tokens) >= req.sampling.max_tokens:
+            self._finish(req, "length")
+
+    def _finish(self, req: _Request, reason: str) -> None:
+        self._release(req)
+        if not req.future.done():
+            req.future.set_result(GenerationOutput(req.tokens, req.logprobs, req.versions, reason))
+
+    def _arrived(self, group: tuple[int, int]) -> None:
+        left = self._expected.get(group)
+        if left is not None:
+            if left <= 1:
+                del self._expected[group]
+            else:
+                self._expected[group] = left - 1
+
+    def _admit(self) -> None:
+        while self._waiting:
+            replica = max(range(len(self._free)), key=lambda r: (len(self._free[r]), -r))
+            if not self._free[replica]:
+                return
+            req = heapq.heappop(self._waiting)
+            if req.future.done():  # cancelled while waiting
+                continue
+            req.replica, req.slot = replica, self._free[replica].pop(0)
+            self._active[(replica, req.slot)] = req
+
+    def _release(self, req: _Request) -> None:
+        del self._active[(req.replica, req.slot)]
+        self._free[req.replica].append(req.slot)
+        self._free[req.replica].sort()
+
+    def _release_cancelled(self) -> None:
+        for req in [r for r in self._active.values() if r.future.done()]:
+            self._release(req)
+
+    def _fail_pending(self, message: str, cause: BaseException | None = None) -> None:
+        """Fail every queued and active request with an ``EngineError`` of its own.
+
+        One instance per future: an exception object shared by several tasks would collect every
+        task's frames in its traceback as each of them re-raises it.
+        """
+        for req in [*self._waiting, *self._active.values()]:
+            if not req.future.done():
+                error = EngineError(message)
+                error.__cause__ = cause
+                req.future.set_exception(error)
+        self._waiting.clear()
+        self._active.clear()

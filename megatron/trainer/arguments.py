@@ -1,0 +1,547 @@
+"""Command-line flags of ``pretrain_grpo.py`` (Megatron-style names) and their validation.
+
+Each flag is declared once, here, with its help text. ``validate_args`` holds every cross-field
+check; each message names the flag(s) at fault. ``parse_args`` exits with status 2 and all the
+messages when validation fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+from pathlib import Path
+
+from megatron.rl.grpo.importance import ImportanceConfig
+from megatron.rl.grpo.terms import loss_terms
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Appends each flag's default to its help, so the default is written once (at the flag)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        shown = action.default not in (None, False, argparse.SUPPRESS) and action.nargs != 0
+        if shown and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every flag, grouped as in Megatron-LM."""
+    p = argparse.ArgumentParser(
+        prog="pretrain_grpo.py",
+        description="GRPO post-training of a Megatron-Core GPT with forced-lag streaming rollouts.",
+        allow_abbrev=False,
+        formatter_class=DefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=2, help="Transformer layers.")
+    g.add_argument("--hidden-size", type=int, default=64, help="Model width.")
+    g.add_argument("--num-attention-heads", type=int, default=4, help="Attention heads.")
+    g.add_argument(
+        "--ffn-hidden-size", type=int, default=None, help="MLP width (default 4x hidden)."
+    )
+    g.add_argument(
+        "--seq-length",
+        type=int,
+        default=32,
+        help="Longest prompt + completion, in tokens (also the KV-cache length).",
+    )
+    g.add_argument(
+        "--max-position-embeddings",
+        type=int,
+        default=None,
+        help="Size of the learned position table (default: --seq-length).",
+    )
+    g.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=128,
+        help="Pad the embedding table to a multiple of this; padded ids are never "
+        "sampled and get probability 0 in the loss.",
+    )
+
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP degree.")
+    g.add_argument(
+        "--pipeline-model-parallel-size", type=int, default=1, help="PP degree (must be 1 on CPU)."
+    )
+    g.add_argument(
+        "--use-distributed-optimizer",
+        action="store_true",
+        help="Shard the optimizer state over the data-parallel ranks (megatron-core's "
+        "distributed optimizer; CUDA only).",
+    )
+    g.add_argument(
+        "--distributed-timeout-minutes",
+        type=int,
+        default=10,
+        help="Timeout of collective operations.",
+    )
+
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=32, help="Rollouts per micro-batch.")
+    g.add_argument(
+        "--bf16",
+        action="store_true",
+        help="Train and generate in bfloat16 with float32 main weights and gradient reduction "
+        "(CUDA only; the CPU tier trains in float32).",
+    )
+    g.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="Rollouts per optimizer step; must equal --grpo-prompts-per-step x "
+        "--grpo-group-size (the default).",
+    )
+    g.add_argument("--lr", type=float, default=3e-3, help="Peak learning rate.")
+    g.add_argument("--min-lr", type=float, default=3e-4, help="Learning rate at the end of decay.")
+    g.add_argument("--lr-warmup-iters", type=int, default=10, help="Linear warmup steps.")
+    g.add_argument(
+        "--lr-decay-style",
+        choices=["constant", "linear", "cosine"],
+        default="cosine",
+        help="Decay after warmup, down to --min-lr at --train-iters.",
+    )
+    g.add_argument(
+        "--weight-decay",
+        type=float,
+        default=0.0,
+        help="AdamW weight decay (not applied to biases and norms).",
+    )
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="AdamW beta1.")
+    g.add_argument("--adam-beta2", type=float, default=0.999, help="AdamW beta2.")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon.")
+    g.add_argument(
+        "--clip-grad",
+        type=float,
+        default=1.0,
+        help="Clip the global gradient norm to this (0 disables).",
+    )
+    g.add_argument("--train-iters", type=int, default=1000, help="Training steps (batches).")
+    g.add_argument("--seed", type=int, default=1234, help="Seed of init, prompts and sampling.")
+    g.add_argument("--log-interval", type=int, default=1, help="Print a log line every N steps.")
+
+    g = p.add_argument_group("GRPO")
+    g.add_argument("--grpo-prompts-per-step", type=int, default=8, help="Groups per batch.")
+    g.add_argument("--grpo-group-size", type=int, default=8, help="Rollouts per prompt (>= 2).")
+    g.add_argument(
+        "--grpo-clamp-eps-lower",
+        type=float,
+        default=0.2,
+        help="Clip importance ratios below 1 - eps.",
+    )
+    g.add_argument(
+        "--grpo-clamp-eps-upper",
+        type=float,
+        default=0.28,
+        help="Clip importance ratios above 1 + eps.",
+    )
+    for term in loss_terms():  # one flag per loss term, declared by the term (its weight)
+        g.add_argument(term.flag, type=float, default=0.0, help=term.help)
+    g.add_argument(
+        "--ref-load",
+        type=str,
+        default=None,
+        help="Checkpoint directory (as written by --save) whose model weights are the reference "
+        "policy of --grpo-kl-beta; read again on every start, also when resuming.",
+    )
+    g.add_argument(
+        "--grpo-iterations",
+        type=int,
+        default=1,
+        help="Optimizer updates per collected batch; > 1 takes the ratio against the policy "
+        "before the step's first update. The LR schedule and the policy version advance once "
+        "per step.",
+    )
+    g.add_argument(
+        "--grpo-filter-groups-with-same-reward",
+        action="store_true",
+        help="Dynamic sampling: train only on groups whose rewards differ. Each batch is "
+        "generated as --grpo-max-generation-rounds rounds of --grpo-prompts-per-step groups, "
+        "all submitted together (keeping staleness exactly --rl-forced-lag); the first "
+        "--grpo-prompts-per-step groups with differing rewards are trained.",
+    )
+    g.add_argument(
+        "--grpo-max-generation-rounds",
+        type=int,
+        default=1,
+        help="Rounds of --grpo-prompts-per-step groups generated per batch for "
+        "--grpo-filter-groups-with-same-reward; too few qualifying groups after them stops the "
+        "run with an error.",
+    )
+
+    g = p.add_argument_group("RL")
+    g.add_argument(
+        "--rl-forced-lag",
+        type=int,
+        default=0,
+        help="L: step N+L trains on rollouts submitted at step N (0 = on-policy).",
+    )
+    g.add_argument(
+        "--rl-default-temperature",
+        type=float,
+        default=1.0,
+        help="Sampling temperature (0 = greedy).",
+    )
+    g.add_argument("--rl-default-top-p", type=float, default=1.0, help="Nucleus mass (1 = off).")
+    g.add_argument("--rl-default-top-k", type=int, default=0, help="Top-k (0 = off).")
+    g.add_argument(
+        "--rl-default-max-tokens",
+        type=int,
+        default=16,
+        help="Generation budget when the environment sets none.",
+    )
+    g.add_argument(
+        "--env-config",
+        type=str,
+        default=None,
+        help="Env-config YAML (list of {agent_type, agent_args, weight}); default: the "
+        "built-in digit-copy task.",
+    )
+    g.add_argument(
+        "--rl-inference-server-host",
+        type=str,
+        default="127.0.0.1",
+        help="Interface of the inference server that remote environments (agent_type: remote) "
+        "generate through; 0.0.0.0 to reach it from other hosts.",
+    )
+    g.add_argument(
+        "--rl-inference-server-port",
+        type=int,
+        default=0,
+        help="Port of that inference server (0: a free port).",
+    )
+    g.add_argument(
+        "--inference-max-requests",
+        type=int,
+        default=64,
+        help="Concurrent generation requests (KV-cache slots) of the whole job, split "
+        "evenly over the data-parallel replicas; keeping it fixed keeps the generation "
+        "schedule, and so the results, independent of the parallel layout.",
+    )
+    g.add_argument(
+        "--rl-deterministic-schedule",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Step the requests of later batches only while the batch the trainer waits for "
+        "still generates, so which policy version generates each token, and the whole run, is "
+        "reproducible. --no-rl-deterministic-schedule keeps every batch in flight generating "
+        "for the whole window, also while the awaited batch's rewards are computed: faster "
+        "with slow rewards, but tokens then depend on timing (submission staleness stays "
+        "exact).",
+    )
+    g.add_argument(
+        "--rl-inference-logprobs-is-correction",
+        action="store_true",
+        help="Take the ratio against the trainer's pre-update policy and weight each token by "
+        "the truncated importance weight min(pi_old / pi_inference, C) with the engine's "
+        "per-token logprobs; logs the train/inference mismatch (is_* metrics).",
+    )
+    g.add_argument(
+        "--rl-importance-sampling-truncation-coef",
+        type=float,
+        default=ImportanceConfig.truncation_coef,
+        help="C of --rl-inference-logprobs-is-correction: importance weights above C are set to "
+        "C; the default 1 only ever down-weights a token (see megatron/rl/grpo/importance.py).",
+    )
+    g.add_argument(
+        "--rl-use-sequence-packing",
+        action="store_true",
+        help="Pack the rollouts of each micro-batch into rows of --seq-length tokens with "
+        "per-sequence attention (block-diagonal causal mask, positions restarting at 0).",
+    )
+
+    g = p.add_argument_group("evaluation")
+    g.add_argument(
+        "--eval-interval",
+        type=int,
+        default=None,
+        help="Evaluate every N steps (after the update) on a held-out prompt set: greedy "
+        "reward and pass@k, logged as eval/* (default: never).",
+    )
+    g.add_argument("--eval-prompts", type=int, default=32, help="Held-out prompts per environment.")
+    g.add_argument(
+        "--eval-samples",
+        type=int,
+        default=8,
+        help="n: sampled completions per held-out prompt for pass@k (at the training sampling "
+        "parameters).",
+    )
+    g.add_argument(
+        "--eval-pass-k",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="The k of the unbiased pass@k estimator to log (each <= --eval-samples).",
+    )
+    g.add_argument(
+        "--eval-correct-threshold",
+        type=float,
+        default=1.0,
+        help="A sampled completion counts as correct for pass@k when its reward is >= this.",
+    )
+
+    g = p.add_argument_group("output")
+    g.add_argument("--metrics-file", type=str, default=None, help="Append per-step JSONL here.")
+    g.add_argument(
+        "--tensorboard-dir",
+        type=str,
+        default=None,
+        help="Write TensorBoard scalars here (needs the tensorboard package).",
+    )
+    g.add_argument("--save", type=str, default=None, help="Checkpoint directory to write.")
+    g.add_argument("--save-interval", type=int, default=None, help="Save every N steps.")
+    g.add_argument("--load", type=str, default=None, help="Checkpoint directory to resume from.")
+    return p
+
+
+def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> list[str]:
+    """Fill derived values on ``args`` and return every problem found, each naming its flags."""
+    errors: list[str] = []
+
+    def check(ok: bool, message: str) -> None:
+        if not ok:
+            errors.append(message)
+
+    for flag in (
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "seq_length",
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "micro_batch_size",
+        "train_iters",
+        "log_interval",
+        "grpo_prompts_per_step",
+        "inference_max_requests",
+        "make_vocab_size_divisible_by",
+        "distributed_timeout_minutes",
+        "rl_default_max_tokens",
+    ):
+        check(
+            getattr(args, flag) >= 1,
+            f"--{flag.replace('_', '-')} must be >= 1, got " f"{getattr(args, flag)}",
+        )
+    check(args.rl_forced_lag >= 0, f"--rl-forced-lag must be >= 0, got {args.rl_forced_lag}")
+    check(
+        args.grpo_group_size >= 2,
+        f"--grpo-group-size must be >= 2 (GRPO normalizes within a group), got "
+        f"{args.grpo_group_size}",
+    )
+
+    args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
+    args.max_position_embeddings = args.max_position_embeddings or args.seq_length
+    check(args.ffn_hidden_size >= 1, "--ffn-hidden-size must be >= 1")
+    check(
+        args.seq_length <= args.max_position_embeddings,
+        f"--seq-length ({args.seq_length}) must not exceed --max-position-embeddings "
+        f"({args.max_position_embeddings})",
+    )
+    if args.num_attention_heads >= 1:
+        check(
+            args.hidden_size % args.num_attention_heads == 0,
+            f"--hidden-size ({args.hidden_size}) must be divisible by --num-attention-heads "
+            f"({args.num_attention_heads})",
+        )
+
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if tp >= 1 and pp >= 1:
+        check(
+            world_size % (tp * pp) == 0,
+            f"world size {world_size} must be divisible by --tensor-model-parallel-size x "
+            f"--pipeline-model-parallel-size ({tp} x {pp})",
+        )
+        if not cuda:
+            why = "is not supported on CPU: megatron-core's pipeline schedules are CUDA-only, use 1"
+            check(pp == 1, f"--pipeline-model-parallel-size {pp} {why}")
+        elif args.num_layers >= 1:
+            check(
+                args.num_layers % pp == 0,
+                f"--num-layers ({args.num_layers}) must be divisible by "
+                f"--pipeline-model-parallel-size ({pp})",
+            )
+        check(
+            args.num_attention_heads % tp == 0,
+            f"--num-attention-heads ({args.num_attention_heads}) must be divisible by "
+            f"--tensor-model-parallel-size ({tp})",
+        )
+        check(
+            args.ffn_hidden_size % tp == 0,
+            f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible by "
+            f"--tensor-model-parallel-size ({tp})",
+        )
+        check(
+            args.make_vocab_size_divisible_by % tp == 0,
+            f"--make-vocab-size-divisible-by ({args.make_vocab_size_divisible_by}) must be "
+            f"divisible by --tensor-model-parallel-size ({tp})",
+        )
+    dp = max(1, world_size // max(1, tp * pp))
+    args.world_size, args.data_parallel_size = world_size, dp
+
+    check(
+        args.inference_max_requests % dp == 0,
+        f"--inference-max-requests ({args.inference_max_requests}) must be divisible by the "
+        f"data-parallel size ({dp})",
+    )
+    rollouts = args.grpo_prompts_per_step * args.grpo_group_size
+    if args.global_batch_size is None:
+        args.global_batch_size = rollouts
+    check(
+        args.global_batch_size == rollouts,
+        f"--global-batch-size ({args.global_batch_size}) must equal --grpo-prompts-per-step x "
+        f"--grpo-group-size ({rollouts}): each step is one optimizer update on one batch",
+    )
+    if args.micro_batch_size >= 1:
+        check(
+            args.global_batch_size % (args.micro_batch_size * dp) == 0,
+            f"--global-batch-size ({args.global_batch_size}) must be divisible by "
+            f"--micro-batch-size x data-parallel size ({args.micro_batch_size} x {dp})",
+        )
+
+    tier_flags = (
+        ("--bf16", args.bf16),
+        ("--use-distributed-optimizer", args.use_distributed_optimizer),
+    )
+    for flag in (f for f, on in tier_flags if on and not cuda):
+        errors.append(
+            f"{flag} is not supported on CPU: it needs the CUDA tier (megatron-core's "
+            "mixed-precision and distributed optimizers are CUDA-only)"
+        )
+
+    check(args.lr > 0, f"--lr must be > 0, got {args.lr}")
+    check(0 <= args.min_lr <= args.lr, f"--min-lr ({args.min_lr}) must be in [0, --lr]")
+    check(
+        0 <= args.lr_warmup_iters < max(args.train_iters, 1),
+        f"--lr-warmup-iters ({args.lr_warmup_iters}) must be in [0, --train-iters)",
+    )
+    check(args.weight_decay >= 0, "--weight-decay must be >= 0")
+    check(args.clip_grad >= 0, "--clip-grad must be >= 0")
+    check(
+        0 <= args.adam_beta1 < 1 and 0 <= args.adam_beta2 < 1,
+        "--adam-beta1 and --adam-beta2 must be in [0, 1)",
+    )
+    check(args.adam_eps > 0, "--adam-eps must be > 0")
+    check(
+        0 < args.grpo_clamp_eps_lower < 1,
+        f"--grpo-clamp-eps-lower must be in (0, 1), got {args.grpo_clamp_eps_lower}",
+    )
+    check(
+        args.grpo_clamp_eps_upper > 0,
+        f"--grpo-clamp-eps-upper must be > 0, got {args.grpo_clamp_eps_upper}",
+    )
+    check(
+        0 <= args.rl_inference_server_port < 65536,
+        "--rl-inference-server-port must be in [0, 65535]",
+    )
+    check(args.rl_default_temperature >= 0, "--rl-default-temperature must be >= 0")
+    check(0 < args.rl_default_top_p <= 1, "--rl-default-top-p must be in (0, 1]")
+    check(args.rl_default_top_k >= 0, "--rl-default-top-k must be >= 0")
+    check(
+        args.rl_default_max_tokens < args.seq_length,
+        f"--rl-default-max-tokens ({args.rl_default_max_tokens}) must be smaller than "
+        f"--seq-length ({args.seq_length}) to leave room for the prompt",
+    )
+    if args.env_config is not None:
+        check(Path(args.env_config).is_file(), f"--env-config: no such file {args.env_config!r}")
+    if args.tensorboard_dir is not None:
+        check(
+            importlib.util.find_spec("tensorboard") is not None,
+            "--tensorboard-dir needs the tensorboard package: pip install tensorboard",
+        )
+    if args.save_interval is not None:
+        check(args.save_interval >= 1, "--save-interval must be >= 1")
+        check(args.save is not None, "--save-interval needs --save")
+    if args.load is not None:
+        check(Path(args.load).is_dir(), f"--load: no such directory {args.load!r}")
+    errors += validate_algorithm_args(args, cuda)
+    return errors
+
+
+def validate_algorithm_args(args: argparse.Namespace, cuda: bool) -> list[str]:
+    """Checks of the optional GRPO terms, dynamic sampling, packing and evaluation flags.
+
+    Dynamic sampling never refills a batch later or from a later batch (either would break the
+    exact forced lag, and borrowing could deadlock the submission gate); it over-submits rounds
+    instead (``megatron/rl/grpo/filtering.py``), so the only combinations to refuse here are
+    rounds without the filter and values out of range.
+    """
+    errors: list[str] = []
+
+    def check(ok: bool, message: str) -> None:
+        if not ok:
+            errors.append(message)
+
+    for term in loss_terms():
+        weight = getattr(args, _dest(term.flag))
+        try:
+            term(weight)
+        except ValueError as err:
+            errors.append(f"{term.flag} {err}")
+    if args.ref_load is not None:
+        users = [t.flag for t in loss_terms() if "ref_logprobs" in t.requires]
+        check(
+            any(getattr(args, _dest(f)) != 0 for f in users),
+            f"--ref-load needs {' or '.join(f + ' > 0' for f in users)} (only loss terms that "
+            "use the reference policy read it)",
+        )
+        check(Path(args.ref_load).is_dir(), f"--ref-load: no such directory {args.ref_load!r}")
+    check(args.grpo_iterations >= 1, f"--grpo-iterations must be >= 1, got {args.grpo_iterations}")
+    check(
+        args.grpo_max_generation_rounds >= 1,
+        f"--grpo-max-generation-rounds must be >= 1, got {args.grpo_max_generation_rounds}",
+    )
+    check(
+        args.grpo_max_generation_rounds == 1 or args.grpo_filter_groups_with_same_reward,
+        "--grpo-max-generation-rounds > 1 needs --grpo-filter-groups-with-same-reward (extra "
+        "rounds are only generated to replace groups that filter drops)",
+    )
+    coef = args.rl_importance_sampling_truncation_coef
+    check(
+        coef == ImportanceConfig.truncation_coef or args.rl_inference_logprobs_is_correction,
+        "--rl-importance-sampling-truncation-coef needs --rl-inference-logprobs-is-correction",
+    )
+    check(
+        math.isfinite(coef) and coef > 0,
+        f"--rl-importance-sampling-truncation-coef must be > 0, got {coef}",
+    )
+    if args.eval_interval is not None:
+        check(args.eval_interval >= 1, f"--eval-interval must be >= 1, got {args.eval_interval}")
+    check(args.eval_prompts >= 1, f"--eval-prompts must be >= 1, got {args.eval_prompts}")
+    check(args.eval_samples >= 1, f"--eval-samples must be >= 1, got {args.eval_samples}")
+    bad_k = [k for k in args.eval_pass_k if not 1 <= k <= args.eval_samples]
+    check(
+        not bad_k,
+        f"--eval-pass-k values must be in [1, --eval-samples ({args.eval_samples})], got {bad_k}",
+    )
+    if cuda:
+        needs_reference = [
+            t.flag
+            for t in loss_terms()
+            if "ref_logprobs" in t.requires and getattr(args, _dest(t.flag))
+        ]
+        packing = ["--rl-use-sequence-packing"] if args.rl_use_sequence_packing else []
+        for flag in needs_reference + packing:
+            errors.append(f"{flag} is not supported by the CUDA tier's train step yet")
+    return errors
+
+
+def _dest(flag: str) -> str:
+    """The attribute of ``--some-flag`` on the parsed namespace: ``some_flag``."""
+    return flag.lstrip("-").replace("-", "_")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse and validate; exits with status 2 and every message on bad input."""
+    import torch
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    errors = validate_args(args, world_size, torch.cuda.is_available())
+    if errors:
+        parser.exit(2, f"{parser.prog}: error: invalid arguments:\n  " + "\n  ".join(errors) + "\n")
+    return args

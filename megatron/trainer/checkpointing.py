@@ -1,0 +1,201 @@
+"""The checkpoint directory protocol, shared by both tiers; each tier only writes and reads shards.
+
+    <dir>/latest_checkpointed_iteration.txt
+    <dir>/iter_0000100/<shards>                  the tier's: model, optimizer, LR schedule, RNG,
+                                                 and the run's scalar flags
+    <dir>/iter_0000100/rollout_state.json        the drained rollout pipeline
+
+CPU tier shards: ``mp_rank_XX/model_optim_rng.pt`` per tensor-parallel rank (``torch.save``);
+CUDA tier shards: megatron-core ``dist_checkpointing`` (torch_dist). See ``CheckpointShards``.
+
+A checkpoint after ``iteration`` optimizer steps holds the policy version (= ``iteration``) and
+everything the forced-lag contract needs to continue exactly: the caller drains the rollout
+pipeline first (every submitted batch finished, nothing half generated) and passes its
+``PipelineState`` - the prompt cursor, the submitted-batch count and the finished groups not yet
+trained on, each rollout carrying the policy version it was submitted at. A resumed run restores
+that state, so its steps are identical to those of the uninterrupted run, which drained at the
+same step. A resumed run must share the ``RESUME_FLAGS`` of the saved one.
+
+Writes are atomic: every rank writes into ``iter_XXXXXXX.partial/``; after a barrier rank 0
+renames it to ``iter_XXXXXXX/`` and only then replaces the tracker file. A crash at any point of a
+save leaves the previous checkpoint, and the tracker pointing at it, untouched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron.rl.rollout.generator import PipelineState
+from megatron.trainer.initialize import ParallelContext
+
+TRACKER = "latest_checkpointed_iteration.txt"
+ROLLOUT_STATE = "rollout_state.json"
+
+RESUME_FLAGS = (
+    "rl_forced_lag",
+    "grpo_prompts_per_step",
+    "grpo_group_size",
+    "seed",
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "ffn_hidden_size",
+    "grpo_filter_groups_with_same_reward",
+    "grpo_max_generation_rounds",
+)
+"""Flags a resumed run must share with the saved one (different values break exact resume)."""
+
+RESUME_FLAG_DEFAULTS = {
+    "grpo_filter_groups_with_same_reward": False,
+    "grpo_max_generation_rounds": 1,
+}
+"""Values of resume flags added later, assumed for checkpoints saved before they existed."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What ``load_checkpoint`` restores besides the modules it loads into."""
+
+    iteration: int
+    """Optimizer steps done: the policy version, and the first step the resumed run trains."""
+    pipeline: PipelineState | None
+    """The drained rollout pipeline (global rank 0 only; ``None`` elsewhere)."""
+
+
+@dataclass(frozen=True)
+class TrainState:
+    """The objects a checkpoint saves and restores on every rank."""
+
+    model: torch.nn.Module
+    optimizer: Any
+    scheduler: Any
+
+
+class CheckpointShards(ABC):
+    """How one tier writes and reads its part of an iteration directory (collective)."""
+
+    @abstractmethod
+    def write(self, directory: Path, iteration: int, state: TrainState, args: dict) -> None:
+        """Write this rank's shards of ``state`` and the scalar flags ``args`` into
+        ``directory`` (it exists)."""
+
+    @abstractmethod
+    def read(self, directory: Path, state: TrainState, check_args: Callable[[dict], None]) -> None:
+        """Restore ``state`` from ``directory``; call ``check_args(saved flags)`` before any
+        module is modified. Raise ``SystemExit`` naming the directory when it is not this tier's
+        checkpoint."""
+
+
+def iteration_dir(root: str | Path, iteration: int) -> Path:
+    """``<root>/iter_XXXXXXX``."""
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def saved_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The scalar flags stored with a checkpoint."""
+    return {k: v for k, v in vars(args).items() if isinstance(v, (bool, int, float, str))}
+
+
+def resume_mismatches(saved: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    """Each flag of ``RESUME_FLAGS`` the resumed run changes, as ``--flag saved -> now``."""
+    problems = []
+    for name in RESUME_FLAGS:
+        default = RESUME_FLAG_DEFAULTS.get(name)
+        before, now = saved.get(name, default), getattr(args, name, default)
+        if before != now:
+            problems.append(f"--{name.replace('_', '-')} {before} -> {now}")
+    return problems
+
+
+def latest_iteration(root: str | Path, flag: str = "--load") -> int:
+    """The iteration the tracker file of ``root`` points at (``flag`` names the option)."""
+    tracker = Path(root) / TRACKER
+    if not tracker.is_file():
+        raise SystemExit(f"{flag} {root}: no {TRACKER} found")
+    return int(tracker.read_text().strip())
+
+
+def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
+    """``write(tmp_path)``, flush to disk, then rename over ``path``."""
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(
+    root: str,
+    iteration: int,
+    shards: CheckpointShards,
+    state: TrainState,
+    pipeline: PipelineState | None,
+    args: argparse.Namespace,
+    ctx: ParallelContext,
+) -> None:
+    """Write the state after ``iteration`` optimizer steps (collective).
+
+    ``pipeline`` is the drained rollout state on global rank 0 (ignored elsewhere).
+    """
+    if ctx.is_main and pipeline is None:
+        raise ValueError("rank 0 must pass the drained rollout pipeline state")
+    final = iteration_dir(root, iteration)
+    staging = final.with_name(final.name + ".partial")
+    if ctx.is_main:
+        shutil.rmtree(staging, ignore_errors=True)  # left by a crash during an earlier save
+        staging.mkdir(parents=True)
+    _barrier()
+    shards.write(staging, iteration, state, saved_args(args))
+    if ctx.is_main:
+        text = pipeline.model_dump_json()
+        write_atomic(staging / ROLLOUT_STATE, lambda tmp: tmp.write_text(text))
+    _barrier()
+    if ctx.is_main:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(staging, final)
+        write_atomic(Path(root) / TRACKER, lambda tmp: tmp.write_text(f"{iteration}\n"))
+    _barrier()
+
+
+def load_checkpoint(
+    root: str,
+    shards: CheckpointShards,
+    state: TrainState,
+    args: argparse.Namespace,
+    ctx: ParallelContext,
+) -> Checkpoint:
+    """Restore the latest checkpoint under ``root`` (``--load``) into ``state``."""
+    iteration = latest_iteration(root)
+    directory = iteration_dir(root, iteration)
+
+    def check_args(saved: dict) -> None:
+        problems = resume_mismatches(saved, args)
+        if problems:
+            raise SystemExit(
+                f"--load {root}: flags differ from the saved run: {', '.join(problems)}"
+            )
+
+    shards.read(directory, state, check_args)
+    pipeline = None
+    if ctx.is_main:
+        rollout_file = directory / ROLLOUT_STATE
+        if not rollout_file.is_file():
+            raise SystemExit(f"--load {root}: missing {rollout_file}")
+        pipeline = PipelineState.model_validate_json(rollout_file.read_text())
+    return Checkpoint(iteration, pipeline)
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()

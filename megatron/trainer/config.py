@@ -1,0 +1,116 @@
+"""Flags to typed configs: the one place that reads the parsed flags for the RL library.
+
+``arguments.py`` declares every flag (with its one default) and validates them;
+``megatron.rl`` takes only the typed configs built here. The model and optimizer flags are mapped
+to megatron-core's configs by ``model_provider.py`` and ``optimizer.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from megatron.rl.eval.runner import EvalConfig
+from megatron.rl.grpo.filtering import DynamicSamplingConfig
+from megatron.rl.grpo.importance import ImportanceConfig
+from megatron.rl.grpo.loss import GRPOLossConfig
+from megatron.rl.grpo.terms import LossTerm, loss_terms
+from megatron.rl.inference.scheduler import SchedulerConfig
+from megatron.rl.rollout.generator import RolloutConfig
+from megatron.rl.wire import SamplingParams
+from megatron.trainer.step import StepConfig
+
+
+def enabled_terms(args: argparse.Namespace) -> tuple[LossTerm, ...]:
+    """The loss terms whose weight flag is not 0 (``megatron/rl/grpo/terms``)."""
+    terms = []
+    for term in loss_terms():
+        weight = getattr(args, term.flag.lstrip("-").replace("-", "_"))
+        if weight != 0.0:
+            terms.append(term(weight))
+    return tuple(terms)
+
+
+def loss_config(args: argparse.Namespace) -> GRPOLossConfig:
+    """Clipping and the additive terms of the loss."""
+    return GRPOLossConfig(
+        clamp_eps_lower=args.grpo_clamp_eps_lower,
+        clamp_eps_upper=args.grpo_clamp_eps_upper,
+        terms=enabled_terms(args),
+    )
+
+
+def step_config(args: argparse.Namespace, vocab_size: int) -> StepConfig:
+    """The train step: loss, micro-batching, clipping, iterations, IS correction, packing."""
+    importance = None
+    if args.rl_inference_logprobs_is_correction:
+        importance = ImportanceConfig(args.rl_importance_sampling_truncation_coef)
+    return StepConfig(
+        loss=loss_config(args),
+        vocab_size=vocab_size,
+        micro_batch_size=args.micro_batch_size,
+        clip_grad=args.clip_grad,
+        iterations=args.grpo_iterations,
+        importance=importance,
+        packing_capacity=args.seq_length if args.rl_use_sequence_packing else None,
+    )
+
+
+def generation_rounds(args: argparse.Namespace) -> int:
+    """Rounds of groups generated per batch (> 1 only with dynamic sampling)."""
+    return args.grpo_max_generation_rounds if args.grpo_filter_groups_with_same_reward else 1
+
+
+def dynamic_sampling_config(args: argparse.Namespace) -> DynamicSamplingConfig | None:
+    """Dynamic sampling of ``--grpo-filter-groups-with-same-reward`` (None when off)."""
+    if not args.grpo_filter_groups_with_same_reward:
+        return None
+    return DynamicSamplingConfig(args.grpo_prompts_per_step, generation_rounds(args))
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The default sampling of every generation request."""
+    return SamplingParams(
+        temperature=args.rl_default_temperature,
+        top_p=args.rl_default_top_p,
+        top_k=args.rl_default_top_k,
+        max_tokens=args.rl_default_max_tokens,
+    )
+
+
+def rollout_config(args: argparse.Namespace) -> RolloutConfig:
+    """What the forced-lag generator submits, and how far ahead."""
+    return RolloutConfig(
+        forced_lag=args.rl_forced_lag,
+        groups_per_batch=args.grpo_prompts_per_step * generation_rounds(args),
+        group_size=args.grpo_group_size,
+        seed=args.seed,
+        sampling=sampling_params(args),
+    )
+
+
+def scheduler_config(
+    args: argparse.Namespace, dp_size: int, eos_id: int, training: bool = True
+) -> SchedulerConfig:
+    """Slots per data-parallel replica, sequence length and EOS of an engine; the training
+    engine also takes ``--rl-deterministic-schedule``."""
+    config = SchedulerConfig(
+        max_requests=args.inference_max_requests // dp_size,
+        max_seq_len=args.seq_length,
+        eos_id=eos_id,
+    )
+    if training:
+        config = dataclasses.replace(config, window_target=args.rl_deterministic_schedule)
+    return config
+
+
+def eval_config(args: argparse.Namespace) -> EvalConfig:
+    """The evaluation described by the flags (sampled pass at the training sampling params)."""
+    return EvalConfig(
+        num_prompts=args.eval_prompts,
+        samples_per_prompt=args.eval_samples,
+        pass_k=tuple(sorted(set(args.eval_pass_k))),
+        sampling=sampling_params(args),
+        correct_threshold=args.eval_correct_threshold,
+        seed=args.seed,
+    )

@@ -1,0 +1,192 @@
+"""Per-step metrics: what they mean, the log line, the JSONL file and TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+from megatron.rl.grpo.terms import loss_terms
+from megatron.rl.rollout.generator import RolloutBatch
+from megatron.trainer.rollouts import CollectedBatch
+from megatron.trainer.step import StepResult
+
+
+def rollout_metrics(batch: RolloutBatch, step: int) -> dict[str, Any]:
+    """Reward, staleness and pipeline statistics of the batch trained at ``step``.
+
+    Submission staleness of a rollout = step - policy version at its submission (exactly
+    min(step, L) under the forced-lag contract). Token staleness = step - policy version that
+    generated the token, over every generated token.
+    """
+    rollouts = [r for g in batch.groups for r in g.rollouts]
+    real = [r for r in rollouts if not r.is_placeholder]
+    rewards = [r.reward for r in real] or [0.0]
+    submission = [step - r.submission_policy_version for r in rollouts]
+    tokens = [step - v for r in real for v in r.policy_versions] or [0]
+    lengths = [len(r.policy_versions) for r in real] or [0]
+    per_env: dict[str, list[float]] = {}
+    for r in real:
+        per_env.setdefault(r.env_id, []).append(r.reward)
+    return {
+        "reward_mean": statistics.fmean(rewards),
+        "reward_std": statistics.pstdev(rewards),
+        "staleness_min": min(submission),
+        "staleness_mean": statistics.fmean(submission),
+        "staleness_max": max(submission),
+        "token_staleness_min": min(tokens),
+        "token_staleness_mean": statistics.fmean(tokens),
+        "token_staleness_max": max(tokens),
+        "in_flight_batches": batch.in_flight,
+        "queue_depth": batch.queue_depth,
+        "placeholder_rollouts": len(rollouts) - len(real),
+        "completion_tokens_mean": statistics.fmean(lengths),
+        **{f"reward_mean/{env}": statistics.fmean(v) for env, v in sorted(per_env.items())},
+    }
+
+
+def step_metrics(
+    step: int,
+    lag: int,
+    collected: CollectedBatch,
+    result: StepResult,
+    step_seconds: float,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Everything logged for one step, as a flat JSON-serializable dict.
+
+    ``result.metrics`` adds ``clip_fraction``, ``ratio_mean``, ``mismatch_kl`` and, when enabled,
+    each loss term's metric (``ref_kl``, ``entropy``, ...) and the train/inference mismatch
+    (``is_abs_delta_p``, ``is_kl``, ``is_weight_mean``, ``is_truncated_fraction``,
+    ``is_truncated_sequence_fraction``); ``extra`` from the loop adds dynamic sampling
+    (``dynamic_sampling_*``) and evaluation (``eval/*``).
+    """
+    return {
+        "step": step,
+        "loss": result.loss,
+        **rollout_metrics(collected.batch, step),
+        "grad_norm": result.grad_norm,
+        "lr": result.lr,
+        "lag": lag,
+        "generated_tokens": collected.generated_tokens,
+        "generated_tokens_per_s": collected.generated_tokens / max(collected.seconds, 1e-9),
+        "trained_tokens_per_s": result.trained_tokens / max(result.seconds, 1e-9),
+        "collect_seconds": collected.seconds,
+        "train_seconds": result.seconds,
+        "step_seconds": step_seconds,
+        **result.metrics,
+        **(extra or {}),
+    }
+
+
+def format_log_line(m: dict[str, Any], train_iters: int) -> str:
+    """One human-readable line per step."""
+    return (
+        f"step {m['step']:>5}/{train_iters} | loss {m['loss']:+.4e} | "
+        f"reward {m['reward_mean']:.3f} ± {m['reward_std']:.3f} | grad-norm {m['grad_norm']:.3f} | "
+        f"lr {m['lr']:.2e} | lag {m['lag']} | staleness {m['staleness_min']}/"
+        f"{m['staleness_mean']:.2f}/{m['staleness_max']} | token-staleness "
+        f"{m['token_staleness_min']}/{m['token_staleness_mean']:.2f}/{m['token_staleness_max']} | "
+        f"in-flight {m['in_flight_batches']} | queue {m['queue_depth']} | "
+        f"gen {m['generated_tokens_per_s']:.0f} tok/s | train {m['trained_tokens_per_s']:.0f} tok/s"
+        f" | step {m['step_seconds'] * 1000:.0f} ms"
+        + (f" | failed rollouts {m['placeholder_rollouts']}" if m["placeholder_rollouts"] else "")
+        + _optional_log_fields(m)
+    )
+
+
+def _optional_log_fields(m: dict[str, Any]) -> str:
+    """Log-line fields of the optional features that are on."""
+    parts = [
+        f"{term.name.replace('_', '-')} {m[term.name]:.3e}"
+        for term in loss_terms()
+        if term.name in m
+    ]
+    if "is_kl" in m:
+        parts.append(
+            f"train/inference |dp| {m['is_abs_delta_p']:.2e} kl {m['is_kl']:.2e} "
+            f"truncated {m['is_truncated_fraction']:.3f}"
+        )
+    if "dynamic_sampling_rounds" in m:
+        parts.append(
+            f"kept groups after {m['dynamic_sampling_rounds']} round(s), dropped "
+            f"{m['dynamic_sampling_dropped_groups']}"
+        )
+    if "eval/greedy_reward" in m:
+        passk = " ".join(
+            f"{k[5:]} {v:.3f}"
+            for k, v in m.items()
+            if k.startswith("eval/pass@") and k.count("/") == 1
+        )
+        parts.append(f"eval greedy {m['eval/greedy_reward']:.3f} {passk}")
+    return "".join(f" | {p}" for p in parts)
+
+
+def _drop_records_from(path: Path, first_step: int) -> None:
+    """Rewrite the JSONL file at ``path`` without records of steps >= ``first_step``."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line torn by a crash mid-write
+        if record.get("step", -1) < first_step:
+            kept.append(line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+class MetricsWriter:
+    """Writes metrics on rank 0: stdout every ``log_interval`` steps, JSONL and TensorBoard always.
+
+    The JSONL file is appended to. A run resumed at ``first_step`` first drops the records of
+    steps >= ``first_step`` (logged after the checkpoint by the run that stopped, and trained
+    again now) and a torn last line, so the file holds each step once.
+    """
+
+    def __init__(
+        self,
+        train_iters: int,
+        log_interval: int,
+        metrics_file: str | None = None,
+        tensorboard_dir: str | None = None,
+        first_step: int = 0,
+    ) -> None:
+        self.train_iters = train_iters
+        self.log_interval = log_interval
+        self._jsonl = None
+        if metrics_file is not None:
+            Path(metrics_file).parent.mkdir(parents=True, exist_ok=True)
+            if first_step > 0:
+                _drop_records_from(Path(metrics_file), first_step)
+            self._jsonl = open(metrics_file, "a", encoding="utf-8")
+        self._tb = None
+        if tensorboard_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter  # availability checked by the flags
+
+            self._tb = SummaryWriter(log_dir=tensorboard_dir)
+
+    def write(self, metrics: dict[str, Any]) -> None:
+        """Record one step's metrics."""
+        step = metrics["step"]
+        if step % self.log_interval == 0 or step == self.train_iters - 1:
+            print(format_log_line(metrics, self.train_iters), flush=True)
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(metrics) + "\n")
+            self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in metrics.items():
+                if key != "step":
+                    self._tb.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        """Flush and close the outputs."""
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()

@@ -1,0 +1,47 @@
+"""The frozen reference policy of the KL term (``--grpo-kl-beta``, ``--ref-load``).
+
+The reference is a second model of the same shape (this rank's TP shard) holding either the
+policy's *initial* weights or, with ``--ref-load DIR``, the model weights of the latest checkpoint
+in DIR. It is not saved in checkpoints. On resume it is rebuilt the same way: the policy is first
+built from ``--seed`` exactly as in the original run (``--seed`` and the model shape must match to
+resume), the reference copies those initial weights, and only then does ``--load`` overwrite the
+policy; ``--ref-load`` is simply read again. Building it does not advance the run's RNG streams,
+so a run with the KL term draws the same random numbers as one without.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from megatron.trainer.checkpointing import iteration_dir, latest_iteration
+from megatron.trainer.initialize import ParallelContext
+from megatron.trainer.model_provider import build_model
+from megatron.trainer.tiers.cpu import TorchShards
+
+
+def build_reference_model(
+    args: argparse.Namespace,
+    policy: torch.nn.Module,
+    vocab_size: int,
+    ctx: ParallelContext,
+    needs_reference: bool,
+) -> torch.nn.Module | None:
+    """The frozen reference (eval mode, no gradients), or None when no loss term needs it.
+
+    Call before ``--load`` restores the policy, so that ``policy`` holds its initial weights.
+    """
+    if not needs_reference:
+        return None
+    devices = [ctx.device] if ctx.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):  # initialization draws from the global RNG
+        reference = build_model(args, vocab_size, ctx.device)
+    if args.ref_load is not None:
+        directory = iteration_dir(args.ref_load, latest_iteration(args.ref_load, "--ref-load"))
+        TorchShards(ctx).read_model(directory, reference, "--ref-load")
+    else:
+        reference.load_state_dict(policy.state_dict())
+    reference.eval()
+    reference.requires_grad_(False)
+    return reference

@@ -1,0 +1,194 @@
+"""Training rollouts: hands each step its batch on every rank; owns the rollout pipeline on rank 0.
+
+Rank 0's ``GenerationHost`` (``generation.py``) runs the agents, the ``GroupedRolloutGenerator``
+and the inference engine (plus the inference server when remote environments need it) in its
+event loop. ``next_batch`` opens a generation window until the generator hands over the next
+ordered batch, then broadcasts it to every rank; the other ranks execute the window's engine steps
+meanwhile. ``drain`` is the other window: before a checkpoint it runs the engine until every
+submitted batch is finished and returns the pipeline state to save.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron.rl.agent.api import Agent
+from megatron.rl.inference.interface import LocalInferenceInterface
+from megatron.rl.inference.scheduler import SchedulerConfig
+from megatron.rl.rollout.generator import (
+    GroupedRolloutGenerator,
+    PipelineState,
+    RolloutBatch,
+    RolloutConfig,
+)
+from megatron.rl.server.http import EmbeddedServer
+from megatron.rl.server.inference_server import create_inference_app
+from megatron.rl.tokenizer import Tokenizer
+from megatron.trainer.generation import GenerationHost
+from megatron.trainer.initialize import ParallelContext
+from megatron.trainer.tiers.base import Tier
+
+
+@dataclass(frozen=True)
+class InferenceServerConfig:
+    """Where rank 0 serves its engine to remote environments (only when an agent needs it)."""
+
+    host: str = "127.0.0.1"
+    """Interface to bind; remote environments on other hosts need 0.0.0.0 or a routable one."""
+    port: int = 0
+    """Port to bind (0: a free one)."""
+
+
+@dataclass(frozen=True)
+class CollectedBatch:
+    """A batch as handed to the training step, with how long collecting it took."""
+
+    batch: RolloutBatch
+    seconds: float
+    generated_tokens: int
+    """Tokens the engine sampled during this collection window (all batches in flight)."""
+
+
+class RolloutSource:
+    """Hands each training step its batch on every rank; owns the rollout pipeline on rank 0.
+
+    Use as a context manager: on exit rank 0 cancels the generator, the engine and the agents
+    and closes its event loop.
+    """
+
+    def __init__(
+        self,
+        ctx: ParallelContext,
+        tier: Tier,
+        model: torch.nn.Module,
+        tokenizer: Tokenizer,
+        agent: Agent | None,
+        rollout_config: RolloutConfig,
+        engine_config: SchedulerConfig,
+        first_step: int = 0,
+        server_config: InferenceServerConfig = InferenceServerConfig(),
+        resume_from: PipelineState | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self.policy_version = first_step
+        self.host = GenerationHost(
+            ctx, tier, model, engine_config, tokenizer.vocab_size, lambda: self.policy_version
+        )
+        self._server: EmbeddedServer | None = None
+        self._stop_signal: int | None = None
+        if ctx.is_main:
+            if agent is None:
+                raise ValueError("rank 0 needs the agent")
+            self.agent = agent
+            self.tokenizer = tokenizer
+            self.server_config = server_config
+            self.engine = self.host.engine
+            self.inference = LocalInferenceInterface(self.engine, tokenizer)
+            self.generator = GroupedRolloutGenerator(
+                agent,
+                self.inference,
+                rollout_config,
+                lambda: self.policy_version,
+                first_batch_id=first_step,
+                scheduler=self.engine,
+                resume_from=resume_from,
+            )
+            self.host.run(self._start)
+
+    async def _start(self) -> None:
+        if self.agent.requires_inference_server:
+            app = create_inference_app(self.inference, self.tokenizer)
+            cfg = self.server_config
+            try:
+                self._server = await EmbeddedServer.start(app, cfg.host, cfg.port)
+            except OSError as exc:
+                raise SystemExit(
+                    f"--rl-inference-server-host/--rl-inference-server-port: cannot listen on "
+                    f"{cfg.host}:{cfg.port}: {exc.strerror or exc}"
+                ) from None
+            self.inference.base_url = self._server.url
+        await self.agent.astart()
+        self.generator.start()
+
+    def __enter__(self) -> "RolloutSource":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def next_batch(self) -> CollectedBatch:
+        """The next batch, in order, on every rank (collective).
+
+        Raises ``SystemExit(128 + signum)`` once ``request_stop`` was called.
+        """
+        start = time.perf_counter()
+        self._exit_if_stop_requested()
+        if self.ctx.is_main:
+            tokens_before = self.engine.generated_tokens
+            batch = self._window(self.generator.next_batch)
+            _check_not_all_failed(batch)
+            message = [batch, self.engine.generated_tokens - tokens_before]
+        else:
+            self._window(None)
+            message = [None, None]
+        if self.ctx.world_size > 1:
+            dist.broadcast_object_list(message, src=0)
+        batch, generated = message
+        return CollectedBatch(batch, time.perf_counter() - start, generated)
+
+    def drain(self) -> PipelineState | None:
+        """Finish every submitted batch and return the pipeline state (collective).
+
+        Called before a checkpoint; returns the state on rank 0 and ``None`` elsewhere. Tokens
+        generated here belong to the current policy version, as in any window.
+        """
+        self._exit_if_stop_requested()
+        return self._window(self.generator.drain if self.ctx.is_main else None)
+
+    def _window(self, work):
+        try:
+            return self.host.window(work)
+        except asyncio.CancelledError:
+            self._exit_if_stop_requested()
+            raise
+
+    def request_stop(self, signum: int) -> None:
+        """Stop at the next safe point (safe to call from a signal handler).
+
+        A generation window in progress is cancelled; the running or next ``next_batch`` then
+        raises ``SystemExit``, and leaving the context manager shuts the pipeline down.
+        """
+        self._stop_signal = signum
+        if self.ctx.is_main:
+            self.host.cancel()
+
+    def _exit_if_stop_requested(self) -> None:
+        if self._stop_signal is not None:
+            raise SystemExit(128 + self._stop_signal)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Cancel and await every task of the pipeline (rank 0); idempotent, never hangs."""
+        if self.ctx.is_main:
+            self.host.close(self._shutdown, timeout_s)
+
+    async def _shutdown(self) -> None:
+        await self.generator.aclose()
+        await self.engine.aclose()  # fails queued remote requests: their handlers answer at once
+        if self._server is not None:
+            await self._server.stop()
+        await self.agent.aclose()
+
+
+def _check_not_all_failed(batch: RolloutBatch) -> None:
+    """A batch whose every rollout is a placeholder means the environments are broken: stop."""
+    rollouts = [r for g in batch.groups for r in g.rollouts]
+    if all(r.is_placeholder for r in rollouts):
+        raise RuntimeError(
+            f"every rollout of batch {batch.batch_id} failed in its environment "
+            f"({rollouts[0].env_id}): {rollouts[0].error}"
+        )

@@ -1,0 +1,85 @@
+"""What the training loop builds that differs between CPU and CUDA: the ``Tier`` interface.
+
+Everything device-specific goes through a ``Tier``: the model, the optimizer and LR schedule, the
+train step, the engine's step group and the inference engine, and the checkpoint shards. Above
+the tier (rollout generator, agents, GRPO math, logging, servers) there is one code path, and the
+parts of a train step that do not depend on the device live in ``megatron/trainer/step.py``.
+
+* ``CPUTier`` (``cpu.py``; development, CI): float32 GPT with the SDPA core attention, torch AdamW
+  with a flattened DP all-reduce, the KV-cache row runner, per-rank ``torch.save`` shards.
+* ``CUDATier`` (``cuda.py``; production): megatron-core DDP and ``get_megatron_optimizer``,
+  ``get_forward_backward_func()`` (PP), ``--bf16``, the Transformer Engine layer spec when it
+  imports, megatron-core's ``DynamicInferenceEngine`` as the row runner, ``dist_checkpointing``
+  shards.
+
+Both tiers run the same scheduler (``ContinuousBatchingScheduler``) and the same checkpoint
+directory protocol (``megatron/trainer/checkpointing.py``). ``megatron.trainer.tiers.select_tier``
+is the only place that looks at the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+
+from megatron.rl.grpo.batch import TrainBatch
+from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig
+from megatron.rl.inference.step_group import StepGroup
+from megatron.trainer.checkpointing import CheckpointShards, TrainState
+from megatron.trainer.initialize import ParallelContext
+from megatron.trainer.step import StepConfig, StepResult
+
+
+class Tier(ABC):
+    """What the training loop builds, for one device kind. One instance per process."""
+
+    name: ClassVar[str]
+    """Short name for logs ("cpu", "cuda")."""
+
+    def __init__(self, args: argparse.Namespace, ctx: ParallelContext) -> None:
+        self.args = args
+        self.ctx = ctx
+
+    @abstractmethod
+    def build_model(self, vocab_size: int) -> torch.nn.Module:
+        """This rank's model (its TP shard and, on CUDA, its pipeline stage), trained and used
+        for rollouts."""
+
+    @abstractmethod
+    def build_optimizer(self, model: torch.nn.Module) -> tuple[Any, Any]:
+        """The optimizer and the LR scheduler (megatron-core's ``OptimizerParamScheduler``)."""
+
+    @abstractmethod
+    def train_step(
+        self,
+        state: TrainState,
+        batch: TrainBatch,
+        config: StepConfig,
+        reference: torch.nn.Module | None = None,
+    ) -> StepResult:
+        """One GRPO step on this rank's data-parallel shard of ``batch`` (collective)."""
+
+    @abstractmethod
+    def build_step_group(
+        self, model: torch.nn.Module, config: SchedulerConfig, vocab_size: int
+    ) -> StepGroup:
+        """The engine-step executor of this rank (every rank; collective inside a replica)."""
+
+    @abstractmethod
+    def checkpoint_shards(self) -> CheckpointShards:
+        """How this tier writes and reads its checkpoint shards."""
+
+    def build_engine(
+        self, steps: StepGroup, config: SchedulerConfig, policy_version: Callable[[], int]
+    ) -> ContinuousBatchingScheduler:
+        """The inference engine over ``steps`` (global rank 0 only): the same scheduler on every
+        tier; the tiers differ in their row runners."""
+        return ContinuousBatchingScheduler(steps, config, policy_version)
+
+    def describe(self) -> str:
+        """One log line saying what runs."""
+        return f"tier: {self.name}"

@@ -1,0 +1,70 @@
+"""CUDA-tier flags: refused on CPU (naming the flag), accepted and validated on CUDA; the step
+options the CUDA tier's train step lacks are refused on CUDA by name."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from megatron.trainer.arguments import build_parser, validate_args
+
+
+def errors_for(argv: list[str], world_size: int = 1, cuda: bool = False) -> list[str]:
+    return validate_args(build_parser().parse_args(argv), world_size, cuda)
+
+
+@pytest.mark.parametrize("flag", ["--bf16", "--use-distributed-optimizer"])
+def test_cuda_only_flags_are_refused_on_cpu_by_name(flag):
+    (error,) = errors_for([flag])
+    assert error.startswith(flag) and "CPU" in error
+
+
+def test_pipeline_parallelism_is_refused_on_cpu():
+    (error,) = errors_for(["--pipeline-model-parallel-size", "2"], world_size=2)
+    assert "--pipeline-model-parallel-size 2" in error and "CPU" in error
+
+
+def test_flags_default_off_and_change_nothing_on_cpu():
+    args = build_parser().parse_args([])
+    assert args.bf16 is False and args.use_distributed_optimizer is False
+    assert validate_args(args, 1, cuda=False) == []
+
+
+def test_on_cuda_they_are_accepted_and_pp_is_validated():
+    argv = ["--bf16", "--use-distributed-optimizer", "--pipeline-model-parallel-size", "2"]
+    assert errors_for(argv, world_size=2, cuda=True) == []
+    (error,) = errors_for(
+        ["--pipeline-model-parallel-size", "2", "--num-layers", "3"], world_size=2, cuda=True
+    )
+    assert "--num-layers (3)" in error and "--pipeline-model-parallel-size (2)" in error
+
+
+def test_entry_script_refuses_bf16_on_cpu_with_status_2():
+    proc = subprocess.run(
+        [sys.executable, "pretrain_grpo.py", "--bf16"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2
+    assert "--bf16" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        pytest.param(["--grpo-kl-beta", "0.1"], id="kl"),
+        pytest.param(["--rl-use-sequence-packing"], id="packing"),
+    ],
+)
+def test_step_options_the_cuda_train_step_lacks_are_refused_on_cuda_by_name(argv):
+    assert errors_for(argv, cuda=False) == []
+    (error,) = errors_for(argv, cuda=True)
+    assert error.startswith(argv[0]) and "CUDA tier" in error
+
+
+def test_step_options_the_cuda_train_step_has_are_accepted_on_cuda():
+    argv = [
+        "--grpo-entropy-term-weight", "0.01", "--grpo-iterations", "2",
+        "--rl-inference-logprobs-is-correction",
+    ]  # fmt: skip
+    assert errors_for(argv, cuda=True) == []

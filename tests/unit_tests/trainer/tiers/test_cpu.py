@@ -1,0 +1,67 @@
+"""The CPU tier: what it builds, that its step honours the step config, its engine and shards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from grpo_testing.models import VOCAB
+from grpo_testing.rollouts import synthetic_groups
+from grpo_testing.trainer import one_rank_context, step_config, train_args
+from megatron.core import parallel_state
+
+from megatron.rl.grpo.batch import build_train_batch
+from megatron.rl.inference.kv_cache_runner import KVCacheRowRunner
+from megatron.rl.inference.protocol import InferenceEngine, RowRunner
+from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig
+from megatron.rl.models.attention import SDPACoreAttention
+from megatron.trainer.checkpointing import TrainState
+from megatron.trainer.tiers.cpu import CPUTier, TorchShards
+
+
+@pytest.fixture
+def tier(single_rank_world) -> CPUTier:
+    parallel_state.initialize_model_parallel()
+    return CPUTier(train_args(), one_rank_context())
+
+
+def test_the_model_is_a_float32_gpt_with_sdpa_attention_and_a_padded_tied_vocabulary(tier):
+    model = tier.build_model(VOCAB)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    attention = model.decoder.layers[0].self_attention.core_attention
+    assert isinstance(attention, SDPACoreAttention)
+    rows = model.embedding.word_embeddings.weight.shape[0]
+    assert rows == 24  # VOCAB 21 padded to --make-vocab-size-divisible-by 8
+    assert model.share_embeddings_and_output_weights and model.output_layer.weight is None
+    ids = torch.tensor([[2, 3, 4]])
+    assert model(ids, torch.arange(3)[None], None).shape == (1, 3, rows)
+
+
+def test_the_step_runs_the_configured_number_of_updates(tier):
+    torch.manual_seed(3)
+    model = tier.build_model(VOCAB)
+    state = TrainState(model, *tier.build_optimizer(model))
+    batch = build_train_batch(synthetic_groups(2, 4, VOCAB, seed=1), pad_id=0)
+    once = tier.train_step(state, batch, step_config(VOCAB))
+    twice = tier.train_step(state, batch, step_config(VOCAB, iterations=2))
+    first_param = next(iter(model.parameters()))
+    assert state.optimizer.state[first_param]["step"].item() == 3  # 1 + 2 updates
+    assert state.scheduler.num_steps == 2  # once per step
+    assert twice.trained_tokens == 2 * once.trained_tokens == 2 * int(batch.lengths.sum())
+    assert once.metrics["ratio_mean"] != twice.metrics["ratio_mean"]
+    assert once.loss_tokens == twice.loss_tokens == batch.num_loss_tokens
+
+
+def test_the_engine_is_the_scheduler_over_kv_cache_runners(tier):
+    model = tier.build_model(VOCAB)
+    config = SchedulerConfig(max_requests=2, max_seq_len=32, eos_id=1)
+    steps = tier.build_step_group(model, config, VOCAB)
+    assert isinstance(steps.runner, KVCacheRowRunner) and isinstance(steps.runner, RowRunner)
+    assert steps.runner.cache.keys.shape[1:3] == (2, 32)  # slots x sequence length
+    engine = tier.build_engine(steps, config, lambda: 0)
+    assert isinstance(engine, ContinuousBatchingScheduler) and isinstance(engine, InferenceEngine)
+
+
+def test_shards_are_one_torch_file_per_tensor_parallel_rank(tier, tmp_path):
+    shards = tier.checkpoint_shards()
+    assert isinstance(shards, TorchShards)
+    assert shards.path(tmp_path) == tmp_path / "mp_rank_00" / "model_optim_rng.pt"

@@ -1,0 +1,195 @@
+"""The CUDA tier: its pieces that run without a GPU, and (``gpu``) the tier against the CPU tier
+on one GPU. The whole tier also runs on CPU under a CUDA emulation in
+``tests/functional_tests/test_cuda_tier_emulated.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from grpo_testing.models import VOCAB
+from grpo_testing.rollouts import synthetic_groups
+from grpo_testing.trainer import one_rank_context, step_config, train_args
+from megatron.core import parallel_state
+
+from megatron.rl.grpo.batch import build_train_batch
+from megatron.rl.grpo.loss import GRPOLossConfig
+from megatron.rl.grpo.terms.reference_kl import ReferenceKL
+from megatron.rl.inference.protocol import InferenceEngine, RowRunner
+from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig
+from megatron.trainer.checkpointing import TrainState, load_checkpoint, save_checkpoint
+from megatron.trainer.model_provider import build_model
+from megatron.trainer.step import (
+    MicroBatchCache,
+    NamedSums,
+    StepConfig,
+    data_parallel_micro_batches,
+    micro_batch_loss,
+    policy_logprobs,
+)
+from megatron.trainer.tiers.cpu import CPUTier
+from megatron.trainer.tiers.cuda import (
+    NO_CLIP,
+    CUDATier,
+    _loss,
+    cuda_transformer_config,
+    optimizer_config,
+)
+
+
+@pytest.fixture
+def cpu_world(single_rank_world):
+    parallel_state.initialize_model_parallel()
+    return one_rank_context("cpu")
+
+
+def test_cuda_config_carries_precision_and_per_token_loss():
+    config = cuda_transformer_config(train_args(bf16=True), transformer_engine=False)
+    assert config.bf16 and config.params_dtype == torch.bfloat16
+    assert config.pipeline_dtype == torch.bfloat16 and config.calculate_per_token_loss
+    fp32 = cuda_transformer_config(train_args(), transformer_engine=True)
+    assert not fp32.bf16 and fp32.params_dtype == torch.float32
+    assert fp32.gradient_accumulation_fusion  # Transformer Engine fuses weight gradients
+
+
+@pytest.mark.parametrize(
+    "clip, want",
+    [pytest.param(0.5, 0.5, id="clips-at-the-flag"), pytest.param(0.0, NO_CLIP, id="zero")],
+)
+def test_optimizer_config_maps_the_flags(clip, want):
+    args = train_args(clip_grad=clip, use_distributed_optimizer=True)
+    config = optimizer_config(args, cuda_transformer_config(args, transformer_engine=False))
+    assert config.optimizer == "adam" and config.use_distributed_optimizer
+    assert (config.lr, config.min_lr, config.weight_decay) == (args.lr, args.min_lr, 0.01)
+    assert (config.adam_beta1, config.adam_beta2, config.adam_eps) == (0.9, 0.99, 1e-8)
+    assert config.clip_grad == want
+    # megatron-core scales gradients by clip_grad / (norm + 1e-6) only when that is below 1:
+    # with --clip-grad 0 no gradient norm a model reaches triggers it, so the norm is measured
+    # without clipping, as on the CPU tier.
+    assert config.clip_grad / (1e12 + 1e-6) > 1 if clip == 0 else config.clip_grad == clip
+
+
+def test_micro_batches_keep_a_fixed_width_for_pipeline_parallelism(cpu_world):
+    batch = build_train_batch(synthetic_groups(2, 4, VOCAB, seed=2), pad_id=0)
+    fixed = data_parallel_micro_batches(batch, cpu_world, 2, fixed_width=True)
+    trimmed = data_parallel_micro_batches(batch, cpu_world, 2)
+    assert len(fixed) == 4 and {m.input_ids.shape for m in fixed} == {(2, batch.input_ids.shape[1])}
+    for m, start in zip(trimmed, (0, 2, 4, 6)):
+        assert m.input_ids.shape[1] == int(batch.lengths[start : start + 2].max())
+        assert torch.equal(m.input_ids, batch.input_ids[start : start + 2, : m.input_ids.shape[1]])
+
+
+def test_cuda_loss_function_returns_the_cpu_tiers_sums_and_the_token_count(cpu_world):
+    torch.manual_seed(0)
+    model = build_model(train_args(), VOCAB, torch.device("cpu"))
+    batch = build_train_batch(synthetic_groups(2, 4, VOCAB, seed=3), pad_id=0)
+    micro = batch.rows(0, 4)
+    config = step_config(VOCAB)
+    logprobs, _ = policy_logprobs(model, micro, VOCAB, cpu_world)
+    cpu = micro_batch_loss(logprobs, None, micro, config, cpu_world, MicroBatchCache())
+    ids = micro.input_ids
+    logits = model(ids, torch.arange(ids.shape[1])[None].expand_as(ids), None)
+    sums: list[NamedSums] = []
+    loss_sum, num_tokens, report = _loss(
+        micro, MicroBatchCache(), logits, config=config, ctx=cpu_world, sums=sums
+    )
+    assert int(num_tokens) == micro.num_loss_tokens and num_tokens.dtype == torch.int32
+    assert float(loss_sum.detach()) == pytest.approx(float(cpu.loss_sum.detach()), rel=1e-6)
+    assert loss_sum.requires_grad  # megatron-core backpropagates the sum
+    want = cpu.metric_sums()
+    assert sums[0].keys == config.metric_keys()
+    got = sums[0].as_dict()
+    assert got == pytest.approx({k: float(v) for k, v in want.items()}, rel=1e-6)
+
+
+def test_the_cuda_tier_refuses_step_options_it_does_not_implement(cpu_world):
+    tier = CUDATier(train_args(), cpu_world)
+    with pytest.raises(NotImplementedError, match="packing"):
+        tier.train_step(None, None, step_config(VOCAB, packing_capacity=32))
+    kl = StepConfig(GRPOLossConfig(terms=(ReferenceKL(0.1),)), VOCAB, 4, clip_grad=0.5)
+    with pytest.raises(NotImplementedError, match="KL"):
+        tier.train_step(None, None, kl)
+
+
+# ------------------------------------------------------------- CUDA tier on one GPU
+
+
+@pytest.fixture
+def cuda_world():
+    from megatron.trainer.initialize import initialize_distributed, shutdown_distributed
+
+    ctx = initialize_distributed(train_args())
+    yield ctx
+    shutdown_distributed()
+
+
+def run_steps(tier, steps: int = 2, seed: int = 3):
+    torch.manual_seed(seed)
+    model = tier.build_model(VOCAB)
+    state = TrainState(model, *tier.build_optimizer(model))
+    results = []
+    for step in range(steps):
+        batch = build_train_batch(synthetic_groups(2, 4, VOCAB, seed=step), pad_id=0)
+        results.append(tier.train_step(state, batch, step_config(VOCAB)))
+    return state, results
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("distributed_optimizer", [False, True], ids=["adam", "dist-opt"])
+def test_cuda_tier_steps_match_the_cpu_tier_on_the_same_gpu(cuda_world, distributed_optimizer):
+    args = train_args(use_distributed_optimizer=distributed_optimizer)
+    _, cpu = run_steps(CPUTier(args, cuda_world))
+    _, cuda = run_steps(CUDATier(args, cuda_world))
+    for a, b in zip(cpu, cuda):
+        assert b.loss == pytest.approx(a.loss, rel=1e-4, abs=1e-6)
+        assert b.grad_norm == pytest.approx(a.grad_norm, rel=1e-4)
+        assert b.lr == pytest.approx(a.lr)
+        assert b.loss_tokens == a.loss_tokens
+
+
+@pytest.mark.gpu
+def test_cuda_tier_bf16_tracks_fp32(cuda_world):
+    _, fp32 = run_steps(CUDATier(train_args(), cuda_world))
+    _, bf16 = run_steps(CUDATier(train_args(bf16=True), cuda_world))
+    for a, b in zip(fp32, bf16):
+        assert b.loss == pytest.approx(a.loss, rel=5e-2, abs=5e-3)
+
+
+@pytest.mark.gpu
+def test_dist_checkpoint_round_trip_continues_identically(cuda_world, tmp_path):
+    from megatron.rl.rollout.generator import PipelineState
+
+    args = train_args()
+    tier = CUDATier(args, cuda_world)
+    state, _ = run_steps(tier, steps=1)
+    pipeline = PipelineState(
+        next_batch_id=1, submitted=1, forced_lag=0, groups_per_batch=2, group_size=4, groups=[]
+    )
+    save_checkpoint(str(tmp_path), 1, tier.checkpoint_shards(), state, pipeline, args, cuda_world)
+    batch = build_train_batch(synthetic_groups(2, 4, VOCAB, seed=9), pad_id=0)
+    want = tier.train_step(state, batch, step_config(VOCAB))
+
+    torch.manual_seed(123)  # different initial weights: everything must come from the checkpoint
+    fresh = tier.build_model(VOCAB)
+    fresh_state = TrainState(fresh, *tier.build_optimizer(fresh))
+    resumed = load_checkpoint(
+        str(tmp_path), tier.checkpoint_shards(), fresh_state, args, cuda_world
+    )
+    assert resumed.iteration == 1 and resumed.pipeline == pipeline
+    got = tier.train_step(fresh_state, batch, step_config(VOCAB))
+    assert got.loss == pytest.approx(want.loss, rel=1e-6)
+    assert got.grad_norm == pytest.approx(want.grad_norm, rel=1e-6)
+    assert got.lr == want.lr
+
+
+@pytest.mark.gpu
+def test_cuda_tier_engine_runs_megatron_cores_dynamic_engine(cuda_world):
+    from megatron.rl.inference.dynamic_runner import DynamicEngineRowRunner
+
+    tier = CUDATier(train_args(), cuda_world)
+    model = tier.build_model(VOCAB)
+    config = SchedulerConfig(max_requests=4, max_seq_len=32, eos_id=1)
+    steps = tier.build_step_group(model, config, VOCAB)
+    assert isinstance(steps.runner, DynamicEngineRowRunner) and isinstance(steps.runner, RowRunner)
+    engine = tier.build_engine(steps, config, lambda: 0)
+    assert isinstance(engine, ContinuousBatchingScheduler) and isinstance(engine, InferenceEngine)
+    assert "DynamicInferenceEngine" in tier.describe()
