@@ -98,7 +98,7 @@ class GPTArchitecture:
         return self.num_query_groups or self.num_attention_heads
 
     def validate(self, tensor_model_parallel_size: int = 1) -> None:
-        """Raise ValueError naming the first inconsistent field (and the TP degree if it is that)."""
+        """Raise ValueError naming the first inconsistent field (or the TP degree it violates)."""
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size"):
             _positive(name, getattr(self, name))
         _positive("vocab_size", self.vocab_size)

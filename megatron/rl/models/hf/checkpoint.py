@@ -155,7 +155,8 @@ def load_hf_checkpoint(
     if set(shard) != set(targets):
         raise ValueError(
             f"model does not match {directory}/config.json: model-only tensors "
-            f"{sorted(set(targets) - set(shard))}, checkpoint-only {sorted(set(shard) - set(targets))}"
+            f"{sorted(set(targets) - set(shard))}, "
+            f"checkpoint-only {sorted(set(shard) - set(targets))}"
         )
     with torch.no_grad():
         for name, value in shard.items():

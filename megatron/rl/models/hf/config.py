@@ -103,6 +103,8 @@ def hf_model_config(
     heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
     head_dim = cfg.get("head_dim") or (128 if family == "qwen3" else hidden // heads)
     groups = cfg.get("num_key_value_heads") or heads
+    if heads % groups:
+        raise fail("num_key_value_heads", f"{groups} does not divide num_attention_heads={heads}")
     max_positions = cfg.get("max_position_embeddings") or _MAX_POSITIONS[family]
     _check_sliding_window(cfg, family, max_positions, fail)
     add_bias_linear, add_qkv_bias = _biases(cfg, family, fail)
@@ -179,7 +181,7 @@ def _biases(cfg: dict, family: str, fail) -> tuple[bool, bool]:
 
 
 def _rope(cfg: dict, fail) -> tuple[float, RopeScaling | None]:
-    """(rotary_base, Llama-3 scaling) from ``rope_parameters`` or ``rope_theta``/``rope_scaling``."""
+    """(rotary_base, Llama-3 scaling) of ``rope_parameters`` or ``rope_theta``+``rope_scaling``."""
     params = cfg.get("rope_parameters")
     field = "rope_parameters"
     if params is None:
