@@ -21,6 +21,7 @@ import re
 import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,9 @@ from megatron.rl.models.architecture import GPTArchitecture
 from megatron.rl.models.hf.config import HFModelConfig, hf_config_dict
 from megatron.rl.models.hf.errors import HFCheckpointError
 from megatron.rl.models.hf.mapping import hf_from_megatron, hf_tensor_shapes, megatron_shard_from_hf
+
+if TYPE_CHECKING:
+    from megatron.rl.tokenizer import HuggingFaceTokenizer
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -94,7 +98,9 @@ class SafetensorsSource:
             return None
         return tuple(self._slice(name).get_shape())
 
-    def read(self, name: str, dim: int = 0, start: int = 0, stop: int | None = None):
+    def read(
+        self, name: str, dim: int = 0, start: int = 0, stop: int | None = None
+    ) -> torch.Tensor:
         """``name[start:stop]`` along ``dim`` (0 or 1), reading only that slice."""
         sl = self._slice(name)
         if dim == 0:
@@ -275,7 +281,7 @@ def _write_weights(out: Path, tensors: dict[str, torch.Tensor], max_shard_bytes:
     _write_json(out / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
-def load_hf_tokenizer(directory: str | Path, hf: HFModelConfig):
+def load_hf_tokenizer(directory: str | Path, hf: HFModelConfig) -> "HuggingFaceTokenizer":
     """``HuggingFaceTokenizer`` of ``directory``, refused if it has more tokens than ``hf`` rows."""
     from megatron.rl.tokenizer import HuggingFaceTokenizer
 

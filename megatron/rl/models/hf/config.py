@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from megatron.rl.models.architecture import GPTArchitecture, RopeScaling
 from megatron.rl.models.hf.errors import HFCheckpointError
@@ -43,6 +43,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
 
 _FAMILY_OF = {entry: family for family, (entry, _) in FAMILIES.items()}
 _MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "mistral": 131072}
+_Fail = Callable[[str, str], HFCheckpointError]
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
 _REQUIRED += ("num_attention_heads",)
 
@@ -144,7 +145,7 @@ def hf_model_config(
     )
 
 
-def _check_sliding_window(cfg: dict, family: str, max_positions: int, fail) -> None:
+def _check_sliding_window(cfg: dict, family: str, max_positions: int, fail: _Fail) -> None:
     if family == "mistral":
         window = cfg.get("sliding_window", 4096)
         sliding = True
@@ -165,7 +166,7 @@ def _check_sliding_window(cfg: dict, family: str, max_positions: int, fail) -> N
         )
 
 
-def _biases(cfg: dict, family: str, fail) -> tuple[bool, bool]:
+def _biases(cfg: dict, family: str, fail: _Fail) -> tuple[bool, bool]:
     """(add_bias_linear, add_qkv_bias) of the family's bias settings."""
     if family == "qwen2":
         return False, True
@@ -180,7 +181,7 @@ def _biases(cfg: dict, family: str, fail) -> tuple[bool, bool]:
     return attention_bias, False
 
 
-def _rope(cfg: dict, fail) -> tuple[float, RopeScaling | None]:
+def _rope(cfg: dict, fail: _Fail) -> tuple[float, RopeScaling | None]:
     """(rotary_base, Llama-3 scaling) of ``rope_parameters`` or ``rope_theta``+``rope_scaling``."""
     params = cfg.get("rope_parameters")
     field = "rope_parameters"

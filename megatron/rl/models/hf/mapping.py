@@ -54,7 +54,9 @@ class TensorSource(Protocol):
         """The full shape of ``name``; None if the source has no such tensor."""
         ...
 
-    def read(self, name: str, dim: int = 0, start: int = 0, stop: int | None = None):
+    def read(
+        self, name: str, dim: int = 0, start: int = 0, stop: int | None = None
+    ) -> torch.Tensor:
         """``name[start:stop]`` along ``dim`` (0 or 1) as a torch tensor."""
         ...
 
@@ -70,7 +72,9 @@ class DictSource:
         t = self.tensors.get(name)
         return None if t is None else tuple(t.shape)
 
-    def read(self, name: str, dim: int = 0, start: int = 0, stop: int | None = None):
+    def read(
+        self, name: str, dim: int = 0, start: int = 0, stop: int | None = None
+    ) -> torch.Tensor:
         """A slice of ``name`` along ``dim``."""
         stop = self.tensors[name].shape[dim] if stop is None else stop
         return self.tensors[name].narrow(dim, start, stop - start)
