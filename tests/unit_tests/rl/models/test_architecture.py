@@ -11,6 +11,7 @@ from grpo_testing.models import VOCAB, tiny_args, tiny_gpt
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 from megatron.rl.models.architecture import (
     GPTArchitecture,
@@ -149,3 +150,36 @@ def test_tier_overrides_reach_the_config():
     llama = transformer_config(LLAMA_LIKE)
     assert llama.gated_linear_unit and llama.activation_func is torch.nn.functional.silu
     assert (llama.num_query_groups, llama.kv_channels, llama.layernorm_epsilon) == (2, 16, 1e-6)
+
+
+class FusedNormLinear:
+    """Stands in for Transformer Engine's fused norm + column-parallel linear."""
+
+
+class RecordingFusedBackend(SDPASpecProvider):
+    """A Transformer-Engine-like backend (fused input norms) that records its norm requests."""
+
+    def __init__(self) -> None:
+        self.norm_requests: list[tuple[bool, bool]] = []
+
+    def fuse_layernorm_and_linear(self) -> bool:
+        return True
+
+    def column_parallel_layer_norm_linear(self) -> type:
+        return FusedNormLinear
+
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
+        self.norm_requests.append((rms_norm, for_qk))
+        return super().layer_norm(rms_norm, for_qk)
+
+
+def test_fused_backends_get_rms_qk_norms_and_norm_linear_modules():
+    backend = RecordingFusedBackend()
+    spec = gpt_layer_spec(backend, qk_layernorm=True, normalization="RMSNorm")
+    assert backend.norm_requests == [(True, False), (True, True)]
+    layer, attention = spec.submodules, spec.submodules.self_attention.submodules
+    assert layer.input_layernorm is IdentityOp and layer.pre_mlp_layernorm is IdentityOp
+    assert attention.linear_qkv is FusedNormLinear and layer.mlp.submodules.linear_fc1 is (
+        FusedNormLinear
+    )
+    assert attention.q_layernorm is attention.k_layernorm is WrappedTorchNorm
