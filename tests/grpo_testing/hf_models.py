@@ -107,21 +107,19 @@ def greedy_tokens(
 
 
 def hf_greedy_tokens(directory: Path, prompts: list[list[int]], steps: int = 32) -> list[list[int]]:
-    """transformers ``generate(do_sample=False)`` of each prompt, ``steps`` tokens, no EOS stop."""
+    """transformers ``generate(do_sample=False)`` of the prompts as one left-padded batch (the
+    attention mask gives each row its own positions), ``steps`` tokens each, no EOS stop."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     model.eval()
     model.generation_config.eos_token_id = None  # else generate() merges the model's EOS ids back
     config = transformers.GenerationConfig(
-        do_sample=False, max_new_tokens=steps, min_new_tokens=0, eos_token_id=None, pad_token_id=0
+        do_sample=False, max_new_tokens=steps, eos_token_id=None, pad_token_id=0
     )
-    out = []
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # (B, T) left-padded
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])  # (B, T)
     with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            generated = model.generate(
-                ids, attention_mask=torch.ones_like(ids), generation_config=config
-            )
-            out.append(generated[0, len(prompt) :].tolist())
-    return out
+        out = model.generate(ids, attention_mask=mask, generation_config=config)
+    return out[:, width:].tolist()
