@@ -148,7 +148,10 @@ def load_hf_checkpoint(
     """
     if tp_size is None:
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    if tp_rank is None:
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"load_hf_checkpoint: tp_rank={tp_rank} is not in [0, {tp_size})")
     if not (getattr(model, "pre_process", True) and getattr(model, "post_process", True)):
         raise ValueError("load_hf_checkpoint: pipeline-parallel stages are not supported")
     source = SafetensorsSource(directory)

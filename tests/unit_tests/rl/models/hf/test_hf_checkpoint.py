@@ -212,3 +212,13 @@ def test_export_refuses_a_tokenizer_larger_than_the_exported_vocab(
             vocab_size=256,
             tokenizer_dir=tiny_hf_checkpoints["llama"],
         )
+
+
+def test_explicit_tp_rank_must_be_in_range_and_match_the_model(tiny_hf_checkpoints, tp1):
+    hf = read_hf_config(tiny_hf_checkpoints["llama"])
+    model = empty_model(hf)
+    with pytest.raises(ValueError, match=r"tp_rank=2 is not in \[0, 2\)"):
+        load_hf_checkpoint(model, tiny_hf_checkpoints["llama"], hf, tp_rank=2, tp_size=2)
+    shapes = r"word_embeddings\.weight' has shape \[384, 64\], the checkpoint gives \[192, 64\]"
+    with pytest.raises(ValueError, match=shapes + " at TP rank 1 of 2"):
+        load_hf_checkpoint(model, tiny_hf_checkpoints["llama"], hf, tp_rank=1, tp_size=2)
