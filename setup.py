@@ -33,7 +33,14 @@ setup(
             "hypothesis>=6.100",
             "schemathesis>=4,<5",
             "matplotlib>=3.8",
+            "transformers>=5.23,<6",
+            "safetensors>=0.8,<1",
+            "tokenizers>=0.23.1,<0.24",
         ],
+        # Hugging Face checkpoints and tokenizers (megatron/rl/models/hf, HuggingFaceTokenizer;
+        # tested: transformers 5.23.0, safetensors 0.8.0, tokenizers 0.23.3 with torch 2.13.0 CPU
+        # on Python 3.11; installing them keeps torch as it is)
+        "hf": ["transformers>=5.23,<6", "safetensors>=0.8,<1", "tokenizers>=0.23.1,<0.24"],
         "dev": ["black>=24", "isort>=5.13"],
         "tensorboard": ["tensorboard>=2.16"],
         # tools/benchmarks (tested: transformers 5.23.0, trl 1.16.0, datasets 5.2.0, matplotlib

@@ -6,7 +6,11 @@ KV-cache-aware core attention swapped in; it runs on CPU (gloo) and CUDA. A Tran
 backend (megatron-core's ``TESpecProvider``) plugs into the same function on CUDA.
 ``select_backend`` is the one place that chooses: Transformer Engine on CUDA when it imports,
 the SDPA backend otherwise (megatron-core's local modules pick Apex's fused layer norm by
-themselves when Apex imports).
+themselves when Apex imports). Both backends build LayerNorm or RMSNorm, optionally with a norm of
+each query/key head (``qk_layernorm``, Qwen3); with Transformer Engine the input norms are fused
+into the following linear layer (``linear_qkv.layer_norm_weight``,
+``linear_fc1.layer_norm_weight``), with the SDPA backend they are modules of their own
+(``input_layernorm``, ``pre_mlp_layernorm``).
 """
 
 from __future__ import annotations
@@ -21,10 +25,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_layer import (
-    TransformerLayer,
-    TransformerLayerSubmodules,
-)
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from megatron.rl.models.attention import SDPACoreAttention
 
@@ -35,6 +37,18 @@ class SDPASpecProvider(LocalSpecProvider):
     def core_attention(self) -> type:
         """Which module computes softmax(QK^T)V."""
         return SDPACoreAttention
+
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
+        """LayerNorm: megatron-core's local choice (Apex's fused one when Apex imports, else
+        ``WrappedTorchNorm``); RMSNorm: ``WrappedTorchNorm`` (``torch.nn.RMSNorm``).
+
+        megatron-core's ``LocalSpecProvider.layer_norm(rms_norm=True)`` also rebinds its module
+        global ``LNImpl`` to ``WrappedTorchNorm``, which would change every LayerNorm spec built
+        afterwards; this one has no side effect.
+        """
+        if rms_norm:
+            return WrappedTorchNorm
+        return super().layer_norm(rms_norm=False, for_qk=for_qk)
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,11 +74,22 @@ def select_backend(cuda: bool) -> BackendSpecProvider:
     return SDPASpecProvider()
 
 
-def gpt_layer_spec(backend: BackendSpecProvider, qk_layernorm: bool = False) -> ModuleSpec:
-    """A dense GPT layer (self-attention + MLP, pre-norm) built from ``backend``'s modules."""
+def gpt_layer_spec(
+    backend: BackendSpecProvider, qk_layernorm: bool = False, normalization: str = "LayerNorm"
+) -> ModuleSpec:
+    """A dense GPT layer (self-attention + MLP, pre-norm) built from ``backend``'s modules.
+
+    ``normalization`` (``LayerNorm`` or ``RMSNorm``) picks the norm modules; it must equal the
+    ``TransformerConfig.normalization`` the model is built with (Transformer Engine's fused
+    norm-linear modules and ``WrappedTorchNorm`` read the kind from the config). ``qk_layernorm``
+    adds a norm of each query and key head (over the head dimension).
+    """
+    if normalization not in ("LayerNorm", "RMSNorm"):
+        raise ValueError(f"normalization must be 'LayerNorm' or 'RMSNorm', got {normalization!r}")
+    rms = normalization == "RMSNorm"
     fused = backend.fuse_layernorm_and_linear()
-    layer_norm = backend.layer_norm(rms_norm=False, for_qk=False)
-    qk_norm = backend.layer_norm(rms_norm=False, for_qk=True) if qk_layernorm else IdentityOp
+    layer_norm = backend.layer_norm(rms_norm=rms, for_qk=False)
+    qk_norm = backend.layer_norm(rms_norm=rms, for_qk=True) if qk_layernorm else IdentityOp
     qkv = backend.column_parallel_layer_norm_linear() if fused else backend.column_parallel_linear()
     fc1 = backend.column_parallel_layer_norm_linear() if fused else backend.column_parallel_linear()
     return ModuleSpec(

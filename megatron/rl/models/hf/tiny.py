@@ -1,0 +1,172 @@
+"""Tiny random Hugging Face checkpoints of each supported family, built locally (no download).
+
+``make_tiny_checkpoint(family, out)`` trains a byte-level BPE tokenizer with ``tokenizers`` on a
+built-in corpus of digit and arithmetic strings (or given text), builds a small random model of
+the family with transformers and writes both with ``save_pretrained`` (safetensors): the files a
+Hub checkpoint has (``config.json``, ``model.safetensors``, ``generation_config.json``,
+``tokenizer.json``, ``tokenizer_config.json``, a chat template).
+
+Families (``TINY_FAMILIES``), chosen to cover every mapping path between them:
+
+* ``llama``: Llama 2 style, multi-head attention, untied output layer, BOS added by the tokenizer;
+* ``llama3``: grouped-query attention, ``rope_type: llama3`` scaling with non-default values
+  (factor 4, low 1, high 8, original context 64), tied embeddings, rope_theta 500000;
+* ``qwen2``: grouped-query attention, QKV bias, tied embeddings, rope_theta 1e6;
+* ``qwen3``: QK norm, ``head_dim`` 32 != hidden/heads (16), untied;
+* ``mistral``: grouped-query attention, ``sliding_window`` equal to ``max_position_embeddings``
+  (accepted: it never masks).
+
+Every parameter is random (weights and biases N(0, ``init_std``), norm weights 1 + N(0, 0.1)),
+so a mapping mistake anywhere changes the logits. Token ids: 0 ``<|pad|>``, 1 ``<|bos|>``,
+2 ``<|eos|>``, 3 ``<|end|>`` (end of a chat turn; a stop id in ``generation_config.json``),
+then the role markers and the 256 byte symbols, then merges.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+TINY_FAMILIES = ("llama", "llama3", "qwen2", "qwen3", "mistral")
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|end|>", "<|system|>", "<|user|>"]
+SPECIAL_TOKENS += ["<|assistant|>"]
+CHAT_TEMPLATE = (
+    "{% if add_bos %}{{ bos_token }}{% endif %}"
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def builtin_corpus() -> list[str]:
+    """Deterministic digit/arithmetic lines (copy, add, multiply, compare)."""
+    lines = []
+    for a in range(0, 100, 3):
+        for b in range(1, 60, 7):
+            lines += [f"{a}+{b}={a + b}", f"{a}*{b}={a * b}", f"What is {a} - {b}? {a - b}."]
+            lines.append(f"copy: {a}{b} -> {a}{b}, is {a} > {b}? {'yes' if a > b else 'no'}")
+    return lines
+
+
+def train_tokenizer(corpus: Iterable[str], vocab_size: int = 300, add_bos: bool = True):
+    """A byte-level BPE ``PreTrainedTokenizerFast`` with the special tokens and chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=1,
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(corpus), trainer)
+    if add_bos:
+        bos = tok.token_to_id("<|bos|>")
+        tok.post_processor = processors.TemplateProcessing(
+            single="<|bos|> $A", pair="<|bos|> $A $B", special_tokens=[("<|bos|>", bos)]
+        )
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>"
+    )
+    wrapped.chat_template = CHAT_TEMPLATE.replace("add_bos", "true" if add_bos else "false")
+    return wrapped
+
+
+def tiny_config(
+    family: str,
+    vocab_size: int,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    max_position_embeddings: int = 256,
+):
+    """The transformers config of a tiny ``family`` model."""
+    import transformers
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if family == "llama":
+        return transformers.LlamaConfig(**{**common, "num_key_value_heads": 4})
+    if family == "llama3":
+        scaling = dict(
+            rope_type="llama3",
+            factor=4.0,
+            low_freq_factor=1.0,
+            high_freq_factor=8.0,
+            original_max_position_embeddings=64,
+        )
+        return transformers.LlamaConfig(
+            **common, rope_theta=500000.0, rope_scaling=scaling, tie_word_embeddings=True
+        )
+    if family == "qwen2":
+        return transformers.Qwen2Config(**common, rope_theta=1e6, tie_word_embeddings=True)
+    if family == "qwen3":
+        return transformers.Qwen3Config(**common, head_dim=2 * hidden_size // 4)
+    if family == "mistral":
+        return transformers.MistralConfig(**common, sliding_window=max_position_embeddings)
+    raise ValueError(f"unknown family {family!r}; choose from {TINY_FAMILIES}")
+
+
+def randomize_(model: torch.nn.Module, seed: int, init_std: float = 0.05) -> None:
+    """Every parameter random: norms 1 + N(0, 0.1), all other weights and biases N(0, init_std)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
+            if "norm" in name:
+                param.copy_(1 + 0.1 * noise)
+            else:
+                param.copy_(init_std * noise)
+
+
+def make_tiny_checkpoint(
+    family: str,
+    out: str | Path,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    vocab_size: int | None = None,
+    tokenizer_vocab_size: int = 300,
+    corpus: Iterable[str] | None = None,
+    seed: int = 0,
+) -> Path:
+    """Write a tiny random ``family`` checkpoint with its tokenizer to ``out``; returns ``out``.
+
+    ``vocab_size``: embedding rows (default: the tokenizer's size rounded up to 16, so the
+    embedding has rows no token uses, as in Qwen checkpoints).
+    """
+    import transformers
+
+    if family not in TINY_FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose from {TINY_FAMILIES}")
+    out = Path(out)
+    tokenizer = train_tokenizer(
+        builtin_corpus() if corpus is None else corpus,
+        tokenizer_vocab_size,
+        add_bos=family in ("llama", "llama3", "mistral"),
+    )
+    rows = vocab_size if vocab_size is not None else -(-len(tokenizer) // 16) * 16
+    config = tiny_config(family, rows, hidden_size, num_layers)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    randomize_(model, seed)
+    model.generation_config = transformers.GenerationConfig(
+        bos_token_id=1, eos_token_id=[2, 3], pad_token_id=0
+    )
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

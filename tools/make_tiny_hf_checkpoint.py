@@ -1,0 +1,52 @@
+"""Write a tiny random Hugging Face checkpoint (model + locally trained BPE tokenizer).
+
+    python tools/make_tiny_hf_checkpoint.py --family qwen3 --out /tmp/tiny-qwen3 \
+        [--hidden-size 64] [--num-layers 2] [--vocab-size 320] [--tokenizer-corpus FILE]
+
+No downloads: the tokenizer is trained with ``tokenizers`` on built-in digit/arithmetic strings
+(or the lines of ``--tokenizer-corpus``), the model is random (``megatron/rl/models/hf/tiny.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron.rl.models.hf.tiny import TINY_FAMILIES, make_tiny_checkpoint  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse the flags and write the checkpoint."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--family", choices=TINY_FAMILIES, required=True)
+    parser.add_argument("--out", type=Path, required=True, help="output directory")
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument(
+        "--vocab-size", type=int, default=None, help="embedding rows (default: tokenizer size)"
+    )
+    parser.add_argument("--tokenizer-vocab-size", type=int, default=300)
+    parser.add_argument("--tokenizer-corpus", type=Path, default=None, help="text, one per line")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    corpus = None
+    if args.tokenizer_corpus is not None:
+        corpus = [line for line in args.tokenizer_corpus.read_text().splitlines() if line]
+    out = make_tiny_checkpoint(
+        args.family,
+        args.out,
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+        vocab_size=args.vocab_size,
+        tokenizer_vocab_size=args.tokenizer_vocab_size,
+        corpus=corpus,
+        seed=args.seed,
+    )
+    print(f"wrote a tiny {args.family} checkpoint to {out}")
+
+
+if __name__ == "__main__":
+    main()
