@@ -33,9 +33,11 @@ setup(
             "hypothesis>=6.100",
             "schemathesis>=4,<5",
             "matplotlib>=3.8",
+            "wandb>=0.19,<1",
         ],
         "dev": ["black>=24", "isort>=5.13"],
         "tensorboard": ["tensorboard>=2.16"],
+        "wandb": ["wandb>=0.19,<1"],
         # tools/benchmarks (tested: transformers 5.23.0, trl 1.16.0, datasets 5.2.0, matplotlib
         # 3.11.2 with torch 2.13.0 CPU on Python 3.11)
         "bench": ["transformers>=5.23,<6", "trl>=1.16,<2", "datasets>=5", "matplotlib>=3.9"],
