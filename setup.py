@@ -36,6 +36,7 @@ setup(
             "transformers>=5.23,<6",
             "safetensors>=0.8,<1",
             "tokenizers>=0.23.1,<0.24",
+            "wandb>=0.19,<1",
         ],
         # Hugging Face checkpoints and tokenizers (megatron/rl/models/hf, HuggingFaceTokenizer;
         # tested: transformers 5.23.0, safetensors 0.8.0, tokenizers 0.23.3 with torch 2.13.0 CPU
@@ -43,6 +44,7 @@ setup(
         "hf": ["transformers>=5.23,<6", "safetensors>=0.8,<1", "tokenizers>=0.23.1,<0.24"],
         "dev": ["black>=24", "isort>=5.13"],
         "tensorboard": ["tensorboard>=2.16"],
+        "wandb": ["wandb>=0.19,<1"],
         # tools/benchmarks (tested: transformers 5.23.0, trl 1.16.0, datasets 5.2.0, matplotlib
         # 3.11.2 with torch 2.13.0 CPU on Python 3.11)
         "bench": ["transformers>=5.23,<6", "trl>=1.16,<2", "datasets>=5", "matplotlib>=3.9"],

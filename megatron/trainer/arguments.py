@@ -15,6 +15,7 @@ from pathlib import Path
 
 from megatron.rl.grpo.importance import ImportanceConfig
 from megatron.rl.grpo.terms import loss_terms
+from megatron.trainer.megatron_lm_flags import add_refused_flags, aliases_of
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
@@ -93,17 +94,31 @@ def build_parser() -> argparse.ArgumentParser:
         "--global-batch-size",
         type=int,
         default=None,
-        help="Rollouts per optimizer step; must equal --grpo-prompts-per-step x "
-        "--grpo-group-size (the default).",
+        help="Rollouts per optimizer step (one training iteration). At most --grpo-prompts-per-"
+        "step x --grpo-group-size (the default): a smaller one trains each collection in "
+        "several iterations, and --grpo-prompts-per-step x --grpo-group-size x "
+        "--grpo-iterations must be a multiple of it (as in Megatron-LM).",
     )
     g.add_argument("--lr", type=float, default=3e-3, help="Peak learning rate.")
     g.add_argument("--min-lr", type=float, default=3e-4, help="Learning rate at the end of decay.")
-    g.add_argument("--lr-warmup-iters", type=int, default=10, help="Linear warmup steps.")
+    g.add_argument(
+        "--lr-warmup-iters",
+        type=int,
+        default=10,
+        help="Linear warmup iterations (more than the run lasts is allowed: the LR then only "
+        "warms up).",
+    )
+    g.add_argument(
+        "--lr-decay-iters",
+        type=int,
+        default=None,
+        help="Iterations over which the LR decays to --min-lr (default: --train-iters).",
+    )
     g.add_argument(
         "--lr-decay-style",
         choices=["constant", "linear", "cosine"],
         default="cosine",
-        help="Decay after warmup, down to --min-lr at --train-iters.",
+        help="Decay after warmup, down to --min-lr at --lr-decay-iters.",
     )
     g.add_argument(
         "--weight-decay",
@@ -120,7 +135,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="Clip the global gradient norm to this (0 disables).",
     )
-    g.add_argument("--train-iters", type=int, default=1000, help="Training steps (batches).")
+    g.add_argument(
+        "--train-iters",
+        type=int,
+        default=1000,
+        help="Training iterations (optimizer steps); a multiple of the iterations per "
+        "collection (--grpo-iterations x prompts x group size / --global-batch-size).",
+    )
+    g.add_argument(
+        "--exit-interval",
+        type=int,
+        default=None,
+        help="Exit (status 0) after this many iterations, saving a checkpoint first when --save "
+        "is set; a multiple of the iterations per collection.",
+    )
     g.add_argument("--seed", type=int, default=1234, help="Seed of init, prompts and sampling.")
     g.add_argument("--log-interval", type=int, default=1, help="Print a log line every N steps.")
 
@@ -152,9 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--grpo-iterations",
         type=int,
         default=1,
-        help="Optimizer updates per collected batch; > 1 takes the ratio against the policy "
-        "before the step's first update. The LR schedule and the policy version advance once "
-        "per step.",
+        help="Passes over each collection (Megatron-LM's meaning; its default is 2): every "
+        "global batch of every pass is a training iteration (an optimizer step; the LR "
+        "schedule and the policy version advance), and ratios are taken against the policy "
+        "that collected, pi_old, computed before the collection's first update.",
     )
     g.add_argument(
         "--grpo-filter-groups-with-same-reward",
@@ -162,15 +191,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="Dynamic sampling: train only on groups whose rewards differ. Each batch is "
         "generated as --grpo-max-generation-rounds rounds of --grpo-prompts-per-step groups, "
         "all submitted together (keeping staleness exactly --rl-forced-lag); the first "
-        "--grpo-prompts-per-step groups with differing rewards are trained.",
+        "--grpo-prompts-per-step groups with differing rewards are trained. When fewer "
+        "qualify, the batch trains on those (the others masked out of the token-mean loss) and "
+        "logs how many were dropped.",
     )
     g.add_argument(
         "--grpo-max-generation-rounds",
         type=int,
         default=1,
         help="Rounds of --grpo-prompts-per-step groups generated per batch for "
-        "--grpo-filter-groups-with-same-reward; too few qualifying groups after them stops the "
-        "run with an error.",
+        "--grpo-filter-groups-with-same-reward (Megatron-LM regenerates dropped groups without "
+        "a bound).",
     )
 
     g = p.add_argument_group("RL")
@@ -186,8 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="Sampling temperature (0 = greedy).",
     )
-    g.add_argument("--rl-default-top-p", type=float, default=1.0, help="Nucleus mass (1 = off).")
-    g.add_argument("--rl-default-top-k", type=int, default=0, help="Top-k (0 = off).")
+    g.add_argument(
+        "--rl-default-top-p", type=float, default=0.0, help="Nucleus mass (0 or 1 = off)."
+    )
+    g.add_argument("--rl-default-top-k", type=int, default=-1, help="Top-k (-1 or 0 = off).")
     g.add_argument(
         "--rl-default-max-tokens",
         type=int,
@@ -196,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--env-config",
+        *aliases_of("--env-config"),
         type=str,
         default=None,
         help="Env-config YAML (list of {agent_type, agent_args, weight}); default: the "
@@ -235,21 +269,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--rl-inference-logprobs-is-correction",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="Take the ratio against the trainer's pre-update policy and weight each token by "
         "the truncated importance weight min(pi_old / pi_inference, C) with the engine's "
         "per-token logprobs; logs the train/inference mismatch (is_* metrics).",
     )
     g.add_argument(
         "--rl-importance-sampling-truncation-coef",
-        type=float,
+        type=optional_float,
         default=ImportanceConfig.truncation_coef,
         help="C of --rl-inference-logprobs-is-correction: importance weights above C are set to "
-        "C; the default 1 only ever down-weights a token (see megatron/rl/grpo/importance.py).",
+        "C; 'none' caps nothing (Megatron-LM's default). Our default 1 only ever down-weights a "
+        "token (see megatron/rl/grpo/importance.py).",
     )
     g.add_argument(
         "--rl-use-sequence-packing",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="Pack the rollouts of each micro-batch into rows of --seq-length tokens with "
         "per-sequence attention (block-diagonal causal mask, positions restarting at 0).",
     )
@@ -262,7 +299,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="Evaluate every N steps (after the update) on a held-out prompt set: greedy "
         "reward and pass@k, logged as eval/* (default: never).",
     )
-    g.add_argument("--eval-prompts", type=int, default=32, help="Held-out prompts per environment.")
+    g.add_argument(
+        "--eval-prompts",
+        *aliases_of("--eval-prompts"),
+        type=int,
+        default=32,
+        help="Held-out prompts per environment.",
+    )
+    g.add_argument(
+        "--eval-iters",
+        type=int,
+        default=0,
+        help="> 0 turns evaluation on (as in Megatron-LM, whose default is 100): every "
+        "--eval-interval iterations if set, and once after the last iteration; 0 = off unless "
+        "--eval-interval is given.",
+    )
     g.add_argument(
         "--eval-samples",
         type=int,
@@ -295,7 +346,43 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", type=str, default=None, help="Checkpoint directory to write.")
     g.add_argument("--save-interval", type=int, default=None, help="Save every N steps.")
     g.add_argument("--load", type=str, default=None, help="Checkpoint directory to resume from.")
+    g.add_argument(
+        "--no-load-optim",
+        action="store_true",
+        help="With --load: do not restore the optimizer state (fresh AdamW moments).",
+    )
+    g.add_argument(
+        "--no-load-rng",
+        action="store_true",
+        help="With --load: do not restore the RNG states.",
+    )
+    g.add_argument(
+        "--finetune",
+        action="store_true",
+        help="With --load: load the model weights only and start a new run at iteration 0 "
+        "(no optimizer, LR schedule, RNG or rollout state; the resume-flag check is skipped).",
+    )
+    g.add_argument(
+        "--wandb-project",
+        type=str,
+        default=None,
+        help="Log every metric to Weights & Biases under this project (pip install wandb; "
+        "WANDB_MODE=offline writes locally).",
+    )
+    g.add_argument("--wandb-exp-name", type=str, default=None, help="The wandb run name.")
+    g.add_argument(
+        "--wandb-save-dir",
+        type=str,
+        default=None,
+        help="Local wandb directory (default: <--save>/wandb, else ./wandb).",
+    )
+    add_refused_flags(p)
     return p
+
+
+def optional_float(text: str) -> float | None:
+    """A float, or ``none`` for no value."""
+    return None if text.lower() == "none" else float(text)
 
 
 def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> list[str]:
@@ -391,10 +478,27 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> list
     if args.global_batch_size is None:
         args.global_batch_size = rollouts
     check(
-        args.global_batch_size == rollouts,
-        f"--global-batch-size ({args.global_batch_size}) must equal --grpo-prompts-per-step x "
-        f"--grpo-group-size ({rollouts}): each step is one optimizer update on one batch",
+        1 <= args.global_batch_size <= rollouts,
+        f"--global-batch-size ({args.global_batch_size}) must be in [1, --grpo-prompts-per-step "
+        f"x --grpo-group-size ({rollouts})]: a training iteration uses at most one collection",
     )
+    if 1 <= args.global_batch_size <= rollouts and args.grpo_iterations >= 1:
+        check(
+            rollouts * args.grpo_iterations % args.global_batch_size == 0,
+            f"--grpo-prompts-per-step x --grpo-group-size x --grpo-iterations "
+            f"({rollouts} x {args.grpo_iterations}) must be a multiple of --global-batch-size "
+            f"({args.global_batch_size})",
+        )
+        per_collection = iterations_per_collection(args)
+        args.iterations_per_collection = per_collection
+        for flag in ("train_iters", "save_interval", "exit_interval"):
+            value = getattr(args, flag)
+            check(
+                value is None or value % per_collection == 0,
+                f"--{flag.replace('_', '-')} ({value}) must be a multiple of the iterations per "
+                f"collection ({per_collection}: --grpo-iterations x prompts x group size / "
+                "--global-batch-size); checkpoints and exits happen between collections",
+            )
     if args.micro_batch_size >= 1:
         check(
             args.global_batch_size % (args.micro_batch_size * dp) == 0,
@@ -414,10 +518,11 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> list
 
     check(args.lr > 0, f"--lr must be > 0, got {args.lr}")
     check(0 <= args.min_lr <= args.lr, f"--min-lr ({args.min_lr}) must be in [0, --lr]")
-    check(
-        0 <= args.lr_warmup_iters < max(args.train_iters, 1),
-        f"--lr-warmup-iters ({args.lr_warmup_iters}) must be in [0, --train-iters)",
-    )
+    check(args.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
+    if args.lr_decay_iters is not None:
+        check(args.lr_decay_iters >= 1, f"--lr-decay-iters must be >= 1, got {args.lr_decay_iters}")
+    if args.exit_interval is not None:
+        check(args.exit_interval >= 1, f"--exit-interval must be >= 1, got {args.exit_interval}")
     check(args.weight_decay >= 0, "--weight-decay must be >= 0")
     check(args.clip_grad >= 0, "--clip-grad must be >= 0")
     check(
@@ -438,8 +543,12 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> list
         "--rl-inference-server-port must be in [0, 65535]",
     )
     check(args.rl_default_temperature >= 0, "--rl-default-temperature must be >= 0")
-    check(0 < args.rl_default_top_p <= 1, "--rl-default-top-p must be in (0, 1]")
-    check(args.rl_default_top_k >= 0, "--rl-default-top-k must be >= 0")
+    check(0 <= args.rl_default_top_p <= 1, "--rl-default-top-p must be in [0, 1] (0 = off)")
+    check(args.rl_default_top_k >= -1, "--rl-default-top-k must be >= -1 (-1 or 0 = off)")
+    check(args.eval_iters >= 0, f"--eval-iters must be >= 0, got {args.eval_iters}")
+    for flag in ("no_load_optim", "no_load_rng", "finetune"):
+        if getattr(args, flag):
+            check(args.load is not None, f"--{flag.replace('_', '-')} needs --load")
     check(
         args.rl_default_max_tokens < args.seq_length,
         f"--rl-default-max-tokens ({args.rl_default_max_tokens}) must be smaller than "
@@ -447,6 +556,12 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> list
     )
     if args.env_config is not None:
         check(Path(args.env_config).is_file(), f"--env-config: no such file {args.env_config!r}")
+    if args.wandb_project is not None:
+        check(
+            importlib.util.find_spec("wandb") is not None,
+            "--wandb-project needs the wandb package: pip install wandb",
+        )
+        check(args.wandb_exp_name != "", "--wandb-exp-name must not be empty")
     if args.tensorboard_dir is not None:
         check(
             importlib.util.find_spec("tensorboard") is not None,
@@ -505,8 +620,8 @@ def validate_algorithm_args(args: argparse.Namespace, cuda: bool) -> list[str]:
         "--rl-importance-sampling-truncation-coef needs --rl-inference-logprobs-is-correction",
     )
     check(
-        math.isfinite(coef) and coef > 0,
-        f"--rl-importance-sampling-truncation-coef must be > 0, got {coef}",
+        coef is None or (math.isfinite(coef) and coef > 0),
+        f"--rl-importance-sampling-truncation-coef must be > 0 or none, got {coef}",
     )
     if args.eval_interval is not None:
         check(args.eval_interval >= 1, f"--eval-interval must be >= 1, got {args.eval_interval}")
@@ -527,6 +642,13 @@ def validate_algorithm_args(args: argparse.Namespace, cuda: bool) -> list[str]:
         for flag in needs_reference + packing:
             errors.append(f"{flag} is not supported by the CUDA tier's train step yet")
     return errors
+
+
+def iterations_per_collection(args: argparse.Namespace) -> int:
+    """Training iterations each collection is trained for: --grpo-iterations passes of
+    ``P x G / --global-batch-size`` global batches."""
+    rollouts = args.grpo_prompts_per_step * args.grpo_group_size
+    return rollouts * args.grpo_iterations // args.global_batch_size
 
 
 def _dest(flag: str) -> str:

@@ -81,6 +81,27 @@ class TrainState:
     scheduler: Any
 
 
+@dataclass(frozen=True)
+class LoadOptions:
+    """What a load restores besides the model weights (``--no-load-optim``, ``--no-load-rng``,
+    ``--finetune``)."""
+
+    optimizer: bool = True
+    """The optimizer state and the LR schedule."""
+    rng: bool = True
+    """The RNG states."""
+    resume: bool = True
+    """Continue the saved run: its iteration, rollout pipeline and resume-flag check (False:
+    ``--finetune``, a new run from the saved weights)."""
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> LoadOptions:
+        """The options of the flags."""
+        if args.finetune:
+            return cls(optimizer=False, rng=False, resume=False)
+        return cls(optimizer=not args.no_load_optim, rng=not args.no_load_rng)
+
+
 class CheckpointShards(ABC):
     """How one tier writes and reads its part of an iteration directory (collective)."""
 
@@ -90,10 +111,16 @@ class CheckpointShards(ABC):
         ``directory`` (it exists)."""
 
     @abstractmethod
-    def read(self, directory: Path, state: TrainState, check_args: Callable[[dict], None]) -> None:
-        """Restore ``state`` from ``directory``; call ``check_args(saved flags)`` before any
-        module is modified. Raise ``SystemExit`` naming the directory when it is not this tier's
-        checkpoint."""
+    def read(
+        self,
+        directory: Path,
+        state: TrainState,
+        check_args: Callable[[dict], None],
+        options: LoadOptions = LoadOptions(),
+    ) -> None:
+        """Restore ``state`` (what ``options`` asks for) from ``directory``; call
+        ``check_args(saved flags)`` before any module is modified. Raise ``SystemExit`` naming
+        the directory when it is not this tier's checkpoint."""
 
 
 def iteration_dir(root: str | Path, iteration: int) -> Path:
@@ -174,19 +201,27 @@ def load_checkpoint(
     state: TrainState,
     args: argparse.Namespace,
     ctx: ParallelContext,
+    options: LoadOptions = LoadOptions(),
 ) -> Checkpoint:
-    """Restore the latest checkpoint under ``root`` (``--load``) into ``state``."""
+    """Restore the latest checkpoint under ``root`` (``--load``) into ``state``.
+
+    With ``--finetune`` only the weights are loaded and the run starts at iteration 0.
+    """
     iteration = latest_iteration(root)
     directory = iteration_dir(root, iteration)
 
     def check_args(saved: dict) -> None:
+        if not options.resume:
+            return
         problems = resume_mismatches(saved, args)
         if problems:
             raise SystemExit(
                 f"--load {root}: flags differ from the saved run: {', '.join(problems)}"
             )
 
-    shards.read(directory, state, check_args)
+    shards.read(directory, state, check_args, options)
+    if not options.resume:
+        return Checkpoint(0, None)
     pipeline = None
     if ctx.is_main:
         rollout_file = directory / ROLLOUT_STATE

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 
 from megatron.rl.eval.runner import EvalConfig
 from megatron.rl.grpo.filtering import DynamicSamplingConfig
@@ -18,6 +19,8 @@ from megatron.rl.grpo.terms import LossTerm, loss_terms
 from megatron.rl.inference.scheduler import SchedulerConfig
 from megatron.rl.rollout.generator import RolloutConfig
 from megatron.rl.wire import SamplingParams
+from megatron.trainer.checkpointing import saved_args
+from megatron.trainer.metrics import WandbConfig
 from megatron.trainer.step import StepConfig
 
 
@@ -50,7 +53,7 @@ def step_config(args: argparse.Namespace, vocab_size: int) -> StepConfig:
         vocab_size=vocab_size,
         micro_batch_size=args.micro_batch_size,
         clip_grad=args.clip_grad,
-        iterations=args.grpo_iterations,
+        old_logprobs=args.grpo_iterations > 1,
         importance=importance,
         packing_capacity=args.seq_length if args.rl_use_sequence_packing else None,
     )
@@ -69,11 +72,12 @@ def dynamic_sampling_config(args: argparse.Namespace) -> DynamicSamplingConfig |
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    """The default sampling of every generation request."""
+    """The default sampling of every generation request (Megatron-LM's "off" values: top-p 0,
+    top-k -1, become ours: 1 and 0)."""
     return SamplingParams(
         temperature=args.rl_default_temperature,
-        top_p=args.rl_default_top_p,
-        top_k=args.rl_default_top_k,
+        top_p=args.rl_default_top_p if args.rl_default_top_p > 0 else 1.0,
+        top_k=max(args.rl_default_top_k, 0),
         max_tokens=args.rl_default_max_tokens,
     )
 
@@ -114,3 +118,12 @@ def eval_config(args: argparse.Namespace) -> EvalConfig:
         correct_threshold=args.eval_correct_threshold,
         seed=args.seed,
     )
+
+
+def wandb_config(args: argparse.Namespace) -> WandbConfig | None:
+    """wandb logging of ``--wandb-project`` (None when off); the directory defaults to
+    ``<--save>/wandb``, else ``./wandb``."""
+    if args.wandb_project is None:
+        return None
+    directory = args.wandb_save_dir or str(Path(args.save or ".") / "wandb")
+    return WandbConfig(args.wandb_project, args.wandb_exp_name, directory, saved_args(args))

@@ -23,16 +23,18 @@ from typing import Any
 from megatron.rl.agent.api import Agent
 from megatron.rl.agent.env_config import EnvConfigError, load_env_config
 from megatron.rl.grpo.batch import build_train_batch
-from megatron.rl.grpo.filtering import DynamicSamplingExhausted, select_groups
+from megatron.rl.grpo.filtering import select_groups
 from megatron.rl.tokenizer import CharTokenizer
 from megatron.rl.wire import RolloutGroup
 from megatron.trainer import config
 from megatron.trainer.checkpointing import (
     Checkpoint,
+    LoadOptions,
     TrainState,
     load_checkpoint,
     save_checkpoint,
 )
+from megatron.trainer.collection import Collection
 from megatron.trainer.evaluation import Evaluator, eval_agents
 from megatron.trainer.initialize import initialize_distributed, shutdown_distributed
 from megatron.trainer.metrics import MetricsWriter, step_metrics
@@ -42,7 +44,7 @@ from megatron.trainer.tiers import select_tier
 
 
 def train(args: argparse.Namespace) -> None:
-    """Run GRPO for ``--train-iters`` steps (resuming from ``--load`` if given)."""
+    """Run GRPO for ``--train-iters`` iterations (resuming from ``--load`` if given)."""
     agent = load_agent(args)
     ctx = initialize_distributed(args)
     writer = evaluator = None
@@ -57,46 +59,81 @@ def train(args: argparse.Namespace) -> None:
         state = TrainState(model, *tier.build_optimizer(model))
         resumed = Checkpoint(iteration=0, pipeline=None)
         if args.load:
-            resumed = load_checkpoint(args.load, tier.checkpoint_shards(), state, args, ctx)
+            shards, options = tier.checkpoint_shards(), LoadOptions.of(args)
+            resumed = load_checkpoint(args.load, shards, state, args, ctx, options)
         if ctx.is_main:
             print(tier.describe(), flush=True)
         writer = metrics_writer(args, resumed.iteration) if ctx.is_main else None
         rank0_agent = agent if ctx.is_main else None
-        if args.eval_interval is not None:
+        if evaluation_on(args):
             eval_engine = config.scheduler_config(args, ctx.dp_size, tokenizer.eos_id, False)
             evaluator = Evaluator(
                 ctx, tier, model, tokenizer, rank0_agent, config.eval_config(args), eval_engine
             )
+        k = args.iterations_per_collection
         with RolloutSource(
             ctx, tier, model, tokenizer, rank0_agent, config.rollout_config(args),
-            config.scheduler_config(args, ctx.dp_size, tokenizer.eos_id), resumed.iteration,
+            config.scheduler_config(args, ctx.dp_size, tokenizer.eos_id), resumed.iteration // k,
             InferenceServerConfig(args.rl_inference_server_host, args.rl_inference_server_port),
-            resumed.pipeline,
+            resumed.pipeline, policy_version=resumed.iteration,
         ) as rollouts:  # fmt: skip
             stop_on_signals(rollouts)
-            for step in range(resumed.iteration, args.train_iters):
+            micro_batches = args.global_batch_size // (args.micro_batch_size * ctx.dp_size)
+            for iteration in range(resumed.iteration, args.train_iters):
                 t0 = time.perf_counter()
-                collected = rollouts.next_batch()  # collect (ordered, forced lag)
-                groups, extra = training_groups(args, collected)  # dynamic sampling (if on)
-                batch = build_train_batch(groups, tokenizer.pad_id)  # advantages
-                result = tier.train_step(state, batch, step_config, reference)  # train step
-                rollouts.policy_version = step + 1
+                if iteration % k == 0:  # collect (ordered, forced lag), advantages, pi_old
+                    collected = rollouts.next_batch()
+                    groups, extra = training_groups(args, collected)  # dynamic sampling (if on)
+                    batch = build_train_batch(groups, tokenizer.pad_id)
+                    collection = Collection(batch, args.global_batch_size, k)
+                    collection.prepare(tier, state, step_config, micro_batches)
+                j = iteration % k
+                result = tier.train_step(  # train step: one optimizer update
+                    state, collection.global_batch(j), step_config, reference,
+                    collection.caches(j, micro_batches),
+                )  # fmt: skip
+                rollouts.policy_version = iteration + 1
                 elapsed = time.perf_counter() - t0
-                if evaluator is not None and (step + 1) % args.eval_interval == 0:
-                    extra.update(evaluator.run(policy_version=step + 1))  # own engine and window
+                metrics = dict(extra)
+                if evaluation_due(args, iteration + 1):  # own engine and window
+                    metrics.update(evaluator.run(policy_version=iteration + 1))
                 if writer is not None:  # log
-                    m = step_metrics(step, args.rl_forced_lag, collected, result, elapsed, extra)
+                    m = step_metrics(
+                        iteration, args.rl_forced_lag, collected, result, elapsed, metrics, k
+                    )
                     writer.write(m)
-                if checkpoint_due(args, step + 1):  # checkpoint (after draining the pipeline)
-                    pipeline = rollouts.drain()
-                    shards = tier.checkpoint_shards()
-                    save_checkpoint(args.save, step + 1, shards, state, pipeline, args, ctx)
+                if (iteration + 1) % k == 0 and end_of_collection(args, ctx, iteration + 1,
+                                                                  tier, state, rollouts):  # fmt: skip
+                    break
     finally:
         if evaluator is not None:
             evaluator.close()
         if writer is not None:
             writer.close()
         shutdown_distributed()
+
+
+def end_of_collection(args, ctx, iteration: int, tier, state, rollouts) -> bool:
+    """Checkpoint (after draining the pipeline) when due; whether ``--exit-interval`` ends the
+    run here."""
+    exiting = args.exit_interval is not None and iteration % args.exit_interval == 0
+    if checkpoint_due(args, iteration) or (exiting and args.save):
+        pipeline = rollouts.drain()
+        save_checkpoint(args.save, iteration, tier.checkpoint_shards(), state, pipeline, args, ctx)
+    return exiting
+
+
+def evaluation_on(args: argparse.Namespace) -> bool:
+    """Whether the run evaluates (``--eval-interval`` or ``--eval-iters`` > 0)."""
+    return args.eval_interval is not None or args.eval_iters > 0
+
+
+def evaluation_due(args: argparse.Namespace, iteration: int) -> bool:
+    """Evaluate after ``iteration`` iterations: every ``--eval-interval`` and, with
+    ``--eval-iters`` > 0, after the last one."""
+    if args.eval_interval is not None and iteration % args.eval_interval == 0:
+        return True
+    return args.eval_iters > 0 and iteration == args.train_iters
 
 
 def training_groups(
@@ -107,15 +144,13 @@ def training_groups(
     sampling = config.dynamic_sampling_config(args)
     if sampling is None:
         return groups, {}
-    try:
-        chosen = select_groups(groups, sampling, collected.batch.batch_id)
-    except DynamicSamplingExhausted as err:
-        raise SystemExit(f"pretrain_grpo.py: error: {err}") from None
+    chosen = select_groups(groups, sampling)
     kept = [r.reward for g in chosen.groups for r in g.rollouts if not r.is_placeholder]
     return chosen.groups, {
         "dynamic_sampling_rounds": chosen.rounds_used,
         "dynamic_sampling_dropped_groups": chosen.dropped,
         "dynamic_sampling_generated_groups": len(groups),
+        "dynamic_sampling_kept_groups": chosen.kept,
         "dynamic_sampling_kept_reward_mean": sum(kept) / max(len(kept), 1),
     }
 
@@ -126,7 +161,7 @@ def load_agent(args: argparse.Namespace) -> Agent:
         agent = load_env_config(args.env_config)
     except EnvConfigError as err:
         raise SystemExit(f"pretrain_grpo.py: error: --env-config: {err}") from None
-    if args.eval_interval is not None:
+    if evaluation_on(args):
         eval_agents(agent)  # refuses remote environments on every rank, before any collective
     return agent
 
@@ -141,10 +176,12 @@ def checkpoint_due(args: argparse.Namespace, iteration: int) -> bool:
 
 
 def metrics_writer(args: argparse.Namespace, first_step: int) -> MetricsWriter:
-    """Log line, JSONL and TensorBoard outputs of the flags (a resumed run starts at first_step)."""
+    """Log line, JSONL, TensorBoard and wandb outputs of the flags (a resumed run starts at
+    first_step)."""
     return MetricsWriter(
-        args.train_iters, args.log_interval, args.metrics_file, args.tensorboard_dir, first_step
-    )
+        args.train_iters, args.log_interval, args.metrics_file, args.tensorboard_dir, first_step,
+        config.wandb_config(args),
+    )  # fmt: skip
 
 
 def stop_on_signals(rollouts: RolloutSource) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +55,13 @@ def step_metrics(
     result: StepResult,
     step_seconds: float,
     extra: dict[str, Any] | None = None,
+    iterations_per_collection: int = 1,
 ) -> dict[str, Any]:
-    """Everything logged for one step, as a flat JSON-serializable dict.
+    """Everything logged for one step (training iteration), as a flat JSON-serializable dict.
+
+    ``batch_id`` is the collection the iteration trains on and ``batch_staleness`` how many
+    collections before it that collection was submitted: exactly min(batch_id, L). Submission and
+    token staleness count policy versions (iterations), ``iterations_per_collection`` per batch.
 
     ``result.metrics`` adds ``clip_fraction``, ``ratio_mean``, ``mismatch_kl`` and, when enabled,
     each loss term's metric (``ref_kl``, ``entropy``, ...) and the train/inference mismatch
@@ -63,9 +69,13 @@ def step_metrics(
     ``is_truncated_sequence_fraction``); ``extra`` from the loop adds dynamic sampling
     (``dynamic_sampling_*``) and evaluation (``eval/*``).
     """
+    k = iterations_per_collection
+    submitted = [r.submission_policy_version for g in collected.batch.groups for r in g.rollouts]
     return {
         "step": step,
         "loss": result.loss,
+        "batch_id": collected.batch.batch_id,
+        "batch_staleness": collected.batch.batch_id - min(submitted) // k,
         **rollout_metrics(collected.batch, step),
         "grad_norm": result.grad_norm,
         "lr": result.lr,
@@ -141,8 +151,22 @@ def _drop_records_from(path: Path, first_step: int) -> None:
     os.replace(tmp, path)
 
 
+@dataclass(frozen=True)
+class WandbConfig:
+    """Where Weights & Biases logging goes (``--wandb-*``)."""
+
+    project: str
+    name: str | None
+    """Run name (None: wandb picks one)."""
+    directory: str
+    """Local wandb directory."""
+    config: dict[str, Any]
+    """The run's scalar flags, stored with the run."""
+
+
 class MetricsWriter:
-    """Writes metrics on rank 0: stdout every ``log_interval`` steps, JSONL and TensorBoard always.
+    """Writes metrics on rank 0: stdout every ``log_interval`` steps; JSONL, TensorBoard and
+    wandb always.
 
     The JSONL file is appended to. A run resumed at ``first_step`` first drops the records of
     steps >= ``first_step`` (logged after the checkpoint by the run that stopped, and trained
@@ -156,6 +180,7 @@ class MetricsWriter:
         metrics_file: str | None = None,
         tensorboard_dir: str | None = None,
         first_step: int = 0,
+        wandb: WandbConfig | None = None,
     ) -> None:
         self.train_iters = train_iters
         self.log_interval = log_interval
@@ -170,6 +195,14 @@ class MetricsWriter:
             from torch.utils.tensorboard import SummaryWriter  # availability checked by the flags
 
             self._tb = SummaryWriter(log_dir=tensorboard_dir)
+        self._wandb = None
+        if wandb is not None:
+            import wandb as wandb_module  # availability checked by the flags
+
+            Path(wandb.directory).mkdir(parents=True, exist_ok=True)
+            self._wandb = wandb_module.init(
+                project=wandb.project, name=wandb.name, dir=wandb.directory, config=wandb.config
+            )
 
     def write(self, metrics: dict[str, Any]) -> None:
         """Record one step's metrics."""
@@ -183,6 +216,8 @@ class MetricsWriter:
             for key, value in metrics.items():
                 if key != "step":
                     self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=step)
 
     def close(self) -> None:
         """Flush and close the outputs."""
@@ -190,3 +225,5 @@ class MetricsWriter:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()

@@ -35,15 +35,21 @@ def build_optimizer(
 
 
 def build_scheduler(optimizer: Any, args: argparse.Namespace) -> OptimizerParamScheduler:
-    """Warmup + decay down to ``--min-lr`` at ``--train-iters`` (both tiers; ``optimizer`` is a
-    torch or a megatron-core optimizer)."""
+    """Warmup + decay down to ``--min-lr`` at ``--lr-decay-iters`` (default ``--train-iters``),
+    stepped once per iteration (both tiers; ``optimizer`` is a torch or a megatron-core optimizer).
+
+    megatron-core's scheduler needs warmup < decay; a warmup longer than the decay (as with
+    ``--train-iters 5`` and the default warmup) decays over one iteration after the warmup, so the
+    run only warms up.
+    """
+    decay_iters = getattr(args, "lr_decay_iters", None) or args.train_iters
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if args.lr_warmup_iters > 0 else args.lr,
         max_lr=args.lr,
         min_lr=args.min_lr,
         lr_warmup_steps=args.lr_warmup_iters,
-        lr_decay_steps=max(args.train_iters, args.lr_warmup_iters + 1),
+        lr_decay_steps=max(decay_iters, args.lr_warmup_iters + 1),
         lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay,
         end_wd=args.weight_decay,

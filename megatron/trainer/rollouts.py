@@ -70,12 +70,13 @@ class RolloutSource:
         agent: Agent | None,
         rollout_config: RolloutConfig,
         engine_config: SchedulerConfig,
-        first_step: int = 0,
+        first_batch: int = 0,
         server_config: InferenceServerConfig = InferenceServerConfig(),
         resume_from: PipelineState | None = None,
+        policy_version: int = 0,
     ) -> None:
         self.ctx = ctx
-        self.policy_version = first_step
+        self.policy_version = policy_version
         self.host = GenerationHost(
             ctx, tier, model, engine_config, tokenizer.vocab_size, lambda: self.policy_version
         )
@@ -94,7 +95,7 @@ class RolloutSource:
                 self.inference,
                 rollout_config,
                 lambda: self.policy_version,
-                first_batch_id=first_step,
+                first_batch_id=first_batch,
                 scheduler=self.engine,
                 resume_from=resume_from,
             )

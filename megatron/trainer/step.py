@@ -1,18 +1,18 @@
 """The GRPO train step both tiers share: micro-batches, the loss of a micro-batch, the results.
 
-A step trains on this rank's data-parallel shard of the global batch. With the default
-``StepConfig`` it is one optimizer update with the plain clipped surrogate against the engine's
-logprobs. The options (see ``megatron/rl/grpo/loss.py``):
+A step is one training iteration: one optimizer update on this rank's data-parallel shard of a
+global batch (``collection.py`` cuts each collection into global batches). With the default
+``StepConfig`` it is the plain clipped surrogate against the engine's logprobs. The options (see
+``megatron/rl/grpo/loss.py``):
 
-* ``iterations`` > 1 (``--grpo-iterations``): the batch is reused for that many optimizer updates.
-  The ratio's denominator is pi_old, the policy *before the step's first update*: its logprobs are
-  the detached logprobs of each micro-batch's forward in the first iteration (so the first
-  iteration's ratio is exactly 1), cached for the later ones. The LR scheduler advances once per
-  step, so every update of a step uses the same learning rate, and the policy version (forced-lag
-  accounting) counts steps, not updates.
-* ``importance`` (``--rl-inference-logprobs-is-correction``): the ratio is against pi_old too, and
-  each token is weighted by min(pi_old / pi_inference, C); the mismatch metrics are measured on the
-  first iteration.
+* ``old_logprobs`` (``--grpo-iterations`` > 1 or the IS correction): the ratio's denominator is
+  pi_old, the policy that collected the batch, *before its collection's first update*. Each
+  micro-batch's ``MicroBatchCache`` holds it across the iterations that reuse the batch: filled
+  by the first forward when no update came before it (its ratio is then exactly 1), or computed
+  up front (``Tier.fill_old_logprobs``) when a collection has several global batches.
+* ``importance`` (``--rl-inference-logprobs-is-correction``): the ratio is against pi_old, and
+  each token is weighted by min(pi_old / pi_inference, C); the mismatch metrics are measured the
+  first time a micro-batch is trained.
 * loss terms (``loss.terms``): a term that requires reference logprobs gets them from the
   reference model, computed once per micro-batch (no gradient) and cached for every iteration;
   one that requires the entropy gets it from the same forward as the logprobs.
@@ -20,8 +20,8 @@ logprobs. The options (see ``megatron/rl/grpo/loss.py``):
   (``megatron/rl/grpo/packing.py``); per-token outputs are unpacked before the loss.
 
 Metrics travel by name (``LossOutput.metric_sums``): each update adds its micro-batches' sums as
-one float64 vector in sorted key order (``NamedSums``), updates are averaged, the IS mismatch sums
-of the first iteration are appended, and the vector is all-reduced over data parallelism (and the
+one float64 vector in sorted key order (``NamedSums``), the IS mismatch sums of its micro-batches
+are appended, and the vector is all-reduced over data parallelism (and the
 pipeline on CUDA) before each sum is divided by the global number of loss tokens.
 """
 
@@ -63,21 +63,17 @@ class StepConfig:
     """Rollouts per micro-batch (``--micro-batch-size``)."""
     clip_grad: float
     """Global gradient-norm clip (0: measure only)."""
-    iterations: int = 1
-    """Optimizer updates per batch (``--grpo-iterations``)."""
+    old_logprobs: bool = False
+    """Take the ratio against pi_old (``--grpo-iterations`` > 1); implied by ``importance``."""
     importance: ImportanceConfig | None = None
     """Truncated IS correction with the engine's logprobs (None: off)."""
     packing_capacity: int | None = None
     """Tokens per packed row (None: no sequence packing)."""
 
-    def __post_init__(self) -> None:
-        if self.iterations < 1:
-            raise ValueError(f"iterations must be >= 1, got {self.iterations}")
-
     @property
     def needs_old_logprobs(self) -> bool:
         """Whether the ratio is taken against the trainer's pre-update policy."""
-        return self.iterations > 1 or self.importance is not None
+        return self.old_logprobs or self.importance is not None
 
     @property
     def needs_reference(self) -> bool:
@@ -96,7 +92,7 @@ class StepConfig:
 
 @dataclass
 class MicroBatchCache:
-    """Per-micro-batch tensors computed in a step's first iteration and reused after it."""
+    """Per-micro-batch tensors computed once per collection and reused by its iterations."""
 
     old_logprobs: torch.Tensor | None = None
     """(b, t) log pi_old, detached."""
@@ -148,7 +144,7 @@ class Update:
 
 @dataclass(frozen=True)
 class StepResult:
-    """Global (all-reduced) results of one step (means over its updates)."""
+    """Global (all-reduced) results of one step."""
 
     loss: float
     grad_norm: float
@@ -233,8 +229,8 @@ def micro_batch_loss(
 ) -> LossOutput:
     """GRPO loss sums of a micro-batch from its (b, t) policy logprobs (and (b, t) entropies).
 
-    ``cache`` keeps what the first iteration computes (pi_old, pi_ref, the mismatch sums) for the
-    later ones; ``reference`` is the frozen reference policy when a loss term needs it.
+    ``cache`` keeps what the first use computes (pi_old, pi_ref, the mismatch sums) for the
+    iterations that reuse the micro-batch; ``reference`` is the frozen reference policy when a loss term needs it.
     """
     dev = logprobs.device
     inputs = LossInputs(
@@ -291,7 +287,7 @@ def _with_cached_inputs(
 
 
 def step_result(
-    updates: list[Update],
+    update: Update,
     caches: list[MicroBatchCache],
     batch: TrainBatch,
     config: StepConfig,
@@ -299,16 +295,12 @@ def step_result(
     device: torch.device,
     start: float,
 ) -> StepResult:
-    """The step's global results from each update's results on this rank.
+    """The step's global results from the update's results on this rank.
 
-    Sums are averaged over the updates, joined by the IS mismatch sums of the micro-batches this
-    rank computed a loss for, then summed over ``groups`` in one all-reduce (on ``device``: NCCL
-    reduces on the GPU).
+    The sums are joined by the IS mismatch sums of the micro-batches this rank computed a loss
+    for, then summed over ``groups`` in one all-reduce (on ``device``: NCCL reduces on the GPU).
     """
-    values = [u.sums.values for u in updates]
-    sums = NamedSums(
-        updates[0].sums.keys, torch.stack(values).mean(0) if len(values) > 1 else values[0]
-    )
+    sums = update.sums
     if config.importance is not None:
         keys = tuple(sorted(MISMATCH_SUMS))
         mismatch = [NamedSums.of(c.mismatch, keys).values for c in caches if c.mismatch is not None]
@@ -321,15 +313,15 @@ def step_result(
         sums = NamedSums(sums.keys, values.cpu())
     reduced = sums.as_dict()
     denom = max(batch.num_loss_tokens, 1)
-    metrics = {k: reduced[k] / denom for k in updates[0].sums.keys if k != "loss"}
+    metrics = {k: reduced[k] / denom for k in update.sums.keys if k != "loss"}
     if config.importance is not None:
         metrics.update(mismatch_metrics(reduced))
     return StepResult(
         loss=reduced["loss"] / denom,
-        grad_norm=sum(u.grad_norm for u in updates) / len(updates),
-        lr=updates[0].lr,
+        grad_norm=update.grad_norm,
+        lr=update.lr,
         loss_tokens=batch.num_loss_tokens,
-        trained_tokens=int(batch.lengths.sum()) * config.iterations,
+        trained_tokens=int(batch.lengths.sum()),
         seconds=time.perf_counter() - start,
         metrics=metrics,
     )

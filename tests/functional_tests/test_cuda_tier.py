@@ -80,7 +80,7 @@ def test_bf16_with_the_distributed_optimizer():
 def test_iterations_entropy_and_is_correction():
     metrics, _ = train(
         1, "--grpo-iterations", "2", "--grpo-entropy-term-weight", "0.01",
-        "--rl-inference-logprobs-is-correction",
+        "--rl-inference-logprobs-is-correction", "--train-iters", "4", "--global-batch-size", "8",
     )  # fmt: skip
     assert_trained(metrics)
     assert all(m["entropy"] > 0 and math.isfinite(m["is_kl"]) for m in metrics)

@@ -93,10 +93,12 @@ def test_dist_checkpoint_resume_continues_the_run_exactly(tmp_path):
 
 
 def test_step_options_match_the_cpu_tier():
-    """--grpo-iterations, the entropy term and the IS correction share the CPU tier's loss."""
+    """--grpo-iterations with several global batches per collection (pi_old computed forward
+    only before the first update), the entropy term and the IS correction: as on the CPU tier."""
     options = {
         "rl-forced-lag": 1, "keep-kv-between-windows": True, "grpo-iterations": 2,
         "grpo-entropy-term-weight": 0.01, "rl-inference-logprobs-is-correction": True,
+        "train-iters": 4, "global-batch-size": 32,  # 4 iterations per collection: pi_old up front
     }  # fmt: skip
     cpu = run_training(1, {**BASE, **{k: v for k, v in options.items() if "kv" not in k}})
     cuda = run_training(1, {**BASE, **options}, script=EMULATED)

@@ -59,6 +59,18 @@ class TrainBatch:
             lengths=self.lengths[start:stop],
         )
 
+    def select(self, rows: torch.Tensor) -> "TrainBatch":
+        """The rows of index tensor ``rows`` (in that order), at the batch's full width."""
+        return TrainBatch(
+            input_ids=self.input_ids[rows],
+            target_ids=self.target_ids[rows],
+            loss_mask=self.loss_mask[rows],
+            inference_logprobs=self.inference_logprobs[rows],
+            advantages=self.advantages[rows],
+            temperature=self.temperature[rows],
+            lengths=self.lengths[rows],
+        )
+
 
 def build_train_batch(groups: list[RolloutGroup], pad_id: int) -> TrainBatch:
     """Advantages per group, then one padded row per rollout in (group, rollout) order.

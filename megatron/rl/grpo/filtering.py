@@ -12,8 +12,12 @@ group is submitted late (a refill submitted when batch s turns out short would b
 newer policy and break exact submission staleness L), no later batch is borrowed from (which
 would break the batch order and could deadlock the gate), and the choice is a pure function of the
 batch's rewards: deterministic and identical on a resumed run. The price is that every round is
-generated even when the first suffices. A batch with fewer than P such groups after all rounds is
-an error naming the flags, never a short or padded batch.
+generated even when the first suffices.
+
+A batch with fewer than P such groups after all rounds trains on those it has: the remaining slots
+hold dropped groups whose rollouts are masked (``masked_group``: placeholders carry no loss), so
+the token-mean loss is normalised over the kept groups' tokens, shapes stay fixed, and the run goes
+on (Megatron-LM regenerates until P groups qualify, without a bound).
 """
 
 from __future__ import annotations
@@ -21,10 +25,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron.rl.wire import RolloutGroup
-
-
-class DynamicSamplingExhausted(RuntimeError):
-    """Fewer groups with differing rewards than the batch needs, after every generation round."""
 
 
 @dataclass(frozen=True)
@@ -51,11 +51,14 @@ class FilteredGroups:
     """The groups a step trains on, and what was dropped to get them."""
 
     groups: list[RolloutGroup]
-    """The first P groups with differing rewards, in (round, index) order."""
+    """P groups: the first ones with differing rewards in (round, index) order, then masked
+    dropped groups for the slots they could not fill."""
     dropped: int
-    """Zero-variance groups skipped before the P-th kept group."""
+    """Zero-variance groups skipped (all of them when the batch could not be filled)."""
     rounds_used: int
-    """Generation rounds needed to fill the batch (1..R)."""
+    """Generation rounds looked at (1..R)."""
+    kept: int
+    """Groups with differing rewards trained on (P unless the rounds ran out)."""
 
 
 def has_reward_variance(group: RolloutGroup) -> bool:
@@ -64,28 +67,31 @@ def has_reward_variance(group: RolloutGroup) -> bool:
     return len(rewards) > 1
 
 
-def select_groups(
-    groups: list[RolloutGroup], config: DynamicSamplingConfig, batch_id: int = -1
-) -> FilteredGroups:
+def select_groups(groups: list[RolloutGroup], config: DynamicSamplingConfig) -> FilteredGroups:
     """Keep the first ``config.groups_per_batch`` groups whose rewards differ.
 
     ``groups`` are the batch's P x R groups in ``index_in_batch`` order (round r holds indices
-    r*P .. r*P + P - 1). Raises ``DynamicSamplingExhausted`` when fewer than P qualify.
+    r*P .. r*P + P - 1). When fewer than P qualify, the missing slots are filled with masked
+    copies of the first dropped groups.
     """
     if len(groups) != config.groups_generated:
         raise ValueError(f"expected {config.groups_generated} groups, got {len(groups)}")
     kept: list[RolloutGroup] = []
-    dropped = 0
+    dropped: list[RolloutGroup] = []
     for position, group in enumerate(groups):
         if has_reward_variance(group):
             kept.append(group)
             if len(kept) == config.groups_per_batch:
-                return FilteredGroups(kept, dropped, position // config.groups_per_batch + 1)
+                rounds = position // config.groups_per_batch + 1
+                return FilteredGroups(kept, len(dropped), rounds, len(kept))
         else:
-            dropped += 1
-    raise DynamicSamplingExhausted(
-        f"dynamic sampling: batch {batch_id} has only {len(kept)} of {config.groups_per_batch} "
-        f"groups with differing rewards after {config.max_generation_rounds} generation round(s) "
-        f"of {config.groups_per_batch} groups; raise --grpo-max-generation-rounds or turn off "
-        "--grpo-filter-groups-with-same-reward"
-    )
+            dropped.append(group)
+    filler = [masked_group(g) for g in dropped[: config.groups_per_batch - len(kept)]]
+    return FilteredGroups(kept + filler, len(dropped), config.max_generation_rounds, len(kept))
+
+
+def masked_group(group: RolloutGroup) -> RolloutGroup:
+    """``group`` with every rollout a placeholder: it keeps its row but carries no loss."""
+    reason = "dropped by dynamic sampling (rewards all equal)"
+    rollouts = [r.model_copy(update={"error": r.error or reason}) for r in group.rollouts]
+    return group.model_copy(update={"rollouts": rollouts})

@@ -31,7 +31,7 @@ from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, Schedul
 from megatron.rl.inference.step_group import StepGroup
 from megatron.trainer.checkpointing import CheckpointShards, TrainState
 from megatron.trainer.initialize import ParallelContext
-from megatron.trainer.step import StepConfig, StepResult
+from megatron.trainer.step import MicroBatchCache, StepConfig, StepResult
 
 
 class Tier(ABC):
@@ -60,8 +60,22 @@ class Tier(ABC):
         batch: TrainBatch,
         config: StepConfig,
         reference: torch.nn.Module | None = None,
+        caches: list[MicroBatchCache] | None = None,
     ) -> StepResult:
-        """One GRPO step on this rank's data-parallel shard of ``batch`` (collective)."""
+        """One training iteration (optimizer update) on this rank's data-parallel shard of the
+        global batch ``batch`` (collective). ``caches``: one per micro-batch of this rank, kept
+        by the caller across the iterations that reuse ``batch``."""
+
+    @abstractmethod
+    def fill_old_logprobs(
+        self,
+        state: TrainState,
+        batch: TrainBatch,
+        config: StepConfig,
+        caches: list[MicroBatchCache],
+    ) -> None:
+        """Set each cache's pi_old: this rank's micro-batches of ``batch``, forward only
+        (collective; before the collection's first update)."""
 
     @abstractmethod
     def build_step_group(

@@ -29,7 +29,12 @@ from megatron.rl.inference.kv_cache_runner import KVCacheRowRunner
 from megatron.rl.inference.step_group import StepGroup
 from megatron.rl.models.kv_cache import KVCache
 from megatron.trainer import model_provider
-from megatron.trainer.checkpointing import CheckpointShards, TrainState, write_atomic
+from megatron.trainer.checkpointing import (
+    CheckpointShards,
+    LoadOptions,
+    TrainState,
+    write_atomic,
+)
 from megatron.trainer.initialize import ParallelContext
 from megatron.trainer.optimizer import allreduce_gradients, build_optimizer, clip_grad_norm
 from megatron.trainer.step import (
@@ -59,9 +64,18 @@ class CPUTier(Tier):
         """torch AdamW and the shared LR schedule."""
         return build_optimizer(model, self.args)
 
-    def train_step(self, state, batch, config, reference=None):
-        """``config.iterations`` updates over this rank's micro-batches (``train_step``)."""
-        return train_step(state, batch, config, self.ctx, reference)
+    def train_step(self, state, batch, config, reference=None, caches=None):
+        """One update over this rank's micro-batches (``train_step``)."""
+        return train_step(state, batch, config, self.ctx, reference, caches)
+
+    def fill_old_logprobs(self, state, batch, config, caches):
+        """pi_old of each of this rank's micro-batches, forward only."""
+        micros = data_parallel_micro_batches(batch, self.ctx, config.micro_batch_size)
+        with torch.no_grad():
+            for micro, cache in zip(micros, caches):
+                cache.old_logprobs, _ = policy_logprobs(
+                    state.model, micro, config.vocab_size, self.ctx, config.packing_capacity
+                )
 
     def build_step_group(self, model, config, vocab_size):
         """A ``KVCacheRowRunner`` with its own per-slot KV cache under a ``StepGroup``."""
@@ -89,20 +103,19 @@ def train_step(
     config: StepConfig,
     ctx: ParallelContext,
     reference: torch.nn.Module | None = None,
+    caches: list[MicroBatchCache] | None = None,
 ) -> StepResult:
-    """Train on this rank's data-parallel shard of ``batch`` (every rank holds the whole batch)."""
+    """One optimizer update on this rank's data-parallel shard of ``batch`` (every rank holds the
+    whole global batch). ``caches`` (one per micro-batch of this rank) carry pi_old, pi_ref and
+    the mismatch sums between iterations that reuse ``batch``; fresh ones by default."""
     start = time.perf_counter()
     if config.needs_reference and reference is None:
         raise ValueError("a loss term needs the reference policy, but none was given")
     micros = data_parallel_micro_batches(batch, ctx, config.micro_batch_size)
-    caches = [MicroBatchCache() for _ in micros]
-    updates = [
-        _update(state, micros, caches, batch.num_loss_tokens, config, ctx, reference,
-                advance_schedule=iteration == 0)
-        for iteration in range(config.iterations)
-    ]  # fmt: skip
+    caches = [MicroBatchCache() for _ in micros] if caches is None else caches
+    update = _update(state, micros, caches, batch.num_loss_tokens, config, ctx, reference)
     groups = [ctx.dp_group] if ctx.dp_size > 1 else []
-    return step_result(updates, caches, batch, config, groups, ctx.device, start)
+    return step_result(update, caches, batch, config, groups, ctx.device, start)
 
 
 def _update(
@@ -113,7 +126,6 @@ def _update(
     config: StepConfig,
     ctx: ParallelContext,
     reference: torch.nn.Module | None,
-    advance_schedule: bool,
 ) -> Update:
     """One optimizer update over the micro-batches: this rank's sums, the grad norm, the LR."""
     model, optimizer, scheduler = state.model, state.optimizer, state.scheduler
@@ -131,8 +143,7 @@ def _update(
     params = [p for p in model.parameters() if p.requires_grad]
     allreduce_gradients(params, ctx.dp_group)
     grad_norm = clip_grad_norm(params, config.clip_grad, ctx.tp_group)
-    if advance_schedule:  # update k uses the schedule's value at k + 1 (no zero-LR step)
-        scheduler.step(increment=1)
+    scheduler.step(increment=1)  # update k uses the schedule's value at k + 1 (no zero-LR step)
     lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
     return Update(sums, grad_norm, lr)
@@ -166,15 +177,24 @@ class TorchShards(CheckpointShards):
         }
         write_atomic(path, lambda tmp: torch.save(payload, tmp))
 
-    def read(self, directory: Path, state: TrainState, check_args: Callable[[dict], None]) -> None:
-        """Load this rank's shard into the model, optimizer, schedule and RNG."""
+    def read(
+        self,
+        directory: Path,
+        state: TrainState,
+        check_args: Callable[[dict], None],
+        options: LoadOptions = LoadOptions(),
+    ) -> None:
+        """Load this rank's shard into the model and, as ``options`` say, the optimizer,
+        schedule and RNG."""
         payload = self._load(directory, "--load")
         check_args(payload["args"])
         state.model.load_state_dict(payload["model"])
-        state.optimizer.load_state_dict(payload["optimizer"])
-        state.scheduler.load_state_dict(payload["scheduler"])
-        torch.set_rng_state(payload["torch_rng"])
-        random.setstate(ast.literal_eval(payload["python_rng"]))
+        if options.optimizer:
+            state.optimizer.load_state_dict(payload["optimizer"])
+            state.scheduler.load_state_dict(payload["scheduler"])
+        if options.rng:
+            torch.set_rng_state(payload["torch_rng"])
+            random.setstate(ast.literal_eval(payload["python_rng"]))
 
     def read_model(self, directory: Path, model: torch.nn.Module, flag: str) -> None:
         """Load only the model weights of this rank's shard (``--ref-load``)."""

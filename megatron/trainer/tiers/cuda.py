@@ -165,9 +165,9 @@ class CUDATier(Tier):
 
     # ----------------------------------------------------------------- train step
 
-    def train_step(self, state, batch, config, reference=None):
-        """``config.iterations`` updates, each a forward/backward over the micro-batches with
-        megatron-core's schedule; the entropy term and IS correction as on the CPU tier.
+    def train_step(self, state, batch, config, reference=None, caches=None):
+        """One update: a forward/backward over the micro-batches with megatron-core's schedule;
+        pi_old, the entropy term and the IS correction as on the CPU tier.
 
         The reference KL term and sequence packing are not implemented here (argument validation
         refuses their flags on CUDA).
@@ -180,17 +180,33 @@ class CUDATier(Tier):
         ctx = self.ctx
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         micro = data_parallel_micro_batches(batch, ctx, config.micro_batch_size, fixed_width=pp > 1)
-        caches = [MicroBatchCache() for _ in micro]
-        updates = [
-            self._update(state, micro, caches, config, advance_schedule=iteration == 0)
-            for iteration in range(config.iterations)
-        ]  # fmt: skip
+        caches = [MicroBatchCache() for _ in micro] if caches is None else caches
+        update = self._update(state, micro, caches, config)
         groups = [ctx.dp_group] if ctx.dp_size > 1 else []
         if pp > 1:  # only the last stage computed the loss
             groups.append(parallel_state.get_pipeline_model_parallel_group())
-        return step_result(updates, caches, batch, config, groups, ctx.device, start)
+        return step_result(update, caches, batch, config, groups, ctx.device, start)
 
-    def _update(self, state, micro, caches, config: StepConfig, advance_schedule) -> Update:
+    def fill_old_logprobs(self, state, batch, config, caches):
+        """pi_old of each micro-batch: megatron-core's schedule, forward only (the last pipeline
+        stage computes it; earlier stages never compute a loss)."""
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        micro = data_parallel_micro_batches(
+            batch, self.ctx, config.micro_batch_size, fixed_width=pp > 1
+        )
+        state.model.eval()
+        with torch.no_grad():
+            get_forward_backward_func()(
+                forward_step_func=functools.partial(_logprobs_step, config=config, ctx=self.ctx),
+                data_iterator=iter(list(zip(micro, caches))),
+                model=[state.model],
+                num_microbatches=len(micro),
+                seq_length=int(micro[0].input_ids.shape[1]),
+                micro_batch_size=config.micro_batch_size,
+                forward_only=True,
+            )
+
+    def _update(self, state, micro, caches, config: StepConfig) -> Update:
         """One optimizer update: this rank's metric sums, the grad norm and the LR."""
         model, optimizer, scheduler = state.model, state.optimizer, state.scheduler
         model.train()
@@ -208,8 +224,7 @@ class CUDATier(Tier):
             micro_batch_size=config.micro_batch_size,
             forward_only=False,
         )
-        if advance_schedule:  # update k uses the schedule's value at k + 1 (no zero-LR step)
-            scheduler.step(increment=1)
+        scheduler.step(increment=1)  # update k uses the schedule's value at k + 1
         lr = optimizer.param_groups[0]["lr"]
         _, grad_norm, _ = optimizer.step()
         total = NamedSums.zeros(keys)
@@ -249,6 +264,26 @@ def _forward_step(data_iterator, model, *, config: StepConfig, ctx, sums: list[N
     positions = torch.arange(ids.shape[1], device=ids.device)[None, :].expand_as(ids)
     output = model(ids, positions, None)  # last stage: (b, t, V/tp) logits; else activations
     return output, functools.partial(_loss, micro, cache, config=config, ctx=ctx, sums=sums)
+
+
+def _logprobs_step(data_iterator, model, *, config: StepConfig, ctx):
+    """``forward_step_func`` of ``fill_old_logprobs``: stores pi_old in the micro-batch's cache."""
+    micro, cache = next(data_iterator)
+    ids = micro.input_ids.to(ctx.device, non_blocking=True)  # (b, t)
+    positions = torch.arange(ids.shape[1], device=ids.device)[None, :].expand_as(ids)
+    output = model(ids, positions, None)
+
+    def store(logits: torch.Tensor):
+        dev = logits.device
+        logprobs, _ = token_outputs(
+            logits.float(), micro.target_ids.to(dev), micro.temperature.to(dev),
+            config.vocab_size, ctx.tp_group, with_entropy=False,
+        )  # fmt: skip
+        cache.old_logprobs = logprobs.detach()
+        zero = logits.new_zeros(())
+        return zero, torch.ones((), dtype=torch.int, device=dev), {}
+
+    return output, store
 
 
 def _loss(

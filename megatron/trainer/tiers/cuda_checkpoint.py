@@ -26,7 +26,7 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.utils import unwrap_model
 
-from megatron.trainer.checkpointing import CheckpointShards, TrainState
+from megatron.trainer.checkpointing import CheckpointShards, LoadOptions, TrainState
 from megatron.trainer.initialize import ParallelContext
 
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -55,8 +55,15 @@ class DistShards(CheckpointShards):
         }
         dist_checkpointing.save(payload, str(directory), sharded_strategy=SHARDED_STRATEGY)
 
-    def read(self, directory: Path, state: TrainState, check_args: Callable[[dict], None]) -> None:
-        """Load this rank's shards (any saved layout) into the model, optimizer and schedule."""
+    def read(
+        self,
+        directory: Path,
+        state: TrainState,
+        check_args: Callable[[dict], None],
+        options: LoadOptions = LoadOptions(),
+    ) -> None:
+        """Load this rank's shards (any saved layout) into the model and, as ``options`` say,
+        the optimizer, schedule and RNG."""
         if not (directory / "metadata.json").is_file():
             raise SystemExit(
                 f"--load {directory.parent}: {directory} is not a dist_checkpointing checkpoint"
@@ -65,18 +72,20 @@ class DistShards(CheckpointShards):
         check_args(common.get("args", {}))
         unwrapped = unwrap_model(state.model)
         model_sd = unwrapped.sharded_state_dict()
-        sharded = {
-            "model": model_sd,
-            "optimizer": state.optimizer.sharded_state_dict(
+        sharded = {"model": model_sd}
+        if options.optimizer:
+            sharded["optimizer"] = state.optimizer.sharded_state_dict(
                 model_sd, is_loading=True, metadata=OPTIMIZER_METADATA
-            ),
-            "rng_state": _rng_object(None),
-        }
+            )
+        if options.rng:
+            sharded["rng_state"] = _rng_object(None)
         loaded = dist_checkpointing.load(sharded, str(directory), sharded_strategy=None)
         unwrapped.load_state_dict(loaded["model"])
-        state.optimizer.load_state_dict(loaded["optimizer"])
-        state.scheduler.load_state_dict(loaded["scheduler"])
-        _set_rng_state(loaded["rng_state"])
+        if options.optimizer:
+            state.optimizer.load_state_dict(loaded["optimizer"])
+            state.scheduler.load_state_dict(loaded["scheduler"])
+        if options.rng:
+            _set_rng_state(loaded["rng_state"])
 
 
 def _rng_object(state: Any) -> ShardedObject:

@@ -61,19 +61,15 @@ def test_defaults_are_valid_and_derived_values_are_filled():
             id="seq-longer-than-positions",
         ),
         pytest.param(["--min-lr", "1"], 1, "--min-lr", id="min-lr-above-lr"),
-        pytest.param(
-            ["--lr-warmup-iters", "5", "--train-iters", "5"],
-            1,
-            "--lr-warmup-iters",
-            id="warmup-too-long",
-        ),
+        pytest.param(["--lr-warmup-iters", "-1"], 1, "--lr-warmup-iters", id="negative-warmup"),
         pytest.param(
             ["--grpo-clamp-eps-lower", "1.5"],
             1,
             "--grpo-clamp-eps-lower",
             id="eps-lower-out-of-range",
         ),
-        pytest.param(["--rl-default-top-p", "0"], 1, "--rl-default-top-p", id="top-p-zero"),
+        pytest.param(["--rl-default-top-p", "1.5"], 1, "--rl-default-top-p", id="top-p-above-1"),
+        pytest.param(["--rl-default-top-k", "-2"], 1, "--rl-default-top-k", id="top-k-below-off"),
         pytest.param(
             ["--rl-default-max-tokens", "40"],
             1,

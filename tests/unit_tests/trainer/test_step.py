@@ -1,5 +1,5 @@
 """The shared GRPO step (``megatron/trainer/step.py``) on the CPU tier: step-0 invariants, IS
-correction, iterations, packing, the KL term, named metrics.
+correction, iterations sharing pi_old, packing, the KL term, named metrics.
 
 All on one rank with a tiny GPT and synthetic rollouts; values are compared with what the
 definitions give by hand (ratio exactly 1 and KL exactly 0 before any update, IS weight exactly 1
@@ -76,15 +76,15 @@ def config(terms=(), micro_batch_size=MICRO, **options) -> StepConfig:
     return StepConfig(loss, VOCAB, micro_batch_size, clip_grad=1.0, **options)
 
 
-def step(state, b, ctx, terms=(), reference=None, **options):
-    return train_step(state, b, config(terms, **options), ctx, reference)
+def step(state, b, ctx, terms=(), reference=None, caches=None, **options):
+    return train_step(state, b, config(terms, **options), ctx, reference, caches)
 
 
 def test_first_micro_batch_has_ratio_one_and_zero_kl():
     ctx = context()
     state, reference = setup(ctx)
     micro = batch().rows(0, MICRO)
-    cfg = config(KL, iterations=2, importance=ImportanceConfig(2.0))
+    cfg = config(KL, old_logprobs=True, importance=ImportanceConfig(2.0))
     cache = MicroBatchCache()
     state.model.train()
     logprobs, _ = policy_logprobs(state.model, micro, VOCAB, ctx)
@@ -127,15 +127,20 @@ def test_mismatch_metrics_are_measured_against_the_engine_logprobs():
     assert extra["ratio_mean"] == 1.0  # one iteration: every ratio is against pi_old == pi_theta
 
 
-def test_iterations_reuse_the_batch_with_one_schedule_step():
+def test_iterations_over_one_batch_share_pi_old_and_each_step_the_schedule():
     ctx = context()
     state, _ = setup(ctx)
-    result = step(state, batch(), ctx, iterations=3)
-    assert state.scheduler.num_steps == 1  # the LR schedule advances once per step
+    b = batch()
+    caches = [MicroBatchCache(), MicroBatchCache()]  # this batch's two micro-batches
+    results = [step(state, b, ctx, old_logprobs=True, caches=caches) for _ in range(3)]
+    assert state.scheduler.num_steps == 3  # the LR schedule advances every iteration
     first_param = next(iter(state.model.parameters()))
     assert state.optimizer.state[first_param]["step"].item() == 3  # three updates
-    assert result.metrics["ratio_mean"] != 1.0  # iterations 2 and 3 moved away from pi_old
-    assert result.trained_tokens == 3 * int(batch().lengths.sum())
+    ratios = [r.metrics["ratio_mean"] for r in results]
+    assert ratios[0] == 1.0 and ratios[1] != 1.0 and ratios[2] != ratios[1]  # against pi_old
+    assert all(c.old_logprobs is not None for c in caches)
+    assert [r.trained_tokens for r in results] == [int(b.lengths.sum())] * 3
+    assert results[0].lr > results[1].lr > results[2].lr  # cosine decay, one step each
 
 
 def test_packed_step_matches_unpacked_step():
@@ -210,14 +215,19 @@ def options_steps(rank: int, world_size: int, tp: int):
     reference = build_reference_model(args, model, VOCAB, ctx, needs_reference=True)
     state = TrainState(model, *build_optimizer(model, args))
     cfg = config(
-        KL_AND_ENTROPY, micro_batch_size=4, iterations=2, importance=ImportanceConfig(1.5),
+        KL_AND_ENTROPY, micro_batch_size=4, old_logprobs=True, importance=ImportanceConfig(1.5),
         packing_capacity=16,
     )  # fmt: skip
     results = []
     for seed in range(2):
-        r = train_step(state, batch(seed), cfg, ctx, reference)
-        metrics = dict(r.metrics)
-        results.append((r.loss, r.grad_norm, metrics.pop("ratio_mean"), metrics))
+        caches = None
+        for _ in range(2):  # two iterations over the batch, sharing pi_old
+            if caches is None:
+                per_rank = 16 // ctx.dp_size // 4
+                caches = [MicroBatchCache() for _ in range(per_rank)]
+            r = train_step(state, batch(seed), cfg, ctx, reference, caches)
+            metrics = dict(r.metrics)
+            results.append((r.loss, r.grad_norm, metrics.pop("ratio_mean"), metrics))
     return results
 
 

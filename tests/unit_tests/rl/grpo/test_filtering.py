@@ -1,4 +1,5 @@
-"""Dynamic sampling: the first P groups with differing rewards, in (round, index) order."""
+"""Dynamic sampling: the first P groups with differing rewards, in (round, index) order; a short
+batch trains on those, the rest masked."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import pytest
 
 from megatron.rl.grpo.filtering import (
     DynamicSamplingConfig,
-    DynamicSamplingExhausted,
     has_reward_variance,
     select_groups,
 )
@@ -52,9 +52,9 @@ def test_keeps_first_groups_with_variance_and_reports_rounds():
         group(4, 0, 1),
         group(5, 0, 1),
     ]
-    out = select_groups(groups, DynamicSamplingConfig(2, 3), batch_id=7)
+    out = select_groups(groups, DynamicSamplingConfig(2, 3))
     assert [g.index_in_batch for g in out.groups] == [1, 3]
-    assert out.dropped == 2 and out.rounds_used == 2
+    assert out.dropped == 2 and out.rounds_used == 2 and out.kept == 2
 
 
 def test_first_round_suffices():
@@ -64,14 +64,28 @@ def test_first_round_suffices():
     assert out.dropped == 0 and out.rounds_used == 1
 
 
-def test_too_few_groups_is_an_error_naming_the_flags():
-    groups = [group(0, 0, 1), group(1, 1, 1), group(2, 1, 1), group(3, 0, 0)]
-    with pytest.raises(DynamicSamplingExhausted) as err:
-        select_groups(groups, DynamicSamplingConfig(2, 2), batch_id=7)
-    message = str(err.value)
-    assert "batch 7" in message and "only 1 of 2" in message
-    assert "--grpo-max-generation-rounds" in message
-    assert "--grpo-filter-groups-with-same-reward" in message
+@pytest.mark.parametrize("rounds", [1, 2], ids=["one-round", "two-rounds"])
+def test_a_short_batch_trains_on_the_groups_that_remain_and_masks_the_rest(rounds):
+    groups = [group(0, 0, 1), group(1, 1, 1), group(2, 1, 1), group(3, 0, 0)][: 2 * rounds]
+    out = select_groups(groups, DynamicSamplingConfig(2, rounds))
+    assert out.kept == 1 and out.rounds_used == rounds
+    assert out.dropped == (1 if rounds == 1 else 3)
+    assert [g.index_in_batch for g in out.groups] == [0, 1]  # kept, then the first dropped
+    assert not any(r.is_placeholder for r in out.groups[0].rollouts)
+    masked = out.groups[1].rollouts
+    assert all(r.is_placeholder and "dynamic sampling" in r.error for r in masked)
+    assert [r.tokens for r in masked] == [r.tokens for r in groups[1].rollouts]
+
+
+def test_masked_groups_carry_no_loss_and_the_mean_is_over_kept_tokens():
+    from megatron.rl.grpo.batch import build_train_batch
+
+    groups = [group(0, 0, 1), group(1, 1, 1)]
+    out = select_groups(groups, DynamicSamplingConfig(2, 1))
+    batch = build_train_batch(out.groups, pad_id=0)
+    assert batch.num_rows == 4  # shapes do not depend on what was dropped
+    assert batch.loss_mask[2:].sum() == 0 and batch.advantages[2:].abs().sum() == 0
+    assert batch.num_loss_tokens == 2  # the token-mean loss divides by the kept group's tokens
 
 
 def test_wrong_number_of_groups_is_rejected():

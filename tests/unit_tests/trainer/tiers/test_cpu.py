@@ -15,6 +15,7 @@ from megatron.rl.inference.protocol import InferenceEngine, RowRunner
 from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig
 from megatron.rl.models.attention import SDPACoreAttention
 from megatron.trainer.checkpointing import TrainState
+from megatron.trainer.step import MicroBatchCache
 from megatron.trainer.tiers.cpu import CPUTier, TorchShards
 
 
@@ -36,19 +37,34 @@ def test_the_model_is_a_float32_gpt_with_sdpa_attention_and_a_padded_tied_vocabu
     assert model(ids, torch.arange(3)[None], None).shape == (1, 3, rows)
 
 
-def test_the_step_runs_the_configured_number_of_updates(tier):
+def test_a_step_is_one_update_and_one_schedule_step(tier):
     torch.manual_seed(3)
     model = tier.build_model(VOCAB)
     state = TrainState(model, *tier.build_optimizer(model))
     batch = build_train_batch(synthetic_groups(2, 4, VOCAB, seed=1), pad_id=0)
-    once = tier.train_step(state, batch, step_config(VOCAB))
-    twice = tier.train_step(state, batch, step_config(VOCAB, iterations=2))
+    before = [p.detach().clone() for p in model.parameters()]
+    result = tier.train_step(state, batch, step_config(VOCAB))
     first_param = next(iter(model.parameters()))
-    assert state.optimizer.state[first_param]["step"].item() == 3  # 1 + 2 updates
-    assert state.scheduler.num_steps == 2  # once per step
-    assert twice.trained_tokens == 2 * once.trained_tokens == 2 * int(batch.lengths.sum())
-    assert once.metrics["ratio_mean"] != twice.metrics["ratio_mean"]
-    assert once.loss_tokens == twice.loss_tokens == batch.num_loss_tokens
+    assert state.optimizer.state[first_param]["step"].item() == 1
+    assert state.scheduler.num_steps == 1
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert result.trained_tokens == int(batch.lengths.sum())
+    assert result.loss_tokens == batch.num_loss_tokens
+
+
+def test_pi_old_filled_up_front_equals_the_policy_before_the_update(tier):
+    torch.manual_seed(3)
+    model = tier.build_model(VOCAB)
+    state = TrainState(model, *tier.build_optimizer(model))
+    batch = build_train_batch(synthetic_groups(2, 4, VOCAB, seed=1), pad_id=0)
+    config = step_config(VOCAB, old_logprobs=True)
+    upfront = [MicroBatchCache(), MicroBatchCache()]
+    tier.fill_old_logprobs(state, batch, config, upfront)
+    lazy = [MicroBatchCache(), MicroBatchCache()]
+    result = tier.train_step(state, batch, config, caches=lazy)  # fills pi_old from its forward
+    for a, b in zip(upfront, lazy):
+        assert torch.allclose(a.old_logprobs, b.old_logprobs, atol=1e-6)
+    assert result.metrics["ratio_mean"] == 1.0
 
 
 def test_the_engine_is_the_scheduler_over_kv_cache_runners(tier):
