@@ -18,6 +18,15 @@ def single_rank_world():
     dist.destroy_process_group()
 
 
+@pytest.fixture(scope="session")
+def tiny_hf_checkpoints(tmp_path_factory):
+    """family -> directory of a tiny random Hugging Face checkpoint with its tokenizer, built
+    once per session (read-only in tests)."""
+    from grpo_testing.hf_models import make_checkpoints
+
+    return make_checkpoints(tmp_path_factory.mktemp("tiny_hf"))
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` are skipped where CUDA is not available."""
     import torch

@@ -2,6 +2,7 @@
 
     python tools/make_tiny_hf_checkpoint.py --family qwen3 --out /tmp/tiny-qwen3 \
         [--hidden-size 64] [--num-layers 2] [--vocab-size 320] [--tokenizer-corpus FILE]
+    python tools/make_tiny_hf_checkpoint.py --shape qwen2.5-0.5b --out /tmp/qwen2.5-0.5b-random
 
 No downloads: the tokenizer is trained with ``tokenizers`` on built-in digit/arithmetic strings
 (or the lines of ``--tokenizer-corpus``), the model is random (``megatron/rl/models/hf/tiny.py``).
@@ -15,13 +16,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron.rl.models.hf.tiny import TINY_FAMILIES, make_tiny_checkpoint  # noqa: E402
+from megatron.rl.models.hf.tiny import SHAPES, TINY_FAMILIES, make_tiny_checkpoint  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
     """Parse the flags and write the checkpoint."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--family", choices=TINY_FAMILIES, required=True)
+    parser.add_argument("--family", choices=TINY_FAMILIES, default=None)
+    parser.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default=None,
+        help="a published model's shape with random weights (sets the family and sizes)",
+    )
     parser.add_argument("--out", type=Path, required=True, help="output directory")
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--num-layers", type=int, default=2)
@@ -32,20 +39,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokenizer-corpus", type=Path, default=None, help="text, one per line")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if (args.family is None) == (args.shape is None):
+        parser.error("give exactly one of --family and --shape")
+    shape = dict(SHAPES[args.shape]) if args.shape else {}
+    family = shape.pop("family", args.family)
     corpus = None
     if args.tokenizer_corpus is not None:
         corpus = [line for line in args.tokenizer_corpus.read_text().splitlines() if line]
+    sizes = dict(
+        hidden_size=args.hidden_size, num_layers=args.num_layers, vocab_size=args.vocab_size
+    )
     out = make_tiny_checkpoint(
-        args.family,
+        family,
         args.out,
-        hidden_size=args.hidden_size,
-        num_layers=args.num_layers,
-        vocab_size=args.vocab_size,
+        **{**sizes, **shape},
         tokenizer_vocab_size=args.tokenizer_vocab_size,
         corpus=corpus,
         seed=args.seed,
     )
-    print(f"wrote a tiny {args.family} checkpoint to {out}")
+    print(f"wrote a random {args.shape or 'tiny ' + family} checkpoint to {out}")
 
 
 if __name__ == "__main__":

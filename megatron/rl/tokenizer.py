@@ -20,6 +20,8 @@ class Tokenizer(Protocol):
 
     eos_id: int
     pad_id: int
+    extra_stop_ids: tuple[int, ...]
+    """Tokens besides ``eos_id`` that end a generation."""
 
     @property
     def vocab_size(self) -> int: ...
@@ -38,6 +40,7 @@ class CharTokenizer:
 
     pad_id = 0
     eos_id = 1
+    extra_stop_ids: tuple[int, ...] = ()
 
     def __init__(self, alphabet: str = DEFAULT_ALPHABET) -> None:
         if len(set(alphabet)) != len(alphabet):

@@ -16,6 +16,7 @@ from pathlib import Path
 from megatron.rl.grpo.importance import ImportanceConfig
 from megatron.rl.grpo.terms import loss_terms
 from megatron.trainer.megatron_lm_flags import add_refused_flags, aliases_of
+from megatron.trainer.model_flags import add_model_arguments, validate_model_args
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
@@ -37,32 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
         formatter_class=DefaultsHelpFormatter,
     )
-    g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=2, help="Transformer layers.")
-    g.add_argument("--hidden-size", type=int, default=64, help="Model width.")
-    g.add_argument("--num-attention-heads", type=int, default=4, help="Attention heads.")
-    g.add_argument(
-        "--ffn-hidden-size", type=int, default=None, help="MLP width (default 4x hidden)."
-    )
-    g.add_argument(
-        "--seq-length",
-        type=int,
-        default=32,
-        help="Longest prompt + completion, in tokens (also the KV-cache length).",
-    )
-    g.add_argument(
-        "--max-position-embeddings",
-        type=int,
-        default=None,
-        help="Size of the learned position table (default: --seq-length).",
-    )
-    g.add_argument(
-        "--make-vocab-size-divisible-by",
-        type=int,
-        default=128,
-        help="Pad the embedding table to a multiple of this; padded ids are never "
-        "sampled and get probability 0 in the loss.",
-    )
+    add_model_arguments(p)
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP degree.")
@@ -385,8 +361,14 @@ def optional_float(text: str) -> float | None:
     return None if text.lower() == "none" else float(text)
 
 
-def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> list[str]:
-    """Fill derived values on ``args`` and return every problem found, each naming its flags."""
+def validate_args(
+    args: argparse.Namespace, world_size: int, cuda: bool, explicit: frozenset[str] = frozenset()
+) -> list[str]:
+    """Fill derived values on ``args`` and return every problem found, each naming its flags.
+
+    ``explicit``: the flags (attribute names) given on the command line, for the conflicts of
+    ``--hf-checkpoint`` with architecture flags.
+    """
     errors: list[str] = []
 
     def check(ok: bool, message: str) -> None:
@@ -420,6 +402,8 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> list
         f"{args.grpo_group_size}",
     )
 
+    if args.make_vocab_size_divisible_by >= 1:
+        errors += validate_model_args(args, explicit)
     args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     check(args.ffn_hidden_size >= 1, "--ffn-hidden-size must be >= 1")
@@ -656,14 +640,28 @@ def _dest(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
 
 
+def parse_explicit(
+    parser: argparse.ArgumentParser, argv: list[str] | None = None
+) -> tuple[argparse.Namespace, frozenset[str]]:
+    """``parser.parse_args(argv)`` and the attributes the command line set explicitly."""
+    unset = object()
+    dests = {a.dest for a in parser._actions if argparse.SUPPRESS not in (a.dest, a.default)}
+    args = parser.parse_args(argv, namespace=argparse.Namespace(**dict.fromkeys(dests, unset)))
+    explicit = frozenset(d for d in dests if getattr(args, d) is not unset)
+    for action in parser._actions:
+        if action.dest in dests and getattr(args, action.dest) is unset:
+            setattr(args, action.dest, action.default)
+    return args, explicit
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse and validate; exits with status 2 and every message on bad input."""
     import torch
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, explicit = parse_explicit(parser, argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    errors = validate_args(args, world_size, torch.cuda.is_available())
+    errors = validate_args(args, world_size, torch.cuda.is_available(), explicit)
     if errors:
         parser.exit(2, f"{parser.prog}: error: invalid arguments:\n  " + "\n  ".join(errors) + "\n")
     return args

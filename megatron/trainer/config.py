@@ -17,7 +17,9 @@ from megatron.rl.grpo.importance import ImportanceConfig
 from megatron.rl.grpo.loss import GRPOLossConfig
 from megatron.rl.grpo.terms import LossTerm, loss_terms
 from megatron.rl.inference.scheduler import SchedulerConfig
+from megatron.rl.models.hf import HFCheckpointError, load_hf_tokenizer
 from megatron.rl.rollout.generator import RolloutConfig
+from megatron.rl.tokenizer import CharTokenizer, HuggingFaceTokenizer, Tokenizer
 from megatron.rl.wire import SamplingParams
 from megatron.trainer.checkpointing import saved_args
 from megatron.trainer.metrics import WandbConfig
@@ -94,14 +96,15 @@ def rollout_config(args: argparse.Namespace) -> RolloutConfig:
 
 
 def scheduler_config(
-    args: argparse.Namespace, dp_size: int, eos_id: int, training: bool = True
+    args: argparse.Namespace, dp_size: int, tokenizer: Tokenizer, training: bool = True
 ) -> SchedulerConfig:
-    """Slots per data-parallel replica, sequence length and EOS of an engine; the training
-    engine also takes ``--rl-deterministic-schedule``."""
+    """Slots per data-parallel replica, sequence length and stop tokens of an engine; the
+    training engine also takes ``--rl-deterministic-schedule``."""
     config = SchedulerConfig(
         max_requests=args.inference_max_requests // dp_size,
         max_seq_len=args.seq_length,
-        eos_id=eos_id,
+        eos_id=tokenizer.eos_id,
+        extra_stop_ids=tuple(tokenizer.extra_stop_ids),
     )
     if training:
         config = dataclasses.replace(config, window_target=args.rl_deterministic_schedule)
@@ -127,3 +130,16 @@ def wandb_config(args: argparse.Namespace) -> WandbConfig | None:
         return None
     directory = args.wandb_save_dir or str(Path(args.save or ".") / "wandb")
     return WandbConfig(args.wandb_project, args.wandb_exp_name, directory, saved_args(args))
+
+
+def tokenizer(args: argparse.Namespace) -> Tokenizer:
+    """The tokenizer of ``--tokenizer-type``; one of ``--hf-checkpoint`` is checked against the
+    checkpoint's embedding rows."""
+    if args.tokenizer_type == "CharTokenizer":
+        return CharTokenizer()
+    try:
+        if args.hf_config is not None:
+            return load_hf_tokenizer(args.tokenizer_model, args.hf_config)
+        return HuggingFaceTokenizer(args.tokenizer_model)
+    except HFCheckpointError as err:
+        raise SystemExit(f"pretrain_grpo.py: error: --tokenizer-model: {err}") from None

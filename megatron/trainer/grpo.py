@@ -18,13 +18,16 @@ import argparse
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from megatron.rl.agent.api import Agent
 from megatron.rl.agent.env_config import EnvConfigError, load_env_config
 from megatron.rl.grpo.batch import build_train_batch
 from megatron.rl.grpo.filtering import select_groups
-from megatron.rl.tokenizer import CharTokenizer
+from megatron.rl.tokenizer import Tokenizer
 from megatron.rl.wire import RolloutGroup
 from megatron.trainer import config
 from megatron.trainer.checkpointing import (
@@ -36,11 +39,76 @@ from megatron.trainer.checkpointing import (
 )
 from megatron.trainer.collection import Collection
 from megatron.trainer.evaluation import Evaluator, eval_agents
-from megatron.trainer.initialize import initialize_distributed, shutdown_distributed
+from megatron.trainer.hf_io import save_hf, weight_loader
+from megatron.trainer.initialize import (
+    ParallelContext,
+    initialize_distributed,
+    shutdown_distributed,
+)
 from megatron.trainer.metrics import MetricsWriter, step_metrics
+from megatron.trainer.model_provider import architecture
 from megatron.trainer.reference import build_reference_model
 from megatron.trainer.rollouts import CollectedBatch, InferenceServerConfig, RolloutSource
-from megatron.trainer.tiers import select_tier
+from megatron.trainer.step import StepConfig, StepResult
+from megatron.trainer.tiers import Tier, select_tier
+
+
+@dataclass
+class Run:
+    """What the loop trains with, built once per process (``build_run``)."""
+
+    args: argparse.Namespace
+    ctx: ParallelContext
+    tier: Tier
+    tokenizer: Tokenizer
+    step_config: StepConfig
+    state: TrainState
+    reference: torch.nn.Module | None
+    resumed: Checkpoint
+    """Where the run starts (``--load``): iteration 0 and no pipeline for a new run."""
+
+    @property
+    def k(self) -> int:
+        """Training iterations per collection."""
+        return self.args.iterations_per_collection
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches of one global batch on this data-parallel rank."""
+        return self.args.global_batch_size // (self.args.micro_batch_size * self.ctx.dp_size)
+
+    def collection(self, collected: CollectedBatch) -> tuple[Collection, dict[str, Any]]:
+        """The collection of a batch (dynamic sampling, advantages, pi_old) and its metrics."""
+        groups, extra = training_groups(self.args, collected)
+        batch = build_train_batch(groups, self.tokenizer.pad_id)
+        collection = Collection(batch, self.args.global_batch_size, self.k)
+        collection.prepare(self.tier, self.state, self.step_config, self.micro_batches)
+        return collection, extra
+
+    def train_step(self, collection: Collection, iteration: int) -> StepResult:
+        """One optimizer update on iteration ``iteration``'s global batch."""
+        j = iteration % self.k
+        batch, caches = collection.global_batch(j), collection.caches(j, self.micro_batches)
+        return self.tier.train_step(self.state, batch, self.step_config, self.reference, caches)
+
+
+def build_run(args: argparse.Namespace, ctx: ParallelContext) -> Run:
+    """Tier, tokenizer, model (``--hf-checkpoint`` weights), reference, optimizer, ``--load``."""
+    tier = select_tier(args, ctx)  # CPU or CUDA: model, optimizer, step, engine, checkpoints
+    tokenizer = config.tokenizer(args)
+    step_config = config.step_config(args, tokenizer.vocab_size)
+    model = tier.build_model(tokenizer.vocab_size, weight_loader(args))
+    reference = build_reference_model(  # before --load overwrites the initial weights
+        args, model, tokenizer.vocab_size, ctx, step_config.needs_reference
+    )
+    state = TrainState(model, *tier.build_optimizer(model))
+    resumed = Checkpoint(iteration=0, pipeline=None)
+    if args.load:
+        shards, options = tier.checkpoint_shards(), LoadOptions.of(args)
+        resumed = load_checkpoint(args.load, shards, state, args, ctx, options)
+    if ctx.is_main:
+        print(tier.describe(), flush=True)
+    return Run(args, ctx, tier, tokenizer, step_config, state, reference, resumed)
 
 
 def train(args: argparse.Namespace) -> None:
@@ -49,62 +117,30 @@ def train(args: argparse.Namespace) -> None:
     ctx = initialize_distributed(args)
     writer = evaluator = None
     try:
-        tier = select_tier(args, ctx)  # CPU or CUDA: model, optimizer, step, engine, checkpoints
-        tokenizer = CharTokenizer()
-        step_config = config.step_config(args, tokenizer.vocab_size)
-        model = tier.build_model(tokenizer.vocab_size)
-        reference = build_reference_model(  # before --load overwrites the initial weights
-            args, model, tokenizer.vocab_size, ctx, step_config.needs_reference
-        )
-        state = TrainState(model, *tier.build_optimizer(model))
-        resumed = Checkpoint(iteration=0, pipeline=None)
-        if args.load:
-            shards, options = tier.checkpoint_shards(), LoadOptions.of(args)
-            resumed = load_checkpoint(args.load, shards, state, args, ctx, options)
-        if ctx.is_main:
-            print(tier.describe(), flush=True)
-        writer = metrics_writer(args, resumed.iteration) if ctx.is_main else None
-        rank0_agent = agent if ctx.is_main else None
-        if evaluation_on(args):
-            eval_engine = config.scheduler_config(args, ctx.dp_size, tokenizer.eos_id, False)
-            evaluator = Evaluator(
-                ctx, tier, model, tokenizer, rank0_agent, config.eval_config(args), eval_engine
-            )
-        k = args.iterations_per_collection
-        with RolloutSource(
-            ctx, tier, model, tokenizer, rank0_agent, config.rollout_config(args),
-            config.scheduler_config(args, ctx.dp_size, tokenizer.eos_id), resumed.iteration // k,
-            InferenceServerConfig(args.rl_inference_server_host, args.rl_inference_server_port),
-            resumed.pipeline, policy_version=resumed.iteration,
-        ) as rollouts:  # fmt: skip
+        run = build_run(args, ctx)
+        writer = metrics_writer(args, run.resumed.iteration) if ctx.is_main else None
+        evaluator = build_evaluator(run, agent)
+        with rollout_source(run, agent) as rollouts:
             stop_on_signals(rollouts)
-            micro_batches = args.global_batch_size // (args.micro_batch_size * ctx.dp_size)
-            for iteration in range(resumed.iteration, args.train_iters):
+            for iteration in range(run.resumed.iteration, args.train_iters):
                 t0 = time.perf_counter()
-                if iteration % k == 0:  # collect (ordered, forced lag), advantages, pi_old
+                if iteration % run.k == 0:  # collect (ordered, forced lag) -> advantages, pi_old
                     collected = rollouts.next_batch()
-                    groups, extra = training_groups(args, collected)  # dynamic sampling (if on)
-                    batch = build_train_batch(groups, tokenizer.pad_id)
-                    collection = Collection(batch, args.global_batch_size, k)
-                    collection.prepare(tier, state, step_config, micro_batches)
-                j = iteration % k
-                result = tier.train_step(  # train step: one optimizer update
-                    state, collection.global_batch(j), step_config, reference,
-                    collection.caches(j, micro_batches),
-                )  # fmt: skip
+                    collection, extra = run.collection(collected)
+                result = run.train_step(collection, iteration)  # one optimizer update
                 rollouts.policy_version = iteration + 1
-                elapsed = time.perf_counter() - t0
-                metrics = dict(extra)
+                elapsed, metrics = time.perf_counter() - t0, dict(extra)
                 if evaluation_due(args, iteration + 1):  # own engine and window
                     metrics.update(evaluator.run(policy_version=iteration + 1))
                 if writer is not None:  # log
-                    m = step_metrics(
-                        iteration, args.rl_forced_lag, collected, result, elapsed, metrics, k
-                    )
-                    writer.write(m)
-                if (iteration + 1) % k == 0 and end_of_collection(args, ctx, iteration + 1,
-                                                                  tier, state, rollouts):  # fmt: skip
-                    break
+                    writer.write(step_metrics(iteration, args.rl_forced_lag, collected, result,
+                                              elapsed, metrics, run.k))  # fmt: skip
+                if (iteration + 1) % run.k == 0 and end_of_collection(run, iteration + 1, rollouts):
+                    break  # --exit-interval
+        if args.save_hf is not None:  # the policy as a Hugging Face directory
+            arch = architecture(args, run.tokenizer.vocab_size)
+            rows = args.hf_config.vocab_size if args.hf_config else run.tokenizer.vocab_size
+            save_hf(args, run.state.model, arch, rows, ctx)
     finally:
         if evaluator is not None:
             evaluator.close()
@@ -113,13 +149,38 @@ def train(args: argparse.Namespace) -> None:
         shutdown_distributed()
 
 
-def end_of_collection(args, ctx, iteration: int, tier, state, rollouts) -> bool:
+def build_evaluator(run: Run, agent: Agent) -> Evaluator | None:
+    """The evaluation engine of ``--eval-interval`` / ``--eval-iters`` (None when off)."""
+    if not evaluation_on(run.args):
+        return None
+    engine = config.scheduler_config(run.args, run.ctx.dp_size, run.tokenizer, training=False)
+    return Evaluator(
+        run.ctx, run.tier, run.state.model, run.tokenizer, agent if run.ctx.is_main else None,
+        config.eval_config(run.args), engine,
+    )  # fmt: skip
+
+
+def rollout_source(run: Run, agent: Agent) -> RolloutSource:
+    """The training rollout pipeline, continuing ``run.resumed``."""
+    args, ctx = run.args, run.ctx
+    return RolloutSource(
+        ctx, run.tier, run.state.model, run.tokenizer, agent if ctx.is_main else None,
+        config.rollout_config(args), config.scheduler_config(args, ctx.dp_size, run.tokenizer),
+        run.resumed.iteration // run.k,
+        InferenceServerConfig(args.rl_inference_server_host, args.rl_inference_server_port),
+        run.resumed.pipeline, policy_version=run.resumed.iteration,
+    )  # fmt: skip
+
+
+def end_of_collection(run: Run, iteration: int, rollouts: RolloutSource) -> bool:
     """Checkpoint (after draining the pipeline) when due; whether ``--exit-interval`` ends the
     run here."""
+    args = run.args
     exiting = args.exit_interval is not None and iteration % args.exit_interval == 0
     if checkpoint_due(args, iteration) or (exiting and args.save):
         pipeline = rollouts.drain()
-        save_checkpoint(args.save, iteration, tier.checkpoint_shards(), state, pipeline, args, ctx)
+        shards = run.tier.checkpoint_shards()
+        save_checkpoint(args.save, iteration, shards, run.state, pipeline, args, run.ctx)
     return exiting
 
 

@@ -1,4 +1,10 @@
-"""Builds the megatron-core ``GPTModel`` that is both trained and used for rollouts."""
+"""Model flags -> ``GPTArchitecture`` -> the megatron-core ``GPTModel`` trained and used for rollouts.
+
+``architecture(args, vocab_size)`` is the one mapping of the model flags (``model_flags.py``; with
+``--hf-checkpoint`` they were set from ``config.json``, whose architecture is taken verbatim). The
+tiers build the model with ``megatron.rl.models.architecture`` and their own precision and
+fusions; ``build_model`` is the CPU tier's.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +12,20 @@ import argparse
 
 import torch
 from megatron.core.models.gpt import GPTModel
-from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megatron.rl.models.gpt_spec import SDPASpecProvider, gpt_layer_spec
+from megatron.rl.models.architecture import (
+    GPTArchitecture,
+    RopeScaling,
+    build_gpt_model,
+    layer_spec,
+    transformer_config,
+)
+from megatron.rl.models.gpt_spec import SDPASpecProvider
+
+LLAMA3_SCALING = dict(
+    low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
+"""Megatron-LM's fixed Llama 3 RoPE scaling values (``--use-rope-scaling``)."""
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
@@ -21,55 +37,48 @@ def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
     return -(-vocab_size // divisible_by) * divisible_by
 
 
-def transformer_config(args: argparse.Namespace, **overrides) -> TransformerConfig:
-    """megatron-core config of the model described by the flags (``overrides``: tier settings)."""
-    fields = dict(
+def architecture(args: argparse.Namespace, vocab_size: int) -> GPTArchitecture:
+    """The model of the flags for a tokenizer of ``vocab_size`` ids (the embedding is padded to
+    ``--make-vocab-size-divisible-by``); ``--hf-checkpoint``'s own architecture when given."""
+    if args.hf_config is not None:
+        return args.hf_config.arch
+    scaling = None
+    if args.use_rope_scaling:
+        scaling = RopeScaling(factor=args.rope_scaling_factor, **LLAMA3_SCALING)
+    return GPTArchitecture(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
         ffn_hidden_size=args.ffn_hidden_size,
+        vocab_size=padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by),
+        max_position_embeddings=args.max_position_embeddings,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        kv_channels=args.kv_channels,
+        position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent,
+        rope_scaling=scaling,
+        normalization=args.normalization,
+        norm_epsilon=args.norm_epsilon,
+        swiglu=args.swiglu,
+        add_bias_linear=not args.disable_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
+        qk_layernorm=args.qk_layernorm,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+    )
+
+
+def parallel_overrides(args: argparse.Namespace) -> dict:
+    """The TransformerConfig fields of the parallel layout."""
+    return dict(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        # Weights are initialized at full size on the CPU from the global seed and then split,
-        # so TP=1 and TP=2 start from identical weights.
-        use_cpu_initialization=True,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-    )
-    fields.update(overrides)
-    return TransformerConfig(**fields)
-
-
-def gpt_model(
-    args: argparse.Namespace,
-    vocab_size: int,
-    config: TransformerConfig,
-    layer_spec: ModuleSpec,
-    pre_process: bool = True,
-    post_process: bool = True,
-) -> GPTModel:
-    """The GPT (this pipeline stage's part) with learned absolute positions and tied embeddings."""
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec,
-        vocab_size=padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by),
-        max_sequence_length=args.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        parallel_output=True,
-        share_embeddings_and_output_weights=True,
-        position_embedding_type="learned_absolute",
     )
 
 
 def build_model(args: argparse.Namespace, vocab_size: int, device: torch.device) -> GPTModel:
-    """The CPU tier's GPT described by ``args`` (SDPA core attention, float32, one stage)."""
-    model = gpt_model(
-        args, vocab_size, transformer_config(args), gpt_layer_spec(SDPASpecProvider())
-    )
-    return model.to(device)
+    """The CPU tier's GPT (SDPA core attention, float32, one pipeline stage) of the flags, for a
+    tokenizer of ``vocab_size`` ids."""
+    arch = architecture(args, vocab_size)
+    config = transformer_config(arch, **parallel_overrides(args))
+    return build_gpt_model(arch, config, layer_spec(arch, SDPASpecProvider())).to(device)

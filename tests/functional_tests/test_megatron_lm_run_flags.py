@@ -56,7 +56,9 @@ def test_no_load_optim_keeps_the_weights_and_drops_the_adam_moments(saved):
     assert no_optim[0]["loss"] == full[0]["loss"]  # same weights and rollouts
     assert no_optim[0]["lr"] != full[0]["lr"]  # the LR schedule restarts with the optimizer
     assert no_optim[1]["loss"] != full[1]["loss"]  # fresh moments, another update
-    assert [m["loss"] for m in no_rng] == [m["loss"] for m in full]  # sampling is seeded per request
+    assert [m["loss"] for m in no_rng] == [
+        m["loss"] for m in full
+    ]  # sampling is seeded per request
 
 
 def test_eval_iters_turns_evaluation_on_at_the_end():

@@ -24,6 +24,23 @@ def tiny_args(**overrides) -> argparse.Namespace:
         make_vocab_size_divisible_by=8,
         tensor_model_parallel_size=1,
         pipeline_model_parallel_size=1,
+        # the toy architecture (the defaults of the model flags)
+        group_query_attention=False,
+        num_query_groups=None,
+        kv_channels=None,
+        position_embedding_type="learned_absolute",
+        rotary_base=10000,
+        rotary_percent=1.0,
+        use_rope_scaling=False,
+        rope_scaling_factor=8.0,
+        normalization="LayerNorm",
+        norm_epsilon=1e-5,
+        swiglu=False,
+        disable_bias_linear=False,
+        add_qkv_bias=False,
+        qk_layernorm=False,
+        untie_embeddings_and_output_weights=False,
+        hf_config=None,
     )
     values.update(overrides)
     return argparse.Namespace(**values)

@@ -61,6 +61,8 @@ class SchedulerConfig:
     """Longest prompt + generation a request may reach (the KV cache length)."""
     eos_id: int = 1
     """Token that ends a generation."""
+    extra_stop_ids: tuple[int, ...] = ()
+    """Other tokens that end a generation (e.g. Llama 3's ``<|eot_id|>``)."""
     barrier_timeout_s: float = 60.0
     """Longest wait for announced requests before stepping without them."""
     window_target: bool = True
@@ -285,7 +287,7 @@ class ContinuousBatchingScheduler:
         req.logprobs.append(res.logprob)
         req.versions.append(version)
         self.generated_tokens += 1
-        if res.token == self.config.eos_id:
+        if res.token == self.config.eos_id or res.token in self.config.extra_stop_ids:
             self._finish(req, "stop")
         elif len(req.tokens) >= req.sampling.max_tokens:
             self._finish(req, "length")

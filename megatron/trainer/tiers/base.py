@@ -45,9 +45,12 @@ class Tier(ABC):
         self.ctx = ctx
 
     @abstractmethod
-    def build_model(self, vocab_size: int) -> torch.nn.Module:
-        """This rank's model (its TP shard and, on CUDA, its pipeline stage), trained and used
-        for rollouts."""
+    def build_model(
+        self, vocab_size: int, load: Callable[[torch.nn.Module], None] | None = None
+    ) -> torch.nn.Module:
+        """This rank's model (its TP shard and, on CUDA, its pipeline stage) for a tokenizer of
+        ``vocab_size`` ids, trained and used for rollouts. ``load`` fills the bare
+        ``GPTModel``'s weights (a Hugging Face checkpoint) before any wrapping."""
 
     @abstractmethod
     def build_optimizer(self, model: torch.nn.Module) -> tuple[Any, Any]:

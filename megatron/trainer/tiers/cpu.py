@@ -56,9 +56,13 @@ class CPUTier(Tier):
 
     name = "cpu"
 
-    def build_model(self, vocab_size: int) -> torch.nn.Module:
-        """Float32 GPT with the SDPA core attention on ``ctx.device``."""
-        return model_provider.build_model(self.args, vocab_size, self.ctx.device)
+    def build_model(self, vocab_size, load=None):
+        """Float32 GPT with the SDPA core attention on ``ctx.device``; ``load`` fills its
+        weights."""
+        model = model_provider.build_model(self.args, vocab_size, self.ctx.device)
+        if load is not None:
+            load(model)
+        return model
 
     def build_optimizer(self, model: torch.nn.Module) -> tuple[Any, Any]:
         """torch AdamW and the shared LR schedule."""

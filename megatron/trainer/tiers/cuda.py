@@ -1,6 +1,6 @@
 """The CUDA tier: megatron-core all the way (see ``megatron.trainer.tiers.base``).
 
-* Model: the same GPT as the CPU tier (``model_provider.gpt_model``), this rank's pipeline stage,
+* Model: the same GPT as the CPU tier (``model_provider.architecture``), this rank's pipeline stage,
   with the Transformer Engine layer spec when ``transformer_engine`` imports (else megatron-core's
   local modules with the SDPA core attention; they pick Apex's fused layer norm when Apex
   imports), ``Float16Module`` for ``--bf16``, wrapped in megatron-core's
@@ -45,9 +45,15 @@ from megatron.core.transformer.module import Float16Module
 from megatron.rl.grpo.batch import TrainBatch
 from megatron.rl.inference.dynamic_engine import attention_backend_name, build_dynamic_step_group
 from megatron.rl.inference.dynamic_runner import DynamicEngineConfig
-from megatron.rl.models.gpt_spec import SDPASpecProvider, gpt_layer_spec, select_backend
+from megatron.rl.models.architecture import (
+    GPTArchitecture,
+    build_gpt_model,
+    layer_spec,
+    transformer_config,
+)
+from megatron.rl.models.gpt_spec import SDPASpecProvider, select_backend
 from megatron.trainer.checkpointing import CheckpointShards
-from megatron.trainer.model_provider import gpt_model, padded_vocab_size, transformer_config
+from megatron.trainer.model_provider import architecture, padded_vocab_size, parallel_overrides
 from megatron.trainer.optimizer import build_scheduler
 from megatron.trainer.step import (
     MicroBatchCache,
@@ -72,11 +78,12 @@ def apex_fused_wgrad_importable() -> bool:
     return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
 
 
-def cuda_transformer_config(args, transformer_engine: bool):
-    """The model config of the flags with the CUDA tier's precision and fusions."""
+def cuda_transformer_config(args, arch: GPTArchitecture, transformer_engine: bool):
+    """The model config of ``arch`` with the CUDA tier's layout, precision and fusions."""
     dtype = torch.bfloat16 if getattr(args, "bf16", False) else torch.float32
     return transformer_config(
-        args,
+        arch,
+        **parallel_overrides(args),
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -127,20 +134,22 @@ class CUDATier(Tier):
 
     # ----------------------------------------------------------------- model, optimizer
 
-    def build_model(self, vocab_size: int) -> torch.nn.Module:
-        """This stage's GPT on the current CUDA device, in bf16 if asked, wrapped in DDP."""
+    def build_model(self, vocab_size, load=None):
+        """This stage's GPT on the current CUDA device (``load`` fills its weights before it is
+        cast), in bf16 if asked, wrapped in DDP."""
         args = self.args
-        te = self.transformer_engine
-        config = cuda_transformer_config(args, te)
-        model = gpt_model(
-            args,
-            vocab_size,
+        arch = architecture(args, vocab_size)
+        config = cuda_transformer_config(args, arch, self.transformer_engine)
+        model = build_gpt_model(
+            arch,
             config,
-            gpt_layer_spec(select_backend(cuda=True)),
+            layer_spec(arch, select_backend(cuda=True)),
             pre_process=parallel_state.is_pipeline_first_stage(),
             post_process=parallel_state.is_pipeline_last_stage(),
         )
         model.to(self.ctx.device)
+        if load is not None:
+            load(model)
         if config.bf16:
             model = Float16Module(config, model)
         ddp = DistributedDataParallel(

@@ -49,22 +49,33 @@ def builtin_corpus() -> list[str]:
     return lines
 
 
-def train_tokenizer(corpus: Iterable[str], vocab_size: int = 300, add_bos: bool = True):
-    """A byte-level BPE ``PreTrainedTokenizerFast`` with the special tokens and chat template."""
+def train_tokenizer(
+    corpus: Iterable[str], vocab_size: int = 300, add_bos: bool = True, byte_level: bool = True
+):
+    """A BPE ``PreTrainedTokenizerFast`` with the special tokens and chat template: byte-level
+    (the 256 byte symbols, as Llama 3 and Qwen), or, without ``byte_level``, over the characters
+    of the corpus only (a small vocabulary: random-init models learn on it quickly)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
+    corpus = list(corpus)
+    if byte_level:
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    else:
+        tok = Tokenizer(models.BPE(unk_token="<|pad|>"))
+        tok.decoder = decoders.Fuse()
+        alphabet = sorted({ch for line in corpus for ch in line})
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        initial_alphabet=alphabet,
         min_frequency=1,
         show_progress=False,
     )
-    tok.train_from_iterator(list(corpus), trainer)
+    tok.train_from_iterator(corpus, trainer)
     if add_bos:
         bos = tok.token_to_id("<|bos|>")
         tok.post_processor = processors.TemplateProcessing(
@@ -77,23 +88,36 @@ def train_tokenizer(corpus: Iterable[str], vocab_size: int = 300, add_bos: bool 
     return wrapped
 
 
+SHAPES = {
+    "qwen2.5-0.5b": dict(
+        family="qwen2", hidden_size=896, num_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
+        max_position_embeddings=32768,
+    ),
+}  # fmt: skip
+"""Published model shapes (random weights here): ``make_tiny_checkpoint(**SHAPES[name], ...)``."""
+
+
 def tiny_config(
     family: str,
     vocab_size: int,
     hidden_size: int = 64,
     num_layers: int = 2,
     max_position_embeddings: int = 256,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    intermediate_size: int | None = None,
 ):
-    """The transformers config of a tiny ``family`` model."""
+    """The transformers config of a tiny ``family`` model (or of a ``SHAPES`` entry)."""
     import transformers
 
     common = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
         max_position_embeddings=max_position_embeddings,
         rms_norm_eps=1e-6,
         bos_token_id=1,
@@ -101,7 +125,7 @@ def tiny_config(
         pad_token_id=0,
     )
     if family == "llama":
-        return transformers.LlamaConfig(**{**common, "num_key_value_heads": 4})
+        return transformers.LlamaConfig(**{**common, "num_key_value_heads": num_attention_heads})
     if family == "llama3":
         scaling = dict(
             rope_type="llama3",
@@ -143,6 +167,7 @@ def make_tiny_checkpoint(
     tokenizer_vocab_size: int = 300,
     corpus: Iterable[str] | None = None,
     seed: int = 0,
+    **shape,
 ) -> Path:
     """Write a tiny random ``family`` checkpoint with its tokenizer to ``out``; returns ``out``.
 
@@ -160,7 +185,7 @@ def make_tiny_checkpoint(
         add_bos=family in ("llama", "llama3", "mistral"),
     )
     rows = vocab_size if vocab_size is not None else -(-len(tokenizer) // 16) * 16
-    config = tiny_config(family, rows, hidden_size, num_layers)
+    config = tiny_config(family, rows, hidden_size, num_layers, **shape)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     randomize_(model, seed)

@@ -7,9 +7,10 @@ import dataclasses
 import megatron.core.models.backends as mcore_backends
 import pytest
 import torch
-from grpo_testing.models import VOCAB, tiny_args, tiny_gpt
+from grpo_testing.models import VOCAB, tiny_args
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
@@ -59,7 +60,22 @@ def tp1(single_rank_world):
 
 
 def test_toy_model_is_expressible_and_builds_the_same_model_bitwise(tp1):
-    reference = tiny_gpt(seed=5)  # megatron/trainer/model_provider.py
+    # megatron-core's GPTModel as the trainer built the toy before GPTArchitecture existed
+    torch.manual_seed(5)
+    args = tiny_args()
+    reference = GPTModel(
+        config=TransformerConfig(
+            num_layers=args.num_layers, hidden_size=args.hidden_size,
+            num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
+            hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
+            params_dtype=torch.float32, pipeline_dtype=torch.float32, bias_dropout_fusion=False,
+            masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+        ),
+        transformer_layer_spec=gpt_layer_spec(SDPASpecProvider()),
+        vocab_size=padded_vocab_size(VOCAB, args.make_vocab_size_divisible_by),
+        max_sequence_length=args.max_position_embeddings, parallel_output=True,
+        share_embeddings_and_output_weights=True, position_embedding_type="learned_absolute",
+    )  # fmt: skip
     torch.manual_seed(5)
     ours = build_gpt_model(TOY, transformer_config(TOY), layer_spec(TOY, SDPASpecProvider()))
     assert type(ours) is GPTModel and ours.position_embedding_type == "learned_absolute"

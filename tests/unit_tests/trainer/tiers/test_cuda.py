@@ -17,7 +17,7 @@ from megatron.rl.grpo.terms.reference_kl import ReferenceKL
 from megatron.rl.inference.protocol import InferenceEngine, RowRunner
 from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig
 from megatron.trainer.checkpointing import TrainState, load_checkpoint, save_checkpoint
-from megatron.trainer.model_provider import build_model
+from megatron.trainer.model_provider import architecture, build_model
 from megatron.trainer.step import (
     MicroBatchCache,
     NamedSums,
@@ -35,6 +35,8 @@ from megatron.trainer.tiers.cuda import (
     optimizer_config,
 )
 
+ARCH = architecture(train_args(), VOCAB)
+
 
 @pytest.fixture
 def cpu_world(single_rank_world):
@@ -43,10 +45,10 @@ def cpu_world(single_rank_world):
 
 
 def test_cuda_config_carries_precision_and_per_token_loss():
-    config = cuda_transformer_config(train_args(bf16=True), transformer_engine=False)
+    config = cuda_transformer_config(train_args(bf16=True), ARCH, transformer_engine=False)
     assert config.bf16 and config.params_dtype == torch.bfloat16
     assert config.pipeline_dtype == torch.bfloat16 and config.calculate_per_token_loss
-    fp32 = cuda_transformer_config(train_args(), transformer_engine=True)
+    fp32 = cuda_transformer_config(train_args(), ARCH, transformer_engine=True)
     assert not fp32.bf16 and fp32.params_dtype == torch.float32
     assert fp32.gradient_accumulation_fusion  # Transformer Engine fuses weight gradients
 
@@ -57,7 +59,7 @@ def test_cuda_config_carries_precision_and_per_token_loss():
 )
 def test_optimizer_config_maps_the_flags(clip, want):
     args = train_args(clip_grad=clip, use_distributed_optimizer=True)
-    config = optimizer_config(args, cuda_transformer_config(args, transformer_engine=False))
+    config = optimizer_config(args, cuda_transformer_config(args, ARCH, transformer_engine=False))
     assert config.optimizer == "adam" and config.use_distributed_optimizer
     assert (config.lr, config.min_lr, config.weight_decay) == (args.lr, args.min_lr, 0.01)
     assert (config.adam_beta1, config.adam_beta2, config.adam_eps) == (0.9, 0.99, 1e-8)

@@ -1,0 +1,88 @@
+"""Hugging Face checkpoints in and out of a run: ``--hf-checkpoint`` weights, ``--save-hf`` export.
+
+The library (``megatron.rl.models.hf``) maps tensors; this module ties it to the run's flags and
+parallel layout, and turns its errors into one message naming the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from megatron.core.utils import unwrap_model
+
+from megatron.rl.models.architecture import GPTArchitecture
+from megatron.rl.models.hf import (
+    HFCheckpointError,
+    export_hf,
+    gather_tensor_parallel_state_dicts,
+    load_hf_checkpoint,
+)
+from megatron.rl.models.hf.config import check_family
+from megatron.trainer.initialize import ParallelContext
+
+
+def export_family(arch: GPTArchitecture) -> str:
+    """The Hugging Face family an architecture is exported as: Qwen3 (QK norm), Qwen2 (QKV bias
+    only), else Llama."""
+    if arch.qk_layernorm:
+        return "qwen3"
+    if arch.add_qkv_bias and not arch.add_bias_linear:
+        return "qwen2"
+    return "llama"
+
+
+def exportable(arch: GPTArchitecture) -> str | None:
+    """Why ``arch`` cannot be written as a Hugging Face model (None: it can)."""
+    try:
+        check_family(arch, export_family(arch))
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def weight_loader(args: argparse.Namespace) -> Callable[[torch.nn.Module], None] | None:
+    """What fills a freshly built model from ``--hf-checkpoint`` (None without one)."""
+    if args.hf_config is None:
+        return None
+    return functools.partial(_load, directory=args.hf_checkpoint, hf=args.hf_config)
+
+
+def _load(model: torch.nn.Module, directory: str, hf) -> None:
+    try:
+        load_hf_checkpoint(model, directory, hf)
+    except HFCheckpointError as err:
+        raise SystemExit(f"pretrain_grpo.py: error: --hf-checkpoint: {err}") from None
+
+
+def save_hf(
+    args: argparse.Namespace,
+    model: torch.nn.Module,
+    arch: GPTArchitecture,
+    vocab_size: int,
+    ctx: ParallelContext,
+) -> Path | None:
+    """Write the policy to ``--save-hf`` (collective over TP; rank 0 writes); its path on rank 0.
+
+    ``vocab_size``: the embedding rows to keep (the checkpoint's when the run loaded one, else
+    the tokenizer's).
+    """
+    shards = gather_tensor_parallel_state_dicts(unwrap_model(model), ctx.tp_group)
+    if not ctx.is_main:
+        return None
+    family = args.hf_config.family if args.hf_config is not None else export_family(arch)
+    dtype = None
+    if args.hf_config is not None and args.hf_config.dtype in ("float16", "bfloat16", "float32"):
+        dtype = getattr(torch, args.hf_config.dtype)  # as the checkpoint that was loaded
+    return export_hf(
+        args.save_hf,
+        arch,
+        [{k: v.float() for k, v in shard.items()} for shard in shards],
+        family=family,
+        vocab_size=vocab_size,
+        dtype=dtype,
+        tokenizer_dir=args.tokenizer_model,
+    )

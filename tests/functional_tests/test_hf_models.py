@@ -1,0 +1,70 @@
+"""Hugging Face models through torchrun: a tiny Qwen2 checkpoint trained at TP=2 with exact lag
+and exported, and (slow) a Llama-shaped random model with a trained BPE tokenizer that learns."""
+
+from __future__ import annotations
+
+import random
+import statistics
+from pathlib import Path
+
+import pytest
+from golden_values import run_training
+
+from megatron.rl.models.hf.tiny import train_tokenizer
+from megatron.rl.tokenizer import DEFAULT_ALPHABET
+
+LLAMA_SHAPED = {
+    "position-embedding-type": "rope", "normalization": "RMSNorm", "swiglu": True,
+    "disable-bias-linear": True, "group-query-attention": True, "num-query-groups": 2,
+}  # fmt: skip
+
+
+def test_a_hugging_face_checkpoint_trains_at_tp2_with_exact_lag_and_exports(
+    tiny_hf_checkpoints, tmp_path
+):
+    import torch
+    import transformers
+
+    args = {
+        "hf-checkpoint": tiny_hf_checkpoints["qwen2"], "tensor-model-parallel-size": 2,
+        "rl-forced-lag": 2, "train-iters": 6, "lr-warmup-iters": 1,
+        "grpo-prompts-per-step": 4, "grpo-group-size": 4, "micro-batch-size": 8,
+        "save-hf": tmp_path / "out",
+    }  # fmt: skip
+    metrics = run_training(2, args)
+    assert [m["staleness_max"] for m in metrics] == [min(s, 2) for s in range(6)]
+    assert all(m["staleness_min"] == m["staleness_max"] for m in metrics)
+    assert sum(m["completion_tokens_mean"] > 0 for m in metrics) == 6
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([[1, 30, 31, 32]])).logits
+    assert torch.isfinite(logits).all()
+
+
+def char_bpe_tokenizer(directory: Path) -> Path:
+    """A BPE tokenizer trained on digit strings over the digit tasks' characters (40 ids)."""
+    rng = random.Random(0)
+    corpus = [
+        "".join(rng.choice("0123456789") for _ in range(rng.randint(1, 4))) for _ in range(3000)
+    ]
+    train_tokenizer([*corpus, DEFAULT_ALPHABET], vocab_size=40, byte_level=False).save_pretrained(
+        directory
+    )
+    return directory
+
+
+@pytest.mark.slow
+def test_a_llama_shaped_model_with_a_trained_bpe_tokenizer_learns_the_digit_task(tmp_path):
+    """Random init, RoPE + RMSNorm + SwiGLU + GQA, no biases, the HF tokenizer path: the default
+    run's learning bar (last-10 reward >= 0.5 and >= 2x the first 10)."""
+    tokenizer = char_bpe_tokenizer(tmp_path / "tokenizer")
+    args = {**LLAMA_SHAPED, "tokenizer-model": tokenizer, "rl-forced-lag": 2,
+            "lr": 1e-3, "min-lr": 1e-4}  # fmt: skip
+    metrics = run_training(1, args, timeout=900)
+    rewards = [m["reward_mean"] for m in metrics]
+    first, last = statistics.fmean(rewards[:10]), statistics.fmean(rewards[-10:])
+    print(
+        f"llama-shaped + BPE: {len(metrics)} steps, reward first-10 {first:.3f} last-10 {last:.3f}"
+    )
+    assert len(metrics) == 1000 and last >= 0.5 and last >= 2 * first
+    assert all(m["staleness_min"] == m["staleness_max"] == min(m["step"], 2) for m in metrics)
