@@ -37,6 +37,7 @@ setup(
             "safetensors>=0.8,<1",
             "tokenizers>=0.23.1,<0.24",
             "wandb>=0.19,<1",
+            "openai>=1.55,<4",  # drives the inference server's chat endpoint (tested: 3.54.0)
         ],
         # Hugging Face checkpoints and tokenizers (megatron/rl/models/hf, HuggingFaceTokenizer;
         # tested: transformers 5.23.0, safetensors 0.8.0, tokenizers 0.23.3 with torch 2.13.0 CPU
