@@ -4,9 +4,9 @@
 the ``LocalInferenceInterface`` over the engine that serves local agents too) as a subset of the
 OpenAI completions API: ``POST /v1/completions`` (``wire.CompletionRequest``) and
 ``POST /v1/chat/completions`` (``wire_chat.ChatCompletionRequest``; the messages are rendered by
-the tokenizer's chat template, and a tokenizer without one answers 422 naming it). Requests go into the same engine queue as local ones, so they belong to
-the same batches, follow the same forced-lag schedule and return the same per-token logprobs and
-policy versions.
+the tokenizer's chat template, and a tokenizer without one answers 422 naming it). Requests go
+into the same engine queue as local ones, so they belong to the same batches, follow the same
+forced-lag schedule and return the same per-token logprobs and policy versions.
 
 Note that the trainer's event loop, and with it this server, only runs while the trainer waits
 for a batch; a request sent during a training step is answered when the next window opens.
