@@ -50,6 +50,7 @@ def test_gsm8k_config_loads_its_sample(at_repo_root, tmp_path, monkeypatch):
     """The GSM8K config needs a tokenizer with a chat template, so it is not in the character
     tokenizer's checks above; its environment is tested under environments/gsm8k."""
     import datasets
+
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path))
     (agent,) = load_env_config(CONFIGS / "gsm8k.yaml").agents
     assert agent.env_id == "gsm8k" and len(agent.records) == 20
