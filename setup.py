@@ -37,11 +37,17 @@ setup(
             "safetensors>=0.8,<1",
             "tokenizers>=0.23.1,<0.24",
             "wandb>=0.19,<1",
+            "openai>=1.55,<4",  # drives the inference server's chat endpoint (tested: 3.54.0)
+            "datasets>=5,<6",
+            "math-verify>=0.8,<1",
         ],
         # Hugging Face checkpoints and tokenizers (megatron/rl/models/hf, HuggingFaceTokenizer;
         # tested: transformers 5.23.0, safetensors 0.8.0, tokenizers 0.23.3 with torch 2.13.0 CPU
         # on Python 3.11; installing them keeps torch as it is)
         "hf": ["transformers>=5.23,<6", "safetensors>=0.8,<1", "tokenizers>=0.23.1,<0.24"],
+        # examples/rl/environments/gsm8k: local JSONL/Parquet with datasets, math-verify scoring
+        # (tested: datasets 5.2.0, math-verify 0.9.0 with torch 2.13.0 CPU on Python 3.11)
+        "math": ["datasets>=5,<6", "math-verify>=0.8,<1"],
         "dev": ["black>=24", "isort>=5.13"],
         "tensorboard": ["tensorboard>=2.16"],
         "wandb": ["wandb>=0.19,<1"],

@@ -16,6 +16,9 @@ MAX_ID = 2**31 - 1
 MAX_TOKENS = 1 << 20
 """Largest prompt (characters or tokens) and generation budget a request may ask for: every
 size on the wire is bounded, so no single request can make a server allocate without limit."""
+MAX_CHAT_MESSAGES = 1024
+"""Most messages in one chat prompt; their contents together are bounded by ``MAX_TOKENS``
+characters."""
 Seed = Annotated[int, Field(ge=0, lt=2**63)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_ID)]
 
@@ -36,6 +39,23 @@ class SamplingParams(WireModel):
     max_tokens: int = Field(16, ge=1, le=MAX_TOKENS, description="Most tokens to generate.")
 
 
+class ChatMessage(WireModel):
+    """One message of a chat prompt, rendered into prompt text by the tokenizer's chat template."""
+
+    role: Literal["system", "user", "assistant"]
+    content: str = Field(max_length=MAX_TOKENS)
+
+
+def check_chat_messages(messages: list[ChatMessage], field: str = "messages") -> None:
+    """Raise ``ValueError`` naming ``field`` if ``messages`` is empty or its contents together
+    exceed ``MAX_TOKENS`` characters."""
+    if not messages:
+        raise ValueError(f"'{field}' must not be empty")
+    total = sum(len(m.content) for m in messages)
+    if total > MAX_TOKENS:
+        raise ValueError(f"'{field}' has {total} characters of content; at most {MAX_TOKENS}")
+
+
 class RolloutKey(WireModel):
     """Which rollout a generation request belongs to; orders requests in the engine."""
 
@@ -45,7 +65,9 @@ class RolloutKey(WireModel):
 
 
 class InferenceRequest(WireModel):
-    """One generation request: a prompt (text or token ids), sampling parameters and a seed.
+    """One generation request: a prompt (text, token ids or chat messages), sampling parameters
+    and a seed. Chat messages are rendered by the trainer's tokenizer's chat template (with the
+    assistant's generation prompt); a tokenizer without one refuses them.
 
     The seed makes the request reproducible: the engine samples it with its own RNG, so its tokens
     do not depend on which other requests share the batch. The rollout key (set by agents that
@@ -59,14 +81,24 @@ class InferenceRequest(WireModel):
     prompt_tokens: list[TokenId] | None = Field(
         None, max_length=MAX_TOKENS, description="Prompt token ids (instead of text)."
     )
+    messages: list[ChatMessage] | None = Field(
+        None,
+        max_length=MAX_CHAT_MESSAGES,
+        description="Chat messages (instead of text), rendered by the tokenizer's chat template.",
+    )
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     seed: Seed = Field(0, description="Seed of this request's sampling RNG.")
     rollout_key: RolloutKey | None = Field(None, description="The rollout this request serves.")
 
     @model_validator(mode="after")
     def _exactly_one_prompt(self) -> "InferenceRequest":
-        if (self.prompt is None) == (self.prompt_tokens is None):
-            raise ValueError("exactly one of 'prompt' and 'prompt_tokens' must be given")
+        given = [self.prompt, self.prompt_tokens, self.messages]
+        if sum(form is not None for form in given) != 1:
+            raise ValueError(
+                "exactly one of 'prompt', 'prompt_tokens' and 'messages' must be given"
+            )
+        if self.messages is not None:
+            check_chat_messages(self.messages)
         if self.prompt_tokens is not None and not self.prompt_tokens:
             raise ValueError("'prompt_tokens' must not be empty")
         if self.prompt is not None and not self.prompt:
@@ -83,6 +115,9 @@ class InferenceResponse(WireModel):
     logprobs: list[float] = Field(description="Per generated token, under the sampling policy.")
     policy_versions: list[int] = Field(description="Policy version that generated each token.")
     finish_reason: Literal["stop", "length"]
+    prompt_text: str | None = Field(
+        None, description="The prompt rendered from chat messages (None for other prompts)."
+    )
 
 
 class GroupedRolloutRequest(WireModel):
@@ -269,7 +304,11 @@ class CompletionRequest(WireModel):
 
     @classmethod
     def from_inference_request(cls, request: InferenceRequest, n: int = 1) -> "CompletionRequest":
-        """The completion call that serves ``request`` (``n`` samples) remotely, with logprobs."""
+        """The completion call that serves ``request`` (``n`` samples) remotely, with logprobs.
+
+        A request of chat messages is served by ``ChatCompletionRequest`` (``wire_chat``)."""
+        if request.messages is not None:
+            raise ValueError("a request with 'messages' is a chat completion, not a completion")
         s = request.sampling
         return cls(
             n=n,

@@ -6,7 +6,7 @@ import random
 
 from megatron.rl.agent.api import Problem
 from megatron.rl.environments.digits import DigitTaskEnvironment
-from megatron.rl.inference.interface import InferenceInterface
+from megatron.rl.inference.interface import InferenceInterface, render_chat
 from megatron.rl.inference.protocol import InvalidInferenceRequest, RowResult
 from megatron.rl.tokenizer import CharTokenizer
 from megatron.rl.wire import InferenceRequest, InferenceResponse
@@ -16,7 +16,8 @@ class SeededInference(InferenceInterface):
     """Answers with 1-3 digits drawn from the request's seed (or EOS-only for empty draws).
 
     Records every request it receives; raises ``InvalidInferenceRequest`` for prompts with
-    characters outside the tokenizer alphabet, like the real interface.
+    characters outside the tokenizer alphabet and for chat messages (the character tokenizer has
+    no chat template), like the real interface.
     """
 
     def __init__(self) -> None:
@@ -25,6 +26,8 @@ class SeededInference(InferenceInterface):
 
     async def generate(self, request: InferenceRequest) -> InferenceResponse:
         self.requests.append(request)
+        if request.messages is not None:
+            render_chat(self.tokenizer, request.messages)  # raises: no chat template
         try:
             prompt = request.prompt_tokens or self.tokenizer.encode(request.prompt)
         except ValueError as exc:

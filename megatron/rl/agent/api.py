@@ -25,6 +25,7 @@ from megatron.rl.inference.interface import InferenceInterface
 from megatron.rl.inference.protocol import InvalidInferenceRequest
 from megatron.rl.seeding import derive_seed
 from megatron.rl.wire import (
+    ChatMessage,
     GroupedRolloutRequest,
     InferenceRequest,
     InferenceResponse,
@@ -32,6 +33,7 @@ from megatron.rl.wire import (
     RolloutKey,
     SamplingParams,
     TokenRollout,
+    check_chat_messages,
 )
 
 
@@ -83,13 +85,30 @@ class Agent(ABC):
 
 @dataclass(frozen=True)
 class Problem:
-    """One prompt of a single-turn environment, with whatever the reward needs."""
+    """One prompt of a single-turn environment, with whatever the reward needs.
+
+    The prompt is text (``prompt``) or a conversation (``messages``, with ``prompt=None``) that
+    the trainer's tokenizer renders with its chat template; exactly one of them is given.
+    """
 
     problem_id: str
-    prompt: str
+    prompt: str | None
     answer: str
     max_tokens: int | None = None
     """Generation budget for this problem (None: the request's ``sampling.max_tokens``)."""
+    messages: tuple[ChatMessage, ...] | None = None
+    """The prompt as chat messages (instead of ``prompt``); ``{"role", "content"}`` dicts are
+    validated into ``ChatMessage`` objects."""
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError(
+                f"problem {self.problem_id}: give exactly one of 'prompt' and 'messages'"
+            )
+        if self.messages is not None:
+            messages = tuple(ChatMessage.model_validate(m) for m in self.messages)
+            check_chat_messages(list(messages))
+            object.__setattr__(self, "messages", messages)  # frozen: set once, here
 
 
 def placeholder_rollout(
@@ -149,15 +168,16 @@ class SingleTurnEnvironment(Agent):
                 sampling = SamplingParams.model_validate(
                     {**sampling.model_dump(), "max_tokens": problem.max_tokens}
                 )
+            group_request = InferenceRequest(
+                prompt=problem.prompt,
+                messages=None if problem.messages is None else list(problem.messages),
+                sampling=sampling,
+                seed=derive_seed(request.seed, *path),  # sample k: derive_seed(that, k)
+                rollout_key=RolloutKey(batch_id=path[0], index_in_batch=path[1], sample_index=0),
+            )
         except Exception as exc:  # the environment's own code failed: mask the whole group
             rollouts = [placeholder_rollout(self.env_id, request, exc)] * request.group_size
             return RolloutGroup(batch_id=path[0], index_in_batch=path[1], rollouts=rollouts)
-        group_request = InferenceRequest(
-            prompt=problem.prompt,
-            sampling=sampling,
-            seed=derive_seed(request.seed, *path),  # sample k: derive_seed(that, k)
-            rollout_key=RolloutKey(batch_id=path[0], index_in_batch=path[1], sample_index=0),
-        )
         try:
             responses = await inference.generate_group(group_request, request.group_size)
         except InvalidInferenceRequest as exc:  # the prompt itself is unusable
@@ -183,7 +203,7 @@ class SingleTurnEnvironment(Agent):
         return TokenRollout(
             env_id=self.env_id,
             problem_id=problem.problem_id,
-            prompt=problem.prompt,
+            prompt=problem.prompt if problem.messages is None else response.prompt_text or "",
             completion=response.text,
             reward=reward,
             tokens=response.prompt_tokens + response.tokens,

@@ -8,7 +8,7 @@ from megatron.rl.async_utils import gather_all
 from megatron.rl.inference.protocol import InferenceEngine, InvalidInferenceRequest
 from megatron.rl.seeding import derive_seed
 from megatron.rl.tokenizer import Tokenizer
-from megatron.rl.wire import InferenceRequest, InferenceResponse
+from megatron.rl.wire import ChatMessage, InferenceRequest, InferenceResponse
 
 
 class InferenceInterface(ABC):
@@ -52,7 +52,10 @@ class LocalInferenceInterface(InferenceInterface):
 
     async def generate(self, request: InferenceRequest) -> InferenceResponse:
         """Run ``request`` on the engine and detokenize the result."""
-        if request.prompt_tokens is not None:
+        prompt_text = None
+        if request.messages is not None:
+            prompt_text, prompt = render_chat(self.tokenizer, request.messages)
+        elif request.prompt_tokens is not None:
             prompt = list(request.prompt_tokens)
             bad = [t for t in prompt if not 0 <= t < self.tokenizer.vocab_size]
             if bad:
@@ -78,4 +81,31 @@ class LocalInferenceInterface(InferenceInterface):
             logprobs=out.logprobs,
             policy_versions=out.policy_versions,
             finish_reason=out.finish_reason,
+            prompt_text=prompt_text,
         )
+
+
+def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage]) -> tuple[str, list[int]]:
+    """The prompt text and token ids of ``messages``, rendered by the tokenizer's chat template
+    with the assistant's generation prompt.
+
+    Raises ``InvalidInferenceRequest`` when the tokenizer has no chat template (``CharTokenizer``,
+    or a Hugging Face tokenizer without one) or the template refuses the conversation.
+    """
+    template = getattr(tokenizer, "chat_template", None)
+    renders = hasattr(tokenizer, "apply_chat_template") and hasattr(tokenizer, "encode_chat")
+    if not template or not renders:
+        raise InvalidInferenceRequest(
+            f"messages: the tokenizer ({type(tokenizer).__name__}) has no chat template, so a "
+            "prompt given as chat messages cannot be rendered; give the environment's prompt as "
+            "text, or use a tokenizer with a chat template"
+        )
+    dicts = [m.model_dump() for m in messages]
+    try:
+        text = tokenizer.apply_chat_template(dicts, add_generation_prompt=True)
+        ids = tokenizer.encode_chat(dicts)
+    except Exception as exc:  # jinja2 errors, the template's raise_exception, ...
+        raise InvalidInferenceRequest(
+            f"messages: the tokenizer's chat template cannot render them: {exc}"
+        ) from None
+    return text, ids

@@ -11,6 +11,7 @@ from megatron.rl.wire import (
     InferenceRequest,
     InferenceResponse,
 )
+from megatron.rl.wire_chat import ChatCompletionRequest, ChatCompletionResponse
 
 
 class InferenceUnavailable(RuntimeError):
@@ -18,7 +19,8 @@ class InferenceUnavailable(RuntimeError):
 
 
 class RemoteInferenceInterface(InferenceInterface):
-    """Generates through ``POST {base_url}/v1/completions`` with shared pooled clients."""
+    """Generates through ``POST {base_url}/v1/completions`` (prompts of text or token ids) or
+    ``POST {base_url}/v1/chat/completions`` (chat messages) with shared pooled clients."""
 
     def __init__(
         self,
@@ -46,8 +48,15 @@ class RemoteInferenceInterface(InferenceInterface):
     async def _complete(self, request: InferenceRequest, n: int) -> list[InferenceResponse]:
         if not self.keep_rollout_keys and request.rollout_key is not None:
             request = request.model_copy(update={"rollout_key": None})
-        url = f"{self.base_url}/v1/completions"
-        body = CompletionRequest.from_inference_request(request, n)
+        body: CompletionRequest | ChatCompletionRequest
+        if request.messages is not None:  # rendered by the trainer's tokenizer
+            url = f"{self.base_url}/v1/chat/completions"
+            body = ChatCompletionRequest.from_inference_request(request, n)
+            answer: type[CompletionResponse | ChatCompletionResponse] = ChatCompletionResponse
+        else:
+            url = f"{self.base_url}/v1/completions"
+            body = CompletionRequest.from_inference_request(request, n)
+            answer = CompletionResponse
         try:
             payload = await call_json(self.client, "POST", url, body, self.retry)
         except RemoteCallError as exc:
@@ -55,7 +64,7 @@ class RemoteInferenceInterface(InferenceInterface):
                 raise InvalidInferenceRequest(str(exc)) from None
             raise InferenceUnavailable(f"inference server {self.base_url}: {exc}") from None
         try:
-            responses = CompletionResponse.model_validate(payload).to_inference_responses()
+            responses = answer.model_validate(payload).to_inference_responses()
         except ValueError as exc:
             raise InferenceUnavailable(
                 f"inference server {self.base_url} sent an invalid completion: {exc}"

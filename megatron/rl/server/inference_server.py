@@ -2,9 +2,11 @@
 
 ``create_inference_app(inference, tokenizer)`` exposes an ``InferenceInterface`` (in the trainer:
 the ``LocalInferenceInterface`` over the engine that serves local agents too) as a subset of the
-OpenAI completions API. Requests go into the same engine queue as local ones, so they belong to
-the same batches, follow the same forced-lag schedule and return the same per-token logprobs and
-policy versions.
+OpenAI completions API: ``POST /v1/completions`` (``wire.CompletionRequest``) and
+``POST /v1/chat/completions`` (``wire_chat.ChatCompletionRequest``; the messages are rendered by
+the tokenizer's chat template, and a tokenizer without one answers 422 naming it). Requests go
+into the same engine queue as local ones, so they belong to the same batches, follow the same
+forced-lag schedule and return the same per-token logprobs and policy versions.
 
 Note that the trainer's event loop, and with it this server, only runs while the trainer waits
 for a batch; a request sent during a training step is answered when the next window opens.
@@ -27,16 +29,38 @@ from megatron.rl.wire import (
     CompletionRequest,
     CompletionResponse,
     CompletionUsage,
+    InferenceRequest,
+    InferenceResponse,
+)
+from megatron.rl.wire_chat import (
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionMessage,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatTokenLogprob,
 )
 
 
 def create_inference_app(
     inference: InferenceInterface, tokenizer: Tokenizer, model_name: str = "policy"
 ) -> FastAPI:
-    """A FastAPI app with ``GET /health`` and ``POST /v1/completions`` over ``inference``."""
+    """A FastAPI app with ``GET /health``, ``POST /v1/completions`` and
+    ``POST /v1/chat/completions`` over ``inference``."""
     app = FastAPI(title="megatron-rl inference server", version="1")
     install_error_handlers(app)
     ids = itertools.count()
+
+    async def generate(request: InferenceRequest, n: int) -> list[InferenceResponse]:
+        """``n`` samples of ``request``; the caller's faults are 422, the engine's 503."""
+        try:
+            if n == 1:
+                return [await inference.generate(request)]
+            return await inference.generate_group(request, n)
+        except InvalidInferenceRequest as exc:
+            raise HTTPException(422, str(exc)) from None
+        except EngineError as exc:
+            raise HTTPException(503, f"inference engine unavailable: {exc}") from None
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -50,15 +74,7 @@ def create_inference_app(
             request = body.to_inference_request()
         except ValueError as exc:
             raise HTTPException(422, f"field 'prompt': {exc}") from None
-        try:
-            if body.n == 1:
-                outs = [await inference.generate(request)]
-            else:
-                outs = await inference.generate_group(request, body.n)
-        except InvalidInferenceRequest as exc:
-            raise HTTPException(422, str(exc)) from None
-        except EngineError as exc:
-            raise HTTPException(503, f"inference engine unavailable: {exc}") from None
+        outs = await generate(request, body.n)
         choices = []
         for index, out in enumerate(outs):
             logprobs = None
@@ -90,4 +106,49 @@ def create_inference_app(
             ),
         )
 
+    @app.post(
+        "/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES
+    )
+    async def chat_completions(body: ChatCompletionRequest) -> ChatCompletionResponse:
+        """Generate ``n`` assistant messages for the conversation with the current policy; the
+        messages are rendered by the trainer tokenizer's chat template."""
+        outs = await generate(body.to_inference_request(), body.n)
+        choices = [
+            ChatCompletionChoice(
+                index=index,
+                message=ChatCompletionMessage(content=out.text),
+                finish_reason=out.finish_reason,
+                logprobs=chat_logprobs(tokenizer, out) if body.logprobs else None,
+                token_ids=out.tokens,
+                prompt_token_ids=out.prompt_tokens,
+                policy_versions=out.policy_versions,
+                prompt_text=out.prompt_text or "",
+            )
+            for index, out in enumerate(outs)
+        ]
+        prompt_tokens = len(outs[0].prompt_tokens)
+        completion_tokens = sum(len(out.tokens) for out in outs)
+        return ChatCompletionResponse(
+            id=f"chatcmpl-{next(ids)}",
+            created=int(time.time()),
+            model=body.model or model_name,
+            choices=choices,
+            usage=CompletionUsage(
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                total_tokens=prompt_tokens + completion_tokens,
+            ),
+        )
+
     return app
+
+
+def chat_logprobs(tokenizer: Tokenizer, out: InferenceResponse) -> ChatChoiceLogprobs:
+    """OpenAI's ``logprobs.content``: one entry per generated token (the stop token included)."""
+    content = []
+    for token, logprob in zip(out.tokens, out.logprobs):
+        piece = tokenizer.decode([token])
+        content.append(
+            ChatTokenLogprob(token=piece, logprob=logprob, bytes=list(piece.encode("utf-8")))
+        )
+    return ChatChoiceLogprobs(content=content)

@@ -6,6 +6,10 @@ import pytest
 from pydantic import ValidationError
 
 from megatron.rl.wire import (
+    MAX_CHAT_MESSAGES,
+    MAX_TOKENS,
+    ChatMessage,
+    CompletionRequest,
     GroupedRolloutRequest,
     InferenceRequest,
     InferenceResponse,
@@ -14,6 +18,8 @@ from megatron.rl.wire import (
     SamplingParams,
     TokenRollout,
 )
+
+USER = {"role": "user", "content": "What is 1+1?"}
 
 
 def error_locs(err: ValidationError) -> list[tuple]:
@@ -80,6 +86,56 @@ def test_inference_request_rejects_empty_prompt(kwargs, field):
 def test_inference_request_accepts_either_prompt_form():
     assert InferenceRequest(prompt="1=").prompt_tokens is None
     assert InferenceRequest(prompt_tokens=[3]).prompt is None
+    chat = InferenceRequest(messages=[{"role": "user", "content": "1+1?"}])
+    assert chat.messages == [ChatMessage(role="user", content="1+1?")]
+    assert chat.prompt is None and chat.prompt_tokens is None
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        pytest.param({"prompt": "1=", "messages": [USER]}, id="prompt-and-messages"),
+        pytest.param({"prompt_tokens": [3], "messages": [USER]}, id="tokens-and-messages"),
+    ],
+)
+def test_inference_request_messages_are_a_third_exclusive_form(kwargs):
+    with pytest.raises(ValidationError, match="exactly one of 'prompt', 'prompt_tokens' and"):
+        InferenceRequest(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "messages, needle",
+    [
+        pytest.param([], "'messages' must not be empty", id="empty"),
+        pytest.param([{"role": "tool", "content": "x"}], "messages.0.role", id="unknown-role"),
+        pytest.param([{"role": "user"}], "messages.0.content", id="no-content"),
+        pytest.param(
+            [{"role": "user", "content": "x", "name": "bob"}], "messages.0.name", id="extra-field"
+        ),
+        pytest.param(
+            [{"role": "user", "content": "x" * (MAX_TOKENS // 2 + 1)}] * 2,
+            f"at most {MAX_TOKENS}",
+            id="too-much-content",
+        ),
+        pytest.param([USER] * (MAX_CHAT_MESSAGES + 1), "messages", id="too-many"),
+    ],
+)
+def test_inference_request_messages_are_bounded_and_named(messages, needle):
+    with pytest.raises(ValidationError) as info:
+        InferenceRequest(messages=messages)
+    assert needle in str(info.value)
+
+
+def test_inference_response_prompt_text_is_optional():
+    fields = dict(prompt_tokens=[3], tokens=[4], text="2", logprobs=[-0.1], policy_versions=[0])
+    assert InferenceResponse(**fields, finish_reason="length").prompt_text is None
+    rendered = InferenceResponse(**fields, finish_reason="length", prompt_text="<|user|>1=")
+    assert InferenceResponse.model_validate_json(rendered.model_dump_json()) == rendered
+
+
+def test_a_chat_request_is_not_a_completion_request():
+    with pytest.raises(ValueError, match="chat completion"):
+        CompletionRequest.from_inference_request(InferenceRequest(messages=[USER]))
 
 
 @pytest.mark.parametrize(

@@ -38,7 +38,25 @@ def test_config_loads(at_repo_root, name, env_ids, weights):
 
 
 def test_every_config_is_listed():
-    assert sorted(p.stem for p in CONFIGS.glob("*.yaml")) == ["countdown", "math", "mixture"]
+    assert sorted(p.stem for p in CONFIGS.glob("*.yaml")) == [
+        "countdown",
+        "gsm8k",
+        "math",
+        "mixture",
+    ]
+
+
+def test_gsm8k_config_loads_its_sample(at_repo_root, tmp_path, monkeypatch):
+    """The GSM8K config needs a tokenizer with a chat template, so it is not in the character
+    tokenizer's checks above; its environment is tested under environments/gsm8k."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path))
+    (agent,) = load_env_config(CONFIGS / "gsm8k.yaml").agents
+    assert agent.env_id == "gsm8k" and len(agent.records) == 20
+    problem = agent.make_problem(random.Random(derive_seed(1234, 0, 0)))
+    assert [m.role for m in problem.messages] == ["system", "user"]
+    assert problem.max_tokens == 256
 
 
 @pytest.mark.parametrize("name", ["countdown", "math", "mixture"])

@@ -1,0 +1,204 @@
+"""Wire types of ``POST /v1/chat/completions``, the trainer's inference server's chat endpoint.
+
+A subset of OpenAI's chat completions API, shared by the server
+(``megatron.rl.server.inference_server``) and its client (``megatron.rl.inference.remote``):
+
+* request: ``model`` (ignored), ``messages`` (roles system/user/assistant, text content),
+  ``max_tokens`` or ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``n``,
+  ``logprobs`` (bool), ``top_logprobs`` (0 only), ``stream`` (false only), plus our extensions
+  ``top_k`` and ``rollout_key``. Every other OpenAI parameter (``stop``, ``tools``,
+  ``response_format``, penalties, ...) is refused by name (422), never ignored.
+* response: OpenAI's ``chat.completion`` object (``choices[i].message``, ``finish_reason``,
+  ``logprobs.content[j]`` with ``token``, ``logprob``, ``bytes``, empty ``top_logprobs``), plus
+  the extensions RL needs on each choice: ``token_ids``, ``prompt_token_ids``,
+  ``policy_versions`` and ``prompt_text`` (the prompt the chat template rendered).
+
+``logprobs.content`` has one entry per generated token, the stop token included (its text is
+empty), so it lines up with ``token_ids``; ``bytes`` are the UTF-8 bytes of the token's decoded
+text.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from megatron.rl.wire import (
+    MAX_CHAT_MESSAGES,
+    MAX_TOKENS,
+    ChatMessage,
+    CompletionUsage,
+    InferenceRequest,
+    InferenceResponse,
+    RolloutKey,
+    SamplingParams,
+    Seed,
+    WireModel,
+    check_chat_messages,
+)
+
+DEFAULT_MAX_TOKENS = 16
+"""Generation budget when neither ``max_tokens`` nor ``max_completion_tokens`` is given (the
+default of ``/v1/completions`` too)."""
+
+
+class ChatCompletionRequest(WireModel):
+    """``POST /v1/chat/completions`` of the trainer's inference server."""
+
+    model: str | None = Field(None, max_length=256, description="Ignored: the trainer's policy.")
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
+    max_tokens: int | None = Field(
+        None, ge=1, le=MAX_TOKENS, description="Most tokens to generate."
+    )
+    max_completion_tokens: int | None = Field(
+        None, ge=1, le=MAX_TOKENS, description="OpenAI's newer name of max_tokens."
+    )
+    temperature: float = Field(1.0, ge=0.0, le=1e4)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="Extension: top-k filtering (0 = off).")
+    seed: Seed = 0
+    n: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Samples of the conversation; sample i is seeded with derive_seed(seed, i) "
+        "and keyed with sample_index + i.",
+    )
+    logprobs: bool = Field(False, description="Return each generated token's logprob.")
+    top_logprobs: int | None = Field(
+        None, description="Only 0: the engine returns the sampled tokens' logprobs only."
+    )
+    stream: Literal[False] = False
+    rollout_key: RolloutKey | None = Field(None, description="Extension: see InferenceRequest.")
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_alternatives(cls, value: int | None) -> int | None:
+        if value not in (None, 0):
+            raise ValueError("only 0 is supported (the engine returns no alternative tokens)")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ChatCompletionRequest":
+        check_chat_messages(self.messages)
+        if None not in (self.max_tokens, self.max_completion_tokens) and (
+            self.max_tokens != self.max_completion_tokens
+        ):
+            raise ValueError("'max_tokens' and 'max_completion_tokens' differ; give one of them")
+        return self
+
+    @property
+    def budget(self) -> int:
+        """The generation budget: ``max_completion_tokens``, ``max_tokens`` or the default."""
+        for value in (self.max_completion_tokens, self.max_tokens):
+            if value is not None:
+                return value
+        return DEFAULT_MAX_TOKENS
+
+    def to_inference_request(self) -> InferenceRequest:
+        """The engine-level request this chat completion asks for."""
+        return InferenceRequest(
+            messages=self.messages,
+            sampling=SamplingParams(
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                max_tokens=self.budget,
+            ),
+            seed=self.seed,
+            rollout_key=self.rollout_key,
+        )
+
+    @classmethod
+    def from_inference_request(
+        cls, request: InferenceRequest, n: int = 1
+    ) -> "ChatCompletionRequest":
+        """The chat completion call that serves ``request`` (``n`` samples), with logprobs."""
+        if request.messages is None:
+            raise ValueError("only a request with 'messages' is a chat completion")
+        s = request.sampling
+        return cls(
+            n=n,
+            messages=request.messages,
+            max_completion_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            seed=request.seed,
+            logprobs=True,
+            rollout_key=request.rollout_key,
+        )
+
+
+class ChatCompletionMessage(WireModel):
+    """The generated assistant message."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatTopLogprob(WireModel):
+    """An alternative token (never sent: ``top_logprobs`` is always empty)."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(WireModel):
+    """One generated token with its logprob under the sampling policy."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = Field(description="UTF-8 bytes of the token's decoded text.")
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list, max_length=0)
+
+
+class ChatChoiceLogprobs(WireModel):
+    """OpenAI-style logprobs of a chat choice."""
+
+    content: list[ChatTokenLogprob]
+
+
+class ChatCompletionChoice(WireModel):
+    """One sample of the conversation's next assistant message."""
+
+    index: int = 0
+    message: ChatCompletionMessage
+    finish_reason: Literal["stop", "length"]
+    logprobs: ChatChoiceLogprobs | None = None
+    token_ids: list[int] = Field(description="Extension: generated token ids (EOS included).")
+    prompt_token_ids: list[int] = Field(description="Extension: the tokenized prompt.")
+    policy_versions: list[int] = Field(description="Extension: policy version of each token.")
+    prompt_text: str = Field(description="Extension: the prompt the chat template rendered.")
+
+
+class ChatCompletionResponse(WireModel):
+    """Answer of ``POST /v1/chat/completions``."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice] = Field(min_length=1)
+    usage: CompletionUsage
+
+    def to_inference_responses(self) -> list[InferenceResponse]:
+        """The engine-level responses, by choice index (requires ``logprobs``)."""
+        responses = []
+        for choice in sorted(self.choices, key=lambda c: c.index):
+            if choice.logprobs is None:
+                raise ValueError("the chat completion carries no logprobs; ask with logprobs=true")
+            responses.append(
+                InferenceResponse(
+                    prompt_tokens=choice.prompt_token_ids,
+                    tokens=choice.token_ids,
+                    text=choice.message.content,
+                    logprobs=[entry.logprob for entry in choice.logprobs.content],
+                    policy_versions=choice.policy_versions,
+                    finish_reason=choice.finish_reason,
+                    prompt_text=choice.prompt_text,
+                )
+            )
+        return responses
