@@ -1,5 +1,6 @@
-"""Hugging Face models through torchrun: a tiny Qwen2 checkpoint trained at TP=2 with exact lag
-and exported, and (slow) a Llama-shaped random model with a trained BPE tokenizer that learns."""
+"""Hugging Face models through torchrun: a tiny Qwen2 checkpoint on GSM8K-format chat prompts with
+exact lag, trained at TP=2 and exported, and (slow) a Llama-shaped random model with a trained BPE
+tokenizer that learns."""
 
 from __future__ import annotations
 
@@ -39,6 +40,35 @@ def test_a_hugging_face_checkpoint_trains_at_tp2_with_exact_lag_and_exports(
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([[1, 30, 31, 32]])).logits
     assert torch.isfinite(logits).all()
+
+
+GSM8K_CONFIG = """
+- agent_type: examples.rl.environments.gsm8k:GSM8KEnvironment
+  env_id: gsm8k
+  agent_args:
+    data_files: examples/rl/environments/gsm8k/gsm8k_sample.jsonl
+    prompt_style: chat
+    max_tokens: 16
+"""
+
+
+def test_a_qwen2_checkpoint_trains_on_gsm8k_chat_prompts_with_exact_lag(
+    tiny_hf_checkpoints, tmp_path
+):
+    pytest.importorskip("math_verify")
+    config = tmp_path / "gsm8k.yaml"
+    config.write_text(GSM8K_CONFIG)
+    args = {
+        "hf-checkpoint": tiny_hf_checkpoints["qwen2"], "env-config": config, "rl-forced-lag": 2,
+        "train-iters": 20, "lr-warmup-iters": 1, "seq-length": 256, "grpo-prompts-per-step": 4,
+        "grpo-group-size": 4, "micro-batch-size": 8,
+    }  # fmt: skip
+    metrics = run_training(1, args)
+    assert [m["step"] for m in metrics] == list(range(20))
+    for m in metrics:
+        assert m["staleness_min"] == m["staleness_max"] == min(m["step"], 2)
+        assert m["placeholder_rollouts"] == 0  # the chat template rendered every prompt
+        assert 0 <= m["reward_mean"] <= 1
 
 
 def char_bpe_tokenizer(directory: Path) -> Path:
