@@ -204,7 +204,7 @@ class EnvironmentInfo(WireModel):
 
     env_id: str
     agent_type: str
-    weight: float
+    weight: float = Field(description="Mixture weight; 0 for an evaluation-only environment.")
 
 
 class HealthResponse(WireModel):
