@@ -2,7 +2,7 @@
 
 Example::
 
-    - agent_type: digits          # built-in: digits, remote; or "package.module:ClassName"
+    - agent_type: digits          # built-ins: digits, remote, reward_only; or "package.module:Class"
       agent_args: {task: copy, min_digits: 1, max_digits: 3}
       weight: 3
     - agent_type: digits
@@ -34,6 +34,7 @@ from megatron.rl.agent.mixture import MixtureAgent
 BUILTIN_AGENT_TYPES = {
     "digits": "megatron.rl.environments.digits:DigitTaskEnvironment",
     "remote": "megatron.rl.agent.remote:RemoteAgent",
+    "reward_only": "megatron.rl.agent.reward_only:RewardOnlyAdapter",
 }
 """Short names accepted as ``agent_type``."""
 

@@ -147,6 +147,7 @@ def create_app(
                     seed=body.seed,
                     submission_policy_version=0,
                     sampling=body.sampling,
+                    eval_prompts=body.num_problems,
                 )
                 rollout = (await run_group(env, request, remote)).rollouts[0]
                 failed += rollout.is_placeholder
