@@ -14,12 +14,13 @@ ARGS = {
     "rl-forced-lag": 2, "train-iters": 6, "lr-warmup-iters": 1, "grpo-prompts-per-step": 4,
     "grpo-group-size": 4, "micro-batch-size": 16, "seed": 1234,
 }  # fmt: skip
+EVAL = {"eval-interval": 3, "eval-prompts": 8, "eval-samples": 2}  # in process only
 SERVED = "- agent_type: examples.rl.environments.guess:GuessEnvironment\n  env_id: guess\n"
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    local = run_training(1, {**ARGS, "env-config": CONFIG})
+    local = run_training(1, {**ARGS, **EVAL, "env-config": CONFIG})
     tmp = tmp_path_factory.mktemp("guess")
     with env_server(tmp, SERVED) as (url, _):
         remote = run_training(1, {**ARGS, "env-config": remote_env_config(tmp, url, ["guess"])})
@@ -34,6 +35,9 @@ def test_it_trains_with_exact_staleness_over_several_turns(runs):
         assert m["placeholder_rollouts"] == 0
     # One-token guesses: more than one generated token per rollout means several turns.
     assert statistics.fmean(m["completion_tokens_mean"] for m in local) > 1.5
+    evaluated = [m for m in local if "eval/greedy_reward" in m]  # multi-turn on its own engine
+    assert [m["step"] for m in evaluated] == [2, 5]
+    assert all(0 <= m["eval/greedy_reward"] <= 1 and m["eval/failed"] == 0 for m in evaluated)
 
 
 def test_behind_the_env_server_it_equals_the_in_process_run_bitwise(runs):

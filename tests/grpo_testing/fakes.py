@@ -27,6 +27,8 @@ class SeededInference(InferenceInterface):
         self.requests.append(request)
         try:
             prompt = request.prompt_tokens or self.tokenizer.encode(request.prompt)
+            if request.prompt_suffix is not None:
+                prompt = prompt + self.tokenizer.encode(request.prompt_suffix)
         except ValueError as exc:
             raise InvalidInferenceRequest(str(exc)) from None
         rng = random.Random(request.seed)
