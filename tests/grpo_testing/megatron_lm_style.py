@@ -82,3 +82,10 @@ class NeedsArgument:
 
     def __init__(self, path: str) -> None:
         raise FileNotFoundError(path)
+
+
+class SilentObservation(Higher):
+    """Continues the episode without an observation (Megatron-LM raises a ValueError)."""
+
+    async def get_observation(self, turn_idx, response, conversation, golden):
+        return None, False

@@ -235,6 +235,8 @@ class RewardOnlyAdapter(Agent):
             observation, done = answer
             if done:
                 return None
+            if not isinstance(observation, str) or not observation:
+                raise ValueError(f"get_observation returned done=False with {observation!r}")
             conversation.extend(
                 [ChatMessage("assistant", responses[-1].text), ChatMessage("user", observation)]
             )

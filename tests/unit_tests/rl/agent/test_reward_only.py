@@ -125,6 +125,11 @@ def test_multi_turn_hooks_see_megatron_lm_responses_and_conversations():
         assert sum(rollout.generation_mask) == 3 * int(rollout.reward)
 
 
+def test_continuing_without_an_observation_masks_the_rollout():
+    (group,) = run_groups(adapter("SilentObservation"), [request()])
+    assert all(r.is_placeholder and "done=False with None" in r.error for r in group.rollouts)
+
+
 def test_held_out_requests_use_evaluation_prompts_when_defined():
     held_out = run_groups(adapter("CopyWithHeldOutSet"), [request(3, 0, eval_prompts=8)])
     assert held_out[0].rollouts[0].prompt == "33="
