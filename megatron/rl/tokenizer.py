@@ -28,6 +28,10 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def encode_continuation(self, text: str) -> list[int]:
+        """Token ids of ``text`` appended to a sequence (no BOS or other leading specials)."""
+        ...
+
     def decode(self, tokens: list[int]) -> str: ...
 
 
@@ -61,6 +65,10 @@ class CharTokenizer:
             raise ValueError(
                 f"character {err.args[0]!r} is not in the tokenizer alphabet {self.alphabet!r}"
             ) from None
+
+    def encode_continuation(self, text: str) -> list[int]:
+        """Same as ``encode``: this tokenizer adds no special tokens."""
+        return self.encode(text)
 
     def decode(self, tokens: list[int]) -> str:
         """Text of ``tokens``, stopping at the first EOS and skipping PAD."""
@@ -134,6 +142,10 @@ class HuggingFaceTokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (with the tokenizer's special tokens if configured)."""
         return list(self._tok.encode(text, add_special_tokens=self.add_special_tokens))
+
+    def encode_continuation(self, text: str) -> list[int]:
+        """Token ids of ``text`` appended to a sequence: no special tokens (no second BOS)."""
+        return list(self._tok.encode(text, add_special_tokens=False))
 
     def decode(self, tokens: list[int]) -> str:
         """Text of ``tokens`` up to the first stop id, special tokens dropped."""

@@ -73,6 +73,10 @@ class InferenceRequest(WireModel):
     do not depend on which other requests share the batch. The rollout key (set by agents that
     serve a ``GroupedRolloutRequest``) lets the engine admit requests in a fixed order, so the
     schedule does not depend on when requests arrive.
+
+    A multi-turn rollout's later turn sends its history as ``prompt_tokens`` plus the
+    environment's answer as ``prompt_suffix`` (tokenized by the trainer; the response's
+    ``prompt_tokens`` is the whole prompt). ``continued``: see ``ContinuousBatchingScheduler``.
     """
 
     prompt: str | None = Field(
@@ -86,9 +90,20 @@ class InferenceRequest(WireModel):
         max_length=MAX_CHAT_MESSAGES,
         description="Chat messages (instead of text), rendered by the tokenizer's chat template.",
     )
+    prompt_suffix: str | None = Field(
+        None,
+        max_length=MAX_TOKENS,
+        description="Text tokenized by the trainer and appended after 'prompt_tokens' (the "
+        "environment's answer in a multi-turn rollout).",
+    )
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     seed: Seed = Field(0, description="Seed of this request's sampling RNG.")
     rollout_key: RolloutKey | None = Field(None, description="The rollout this request serves.")
+    continued: bool = Field(
+        False,
+        description="Another turn of this rollout (same 'rollout_key') may follow when this one "
+        "finishes; the engine waits for it or for its end (requires 'rollout_key').",
+    )
 
     @model_validator(mode="after")
     def _exactly_one_prompt(self) -> "InferenceRequest":
@@ -103,6 +118,15 @@ class InferenceRequest(WireModel):
             raise ValueError("'prompt_tokens' must not be empty")
         if self.prompt is not None and not self.prompt:
             raise ValueError("'prompt' must not be empty")
+        if self.prompt_suffix is not None:
+            if self.prompt_tokens is None:
+                raise ValueError("'prompt_suffix' needs 'prompt_tokens'")
+            if not self.prompt_suffix:
+                raise ValueError("'prompt_suffix' must not be empty")
+            if len(self.prompt_tokens) + len(self.prompt_suffix) > MAX_TOKENS:
+                raise ValueError(f"'prompt_tokens' plus 'prompt_suffix' exceed {MAX_TOKENS}")
+        if self.continued and self.rollout_key is None:
+            raise ValueError("'continued' needs 'rollout_key'")
         return self
 
 
@@ -132,6 +156,13 @@ class GroupedRolloutRequest(WireModel):
         ge=0, le=MAX_ID, description="Policy version at submission."
     )
     sampling: SamplingParams = Field(default_factory=SamplingParams)
+    eval_prompts: int | None = Field(
+        None,
+        ge=1,
+        le=65536,
+        description="Set on held-out evaluation requests: the size of the held-out set, whose "
+        "prompt number 'batch_id' this group is. None for training groups.",
+    )
 
     @model_validator(mode="after")
     def _index_in_range(self) -> "GroupedRolloutRequest":
@@ -208,7 +239,7 @@ class EnvironmentInfo(WireModel):
 
     env_id: str
     agent_type: str
-    weight: float
+    weight: float = Field(description="Mixture weight; 0 for an evaluation-only environment.")
 
 
 class HealthResponse(WireModel):
@@ -285,6 +316,18 @@ class CompletionRequest(WireModel):
     )
     stream: Literal[False] = False
     rollout_key: RolloutKey | None = Field(None, description="Extension: see InferenceRequest.")
+    prompt_suffix: str | None = Field(
+        None, max_length=MAX_TOKENS, description="Extension: see InferenceRequest (token 'prompt')."
+    )
+    continued: bool = Field(False, description="Extension: see InferenceRequest (n=1).")
+
+    @model_validator(mode="after")
+    def _extensions_consistent(self) -> "CompletionRequest":
+        if self.prompt_suffix is not None and isinstance(self.prompt, str):
+            raise ValueError("'prompt_suffix' needs 'prompt' as token ids")
+        if self.continued and (self.rollout_key is None or self.n != 1):
+            raise ValueError("'continued' needs 'rollout_key' and n=1")
+        return self
 
     def to_inference_request(self) -> InferenceRequest:
         """The engine-level request this completion asks for."""
@@ -292,6 +335,7 @@ class CompletionRequest(WireModel):
         return InferenceRequest(
             prompt=text,
             prompt_tokens=None if text is not None else self.prompt,
+            prompt_suffix=self.prompt_suffix,
             sampling=SamplingParams(
                 temperature=self.temperature,
                 top_p=self.top_p,
@@ -300,6 +344,7 @@ class CompletionRequest(WireModel):
             ),
             seed=self.seed,
             rollout_key=self.rollout_key,
+            continued=self.continued,
         )
 
     @classmethod
@@ -320,7 +365,21 @@ class CompletionRequest(WireModel):
             seed=request.seed,
             logprobs=1,
             rollout_key=request.rollout_key,
+            prompt_suffix=request.prompt_suffix,
+            continued=request.continued,
         )
+
+
+class EndRolloutRequest(WireModel):
+    """``POST /v1/rollouts/end``: the rollout sends no more turns (see InferenceRequest)."""
+
+    rollout_key: RolloutKey
+
+
+class EndRolloutResponse(WireModel):
+    """Answer of ``POST /v1/rollouts/end``."""
+
+    awaited: bool = Field(description="Whether the engine was waiting for another turn of it.")
 
 
 class CompletionLogprobs(WireModel):

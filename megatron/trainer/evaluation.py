@@ -30,8 +30,9 @@ from megatron.trainer.tiers.base import Tier
 
 
 def eval_agents(agent: Agent) -> list[Agent]:
-    """The environments evaluated one by one (the entries of a mixture)."""
-    agents = agent.agents if isinstance(agent, MixtureAgent) else [agent]
+    """The environments evaluated one by one: every entry of a mixture, evaluation-only ones
+    (``weight: 0`` or ``evaluation_only: true``) included."""
+    agents = agent.evaluated if isinstance(agent, MixtureAgent) else [agent]
     remote = [a.env_id for a in agents if a.requires_inference_server]
     if remote:
         raise SystemExit(

@@ -8,8 +8,9 @@ import os
 import subprocess
 
 import pytest
-from golden_values import ROOT, subprocess_env, training_command
+from golden_values import ROOT
 from golden_values import run_training as run
+from golden_values import subprocess_env, training_command
 
 SMALL = {
     "rl-forced-lag": 1, "train-iters": 4, "lr-warmup-iters": 1, "grpo-prompts-per-step": 4,

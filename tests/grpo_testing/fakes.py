@@ -30,6 +30,8 @@ class SeededInference(InferenceInterface):
             render_chat(self.tokenizer, request.messages)  # raises: no chat template
         try:
             prompt = request.prompt_tokens or self.tokenizer.encode(request.prompt)
+            if request.prompt_suffix is not None:
+                prompt = prompt + self.tokenizer.encode(request.prompt_suffix)
         except ValueError as exc:
             raise InvalidInferenceRequest(str(exc)) from None
         rng = random.Random(request.seed)

@@ -3,7 +3,9 @@
     python examples/rl/slurm/remote_env_config.py --url http://node7:8000 --output remote.yaml
 
 One ``remote`` entry per environment the server's ``GET /health`` lists, with the same env id
-and mixture weight, so metrics keep their per-environment names. Used by ``train_grpo.sh``.
+and mixture weight, so metrics keep their per-environment names; evaluation-only environments
+(weight 0) are left out, since the trainer evaluates in-process environments only. Used by
+``train_grpo.sh``.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def remote_entries(url: str, health: dict) -> list[dict]:
             "weight": env["weight"],
         }
         for env in health["environments"]
+        if env["weight"] > 0
     ]
 
 

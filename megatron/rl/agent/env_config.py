@@ -2,16 +2,21 @@
 
 Example::
 
-    - agent_type: digits          # built-in: digits, remote; or "package.module:ClassName"
+    - agent_type: digits          # built-ins: digits, remote, reward_only; or "package.module:Class"
       agent_args: {task: copy, min_digits: 1, max_digits: 3}
       weight: 3
     - agent_type: digits
       env_id: add                 # optional name in metrics (default: "<agent_type><index>")
       agent_args: {task: add, max_digits: 2}
       weight: 1
+    - agent_type: digits
+      env_id: sort
+      agent_args: {task: sort}
+      evaluation_only: true       # no training groups; evaluated by --eval-interval (so is weight: 0)
 
-Every problem is reported at start-up as an ``EnvConfigError`` naming the file, the entry and the
-field, before any model is built.
+As in Megatron-LM, an entry with ``weight: 0`` or ``evaluation_only: true`` gets no training
+groups but is evaluated; at least one entry must train. Every problem is reported at start-up as
+an ``EnvConfigError`` naming the file, the entry and the field, before any model is built.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from megatron.rl.agent.mixture import MixtureAgent
 BUILTIN_AGENT_TYPES = {
     "digits": "megatron.rl.environments.digits:DigitTaskEnvironment",
     "remote": "megatron.rl.agent.remote:RemoteAgent",
+    "reward_only": "megatron.rl.agent.reward_only:RewardOnlyAdapter",
 }
 """Short names accepted as ``agent_type``."""
 
@@ -49,8 +55,14 @@ class EnvEntry(BaseModel):
 
     agent_type: str = Field(min_length=1)
     agent_args: dict[str, Any] = Field(default_factory=dict)
-    weight: float = Field(1.0, gt=0.0, allow_inf_nan=False)
+    weight: float = Field(1.0, ge=0.0, allow_inf_nan=False)
     env_id: str | None = None
+    evaluation_only: bool = False
+
+    @property
+    def trains(self) -> bool:
+        """Whether the entry gets training groups (weight > 0 and not evaluation-only)."""
+        return self.weight > 0 and not self.evaluation_only
 
 
 def resolve_agent_type(agent_type: str) -> type[Agent]:
@@ -73,7 +85,7 @@ def build_agents(entries: list[dict[str, Any]], source: str = "<default>") -> Mi
     """Validate ``entries`` and instantiate the weighted mixture of their agents."""
     if not isinstance(entries, list) or not entries:
         raise EnvConfigError(f"env config {source}: expected a non-empty list of entries")
-    agents, weights = [], []
+    agents, trains, weights = [], [], []
     for index, raw in enumerate(entries):
         where = f"env config {source}, entry {index}"
         try:
@@ -91,11 +103,21 @@ def build_agents(entries: list[dict[str, Any]], source: str = "<default>") -> Mi
                 f"{where} (agent_type {entry.agent_type!r}): {_describe(err, 'agent_args')}"
             ) from None
         agents.append(cls(entry.env_id or f"{entry.agent_type}{index}", args))
+        trains.append(entry.trains)
         weights.append(entry.weight)
     ids = [a.env_id for a in agents]
     if len(set(ids)) != len(ids):
         raise EnvConfigError(f"env config {source}: env_id values must be unique, got {ids}")
-    return MixtureAgent(agents, weights)
+    if not any(trains):
+        raise EnvConfigError(
+            f"env config {source}: no entry trains (each has 'weight: 0' or 'evaluation_only: "
+            "true'); give at least one entry a positive weight"
+        )
+    return MixtureAgent(
+        [a for a, t in zip(agents, trains) if t],
+        [w for w, t in zip(weights, trains) if t],
+        evaluation_only=[a for a, t in zip(agents, trains) if not t],
+    )
 
 
 def load_env_config(path: str | Path | None) -> MixtureAgent:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 from functools import lru_cache
 
 from megatron.rl.agent.api import Agent
@@ -33,9 +34,15 @@ def mixture_assignment(weights: tuple[float, ...], num_groups: int, seed: int) -
 
 
 class MixtureAgent(Agent):
-    """Dispatches each group to one of ``agents`` according to ``mixture_assignment``."""
+    """Dispatches each group to one of ``agents`` according to ``mixture_assignment``.
 
-    def __init__(self, agents: list[Agent], weights: list[float]) -> None:
+    ``evaluation_only`` agents get no training groups; ``evaluated`` (every agent) are the
+    environments of held-out evaluation. The mixture starts and closes all of them.
+    """
+
+    def __init__(
+        self, agents: list[Agent], weights: list[float], evaluation_only: Sequence[Agent] = ()
+    ) -> None:
         if not agents or len(agents) != len(weights):
             raise ValueError("MixtureAgent needs one positive weight per agent")
         if not all(math.isfinite(w) and w > 0 for w in weights):
@@ -43,6 +50,7 @@ class MixtureAgent(Agent):
         super().__init__(env_id="mixture")
         self.agents = agents
         self.weights = tuple(float(w) for w in weights)
+        self.evaluation_only = list(evaluation_only)
         self._assignment = lru_cache(maxsize=64)(self._assign)
         self.requires_inference_server = any(a.requires_inference_server for a in agents)
 
@@ -50,6 +58,11 @@ class MixtureAgent(Agent):
         return mixture_assignment(
             self.weights, groups_in_batch, derive_seed(seed, batch_id, _MIXTURE_STREAM)
         )
+
+    @property
+    def evaluated(self) -> list[Agent]:
+        """Every environment: the trained ones, then the evaluation-only ones."""
+        return [*self.agents, *self.evaluation_only]
 
     def agent_for(self, request: GroupedRolloutRequest) -> Agent:
         """The agent that serves ``request``'s group."""
@@ -68,10 +81,10 @@ class MixtureAgent(Agent):
 
     async def astart(self) -> None:
         """Start every agent."""
-        for agent in self.agents:
+        for agent in self.evaluated:
             await agent.astart()
 
     async def aclose(self) -> None:
         """Close every agent."""
-        for agent in self.agents:
+        for agent in self.evaluated:
             await agent.aclose()

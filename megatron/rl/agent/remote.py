@@ -38,8 +38,10 @@ class RemoteAgentArgs(AgentArgs):
     env_id: str | None = Field(None, description="Environment on the server (default: its mix).")
     single_turn: bool = Field(
         True,
-        description="The environment sends one generation request per rollout, all at once, "
-        "which lets the engine schedule deterministically (see ContinuousBatchingScheduler).",
+        description="The environment sends the first generation request of every rollout at "
+        "once, keyed, which lets the engine schedule deterministically (see "
+        "ContinuousBatchingScheduler). True for single-turn environments and for multi-turn ones "
+        "built on MultiTurnEnvironment or reward_only, whose later turns announce themselves.",
     )
     timeout_s: float = Field(900.0, gt=0, description="Read timeout of one group call.")
     connect_timeout_s: float = Field(5.0, gt=0, description="Connect timeout.")

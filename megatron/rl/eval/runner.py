@@ -1,10 +1,12 @@
 """Evaluation of the current policy on a held-out prompt set: greedy reward and unbiased pass@k.
 
 For each environment, problem i of the held-out set is the one its agent draws for the grouped
-request (batch_id=i, index_in_batch=0) under the *evaluation seed*, a seed derived from the run
-seed on a stream of its own; training batches use the run seed itself, so the held-out set is a
-fixed sample of the task distribution drawn independently of the training prompts (a small
-procedural task can still repeat a training prompt by chance). Two passes over the set:
+request (batch_id=i, index_in_batch=0, eval_prompts=the set's size) under the *evaluation seed*,
+a seed derived from the run seed on a stream of its own; training batches use the run seed
+itself, so the held-out set is a fixed sample of the task distribution drawn independently of
+the training prompts (a small procedural task can still repeat a training prompt by chance).
+Environments with a fixed held-out list (``reward_only``: ``evaluation_prompts``) take its
+problem i instead. Two passes over the set:
 
 * greedy: one rollout per problem at temperature 0 -> ``greedy_reward`` (mean reward);
 * sampled: n rollouts per problem with the given sampling parameters -> ``sample_reward`` and
@@ -144,6 +146,7 @@ async def _run_pass(
             seed=seed,
             submission_policy_version=0,
             sampling=sampling,
+            eval_prompts=config.num_prompts,
         )
         for i in range(config.num_prompts)
     ]

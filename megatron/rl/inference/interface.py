@@ -8,7 +8,7 @@ from megatron.rl.async_utils import gather_all
 from megatron.rl.inference.protocol import InferenceEngine, InvalidInferenceRequest
 from megatron.rl.seeding import derive_seed
 from megatron.rl.tokenizer import Tokenizer
-from megatron.rl.wire import ChatMessage, InferenceRequest, InferenceResponse
+from megatron.rl.wire import ChatMessage, InferenceRequest, InferenceResponse, RolloutKey
 
 
 class InferenceInterface(ABC):
@@ -34,6 +34,14 @@ class InferenceInterface(ABC):
         """
         return await gather_all(*(self.generate(sample_request(request, i)) for i in range(n)))
 
+    async def end_rollout(self, key: RolloutKey) -> bool:
+        """Rollout ``key`` sends no further turn: the engine stops waiting for one.
+
+        A multi-turn agent calls it when the environment ends an episode after a request sent
+        with ``continued=True``. True if the engine was waiting; the default has no engine.
+        """
+        return False
+
 
 def sample_request(request: InferenceRequest, i: int) -> InferenceRequest:
     """Sample i of a group request: its own seed, and the i-th rollout key after the given one."""
@@ -52,27 +60,16 @@ class LocalInferenceInterface(InferenceInterface):
 
     async def generate(self, request: InferenceRequest) -> InferenceResponse:
         """Run ``request`` on the engine and detokenize the result."""
-        prompt_text = None
-        if request.messages is not None:
-            prompt_text, prompt = render_chat(self.tokenizer, request.messages)
-        elif request.prompt_tokens is not None:
-            prompt = list(request.prompt_tokens)
-            bad = [t for t in prompt if not 0 <= t < self.tokenizer.vocab_size]
-            if bad:
-                raise InvalidInferenceRequest(
-                    f"prompt_tokens has ids outside the vocabulary: {bad[:5]}"
-                )
-        else:
-            try:
-                prompt = self.tokenizer.encode(request.prompt)
-            except ValueError as exc:
-                raise InvalidInferenceRequest(f"prompt: {exc}") from None
         key = request.rollout_key
+        engine_key = None if key is None else (key.batch_id, key.index_in_batch, key.sample_index)
+        try:
+            prompt, prompt_text = self._prompt(request)
+        except InvalidInferenceRequest:
+            if engine_key is not None:  # an awaited next turn arrived, unusable: stop waiting
+                self.engine.end_rollout(engine_key)
+            raise
         out = await self.engine.generate(
-            prompt,
-            request.sampling,
-            request.seed,
-            None if key is None else (key.batch_id, key.index_in_batch, key.sample_index),
+            prompt, request.sampling, request.seed, engine_key, request.continued
         )
         return InferenceResponse(
             prompt_tokens=prompt,
@@ -83,6 +80,36 @@ class LocalInferenceInterface(InferenceInterface):
             finish_reason=out.finish_reason,
             prompt_text=prompt_text,
         )
+
+    async def end_rollout(self, key: RolloutKey) -> bool:
+        """Release the engine's wait for another turn of ``key``."""
+        return self.engine.end_rollout((key.batch_id, key.index_in_batch, key.sample_index))
+
+    def _prompt(self, request: InferenceRequest) -> tuple[list[int], str | None]:
+        """The prompt's token ids, and its text when rendered from chat messages:
+        ``messages`` through the chat template, ``prompt_tokens`` (checked) + tokenized
+        ``prompt_suffix``, or the tokenized ``prompt``."""
+        if request.messages is not None:
+            text, ids = render_chat(self.tokenizer, request.messages)
+            return ids, text
+        if request.prompt_tokens is None:
+            return self._encode(request.prompt, "prompt"), None
+        prompt = list(request.prompt_tokens)
+        bad = [t for t in prompt if not 0 <= t < self.tokenizer.vocab_size]
+        if bad:
+            raise InvalidInferenceRequest(
+                f"prompt_tokens has ids outside the vocabulary: {bad[:5]}"
+            )
+        if request.prompt_suffix is not None:
+            prompt += self._encode(request.prompt_suffix, "prompt_suffix", continuation=True)
+        return prompt, None
+
+    def _encode(self, text: str, field: str, continuation: bool = False) -> list[int]:
+        encode = self.tokenizer.encode_continuation if continuation else self.tokenizer.encode
+        try:
+            return encode(text)
+        except ValueError as exc:
+            raise InvalidInferenceRequest(f"{field}: {exc}") from None
 
 
 def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage]) -> tuple[str, list[int]]:

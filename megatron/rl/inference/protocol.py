@@ -112,14 +112,20 @@ class InferenceEngine(BatchScheduler, Protocol):
         sampling: SamplingParams,
         seed: int,
         key: Key | None = None,
+        continued: bool = False,
     ) -> GenerationOutput:
         """Generate a completion of ``prompt_tokens``; resolves when it stops.
 
         Tokens are sampled with the request's own RNG (``seed``); each comes with its logprob
         under the tempered policy and the policy version that produced it. Raises
         ``InvalidInferenceRequest`` for a request that cannot be served and ``EngineError`` once
-        the engine failed or was closed.
+        the engine failed or was closed. ``continued`` (keyed requests): another turn of the
+        rollout may follow under ``key``; the deterministic schedule waits for it.
         """
+        ...
+
+    def end_rollout(self, key: Key) -> bool:
+        """Rollout ``key`` sends no further turn; True if the engine was waiting for one."""
         ...
 
     def start(self) -> None:

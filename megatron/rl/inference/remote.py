@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from megatron.rl.http_client import ClientPool, RemoteCallError, RetryPolicy, call_json
 from megatron.rl.inference.interface import InferenceInterface
 from megatron.rl.inference.protocol import InvalidInferenceRequest
 from megatron.rl.wire import (
     CompletionRequest,
     CompletionResponse,
+    EndRolloutRequest,
+    EndRolloutResponse,
     InferenceRequest,
     InferenceResponse,
+    RolloutKey,
+    WireModel,
 )
 from megatron.rl.wire_chat import ChatCompletionRequest, ChatCompletionResponse
 
@@ -45,24 +51,31 @@ class RemoteInferenceInterface(InferenceInterface):
         failures ``InferenceUnavailable``."""
         return await self._complete(request, n)
 
+    async def end_rollout(self, key: RolloutKey) -> bool:
+        """``POST {base_url}/v1/rollouts/end``: the engine stops waiting for another turn."""
+        if not self.keep_rollout_keys:  # its requests went out unkeyed: nothing is awaited
+            return False
+        payload = await self._call("/v1/rollouts/end", EndRolloutRequest(rollout_key=key))
+        try:
+            return EndRolloutResponse.model_validate(payload).awaited
+        except ValueError as exc:
+            raise InferenceUnavailable(
+                f"inference server {self.base_url} sent an invalid answer: {exc}"
+            ) from None
+
     async def _complete(self, request: InferenceRequest, n: int) -> list[InferenceResponse]:
         if not self.keep_rollout_keys and request.rollout_key is not None:
-            request = request.model_copy(update={"rollout_key": None})
+            request = request.model_copy(update={"rollout_key": None, "continued": False})
         body: CompletionRequest | ChatCompletionRequest
         if request.messages is not None:  # rendered by the trainer's tokenizer
-            url = f"{self.base_url}/v1/chat/completions"
+            path = "/v1/chat/completions"
             body = ChatCompletionRequest.from_inference_request(request, n)
             answer: type[CompletionResponse | ChatCompletionResponse] = ChatCompletionResponse
         else:
-            url = f"{self.base_url}/v1/completions"
+            path = "/v1/completions"
             body = CompletionRequest.from_inference_request(request, n)
             answer = CompletionResponse
-        try:
-            payload = await call_json(self.client, "POST", url, body, self.retry)
-        except RemoteCallError as exc:
-            if exc.status is not None and 400 <= exc.status < 500 and exc.status != 429:
-                raise InvalidInferenceRequest(str(exc)) from None
-            raise InferenceUnavailable(f"inference server {self.base_url}: {exc}") from None
+        payload = await self._call(path, body)
         try:
             responses = answer.model_validate(payload).to_inference_responses()
         except ValueError as exc:
@@ -74,3 +87,13 @@ class RemoteInferenceInterface(InferenceInterface):
                 f"inference server {self.base_url} sent {len(responses)} choices for n={n}"
             )
         return responses
+
+    async def _call(self, path: str, body: WireModel) -> Any:
+        """POST ``body``; 4xx answers raise ``InvalidInferenceRequest``, other failures
+        ``InferenceUnavailable``."""
+        try:
+            return await call_json(self.client, "POST", f"{self.base_url}{path}", body, self.retry)
+        except RemoteCallError as exc:
+            if exc.status is not None and 400 <= exc.status < 500 and exc.status != 429:
+                raise InvalidInferenceRequest(str(exc)) from None
+            raise InferenceUnavailable(f"inference server {self.base_url}: {exc}") from None

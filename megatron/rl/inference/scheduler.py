@@ -18,6 +18,10 @@ independent of network or task timing:
   barrier); ``group_done`` withdraws what a group will no longer send.
 * Waiting requests are admitted in key order (batch, index, sample); unkeyed requests after them,
   first come first served.
+* Multi-turn rollouts: a keyed request sent with ``continued=True`` announces, when it finishes,
+  the next turn under the same key (the environment answers in between). The barrier holds until
+  that request arrives or ``end_rollout(key)`` says the rollout is over; ``group_done`` withdraws
+  the turns its group still owed. So a later turn joins the batch at a fixed step too.
 * ``await_batch(b)`` sets the window target: keyed requests are stepped only while batch ``b``
   still has an announced, waiting or active request (``b=None``: always). Unkeyed requests always
   step. ``SchedulerConfig.window_target=False`` turns the target off (a throughput mode: batches
@@ -79,6 +83,7 @@ class _Request:
     seed: int
     key: Key | None
     future: asyncio.Future
+    continued: bool = False
     replica: int = -1
     slot: int = -1
     tokens: list[int] = field(default_factory=list)
@@ -126,6 +131,7 @@ class ContinuousBatchingScheduler:
         self._free = [list(range(config.max_requests)) for _ in range(steps.num_replicas)]
         self._arrivals = itertools.count()
         self._expected: dict[tuple[int, int], int] = {}
+        self._continuations: set[Key] = set()  # finished turns whose next turn is awaited
         self._awaited_batch: int | None = None
         self._resumed = asyncio.Event()
         self._wakeup = asyncio.Event()
@@ -142,8 +148,16 @@ class ContinuousBatchingScheduler:
         sampling: SamplingParams,
         seed: int,
         key: Key | None = None,
+        continued: bool = False,
     ) -> GenerationOutput:
-        """Generate a completion of ``prompt_tokens``; resolves when it stops."""
+        """Generate a completion of ``prompt_tokens``; resolves when it stops.
+
+        ``continued`` (keyed requests only): the rollout may send its next turn under ``key``
+        once this one finished; the engine waits for it (see the module docstring).
+        """
+        if key is not None and key in self._continuations:  # the awaited turn, valid or not
+            self._continuations.discard(key)
+            self._wakeup.set()
         if self._error is not None:
             raise EngineError(
                 f"the inference engine is unavailable: {self._error}"
@@ -159,9 +173,9 @@ class ContinuousBatchingScheduler:
         arrival = next(self._arrivals)
         order = (0, *key, arrival) if key is not None else (1, arrival)
         future = asyncio.get_running_loop().create_future()
-        heapq.heappush(
-            self._waiting, _Request(order, list(prompt_tokens), sampling, seed, key, future)
-        )
+        request = _Request(order, list(prompt_tokens), sampling, seed, key, future)
+        request.continued = continued and key is not None
+        heapq.heappush(self._waiting, request)
         if key is not None:
             self._arrived(key[:2])
         self._wakeup.set()
@@ -175,9 +189,19 @@ class ContinuousBatchingScheduler:
             self._expected[(batch_id, index_in_batch)] = num_requests
 
     def group_done(self, batch_id: int, index_in_batch: int) -> None:
-        """Group (batch, index) will send nothing more that it announced."""
-        if self._expected.pop((batch_id, index_in_batch), None) is not None:
+        """Group (batch, index) will send nothing more that it announced (later turns included)."""
+        owed = {k for k in self._continuations if k[:2] == (batch_id, index_in_batch)}
+        self._continuations -= owed
+        if self._expected.pop((batch_id, index_in_batch), None) is not None or owed:
             self._wakeup.set()
+
+    def end_rollout(self, key: Key) -> bool:
+        """Rollout ``key`` sends no further turn; True if the engine was waiting for one."""
+        if key not in self._continuations:
+            return False
+        self._continuations.discard(key)
+        self._wakeup.set()
+        return True
 
     def await_batch(self, batch_id: int | None) -> None:
         """The trainer now waits for ``batch_id``: keyed work steps only while it is unfinished.
@@ -220,19 +244,22 @@ class ContinuousBatchingScheduler:
             while True:
                 await self._resumed.wait()
                 self._release_cancelled()
-                if self._expected:
+                if self._expected or self._continuations:
                     barrier_since = barrier_since or time.monotonic()
                     waited = time.monotonic() - barrier_since
                     if waited < self.config.barrier_timeout_s:
                         await self._sleep_until_woken(self.config.barrier_timeout_s - waited)
                         continue
                     logger.warning(
-                        "inference engine: announced requests of groups %s did not arrive within "
-                        "%.0f s; stepping without them (the schedule is no longer deterministic)",
+                        "inference engine: announced requests of groups %s (next turns of %s) did "
+                        "not arrive within %.0f s; stepping without them (the schedule is no "
+                        "longer deterministic)",
                         sorted(self._expected),
+                        sorted(self._continuations),
                         self.config.barrier_timeout_s,
                     )
                     self._expected.clear()
+                    self._continuations.clear()
                 barrier_since = None
                 self._admit()
                 rows = self._plan()
@@ -262,7 +289,7 @@ class ContinuousBatchingScheduler:
         b = self._awaited_batch
         if b is None or not self.config.window_target:
             return True
-        return any(k[0] == b for k in self._expected) or any(
+        return any(k[0] == b for k in itertools.chain(self._expected, self._continuations)) or any(
             r.key is not None and r.key[0] == b
             for r in itertools.chain(self._waiting, self._active.values())
         )
@@ -295,6 +322,8 @@ class ContinuousBatchingScheduler:
     def _finish(self, req: _Request, reason: str) -> None:
         self._release(req)
         if not req.future.done():
+            if req.continued:  # before any further step: the barrier now awaits the next turn
+                self._continuations.add(req.key)
             req.future.set_result(GenerationOutput(req.tokens, req.logprobs, req.versions, reason))
 
     def _arrived(self, group: tuple[int, int]) -> None:

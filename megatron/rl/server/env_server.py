@@ -98,7 +98,7 @@ def create_app(
 
     app = FastAPI(title="megatron-rl env server", version="1", lifespan=lifespan)
     install_error_handlers(app)
-    by_id = {a.env_id: a for a in agent.agents}
+    by_id = {a.env_id: a for a in agent.evaluated}
 
     def select(env_id: str | None) -> Agent:
         if env_id is None:
@@ -118,7 +118,9 @@ def create_app(
         return HealthResponse(
             environments=[
                 EnvironmentInfo(env_id=a.env_id, agent_type=type(a).__name__, weight=w)
-                for a, w in zip(agent.agents, agent.weights)
+                for a, w in zip(
+                    agent.evaluated, agent.weights + (0.0,) * len(agent.evaluation_only)
+                )
             ]
         )
 
@@ -131,7 +133,7 @@ def create_app(
     @app.post("/v1/evaluate", response_model=EvaluationResponse, responses=ERROR_RESPONSES)
     async def evaluate(body: EvaluationRequest) -> EvaluationResponse:
         """Score ``num_problems`` fresh problems per environment with the given sampling."""
-        envs = [select(body.env_id)] if body.env_id is not None else agent.agents
+        envs = [select(body.env_id)] if body.env_id is not None else agent.evaluated
         remote = inference(body.inference_url, keep_keys=False)
         results = []
         for env in envs:
@@ -145,6 +147,7 @@ def create_app(
                     seed=body.seed,
                     submission_policy_version=0,
                     sampling=body.sampling,
+                    eval_prompts=body.num_problems,
                 )
                 rollout = (await run_group(env, request, remote)).rollouts[0]
                 failed += rollout.is_placeholder

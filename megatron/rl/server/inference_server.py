@@ -29,6 +29,8 @@ from megatron.rl.wire import (
     CompletionRequest,
     CompletionResponse,
     CompletionUsage,
+    EndRolloutRequest,
+    EndRolloutResponse,
     InferenceRequest,
     InferenceResponse,
 )
@@ -139,6 +141,11 @@ def create_inference_app(
                 total_tokens=prompt_tokens + completion_tokens,
             ),
         )
+
+    @app.post("/v1/rollouts/end", response_model=EndRolloutResponse, responses=ERROR_RESPONSES)
+    async def end_rollout(body: EndRolloutRequest) -> EndRolloutResponse:
+        """A multi-turn rollout sends no further turn (after a request with ``continued``)."""
+        return EndRolloutResponse(awaited=await inference.end_rollout(body.rollout_key))
 
     return app
 

@@ -20,6 +20,7 @@ from megatron.rl.wire import (
 )
 
 USER = {"role": "user", "content": "What is 1+1?"}
+KEY = {"batch_id": 0, "index_in_batch": 0, "sample_index": 0}
 
 
 def error_locs(err: ValidationError) -> list[tuple]:
@@ -305,3 +306,55 @@ def test_non_finite_reward_is_rejected_or_survives_json(reward):
     group = RolloutGroup(batch_id=0, index_in_batch=0, rollouts=[rollout])
     back = RolloutGroup.model_validate_json(group.model_dump_json())
     assert str(back.rollouts[0].reward) == str(reward)
+
+
+# --------------------------------------------------------------------------- multi-turn fields
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        pytest.param({"prompt": "1=", "prompt_suffix": "+"}, "'prompt_suffix' needs", id="text"),
+        pytest.param({"prompt_tokens": [3], "prompt_suffix": ""}, "'prompt_suffix'", id="empty"),
+        pytest.param(
+            {"prompt_tokens": [3] * MAX_TOKENS, "prompt_suffix": "+"}, "exceed", id="too-long"
+        ),
+        pytest.param({"prompt": "1=", "continued": True}, "'continued' needs", id="unkeyed"),
+    ],
+)
+def test_multi_turn_fields_are_checked(kwargs, needle):
+    with pytest.raises(ValidationError, match=needle):
+        InferenceRequest(**kwargs)
+
+
+def test_a_later_turn_round_trips_through_a_completion_request():
+    key = RolloutKey(batch_id=1, index_in_batch=2, sample_index=3)
+    turn = InferenceRequest(prompt_tokens=[3, 4], prompt_suffix="+", rollout_key=key, seed=5)
+    turn = turn.model_copy(update={"continued": True})
+    body = CompletionRequest.from_inference_request(turn)
+    assert (body.prompt, body.prompt_suffix, body.continued) == ([3, 4], "+", True)
+    assert CompletionRequest.model_validate_json(body.model_dump_json()).to_inference_request() == (
+        turn
+    )
+
+
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        pytest.param({"prompt": "1=", "prompt_suffix": "+"}, "token ids", id="suffix-on-text"),
+        pytest.param({"prompt": [3], "continued": True}, "'rollout_key'", id="unkeyed"),
+        pytest.param(
+            {"prompt": [3], "n": 2, "continued": True, "rollout_key": KEY}, "n=1", id="n>1"
+        ),
+    ],
+)
+def test_completion_extensions_are_checked(body, needle):
+    with pytest.raises(ValidationError, match=needle):
+        CompletionRequest.model_validate(body)
+
+
+def test_eval_prompts_is_bounded():
+    assert grouped().eval_prompts is None and grouped(eval_prompts=32).eval_prompts == 32
+    with pytest.raises(ValidationError) as info:
+        grouped(eval_prompts=0)
+    assert error_locs(info.value) == [("eval_prompts",)]

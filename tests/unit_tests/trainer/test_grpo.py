@@ -79,6 +79,25 @@ def test_evaluation_does_not_perturb_training(runs):
         assert 0 <= m["eval/greedy_reward"] <= 1
 
 
+def test_evaluation_only_entries_are_evaluated_and_do_not_change_training(runs, tmp_path):
+    """Megatron-LM's `evaluation_only: true` and `weight: 0`: evaluated, never trained on."""
+    config = tmp_path / "envs.yaml"
+    config.write_text(
+        "- {agent_type: digits, env_id: copy, agent_args: {task: copy}}\n"
+        "- {agent_type: digits, env_id: sort, agent_args: {task: sort}, evaluation_only: true}\n"
+        "- {agent_type: digits, env_id: add, agent_args: {task: add}, weight: 0}\n"
+    )
+    flags = ("--eval-interval", "2", "--eval-prompts", "4", "--eval-samples", "4")
+    single = runs("eval-copy", *flags)  # the default env config: the copy task alone
+    mixed = runs("eval-only-entries", *flags, "--env-config", str(config))
+    for a, b in zip(single, mixed):
+        assert {k: a[k] for k in DETERMINISTIC} == {k: b[k] for k in DETERMINISTIC}
+        assert [k for k in b if k.startswith("reward_mean/")] == ["reward_mean/copy"]
+    for a, b in zip(single[1::2], mixed[1::2]):
+        assert b["eval/greedy_reward/copy"] == a["eval/greedy_reward"]
+        assert {"eval/greedy_reward/sort", "eval/greedy_reward/add"} <= set(b)
+
+
 def test_optional_terms_log_their_metrics_and_keep_the_lag_exact(runs):
     metrics = runs(
         "terms", "--rl-inference-logprobs-is-correction", "--grpo-kl-beta", "0.05",

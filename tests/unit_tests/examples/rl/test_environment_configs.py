@@ -10,6 +10,7 @@ import pytest
 
 from megatron.rl.agent.api import SingleTurnEnvironment
 from megatron.rl.agent.env_config import load_env_config
+from megatron.rl.agent.multi_turn import MultiTurnEnvironment
 from megatron.rl.seeding import derive_seed
 from megatron.rl.tokenizer import CharTokenizer
 
@@ -29,6 +30,7 @@ def at_repo_root(monkeypatch):
         pytest.param("countdown", ["countdown"], [1.0], id="countdown"),
         pytest.param("math", ["math"], [1.0], id="math"),
         pytest.param("mixture", ["copy", "countdown", "math"], [2.0, 1.0, 1.0], id="mixture"),
+        pytest.param("guess", ["guess"], [1.0], id="guess"),
     ],
 )
 def test_config_loads(at_repo_root, name, env_ids, weights):
@@ -41,6 +43,7 @@ def test_every_config_is_listed():
     assert sorted(p.stem for p in CONFIGS.glob("*.yaml")) == [
         "countdown",
         "gsm8k",
+        "guess",
         "math",
         "mixture",
     ]
@@ -68,3 +71,12 @@ def test_prompts_fit_the_default_sequence_length_and_alphabet(at_repo_root, name
             p = agent.make_problem(random.Random(derive_seed(1234, i, 0)))
             tokenizer.encode(p.prompt)
             assert len(p.prompt) + (p.max_tokens or DEFAULT_MAX_TOKENS) <= SEQ_LENGTH, p
+
+
+def test_a_whole_guess_episode_fits_the_default_sequence_length(at_repo_root):
+    (agent,) = load_env_config(CONFIGS / "guess.yaml").agents
+    assert isinstance(agent, MultiTurnEnvironment)
+    a = agent.args
+    problem = agent.make_problem(random.Random(1))
+    guesses, answers = a.max_turns * a.guess_tokens, a.max_turns - 1
+    assert len(CharTokenizer().encode(problem.prompt + "+-")) - 2 + guesses + answers <= SEQ_LENGTH

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections import Counter
 
@@ -113,9 +114,14 @@ def test_no_path_gives_embedded_default():
             id="negative-weight",
         ),
         pytest.param(
-            "- {agent_type: digits, weight: 0}\n",
-            ["entry 0", "'weight'"],
-            id="zero-weight",
+            "- {agent_type: digits, weight: 0}\n- {agent_type: digits, evaluation_only: true}\n",
+            ["no entry trains", "evaluation_only"],
+            id="nothing-trains",
+        ),
+        pytest.param(
+            "- {agent_type: digits, evaluation_only: maybe}\n",
+            ["entry 0", "'evaluation_only'"],
+            id="evaluation-only-not-a-bool",
         ),
         pytest.param(
             "- {agent_type: digits, weight: .inf}\n",
@@ -247,3 +253,46 @@ def test_mixture_agent_rejects_negative_or_infinite_weights(weights):
     ).agents
     with pytest.raises(ValueError):
         MixtureAgent(agents, weights)
+
+
+EVAL_ONLY = """\
+- {agent_type: digits, env_id: copy, agent_args: {task: copy}, weight: 2}
+- {agent_type: digits, env_id: sort, agent_args: {task: sort}, evaluation_only: true}
+- {agent_type: digits, env_id: add, agent_args: {task: add}, weight: 0}
+- {agent_type: digits, env_id: rev, agent_args: {task: reverse}, weight: 1}
+"""
+
+
+def test_evaluation_only_and_zero_weight_entries_are_evaluated_but_not_trained(tmp_path):
+    agent = load_env_config(write(tmp_path, EVAL_ONLY))
+    assert [a.env_id for a in agent.agents] == ["copy", "rev"] and agent.weights == (2.0, 1.0)
+    assert [a.env_id for a in agent.evaluation_only] == ["sort", "add"]
+    assert [a.env_id for a in agent.evaluated] == ["copy", "rev", "sort", "add"]
+    # The training mix is that of the trained entries alone.
+    trained_only = build_agents(
+        [{"agent_type": "digits", "env_id": e, "weight": w} for e, w in [("copy", 2), ("rev", 1)]]
+    )
+    for index in range(6):
+        assert agent.agent_for(request(index, 6)).env_id == (
+            trained_only.agent_for(request(index, 6)).env_id
+        )
+
+
+def test_the_mixture_starts_and_closes_evaluation_only_agents_too(tmp_path):
+    agent = load_env_config(write(tmp_path, EVAL_ONLY))
+    calls = []
+    for a in agent.evaluated:
+        a.astart = lambda a=a: _record(calls, "start", a.env_id)
+        a.aclose = lambda a=a: _record(calls, "close", a.env_id)
+
+    async def run():
+        await agent.astart()
+        await agent.aclose()
+
+    asyncio.run(run())
+    ids = ["copy", "rev", "sort", "add"]
+    assert calls == [("start", e) for e in ids] + [("close", e) for e in ids]
+
+
+async def _record(calls: list, what: str, env_id: str) -> None:
+    calls.append((what, env_id))

@@ -1,5 +1,5 @@
-"""``RemoteInferenceInterface``: chat messages go to the trainer's ``/v1/chat/completions`` and
-come back exactly as the in-process interface answers them."""
+"""``RemoteInferenceInterface`` against the real inference server app over a running engine: a
+multi-turn exchange over HTTP gives exactly what the in-process interface gives."""
 
 from __future__ import annotations
 
@@ -10,78 +10,100 @@ import pytest
 from grpo_testing.fakes import FakeSteps
 
 from megatron.rl.http_client import ClientPool, RetryPolicy
-from megatron.rl.inference.interface import LocalInferenceInterface
+from megatron.rl.inference.interface import InferenceInterface, LocalInferenceInterface
 from megatron.rl.inference.protocol import InvalidInferenceRequest
 from megatron.rl.inference.remote import RemoteInferenceInterface
 from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig
 from megatron.rl.server.inference_server import create_inference_app
-from megatron.rl.tokenizer import CharTokenizer, HuggingFaceTokenizer
+from megatron.rl.tokenizer import CharTokenizer
 from megatron.rl.wire import InferenceRequest, RolloutKey, SamplingParams
 
-MESSAGES = [{"role": "user", "content": "What is 12+7?"}]
+TOK = CharTokenizer()
+KEY = RolloutKey(batch_id=0, index_in_batch=0, sample_index=0)
 
 
-class RecordingTransport(httpx.AsyncBaseTransport):
-    """The ASGI app of the inference server, recording each request's path."""
+async def two_turns(inference: InferenceInterface):
+    """Turn 0 from text, turn 1 from the history plus an observation, then the end."""
+    first = await inference.generate(
+        InferenceRequest(
+            prompt="12=", sampling=SamplingParams(max_tokens=2), seed=3, rollout_key=KEY,
+            continued=True,
+        )
+    )  # fmt: skip
+    history = first.prompt_tokens + first.tokens
+    second = await inference.generate(
+        InferenceRequest(
+            prompt_tokens=history, prompt_suffix="+", sampling=SamplingParams(max_tokens=2),
+            seed=4, rollout_key=KEY, continued=True,
+        )
+    )  # fmt: skip
+    ended = await inference.end_rollout(KEY)
+    return first, second, ended
 
-    def __init__(self, app) -> None:
-        self.inner = httpx.ASGITransport(app)
-        self.paths: list[str] = []
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        self.paths.append(request.url.path)
-        return await self.inner.handle_async_request(request)
-
-
-def group(tokenizer, request: InferenceRequest, n: int, remote: bool):
-    """``n`` samples of ``request`` in process or through the inference server (fake steps)."""
+def run_over(remote: bool, work=two_turns, keep_keys: bool = True):
+    """Run ``work`` through the local interface or over HTTP (ASGI transport) to the server."""
+    steps = FakeSteps()
 
     async def run():
         engine = ContinuousBatchingScheduler(
-            FakeSteps(), SchedulerConfig(max_requests=4, max_seq_len=64), lambda: 2
+            steps, SchedulerConfig(max_requests=4, max_seq_len=24, barrier_timeout_s=5), lambda: 1
         )
         engine.start()
         engine.resume()
-        local = LocalInferenceInterface(engine, tokenizer)
-        transport = RecordingTransport(create_inference_app(local, tokenizer))
-        pool = ClientPool(4, httpx.Timeout(10.0), transport)
-        interface = RemoteInferenceInterface("http://trainer", pool, RetryPolicy(max_retries=0))
+        local = LocalInferenceInterface(engine, TOK)
+        pool = ClientPool(
+            4, httpx.Timeout(5.0), httpx.ASGITransport(create_inference_app(local, TOK))
+        )
+        inference = (
+            RemoteInferenceInterface("http://t", pool, RetryPolicy(0), keep_keys)
+            if remote
+            else local
+        )
         try:
-            out = await (interface if remote else local).generate_group(request, n)
-            return out, transport.paths
+            return await asyncio.wait_for(work(inference), 10)
         finally:
             await pool.aclose()
             await engine.aclose()
 
-    return asyncio.run(run())
+    return asyncio.run(run()), steps.plans
 
 
-def chat_request() -> InferenceRequest:
-    return InferenceRequest(
-        messages=MESSAGES,
-        sampling=SamplingParams(max_tokens=4, temperature=0.5),
-        seed=8,
-        rollout_key=RolloutKey(batch_id=0, index_in_batch=1, sample_index=0),
-    )
+def test_a_multi_turn_exchange_over_http_equals_the_in_process_one():
+    (first, second, ended), plans = run_over(remote=True)
+    assert run_over(remote=False) == ((first, second, ended), plans)
+    # The observation is tokenized by the server and appended to the history.
+    assert second.prompt_tokens == TOK.encode("12=") + first.tokens + TOK.encode("+")
+    assert ended is True  # the engine was waiting for a third turn until end_rollout
+    assert [r.tokens for r in plans[2].rows[0]] == [tuple(second.prompt_tokens)]
 
 
-def test_messages_are_sent_as_one_chat_completion_and_equal_the_local_answer(tiny_hf_checkpoints):
-    tokenizer = HuggingFaceTokenizer(tiny_hf_checkpoints["llama3"])
-    remote, paths = group(tokenizer, chat_request(), 3, remote=True)
-    local, _ = group(tokenizer, chat_request(), 3, remote=False)
-    assert paths == ["/v1/chat/completions"]
-    assert remote == local
-    assert remote[0].prompt_text == tokenizer.apply_chat_template(MESSAGES)
+def test_an_observation_outside_the_alphabet_is_an_invalid_request_naming_the_field():
+    async def bad_turn(inference):
+        first = await inference.generate(
+            InferenceRequest(prompt="1=", seed=1, rollout_key=KEY, continued=True)
+        )
+        with pytest.raises(InvalidInferenceRequest, match="prompt_suffix"):
+            await inference.generate(
+                InferenceRequest(
+                    prompt_tokens=first.prompt_tokens, prompt_suffix="higher", rollout_key=KEY
+                )
+            )
+        return await inference.end_rollout(KEY)  # the unusable turn already released the wait
+
+    for remote in (False, True):
+        ended, _ = run_over(remote, bad_turn)
+        assert ended is False
 
 
-def test_text_prompts_still_use_completions(tiny_hf_checkpoints):
-    tokenizer = HuggingFaceTokenizer(tiny_hf_checkpoints["llama3"])
-    request = InferenceRequest(prompt="12+7=", sampling=SamplingParams(max_tokens=3))
-    remote, paths = group(tokenizer, request, 2, remote=True)
-    assert paths == ["/v1/completions"]
-    assert remote == group(tokenizer, request, 2, remote=False)[0]
+def test_evaluation_traffic_drops_keys_and_announcements():
+    async def unkeyed(inference):
+        out = await inference.generate(
+            InferenceRequest(prompt="1=", seed=1, rollout_key=KEY, continued=True)
+        )
+        # Nothing is awaited: the engine serves the next request without an end_rollout.
+        again = await inference.generate(InferenceRequest(prompt="1=", seed=2, rollout_key=KEY))
+        return out, again, await inference.end_rollout(KEY)
 
-
-def test_no_chat_template_on_the_trainer_is_an_invalid_request_naming_it():
-    with pytest.raises(InvalidInferenceRequest, match=r"\(CharTokenizer\) has no chat template"):
-        group(CharTokenizer(), chat_request(), 2, remote=True)
+    (out, again, ended), _ = run_over(True, unkeyed, keep_keys=False)
+    assert ended is False and len(out.tokens) == len(again.tokens) == 16

@@ -33,12 +33,12 @@ def request(batch_id=0, index=0, group_size=4, groups=8) -> GroupedRolloutReques
     )
 
 
-def call_env_server(requests: list[tuple[str, str, object]], inference=None):
+def call_env_server(requests: list[tuple[str, str, object]], inference=None, envs=ENVS):
     """Run (method, path, json-or-str) calls against a fresh env app; returns the responses."""
     inference = inference or SeededInference()
     tokenizer = inference.tokenizer
     app = create_app(
-        build_agents(ENVS),
+        build_agents(envs),
         transport=httpx.ASGITransport(create_inference_app(inference, tokenizer)),
     )
 
@@ -200,6 +200,27 @@ def test_evaluation_requests_do_not_enter_the_training_schedule():
     assert len(inference.requests) == 3
     assert all(r.rollout_key is None for r in inference.requests)
     assert all(r.sampling.temperature == 0.0 for r in inference.requests)
+
+
+def test_evaluation_only_environments_are_hosted_and_evaluated_with_weight_0():
+    envs = [
+        ENVS[0],
+        {"agent_type": "digits", "env_id": "sort", "agent_args": {"task": "sort"}, "weight": 0},
+        {"agent_type": "digits", "env_id": "rev", "evaluation_only": True},
+    ]
+    call = GroupedRolloutCall(request=request(), inference_url=INFERENCE_URL, env_id="rev")
+    health, evaluation, group = call_env_server(
+        [
+            ("GET", "/health", None),
+            ("POST", "/v1/evaluate", {"inference_url": INFERENCE_URL, "num_problems": 2}),
+            ("POST", "/v1/grouped_rollouts", call.model_dump(mode="json")),
+        ],
+        envs=envs,
+    )
+    listed = [(e["env_id"], e["weight"]) for e in health.json()["environments"]]
+    assert listed == [("copy", 3), ("sort", 0), ("rev", 0)]
+    assert [r["env_id"] for r in evaluation.json()["results"]] == ["copy", "sort", "rev"]
+    assert group.status_code == 200 and group.json()["rollouts"][0]["env_id"] == "rev"
 
 
 def test_openapi_schema_is_served():

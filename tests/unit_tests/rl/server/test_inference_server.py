@@ -106,6 +106,10 @@ def test_rollout_key_and_seed_reach_the_inference_interface():
         pytest.param({"prompt": ""}, 422, "prompt", id="empty-prompt"),
         pytest.param({"max_tokens": 3}, 422, "field 'prompt'", id="missing-prompt"),
         pytest.param({"prompt": "1=", "top_p": 0}, 422, "field 'top_p'", id="top-p-zero"),
+        pytest.param(
+            {"prompt": "1=", "prompt_suffix": "+"}, 422, "token ids", id="suffix-after-text"
+        ),
+        pytest.param({"prompt": [2], "prompt_suffix": "a"}, 422, "prompt_suffix", id="bad-suffix"),
     ],
 )
 def test_bad_requests_are_rejected_naming_the_problem(body, status, needle):
@@ -118,3 +122,20 @@ def test_engine_failure_is_503():
     (r,) = post_completions([{"prompt": "1=", "max_tokens": 2}], fail=True)
     assert r.status_code == 503
     assert "inference engine" in r.json()["detail"]
+
+
+def test_ending_a_rollout_the_engine_does_not_wait_for_is_harmless():
+    tokenizer = CharTokenizer()
+
+    async def run():
+        engine = ContinuousBatchingScheduler(FakeSteps(), SchedulerConfig(), lambda: 0)
+        app = create_inference_app(LocalInferenceInterface(engine, tokenizer), tokenizer)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
+            key = {"batch_id": 1, "index_in_batch": 0, "sample_index": 0}
+            ok = await c.post("/v1/rollouts/end", json={"rollout_key": key})
+            bad = await c.post("/v1/rollouts/end", json={"rollout_key": {"batch_id": -1}})
+            return ok, bad
+
+    ok, bad = asyncio.run(run())
+    assert ok.status_code == 200 and ok.json() == {"awaited": False}
+    assert bad.status_code == 422 and "rollout_key.batch_id" in bad.json()["detail"]
