@@ -25,6 +25,7 @@ setup(
         "pyyaml>=6",
         "einops>=0.7",  # megatron-core's dynamic inference (CUDA tier; its CPU emulation test)
         "psutil>=5.9",  # megatron-core's dist_checkpointing writer (CUDA tier); hangs without it
+        "matplotlib>=3.8",  # the reward/loss curves every run writes at its end
     ],
     extras_require={
         "test": [

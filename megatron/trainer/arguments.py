@@ -11,6 +11,7 @@ import argparse
 import importlib.util
 import math
 import os
+import time
 from pathlib import Path
 
 from megatron.rl.grpo.importance import ImportanceConfig
@@ -314,6 +315,13 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("output")
     g.add_argument("--metrics-file", type=str, default=None, help="Append per-step JSONL here.")
     g.add_argument(
+        "--plot-file",
+        type=str,
+        default=None,
+        help="PNG of the reward and loss curves written at the end (default: the metrics file "
+        "with .png, else runs/curves-<start time>.png; 'none': no plot).",
+    )
+    g.add_argument(
         "--tensorboard-dir",
         type=str,
         default=None,
@@ -370,6 +378,7 @@ def validate_args(
     ``--hf-checkpoint`` with architecture flags.
     """
     errors: list[str] = []
+    args.run_started = time.strftime("%Y%m%d-%H%M%S")
 
     def check(ok: bool, message: str) -> None:
         if not ok:

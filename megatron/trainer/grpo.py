@@ -19,6 +19,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ from megatron.rl.grpo.batch import build_train_batch
 from megatron.rl.grpo.filtering import select_groups
 from megatron.rl.tokenizer import Tokenizer
 from megatron.rl.wire import RolloutGroup
-from megatron.trainer import config
+from megatron.trainer import config, report
 from megatron.trainer.checkpointing import (
     Checkpoint,
     LoadOptions,
@@ -106,18 +107,21 @@ def build_run(args: argparse.Namespace, ctx: ParallelContext) -> Run:
     if args.load:
         shards, options = tier.checkpoint_shards(), LoadOptions.of(args)
         resumed = load_checkpoint(args.load, shards, state, args, ctx, options)
-    if ctx.is_main:
-        print(tier.describe(), flush=True)
     return Run(args, ctx, tier, tokenizer, step_config, state, reference, resumed)
 
 
-def train(args: argparse.Namespace) -> None:
-    """Run GRPO for ``--train-iters`` iterations (resuming from ``--load`` if given)."""
+def train(args: argparse.Namespace, missing_kernels: set[str] = frozenset()) -> None:
+    """Run GRPO for ``--train-iters`` iterations (resuming from ``--load`` if given).
+
+    ``missing_kernels``: kernel packages megatron-core said are missing (the header names them).
+    """
+    started = time.monotonic()
     agent = load_agent(args)
     ctx = initialize_distributed(args)
     writer = evaluator = None
     try:
         run = build_run(args, ctx)
+        print_header(run, agent, missing_kernels)
         writer = metrics_writer(args, run.resumed.iteration) if ctx.is_main else None
         evaluator = build_evaluator(run, agent)
         with rollout_source(run, agent) as rollouts:
@@ -141,12 +145,40 @@ def train(args: argparse.Namespace) -> None:
             arch = architecture(args, run.tokenizer.vocab_size)
             rows = args.hf_config.vocab_size if args.hf_config else run.tokenizer.vocab_size
             save_hf(args, run.state.model, arch, rows, ctx)
+        if writer is not None:
+            plot = report.write_curves(writer.records, plot_file(args)) if plot_file(args) else None
+            seconds = time.monotonic() - started
+            print(
+                report.summary(writer.records, args.rl_forced_lag, seconds, args, plot), flush=True
+            )
     finally:
         if evaluator is not None:
             evaluator.close()
         if writer is not None:
             writer.close()
         shutdown_distributed()
+
+
+def print_header(run: Run, agent: Agent, missing_kernels: set[str]) -> None:
+    """What runs, where it writes (rank 0; counting the parameters is collective)."""
+    parameters = report.parameter_count(run.state.model, run.ctx.tp_group)
+    if run.ctx.is_main:
+        arch = architecture(run.args, run.tokenizer.vocab_size)
+        text = report.header(
+            run.args, arch, parameters, run.tokenizer, agent, run.tier.describe(),
+            missing_kernels, plot_file(run.args),
+        )  # fmt: skip
+        print(text, flush=True)
+
+
+def plot_file(args: argparse.Namespace) -> Path | None:
+    """Where the reward/loss curves go: ``--plot-file``, else next to ``--metrics-file``, else
+    ``runs/curves-<start time>.png``; None for ``--plot-file none``."""
+    if args.plot_file is not None:
+        return None if args.plot_file.lower() == "none" else Path(args.plot_file)
+    if args.metrics_file is not None:
+        return Path(args.metrics_file).with_suffix(".png")
+    return Path("runs") / f"curves-{args.run_started}.png"
 
 
 def build_evaluator(run: Run, agent: Agent) -> Evaluator | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,8 +92,17 @@ def step_metrics(
     }
 
 
-def format_log_line(m: dict[str, Any], train_iters: int) -> str:
-    """One human-readable line per step."""
+def format_duration(seconds: float) -> str:
+    """``1h02m03s`` / ``2m03s`` / ``3s``."""
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m{secs:02d}s"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def format_log_line(m: dict[str, Any], train_iters: int, timing: str = "") -> str:
+    """One human-readable line per step (``timing``: elapsed and ETA)."""
     return (
         f"step {m['step']:>5}/{train_iters} | loss {m['loss']:+.4e} | "
         f"reward {m['reward_mean']:.3f} ± {m['reward_std']:.3f} | grad-norm {m['grad_norm']:.3f} | "
@@ -101,7 +111,7 @@ def format_log_line(m: dict[str, Any], train_iters: int) -> str:
         f"{m['token_staleness_min']}/{m['token_staleness_mean']:.2f}/{m['token_staleness_max']} | "
         f"in-flight {m['in_flight_batches']} | queue {m['queue_depth']} | "
         f"gen {m['generated_tokens_per_s']:.0f} tok/s | train {m['trained_tokens_per_s']:.0f} tok/s"
-        f" | step {m['step_seconds'] * 1000:.0f} ms"
+        f" | step {m['step_seconds'] * 1000:.0f} ms{timing}"
         + (f" | failed rollouts {m['placeholder_rollouts']}" if m["placeholder_rollouts"] else "")
         + _optional_log_fields(m)
     )
@@ -184,6 +194,10 @@ class MetricsWriter:
     ) -> None:
         self.train_iters = train_iters
         self.log_interval = log_interval
+        self.first_step = first_step
+        self.started = time.monotonic()
+        self.records: list[dict[str, Any]] = []
+        """Every step's metrics, for the closing summary and the curves."""
         self._jsonl = None
         if metrics_file is not None:
             Path(metrics_file).parent.mkdir(parents=True, exist_ok=True)
@@ -207,8 +221,9 @@ class MetricsWriter:
     def write(self, metrics: dict[str, Any]) -> None:
         """Record one step's metrics."""
         step = metrics["step"]
+        self.records.append(metrics)
         if step % self.log_interval == 0 or step == self.train_iters - 1:
-            print(format_log_line(metrics, self.train_iters), flush=True)
+            print(format_log_line(metrics, self.train_iters, self._timing(step)), flush=True)
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(metrics) + "\n")
             self._jsonl.flush()
@@ -218,6 +233,13 @@ class MetricsWriter:
                     self._tb.add_scalar(key, value, step)
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=step)
+
+    def _timing(self, step: int) -> str:
+        """`` | elapsed 1m02s | eta 3m10s`` after ``step`` (ETA: the mean step time so far)."""
+        elapsed = time.monotonic() - self.started
+        done = step - self.first_step + 1
+        eta = elapsed / max(done, 1) * (self.train_iters - step - 1)
+        return f" | elapsed {format_duration(elapsed)} | eta {format_duration(eta)}"
 
     def close(self) -> None:
         """Flush and close the outputs."""

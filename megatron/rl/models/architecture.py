@@ -205,6 +205,7 @@ def transformer_config(arch: GPTArchitecture, **tier_overrides) -> TransformerCo
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
+        cuda_graph_scope=[],  # megatron-core's value for "the whole layer" ("full" is deprecated)
     )
     fields.update(tier_overrides)
     return TransformerConfig(**fields)

@@ -1,0 +1,149 @@
+"""What a run says about itself: the start-up header, the closing summary and the curves PNG.
+
+* megatron-core's "Transformer Engine / Apex is not installed" warnings, collected while it loads
+  (``kernels.kernel_warnings``), become one header line.
+* ``header(...)``: model (parameters, architecture), tokenizer, environments with their weights,
+  forced lag, batch shape, tier and parallel layout, where metrics and checkpoints go.
+* ``summary(...)``: steps, wall time, first/last-10 reward, whether every step kept its exact
+  staleness, and the paths written (metrics, checkpoints, Hugging Face export, the PNG of the
+  reward and loss curves, written by ``write_curves``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+from megatron.rl.agent.api import Agent
+from megatron.rl.agent.mixture import MixtureAgent
+from megatron.rl.models.architecture import GPTArchitecture
+
+
+def parameter_count(model: torch.nn.Module, tp_group: dist.ProcessGroup | None) -> int:
+    """Parameters of the whole model: each tensor-parallel shard once, summed over TP and PP
+    (collective)."""
+    count = sum(
+        p.numel() for p in model.parameters() if param_is_not_tensor_parallel_duplicate(p, tp_group)
+    )
+    total = torch.tensor([count], dtype=torch.long)
+    groups = [tp_group] if tp_group is not None and dist.get_world_size(tp_group) > 1 else []
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        groups.append(parallel_state.get_pipeline_model_parallel_group())
+    for group in groups:
+        dist.all_reduce(total, group=group)
+    return int(total)
+
+
+def describe_architecture(arch: GPTArchitecture) -> str:
+    """One line: layers x width, heads (GQA), positions, norm, MLP, biases, embeddings."""
+    heads = f"{arch.num_attention_heads} heads"
+    if arch.query_groups != arch.num_attention_heads:
+        heads += f" ({arch.query_groups} KV groups)"
+    rope = "RoPE" + (" (Llama 3 scaling)" if arch.rope_scaling else "")
+    positions = rope if arch.position_embedding_type == "rope" else "learned positions"
+    bias = "biases" if arch.add_bias_linear else ("QKV bias" if arch.add_qkv_bias else "no biases")
+    return (
+        f"{arch.num_layers} x {arch.hidden_size}, {heads}, {positions}, {arch.normalization}"
+        f"{' + QK norm' if arch.qk_layernorm else ''}, {'SwiGLU' if arch.swiglu else 'GELU'} MLP "
+        f"{arch.ffn_hidden_size}, {bias}, vocab {arch.vocab_size}"
+        f"{', untied output' if arch.untie_embeddings_and_output_weights else ''}"
+    )
+
+
+def header(
+    args: argparse.Namespace,
+    arch: GPTArchitecture,
+    parameters: int,
+    tokenizer: Any,
+    agent: Agent,
+    tier_line: str,
+    missing_kernels: set[str],
+    plot_file: Path | None,
+) -> str:
+    """The lines printed before the first step."""
+    agents = agent.agents if isinstance(agent, MixtureAgent) else [agent]
+    weights = agent.weights if isinstance(agent, MixtureAgent) else (1.0,)
+    total = sum(weights) or 1.0
+    envs = ", ".join(f"{a.env_id} ({w / total:.0%})" for a, w in zip(agents, weights))
+    source = f"from {args.hf_checkpoint}" if args.hf_checkpoint else "random init"
+    tok = type(tokenizer).__name__ + (f" {args.tokenizer_model}" if args.tokenizer_model else "")
+    rollouts = args.grpo_prompts_per_step * args.grpo_group_size
+    dp = args.data_parallel_size
+    lines = [
+        f"model        {parameters / 1e6:.2f}M parameters ({source}): {describe_architecture(arch)}",
+        f"tokenizer    {tok}, {tokenizer.vocab_size} ids",
+        f"environments {envs}" + (f" (config {args.env_config})" if args.env_config else ""),
+        f"rollouts     forced lag {args.rl_forced_lag}, {args.grpo_prompts_per_step} prompts x "
+        f"{args.grpo_group_size} samples = {rollouts} per collection, {args.iterations_per_collection}"
+        f" iteration(s) per collection of {args.global_batch_size} (micro-batch "
+        f"{args.micro_batch_size}), {args.train_iters} iterations",
+        f"parallelism  {tier_line}; world {args.world_size} = TP {args.tensor_model_parallel_size}"
+        f" x PP {args.pipeline_model_parallel_size} x DP {dp}",
+        f"outputs      metrics {args.metrics_file or '(log only)'}, checkpoints "
+        f"{args.save or '(none)'}"
+        + (f", Hugging Face export {args.save_hf}" if args.save_hf else "")
+        + (f", curves {plot_file}" if plot_file else ""),
+    ]
+    if missing_kernels:
+        names = " and ".join(sorted(missing_kernels))
+        lines.append(f"kernels      {names} not installed: megatron-core's local implementations")
+    return "\n".join(lines)
+
+
+def summary(
+    records: list[dict[str, Any]],
+    lag: int,
+    seconds: float,
+    args: argparse.Namespace,
+    plot_file: Path | None,
+) -> str:
+    """The lines printed after the last step."""
+    if not records:
+        return f"run ended after {seconds:.1f} s without training a step"
+    rewards = [r["reward_mean"] for r in records]
+    first, last = statistics.fmean(rewards[:10]), statistics.fmean(rewards[-10:])
+    exact = all(r["batch_staleness"] == min(r["batch_id"], lag) for r in records)
+    lines = [
+        f"done         {len(records)} steps ({records[0]['step']}..{records[-1]['step']}) in "
+        f"{seconds:.1f} s; reward first-10 {first:.3f}, last-10 {last:.3f}",
+        f"staleness    {'exact' if exact else 'NOT exact'}: every batch trained "
+        f"min(batch, {lag}) collections after its submission",
+    ]
+    written = [("metrics", args.metrics_file), ("checkpoints", args.save)]
+    written += [("Hugging Face export", args.save_hf), ("curves", plot_file)]
+    lines += [f"{name:<12} {path}" for name, path in written if path]
+    return "\n".join(lines)
+
+
+def write_curves(records: list[dict[str, Any]], path: Path) -> Path | None:
+    """Reward (mean, and last-10 mean) and loss per step as a PNG; None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    steps = [r["step"] for r in records]
+    rewards = [r["reward_mean"] for r in records]
+    smooth = [statistics.fmean(rewards[max(0, i - 9) : i + 1]) for i in range(len(rewards))]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    top.plot(steps, rewards, alpha=0.35, label="reward (batch mean)")
+    top.plot(steps, smooth, label="reward (last 10)")
+    top.set_ylabel("reward")
+    top.legend(loc="lower right")
+    bottom.plot(steps, [r["loss"] for r in records], color="tab:red")
+    bottom.set_ylabel("loss")
+    bottom.set_xlabel("iteration")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
