@@ -24,7 +24,8 @@ rounding of megatron-core's fused/bucketed gradient path vs the CPU tier's)."""
 
 
 def assert_same_run(cpu: list[dict], cuda: list[dict]) -> None:
-    assert [m["step"] for m in cuda] == [m["step"] for m in cpu] == [0, 1, 2]
+    steps = [m["step"] for m in cpu]
+    assert [m["step"] for m in cuda] == steps == list(range(len(steps))) and len(steps) >= 3
     for a, b in zip(cpu, cuda):
         for metric, rel in SAME.items():
             assert b[metric] == pytest.approx(a[metric], rel=rel, abs=1e-7), (a["step"], metric)
