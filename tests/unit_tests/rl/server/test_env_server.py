@@ -20,6 +20,7 @@ ENVS = [
     {"agent_type": "grpo_testing.fakes:FlakyDigits", "env_id": "flaky", "weight": 1},
 ]
 INFERENCE_URL = "http://trainer:9000"
+JSON = "application/json"
 
 
 def request(batch_id=0, index=0, group_size=4, groups=8) -> GroupedRolloutRequest:
@@ -48,7 +49,9 @@ def call_env_server(requests: list[tuple[str, str, object]], inference=None):
             async with httpx.AsyncClient(transport=transport, base_url="http://env") as client:
                 out = []
                 for method, path, body in requests:
-                    kwargs = {"content": body} if isinstance(body, str) else {"json": body}
+                    kwargs = {"json": body}
+                    if isinstance(body, str):  # raw text, sent as a JSON client would
+                        kwargs = {"content": body, "headers": {"content-type": JSON}}
                     out.append(await client.request(method, path, **kwargs))
                 return out
 
@@ -153,9 +156,28 @@ def test_malformed_requests_get_422_naming_the_field(body, field):
     assert f"field '{field}" in response.json()["detail"]
 
 
-def test_invalid_json_is_a_4xx():
-    (response,) = call_env_server([("POST", "/v1/grouped_rollouts", "{not json")])
-    assert 400 <= response.status_code < 500
+def test_invalid_json_is_a_422_naming_the_byte_not_a_field():
+    truncated = request().model_dump_json()[:13]
+    responses = call_env_server(
+        [("POST", "/v1/grouped_rollouts", "{not json"), ("POST", "/v1/evaluate", truncated)]
+    )
+    details = [r.json()["detail"] for r in responses]
+    assert [r.status_code for r in responses] == [422, 422]
+    assert details[0].startswith("invalid JSON at byte 1: Expecting property name")
+    assert details[1].startswith("invalid JSON at byte 13: ")
+    assert not any("field" in d for d in details)
+
+
+def test_empty_env_id_is_refused_by_the_schema_it_publishes():
+    body = {"request": request().model_dump(), "inference_url": INFERENCE_URL, "env_id": ""}
+    response, schema = call_env_server(
+        [("POST", "/v1/grouped_rollouts", body), ("GET", "/openapi.json", None)]
+    )
+    assert response.status_code == 422 and "field 'env_id'" in response.json()["detail"]
+    schemas = schema.json()["components"]["schemas"]
+    for model in ("GroupedRolloutCall", "EvaluationRequest"):
+        options = schemas[model]["properties"]["env_id"]["anyOf"]
+        assert {"type": "string", "minLength": 1, "maxLength": 256} in options
 
 
 def test_unreachable_inference_server_is_424_naming_it():
