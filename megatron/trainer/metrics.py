@@ -17,6 +17,10 @@ from megatron.trainer.step import StepResult
 def rollout_metrics(batch: RolloutBatch, step: int) -> dict[str, Any]:
     """Reward, staleness and pipeline statistics of the batch trained at ``step``.
 
+    ``batch_id`` is the id of the trained batch (the generator's prompt cursor; it equals
+    ``step`` under the forced-lag contract), ``complete_groups`` counts its groups with no
+    placeholder rollout and ``batch_complete`` says whether that is every group.
+
     Submission staleness of a rollout = step - policy version at its submission (exactly
     min(step, L) under the forced-lag contract). Token staleness = step - policy version that
     generated the token, over every generated token.
@@ -30,7 +34,11 @@ def rollout_metrics(batch: RolloutBatch, step: int) -> dict[str, Any]:
     per_env: dict[str, list[float]] = {}
     for r in real:
         per_env.setdefault(r.env_id, []).append(r.reward)
+    complete = sum(not any(r.is_placeholder for r in g.rollouts) for g in batch.groups)
     return {
+        "batch_id": batch.batch_id,
+        "complete_groups": complete,
+        "batch_complete": complete == len(batch.groups),
         "reward_mean": statistics.fmean(rewards),
         "reward_std": statistics.pstdev(rewards),
         "staleness_min": min(submission),
@@ -181,7 +189,7 @@ class MetricsWriter:
             self._jsonl.flush()
         if self._tb is not None:
             for key, value in metrics.items():
-                if key != "step":
+                if key not in ("step", "batch_id"):
                     self._tb.add_scalar(key, value, step)
 
     def close(self) -> None:
