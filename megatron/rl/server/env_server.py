@@ -12,8 +12,10 @@ Endpoints (schema at ``/openapi.json``, docs at ``/docs``):
   (generation requests carry no rollout key, so they never enter the training schedule).
 
 Faults: an invalid body is a 422 naming the field; an unknown ``env_id`` a 422; an environment
-that raises gives a group of placeholder rollouts (HTTP 200, zero loss weight, error text kept);
-an inference server that cannot be reached or fails gives 424 naming it. SIGTERM stops uvicorn
+that raises gives a group of placeholder rollouts (HTTP 200, zero loss weight, error text kept;
+the first traceback of each distinct error logged once per environment), the policy of
+``megatron.rl.rollout.faults`` that in-process environments follow too; an inference server that
+cannot be reached or fails gives 424 naming it. SIGTERM stops uvicorn
 gracefully: in-flight requests finish, then agents and HTTP clients are closed.
 """
 
@@ -32,11 +34,13 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, HTTPException
 
-from megatron.rl.agent.api import Agent, placeholder_rollout
+from megatron.rl.agent.api import Agent
 from megatron.rl.agent.env_config import EnvConfigError, load_env_config
 from megatron.rl.agent.mixture import MixtureAgent
 from megatron.rl.http_client import ClientPool, RetryPolicy
-from megatron.rl.inference.remote import InferenceUnavailable, RemoteInferenceInterface
+from megatron.rl.inference.remote import RemoteInferenceInterface
+from megatron.rl.rollout.faults import INFRASTRUCTURE_ERRORS, FaultLog
+from megatron.rl.rollout.faults import run_group as faults_run_group
 from megatron.rl.server.http import ERROR_RESPONSES, install_error_handlers
 from megatron.rl.wire import (
     EnvironmentInfo,
@@ -99,6 +103,7 @@ def create_app(
     app = FastAPI(title="megatron-rl env server", version="1", lifespan=lifespan)
     install_error_handlers(app)
     by_id = {a.env_id: a for a in agent.agents}
+    faults = FaultLog(logger)
 
     def select(env_id: str | None) -> Agent:
         if env_id is None:
@@ -126,7 +131,7 @@ def create_app(
     async def grouped_rollouts(call: GroupedRolloutCall) -> RolloutGroup:
         """Run one group of rollouts through the caller's inference server."""
         env = select(call.env_id)
-        return await run_group(env, call.request, inference(call.inference_url))
+        return await run_group(env, call.request, inference(call.inference_url), faults)
 
     @app.post("/v1/evaluate", response_model=EvaluationResponse, responses=ERROR_RESPONSES)
     async def evaluate(body: EvaluationRequest) -> EvaluationResponse:
@@ -146,7 +151,7 @@ def create_app(
                     submission_policy_version=0,
                     sampling=body.sampling,
                 )
-                rollout = (await run_group(env, request, remote)).rollouts[0]
+                rollout = (await run_group(env, request, remote, faults)).rollouts[0]
                 failed += rollout.is_placeholder
                 rewards.append(rollout.reward)
             results.append(
@@ -164,25 +169,16 @@ def create_app(
 
 
 async def run_group(
-    env: Agent, request: GroupedRolloutRequest, inference: RemoteInferenceInterface
+    env: Agent,
+    request: GroupedRolloutRequest,
+    inference: RemoteInferenceInterface,
+    faults: FaultLog,
 ) -> RolloutGroup:
-    """``env.group_rollout`` with the server's fault policy (see the module docstring)."""
+    """``env.group_rollout`` under the shared fault policy; inference failures are a 424."""
     try:
-        return await env.group_rollout(request, inference)
-    except InferenceUnavailable as exc:
+        return await faults_run_group(env, request, inference, faults)
+    except INFRASTRUCTURE_ERRORS as exc:
         raise HTTPException(424, str(exc)) from None
-    except Exception as exc:  # the environment failed: mask the group, keep the error
-        logger.warning(
-            "environment %s raised on group %d/%d: %r",
-            env.env_id,
-            request.batch_id,
-            request.index_in_batch,
-            exc,
-        )
-        rollouts = [placeholder_rollout(env.env_id, request, exc)] * request.group_size
-        return RolloutGroup(
-            batch_id=request.batch_id, index_in_batch=request.index_in_batch, rollouts=rollouts
-        )
 
 
 def main(argv: list[str] | None = None) -> None:

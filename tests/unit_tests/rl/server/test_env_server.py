@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import httpx
 import pytest
@@ -10,6 +11,7 @@ from grpo_testing.fakes import SeededInference
 
 from megatron.rl.agent.env_config import build_agents
 from megatron.rl.http_client import RetryPolicy
+from megatron.rl.rollout.faults import FaultLog, run_group
 from megatron.rl.server.env_server import EnvServerConfig, create_app
 from megatron.rl.server.inference_server import create_inference_app
 from megatron.rl.wire import GroupedRolloutCall, GroupedRolloutRequest, RolloutGroup
@@ -34,12 +36,12 @@ def request(batch_id=0, index=0, group_size=4, groups=8) -> GroupedRolloutReques
     )
 
 
-def call_env_server(requests: list[tuple[str, str, object]], inference=None):
+def call_env_server(requests: list[tuple[str, str, object]], inference=None, envs=ENVS):
     """Run (method, path, json-or-str) calls against a fresh env app; returns the responses."""
     inference = inference or SeededInference()
     tokenizer = inference.tokenizer
     app = create_app(
-        build_agents(ENVS),
+        build_agents(envs),
         transport=httpx.ASGITransport(create_inference_app(inference, tokenizer)),
     )
 
@@ -79,6 +81,28 @@ def test_grouped_rollouts_equal_the_in_process_agent(env_id):
     local = [asyncio.run(local_agent.group_rollout(c.request, SeededInference())) for c in calls]
     assert [r.status_code for r in responses] == [200] * 4
     assert [RolloutGroup.model_validate(r.json()) for r in responses] == local
+
+
+def test_a_raising_environment_gives_the_groups_of_the_in_process_fault_policy(caplog):
+    envs = [{"agent_type": "grpo_testing.fakes:RaisingDigits", "env_id": "raising"}]
+    calls = [
+        GroupedRolloutCall(request=request(b, i), inference_url=INFERENCE_URL, env_id="raising")
+        for b in range(3)
+        for i in range(5)
+    ]
+    with caplog.at_level(logging.WARNING, logger="megatron.rl.server.env_server"):
+        responses = call_env_server(
+            [("POST", "/v1/grouped_rollouts", c.model_dump(mode="json")) for c in calls],
+            envs=envs,
+        )
+    agent, faults = build_agents(envs), FaultLog()
+    local = [asyncio.run(run_group(agent, c.request, SeededInference(), faults)) for c in calls]
+    remote = [RolloutGroup.model_validate(r.json()) for r in responses]
+    assert [r.status_code for r in responses] == [200] * len(calls)
+    assert remote == local and sum(g.rollouts[0].is_placeholder for g in remote) == 3
+    server_log = [r for r in caplog.records if r.name == "megatron.rl.server.env_server"]
+    tracebacks = [r for r in server_log if "Traceback" in r.getMessage()]
+    assert len(tracebacks) == 1 and "KeyError" in tracebacks[0].getMessage()
 
 
 def test_generation_requests_carry_rollout_keys_and_seeds_through_http():
