@@ -1,12 +1,22 @@
 """GRPO post-training of a Megatron-Core GPT with forced-lag streaming rollouts.
 
-    torchrun --nproc-per-node 1 pretrain_grpo.py --rl-forced-lag 2
+    python -m megatron.trainer.launch --nproc-per-node 1 pretrain_grpo.py --rl-forced-lag 2
 
-See ``python pretrain_grpo.py --help`` for every flag and README.md for the design.
+See ``python pretrain_grpo.py --help`` for every flag and README.md for the design. An expected
+error ends the run with one message and status 1 (``megatron/trainer/exits.py``).
 """
 
 from megatron.trainer.arguments import parse_args
-from megatron.trainer.grpo import train
+from megatron.trainer.exits import run_main
+
+
+def main() -> None:
+    """Validate the flags, then train (the libraries load only for a valid command)."""
+    args = parse_args()
+    from megatron.trainer.grpo import train
+
+    train(args)
+
 
 if __name__ == "__main__":
-    train(parse_args())
+    run_main(main)

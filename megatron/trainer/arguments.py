@@ -8,9 +8,12 @@ messages when validation fails.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
+import io
 import math
 import os
+import tempfile
 from pathlib import Path
 
 from megatron.rl.grpo.importance import ImportanceConfig
@@ -248,6 +251,17 @@ def build_parser() -> argparse.ArgumentParser:
         "C; the default 1 only ever down-weights a token (see megatron/rl/grpo/importance.py).",
     )
     g.add_argument(
+        "--rl-max-failed-rollout-fraction",
+        type=float,
+        default=0.5,
+        help="Stop the run, naming the environment and its first error, once more than this "
+        "share of an environment's rollouts failed (environment errors become masked "
+        "placeholder rollouts, in process and behind the env server alike; each distinct error "
+        "is logged once). Judged once the environment produced --grpo-prompts-per-step x "
+        "--grpo-group-size rollouts; 1 never stops (a batch whose every rollout failed always "
+        "does).",
+    )
+    g.add_argument(
         "--rl-use-sequence-packing",
         action="store_true",
         help="Pack the rollouts of each micro-batch into rows of --seq-length tokens with "
@@ -295,6 +309,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", type=str, default=None, help="Checkpoint directory to write.")
     g.add_argument("--save-interval", type=int, default=None, help="Save every N steps.")
     g.add_argument("--load", type=str, default=None, help="Checkpoint directory to resume from.")
+    g.add_argument(
+        "--ckpt-step",
+        type=int,
+        default=None,
+        help="Load iteration N of --load instead of the one its tracker file names (e.g. the "
+        "older complete checkpoint an unreadable one's error names).",
+    )
+    g.add_argument(
+        "--debug-tracebacks",
+        action="store_true",
+        help="Print the traceback of expected errors too (bad input, unreadable checkpoint, "
+        "environment failures); also on with the environment variable GRPO_DEBUG_TRACEBACKS=1.",
+    )
     return p
 
 
@@ -457,8 +484,57 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> list
         check(args.save is not None, "--save-interval needs --save")
     if args.load is not None:
         check(Path(args.load).is_dir(), f"--load: no such directory {args.load!r}")
+    if args.ckpt_step is not None:
+        check(args.load is not None, "--ckpt-step needs --load")
+        check(args.ckpt_step >= 1, f"--ckpt-step must be >= 1, got {args.ckpt_step}")
+    check(
+        0 <= args.rl_max_failed_rollout_fraction <= 1,
+        f"--rl-max-failed-rollout-fraction must be in [0, 1], got "
+        f"{args.rl_max_failed_rollout_fraction}",
+    )
     errors += validate_algorithm_args(args, cuda)
+    if not errors:  # probe the file system only for an otherwise valid command
+        errors += [
+            problem
+            for flag, kind in OUTPUT_PATHS
+            if getattr(args, _dest(flag)) is not None
+            and (problem := output_path_problem(flag, getattr(args, _dest(flag)), kind))
+        ]
     return errors
+
+
+OUTPUT_PATHS = (("--save", "dir"), ("--tensorboard-dir", "dir"), ("--metrics-file", "file"))
+"""Every path the run writes, checked at start-up (before anything is built)."""
+
+
+def output_path_problem(flag: str, path: str, kind: str) -> str | None:
+    """Why the run could not write ``path`` (a ``kind`` of ``"dir"`` or ``"file"``), or None.
+
+    Probes without leaving anything behind: an existing file is opened for appending, an existing
+    or nearest existing parent directory gets a temporary file created and removed in it.
+    """
+    target = Path(path)
+    try:
+        if target.exists():
+            if kind == "file":
+                if target.is_dir():
+                    return f"{flag} {path}: is a directory, not a file"
+                with open(target, "a", encoding="utf-8"):
+                    return None
+            if not target.is_dir():
+                return f"{flag} {path}: exists and is not a directory"
+            probe_dir = target
+        else:
+            parent = target.parent if kind == "file" else target
+            probe_dir = next(p for p in (parent, *parent.parents) if p.exists())
+            if not probe_dir.is_dir():
+                return f"{flag} {path}: {probe_dir} is not a directory"
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=probe_dir)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return f"{flag} {path}: cannot write there: {exc.strerror or exc}"
+    return None
 
 
 def validate_algorithm_args(args: argparse.Namespace, cuda: bool) -> list[str]:
@@ -539,9 +615,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     import torch
 
     parser = build_parser()
-    args = parser.parse_args(argv)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    errors = validate_args(args, world_size, torch.cuda.is_available())
-    if errors:
-        parser.exit(2, f"{parser.prog}: error: invalid arguments:\n  " + "\n  ".join(errors) + "\n")
+    quiet = int(os.environ.get("RANK", "0")) != 0  # every rank validates; rank 0 reports
+    with contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
+        args = parser.parse_args(argv)
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        errors = validate_args(args, world_size, torch.cuda.is_available())
+        if errors:
+            parser.exit(
+                2, f"{parser.prog}: error: invalid arguments:\n  " + "\n  ".join(errors) + "\n"
+            )
     return args

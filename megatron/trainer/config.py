@@ -16,6 +16,7 @@ from megatron.rl.grpo.importance import ImportanceConfig
 from megatron.rl.grpo.loss import GRPOLossConfig
 from megatron.rl.grpo.terms import LossTerm, loss_terms
 from megatron.rl.inference.scheduler import SchedulerConfig
+from megatron.rl.rollout.faults import FailureBudget
 from megatron.rl.rollout.generator import RolloutConfig
 from megatron.rl.wire import SamplingParams
 from megatron.trainer.step import StepConfig
@@ -86,6 +87,14 @@ def rollout_config(args: argparse.Namespace) -> RolloutConfig:
         group_size=args.grpo_group_size,
         seed=args.seed,
         sampling=sampling_params(args),
+    )
+
+
+def failure_budget(args: argparse.Namespace) -> FailureBudget:
+    """The run-level limit on failed rollouts per environment, judged after a batch's worth."""
+    return FailureBudget(
+        max_fraction=args.rl_max_failed_rollout_fraction,
+        min_rollouts=args.grpo_prompts_per_step * args.grpo_group_size,
     )
 
 

@@ -57,7 +57,8 @@ def train(args: argparse.Namespace) -> None:
         state = TrainState(model, *tier.build_optimizer(model))
         resumed = Checkpoint(iteration=0, pipeline=None)
         if args.load:
-            resumed = load_checkpoint(args.load, tier.checkpoint_shards(), state, args, ctx)
+            shards = tier.checkpoint_shards()
+            resumed = load_checkpoint(args.load, shards, state, args, ctx, args.ckpt_step)
         if ctx.is_main:
             print(tier.describe(), flush=True)
         writer = metrics_writer(args, resumed.iteration) if ctx.is_main else None
@@ -71,7 +72,7 @@ def train(args: argparse.Namespace) -> None:
             ctx, tier, model, tokenizer, rank0_agent, config.rollout_config(args),
             config.scheduler_config(args, ctx.dp_size, tokenizer.eos_id), resumed.iteration,
             InferenceServerConfig(args.rl_inference_server_host, args.rl_inference_server_port),
-            resumed.pipeline,
+            resumed.pipeline, config.failure_budget(args), stop_cancels_window=not args.save,
         ) as rollouts:  # fmt: skip
             stop_on_signals(rollouts)
             for step in range(resumed.iteration, args.train_iters):
@@ -87,10 +88,17 @@ def train(args: argparse.Namespace) -> None:
                 if writer is not None:  # log
                     m = step_metrics(step, args.rl_forced_lag, collected, result, elapsed, extra)
                     writer.write(m)
-                if checkpoint_due(args, step + 1):  # checkpoint (after draining the pipeline)
+                stop = rollouts.stop_requested()  # a signal on any rank (collective)
+                if checkpoint_due(args, step + 1) or (stop and args.save):  # after draining
                     pipeline = rollouts.drain()
                     shards = tier.checkpoint_shards()
                     save_checkpoint(args.save, step + 1, shards, state, pipeline, args, ctx)
+                if stop:
+                    if ctx.is_main:
+                        saved = f", saved iteration {step + 1} to {args.save}" if args.save else ""
+                        name = signal.Signals(stop).name
+                        print(f"{name}: stopped after step {step}{saved}", flush=True)
+                    raise SystemExit(128 + stop)
     finally:
         if evaluator is not None:
             evaluator.close()
@@ -150,9 +158,11 @@ def metrics_writer(args: argparse.Namespace, first_step: int) -> MetricsWriter:
 def stop_on_signals(rollouts: RolloutSource) -> None:
     """SIGTERM/SIGINT end the run at the next safe point with exit status 128 + signum.
 
-    The handler only records the request (an exception raised from a signal handler could land in
-    any asyncio task, e.g. an HTTP handler that would swallow it); ``RolloutSource`` raises
-    ``SystemExit`` and leaving its context shuts the pipeline down.
+    Without ``--save`` the generation window in progress is cancelled and the run stops at once;
+    with it the current step finishes, the pipeline is drained and a checkpoint saved first. The
+    handler only records the request (an exception raised from a signal handler could land in
+    any asyncio task, e.g. an HTTP handler that would swallow it); the loop (or ``RolloutSource``)
+    raises ``SystemExit`` and leaving its context shuts the pipeline down.
     """
     if threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGTERM, signal.SIGINT):

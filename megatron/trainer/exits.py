@@ -1,0 +1,122 @@
+"""How ``pretrain_grpo.py`` ends: one message for an expected error, a traceback for a bug.
+
+``run_main(main)`` runs the program and maps what ends it to an exit status and what is printed:
+
+| what ends it | printed (stderr) | status |
+| --- | --- | --- |
+| the last step | nothing | 0 |
+| ``SystemExit(int)`` (a stop on SIGTERM/SIGINT: 128 + signum; argparse: 2) | nothing more | that |
+| ``SystemExit(str)`` and ``expected_errors()`` (bad input, unreadable checkpoint, failing environments, an unreachable env server) | ``pretrain_grpo.py: error: <message>``, on global rank 0 | 1 |
+| ``PeerFailed``, ``GenerationAborted`` (another rank failed and reports it) | nothing | 1 |
+| any other exception (a bug) | its traceback | 1 |
+
+With ``--debug-tracebacks`` or ``GRPO_DEBUG_TRACEBACKS=1`` expected errors print their traceback
+too. Under torchrun every failing rank also writes the message into torchelastic's error file
+(``TORCHELASTIC_ERROR_FILE``), marked expected; ``megatron.trainer.launch`` reads that mark to end
+with the worker's status and no report of its own, and plain torchrun shows the message as the
+root cause instead of a link to its documentation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+DEBUG_ENV = "GRPO_DEBUG_TRACEBACKS"
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+EXPECTED_MARK = "grpo_expected_error"
+"""Key of the error file that marks an expected error (read by ``megatron.trainer.launch``)."""
+
+
+class PeerFailed(SystemExit):
+    """Raised on the ranks that did not fail when another one did: that rank reports the error,
+    these exit quietly with status 1."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(1)
+        self.message = message
+
+
+def expected_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that are a run's expected end, reported by their message alone (imported
+    here, late, so that a bad flag exits before the libraries load)."""
+    from megatron.rl.agent.remote import RemoteEnvironmentError
+    from megatron.rl.rollout.faults import EnvironmentFailures
+
+    return (EnvironmentFailures, RemoteEnvironmentError)
+
+
+def quiet_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions of ranks whose failure another rank reports."""
+    from megatron.rl.inference.step_group import GenerationAborted
+
+    return (PeerFailed, GenerationAborted)
+
+
+def debug_tracebacks(argv: list[str]) -> bool:
+    """Whether expected errors print their traceback too."""
+    return "--debug-tracebacks" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def global_rank() -> int:
+    """This process's rank as the launcher set it (0 without one)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def run_main(main: Callable[[], None], prog: str = "pretrain_grpo.py") -> None:
+    """Run ``main()`` and exit as the module docstring says."""
+    debug = debug_tracebacks(sys.argv[1:])
+    try:
+        main()
+    except BaseException as exc:
+        if isinstance(exc, quiet_errors()):
+            if debug:
+                traceback.print_exc()
+            write_error_file(getattr(exc, "message", str(exc)), expected=True)
+            sys.exit(1)
+        if isinstance(exc, SystemExit):
+            if exc.code is None or isinstance(exc.code, int):
+                raise
+            expected_exit(prog, str(exc.code), debug)
+        if isinstance(exc, expected_errors()):
+            expected_exit(prog, str(exc), debug)
+        if isinstance(exc, Exception):  # a bug: the traceback is the report
+            write_error_file(f"{type(exc).__name__}: {exc}", expected=False, trace=True)
+        raise
+
+
+def expected_exit(prog: str, message: str, debug: bool) -> None:
+    """Print ``message`` once (global rank 0), record it for the launcher and exit 1."""
+    if debug:
+        traceback.print_exc()
+    if global_rank() == 0:
+        prefix = "" if message.startswith(f"{prog}: error:") else f"{prog}: error: "
+        print(f"{prefix}{message}", file=sys.stderr, flush=True)
+    write_error_file(message, expected=True)
+    sys.exit(1)
+
+
+def write_error_file(message: str, expected: bool, trace: bool = False) -> None:
+    """Write torchelastic's error file of this worker, if it has one."""
+    path = os.environ.get(ERROR_FILE_ENV)
+    if not path:
+        return
+    data = {
+        "message": {
+            "message": message,
+            "extraInfo": {
+                "py_callstack": traceback.format_exc() if trace else message,
+                "timestamp": str(int(time.time())),
+            },
+        },
+        EXPECTED_MARK: expected,
+    }
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(data, f)
+    except OSError:
+        pass  # the report on stderr stands; torchrun then shows its generic line
