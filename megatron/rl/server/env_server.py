@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ipaddress
 import logging
+import os
 import signal
 import statistics
 import sys
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import uvicorn
@@ -37,6 +39,7 @@ from fastapi import FastAPI, HTTPException
 from megatron.rl.agent.api import Agent
 from megatron.rl.agent.env_config import EnvConfigError, load_env_config
 from megatron.rl.agent.mixture import MixtureAgent
+from megatron.rl.auth import API_KEY_ENV, read_api_key, require_api_key
 from megatron.rl.http_client import ClientPool, RetryPolicy
 from megatron.rl.inference.remote import RemoteInferenceInterface
 from megatron.rl.rollout.faults import INFRASTRUCTURE_ERRORS, FaultLog
@@ -69,6 +72,11 @@ class EnvServerConfig:
     """Pooled connections to inference servers (all URLs together)."""
     retry: RetryPolicy = RetryPolicy()
     """Retries of a completion call that failed to connect or got a 5xx."""
+    api_key: str | None = field(default=None, repr=False)
+    """The job's shared key: required from clients (401 without it) and sent to inference
+    servers (``megatron.rl.auth``); None accepts every request."""
+    allowed_inference_urls: tuple[str, ...] = ()
+    """Prefixes an ``inference_url`` must start with (403 otherwise); empty allows any."""
 
 
 def create_app(
@@ -102,6 +110,7 @@ def create_app(
 
     app = FastAPI(title="megatron-rl env server", version="1", lifespan=lifespan)
     install_error_handlers(app)
+    require_api_key(app, config.api_key)
     by_id = {a.env_id: a for a in agent.agents}
     faults = FaultLog(logger)
 
@@ -115,7 +124,12 @@ def create_app(
         return by_id[env_id]
 
     def inference(url: str, keep_keys: bool = True) -> RemoteInferenceInterface:
-        return RemoteInferenceInterface(url, client, config.retry, keep_rollout_keys=keep_keys)
+        allowed = config.allowed_inference_urls
+        if allowed and not any(url.startswith(prefix) for prefix in allowed):
+            raise HTTPException(
+                403, f"field 'inference_url': {url!r} does not start with an allowed prefix"
+            )
+        return RemoteInferenceInterface(url, client, config.retry, keep_keys, config.api_key)
 
     @app.get("/health", response_model=HealthResponse)
     async def health() -> HealthResponse:
@@ -198,17 +212,55 @@ def main(argv: list[str] | None = None) -> None:
         help="Read timeout of calls to the trainer's inference server.",
     )
     parser.add_argument("--log-level", default="info", help="uvicorn log level.")
+    parser.add_argument(
+        "--api-key-file",
+        default=None,
+        help=f"File holding the job's shared key, required from clients as a bearer token and "
+        f"sent to inference servers (default: the environment variable {API_KEY_ENV}; "
+        f"neither: no key).",
+    )
+    parser.add_argument(
+        "--allowed-inference-url",
+        action="append",
+        default=[],
+        metavar="PREFIX",
+        help="Only generate through inference servers whose URL starts with PREFIX "
+        "(repeatable; default: any).",
+    )
     args = parser.parse_args(argv)
     try:
         agent = load_env_config(args.env_config)
+        api_key = read_api_key(args.api_key_file, os.environ, "--api-key-file")
     except EnvConfigError as err:
         parser.exit(2, f"env_server: error: --env-config: {err}\n")
+    except ValueError as err:
+        parser.exit(2, f"env_server: error: {err}\n")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    app = create_app(agent, EnvServerConfig(inference_timeout_s=args.inference_timeout_s))
+    if api_key is None and not ipaddress_is_loopback(args.host):
+        logger.warning(
+            "env server on %s without a key: anyone who reaches it can use it (set %s or "
+            "--api-key-file)", args.host, API_KEY_ENV,
+        )  # fmt: skip
+    config = EnvServerConfig(
+        inference_timeout_s=args.inference_timeout_s,
+        api_key=api_key,
+        allowed_inference_urls=tuple(args.allowed_inference_url),
+    )
+    app = create_app(agent, config)
     # uvicorn shuts down gracefully on SIGTERM, then re-raises it with the previous handler:
     # make that handler a clean exit.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+
+
+def ipaddress_is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) is only reachable from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 if __name__ == "__main__":
