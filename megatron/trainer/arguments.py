@@ -16,6 +16,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from megatron.rl.auth import read_api_key
 from megatron.rl.grpo.importance import ImportanceConfig
 from megatron.rl.grpo.terms import loss_terms
 
@@ -216,6 +217,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="Port of that inference server (0: a free port).",
+    )
+    g.add_argument(
+        "--rl-api-key-file",
+        type=str,
+        default=None,
+        help="File holding the job's shared key: the inference server requires it as a bearer "
+        "token (401 without) and remote environments send it to env servers. Default: the "
+        "environment variable MEGATRON_RL_API_KEY; neither: no key (keep servers on loopback).",
     )
     g.add_argument(
         "--inference-max-requests",
@@ -474,6 +483,11 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> list
     )
     if args.env_config is not None:
         check(Path(args.env_config).is_file(), f"--env-config: no such file {args.env_config!r}")
+    if args.rl_api_key_file is not None:
+        try:
+            read_api_key(args.rl_api_key_file, {}, "--rl-api-key-file")
+        except ValueError as err:
+            errors.append(str(err))
     if args.tensorboard_dir is not None:
         check(
             importlib.util.find_spec("tensorboard") is not None,

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
+from megatron.rl.auth import API_KEY_ENV, read_api_key
 from megatron.rl.eval.runner import EvalConfig
 from megatron.rl.grpo.filtering import DynamicSamplingConfig
 from megatron.rl.grpo.importance import ImportanceConfig
@@ -19,6 +21,7 @@ from megatron.rl.inference.scheduler import SchedulerConfig
 from megatron.rl.rollout.faults import FailureBudget
 from megatron.rl.rollout.generator import RolloutConfig
 from megatron.rl.wire import SamplingParams
+from megatron.trainer.rollouts import InferenceServerConfig
 from megatron.trainer.step import StepConfig
 
 
@@ -96,6 +99,16 @@ def failure_budget(args: argparse.Namespace) -> FailureBudget:
         max_fraction=args.rl_max_failed_rollout_fraction,
         min_rollouts=args.grpo_prompts_per_step * args.grpo_group_size,
     )
+
+
+def inference_server_config(args: argparse.Namespace) -> InferenceServerConfig:
+    """Where rank 0 serves remote environments, and the job's key (``--rl-api-key-file``, else
+    ``MEGATRON_RL_API_KEY``). A key read from the file is also put into that variable, where
+    remote agents (``RemoteAgentArgs.api_key_env``) find the key to send to env servers."""
+    key = read_api_key(args.rl_api_key_file, os.environ, "--rl-api-key-file")
+    if key is not None and args.rl_api_key_file is not None:
+        os.environ[API_KEY_ENV] = key
+    return InferenceServerConfig(args.rl_inference_server_host, args.rl_inference_server_port, key)
 
 
 def scheduler_config(

@@ -79,7 +79,9 @@ def run_main(main: Callable[[], None], prog: str = "pretrain_grpo.py") -> None:
             write_error_file(getattr(exc, "message", str(exc)), expected=True)
             sys.exit(1)
         if isinstance(exc, SystemExit):
-            if exc.code is None or isinstance(exc.code, int):
+            if exc.code is None or isinstance(exc.code, int):  # argparse, a stop on a signal
+                if exc.code:
+                    write_error_file(f"exit status {exc.code}", expected=True)
                 raise
             expected_exit(prog, str(exc.code), debug)
         if isinstance(exc, expected_errors()):

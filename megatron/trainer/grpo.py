@@ -37,7 +37,7 @@ from megatron.trainer.evaluation import Evaluator, eval_agents
 from megatron.trainer.initialize import initialize_distributed, shutdown_distributed
 from megatron.trainer.metrics import MetricsWriter, step_metrics
 from megatron.trainer.reference import build_reference_model
-from megatron.trainer.rollouts import CollectedBatch, InferenceServerConfig, RolloutSource
+from megatron.trainer.rollouts import CollectedBatch, RolloutSource
 from megatron.trainer.tiers import select_tier
 
 
@@ -71,7 +71,7 @@ def train(args: argparse.Namespace) -> None:
         with RolloutSource(
             ctx, tier, model, tokenizer, rank0_agent, config.rollout_config(args),
             config.scheduler_config(args, ctx.dp_size, tokenizer.eos_id), resumed.iteration,
-            InferenceServerConfig(args.rl_inference_server_host, args.rl_inference_server_port),
+            config.inference_server_config(args),
             resumed.pipeline, config.failure_budget(args), stop_cancels_window=not args.save,
         ) as rollouts:  # fmt: skip
             stop_on_signals(rollouts)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,8 @@ class InferenceServerConfig:
     """Interface to bind; remote environments on other hosts need 0.0.0.0 or a routable one."""
     port: int = 0
     """Port to bind (0: a free one)."""
+    api_key: str | None = field(default=None, repr=False)
+    """The job's shared key, required from clients (``megatron.rl.auth``); None: no key."""
 
 
 @dataclass(frozen=True)
@@ -122,8 +124,8 @@ class RolloutSource:
 
     async def _start(self) -> None:
         if self.agent.requires_inference_server:
-            app = create_inference_app(self.inference, self.tokenizer)
             cfg = self.server_config
+            app = create_inference_app(self.inference, self.tokenizer, api_key=cfg.api_key)
             try:
                 self._server = await EmbeddedServer.start(app, cfg.host, cfg.port)
             except OSError as exc:
