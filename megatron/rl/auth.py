@@ -9,6 +9,7 @@ Without a key the servers accept every request, as on a laptop's loopback interf
 
 from __future__ import annotations
 
+import ipaddress
 import secrets
 from collections.abc import Mapping
 from pathlib import Path
@@ -55,3 +56,13 @@ def require_api_key(app: FastAPI, key: str | None) -> None:
                 headers={"WWW-Authenticate": "Bearer"},
             )
         return await call_next(request)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a server bound to ``host`` is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -19,6 +19,7 @@ from pathlib import Path
 from megatron.rl.auth import read_api_key
 from megatron.rl.grpo.importance import ImportanceConfig
 from megatron.rl.grpo.terms import loss_terms
+from megatron.trainer.exits import UsageError
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
@@ -625,17 +626,21 @@ def _dest(flag: str) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Parse and validate; exits with status 2 and every message on bad input."""
+    """Parse and validate; raises ``UsageError`` (status 2, printed once by
+    ``megatron.trainer.exits``) with every message on bad input."""
     import torch
 
     parser = build_parser()
-    quiet = int(os.environ.get("RANK", "0")) != 0  # every rank validates; rank 0 reports
-    with contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
-        args = parser.parse_args(argv)
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        errors = validate_args(args, world_size, torch.cuda.is_available())
-        if errors:
-            parser.exit(
-                2, f"{parser.prog}: error: invalid arguments:\n  " + "\n  ".join(errors) + "\n"
-            )
+    captured = io.StringIO()  # every rank parses; exits.run_main prints on global rank 0
+    try:
+        with contextlib.redirect_stderr(captured):
+            args = parser.parse_args(argv)
+    except SystemExit as exc:
+        if exc.code in (None, 0):  # --help
+            raise
+        raise UsageError(captured.getvalue().rstrip()) from None
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    errors = validate_args(args, world_size, torch.cuda.is_available())
+    if errors:
+        raise UsageError(f"{parser.prog}: error: invalid arguments:\n  " + "\n  ".join(errors))
     return args

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from pydantic import ValidationError
 
 from megatron.rl.rollout.generator import PipelineState
 from megatron.trainer.initialize import ParallelContext, agree_on_error
@@ -183,8 +184,12 @@ def read_guarded(
     except SystemExit:
         raise
     except Exception as exc:  # torch.load, pickle, zip, JSON, pydantic, OS errors alike
-        reason = " ".join(str(exc).split())
-        reason = reason.split(". ", 1)[0][:200] or type(exc).__name__  # its first sentence
+        if isinstance(exc, ValidationError):  # pydantic: the first error's type and message
+            first = exc.errors()[0]
+            reason = f"{first['type']}: {first['msg']}"
+        else:
+            reason = " ".join(str(exc).split()).split(". ", 1)[0]  # its first sentence
+        reason = reason[:200] or type(exc).__name__
         which = f"iteration {iteration}" if iteration is not None else "the tracker"
         raise SystemExit(
             f"{flag} {root}: cannot read {which}: {path}: {type(exc).__name__}: {reason}"

@@ -1,14 +1,16 @@
 """How ``pretrain_grpo.py`` ends: one message for an expected error, a traceback for a bug.
 
-``run_main(main)`` runs the program and maps what ends it to an exit status and what is printed:
+``run_main(main)`` runs the program and maps what ends it to what is printed and the status:
 
-| what ends it | printed (stderr) | status |
-| --- | --- | --- |
-| the last step | nothing | 0 |
-| ``SystemExit(int)`` (a stop on SIGTERM/SIGINT: 128 + signum; argparse: 2) | nothing more | that |
-| ``SystemExit(str)`` and ``expected_errors()`` (bad input, unreadable checkpoint, failing environments, an unreachable env server) | ``pretrain_grpo.py: error: <message>``, on global rank 0 | 1 |
-| ``PeerFailed``, ``GenerationAborted`` (another rank failed and reports it) | nothing | 1 |
-| any other exception (a bug) | its traceback | 1 |
+* the last step: nothing, 0;
+* ``UsageError`` (bad flags): argparse's or ``validate_args``'s messages on global rank 0, 2;
+* ``SystemExit(int)`` (a stop on SIGTERM/SIGINT: 128 + signum) and Ctrl-C before the handlers
+  are installed (130): nothing more, that status;
+* ``SystemExit(str)`` and ``expected_errors()`` (bad input, an unreadable checkpoint, failing
+  environments, an unreachable env server): ``pretrain_grpo.py: error: <message>`` on global
+  rank 0, 1;
+* ``PeerFailed``, ``GenerationAborted`` (another rank failed and reports it): nothing, 1;
+* any other exception (a bug): its traceback, 1.
 
 With ``--debug-tracebacks`` or ``GRPO_DEBUG_TRACEBACKS=1`` expected errors print their traceback
 too. Under torchrun every failing rank also writes the message into torchelastic's error file
@@ -29,7 +31,18 @@ from collections.abc import Callable
 DEBUG_ENV = "GRPO_DEBUG_TRACEBACKS"
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 EXPECTED_MARK = "grpo_expected_error"
-"""Key of the error file that marks an expected error (read by ``megatron.trainer.launch``)."""
+"""Key of the error file that marks an expected error (read by ``megatron.trainer.launch``):
+``"own"`` (this rank's message; printed by it when it is global rank 0) or ``"peer"`` (another
+rank failed and reports it)."""
+
+
+class UsageError(SystemExit):
+    """Bad flags: ``message`` (argparse's, or every problem ``validate_args`` found) is printed
+    as it is, status 2."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(2)
+        self.message = message
 
 
 class PeerFailed(SystemExit):
@@ -73,21 +86,28 @@ def run_main(main: Callable[[], None], prog: str = "pretrain_grpo.py") -> None:
     try:
         main()
     except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt):
+            sys.exit(130)
+        if isinstance(exc, UsageError):
+            if global_rank() == 0:
+                print(exc.message, file=sys.stderr, flush=True)
+            write_error_file(exc.message, "own")
+            sys.exit(2)
         if isinstance(exc, quiet_errors()):
             if debug:
                 traceback.print_exc()
-            write_error_file(getattr(exc, "message", str(exc)), expected=True)
+            write_error_file(getattr(exc, "message", str(exc)), "peer")
             sys.exit(1)
         if isinstance(exc, SystemExit):
             if exc.code is None or isinstance(exc.code, int):  # argparse, a stop on a signal
                 if exc.code:
-                    write_error_file(f"exit status {exc.code}", expected=True)
+                    write_error_file(f"exit status {exc.code}", "own")
                 raise
             expected_exit(prog, str(exc.code), debug)
         if isinstance(exc, expected_errors()):
             expected_exit(prog, str(exc), debug)
         if isinstance(exc, Exception):  # a bug: the traceback is the report
-            write_error_file(f"{type(exc).__name__}: {exc}", expected=False, trace=True)
+            write_error_file(f"{type(exc).__name__}: {exc}", None, trace=True)
         raise
 
 
@@ -98,12 +118,13 @@ def expected_exit(prog: str, message: str, debug: bool) -> None:
     if global_rank() == 0:
         prefix = "" if message.startswith(f"{prog}: error:") else f"{prog}: error: "
         print(f"{prefix}{message}", file=sys.stderr, flush=True)
-    write_error_file(message, expected=True)
+    write_error_file(message, "own")
     sys.exit(1)
 
 
-def write_error_file(message: str, expected: bool, trace: bool = False) -> None:
-    """Write torchelastic's error file of this worker, if it has one."""
+def write_error_file(message: str, expected: str | None, trace: bool = False) -> None:
+    """Write torchelastic's error file of this worker, if it has one (``expected``: the mark,
+    ``"own"``, ``"peer"`` or None for a bug)."""
     path = os.environ.get(ERROR_FILE_ENV)
     if not path:
         return

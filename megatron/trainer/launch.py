@@ -57,27 +57,44 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(failures: dict, script: str) -> int:
-    """The job's status for the failed workers (torchelastic ``ProcessFailure``s by rank);
-    prints one line unless a failure was expected (its worker printed the message) or every
-    worker was stopped by a signal."""
+    """The job's status for the failed workers (torchelastic ``ProcessFailure``s by global
+    rank). Quiet when an expected error was printed by its rank 0 or every worker was stopped by
+    a signal; else one line: the expected message of another rank, or the rank of a bug."""
     by_time = sorted(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
-    for _, failure in by_time:
-        if failure.error_file_data.get(EXPECTED_MARK) and failure.exitcode > 0:
-            return failure.exitcode
-    bugs = [(rank, f) for rank, f in by_time if signal_of(f.exitcode) is None]
+    name = os.path.basename(script)
+    own = [(r, f) for r, f in by_time if f.error_file_data.get(EXPECTED_MARK) == "own"]
+    if own:
+        rank, failure = own[0]
+        if all(r != 0 for r, _ in own):  # rank 0 prints; it failed otherwise, or was stopped
+            message = _message(failure)
+            prefix = "" if message.startswith(f"{name}: error:") else f"{name}: error: "
+            print(f"{prefix}{message}", file=sys.stderr, flush=True)
+        return failure.exitcode if failure.exitcode > 0 else 1
+    bugs = [
+        (r, f)
+        for r, f in by_time
+        if signal_of(f.exitcode) is None and f.error_file_data.get(EXPECTED_MARK) != "peer"
+    ]
     if not bugs:
-        return 128 + signal_of(by_time[0][1].exitcode)
+        stopped = [signal_of(f.exitcode) for _, f in by_time if signal_of(f.exitcode)]
+        return 128 + stopped[0] if stopped else 1
     rank, failure = bugs[0]
-    detail = failure.error_file_data.get("message", {})
-    what = detail.get("message", "") if isinstance(detail, dict) else str(detail)
+    what = _message(failure)
     print(
-        f"{os.path.basename(script)}: rank {rank} failed with exit status {failure.exitcode}"
-        + (f" ({what})" if what and what != "<NONE>" else "")
+        f"{name}: rank {rank} failed with exit status {failure.exitcode}"
+        + (f" ({what})" if what else "")
         + "; its output is above",
         file=sys.stderr,
         flush=True,
     )
     return failure.exitcode if failure.exitcode > 0 else 1
+
+
+def _message(failure) -> str:
+    """The message a worker wrote into its error file ('' without one)."""
+    detail = failure.error_file_data.get("message", {})
+    what = detail.get("message", "") if isinstance(detail, dict) else str(detail)
+    return "" if what == "<NONE>" else what
 
 
 def signal_of(exitcode: int) -> int | None:

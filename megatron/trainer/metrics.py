@@ -152,7 +152,8 @@ def _drop_records_from(path: Path, first_step: int) -> None:
 class MetricsWriter:
     """Writes metrics on rank 0: stdout every ``log_interval`` steps, JSONL and TensorBoard always.
 
-    The JSONL file is appended to. A run resumed at ``first_step`` first drops the records of
+    The JSONL file is appended to, and created with the first record (a run that fails before
+    its first step leaves none). A run resumed at ``first_step`` first drops the records of
     steps >= ``first_step`` (logged after the checkpoint by the run that stopped, and trained
     again now) and a torn last line, so the file holds each step once.
     """
@@ -168,11 +169,9 @@ class MetricsWriter:
         self.train_iters = train_iters
         self.log_interval = log_interval
         self._jsonl = None
-        if metrics_file is not None:
-            Path(metrics_file).parent.mkdir(parents=True, exist_ok=True)
-            if first_step > 0:
-                _drop_records_from(Path(metrics_file), first_step)
-            self._jsonl = open(metrics_file, "a", encoding="utf-8")
+        self._jsonl_path = None if metrics_file is None else Path(metrics_file)
+        if self._jsonl_path is not None and first_step > 0:
+            _drop_records_from(self._jsonl_path, first_step)
         self._tb = None
         if tensorboard_dir is not None:
             from torch.utils.tensorboard import SummaryWriter  # availability checked by the flags
@@ -184,7 +183,10 @@ class MetricsWriter:
         step = metrics["step"]
         if step % self.log_interval == 0 or step == self.train_iters - 1:
             print(format_log_line(metrics, self.train_iters), flush=True)
-        if self._jsonl is not None:
+        if self._jsonl_path is not None:
+            if self._jsonl is None:  # created with the first record: a run that fails first
+                self._jsonl_path.parent.mkdir(parents=True, exist_ok=True)  # leaves no file
+                self._jsonl = open(self._jsonl_path, "a", encoding="utf-8")
             self._jsonl.write(json.dumps(metrics) + "\n")
             self._jsonl.flush()
         if self._tb is not None:

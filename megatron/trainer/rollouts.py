@@ -11,6 +11,7 @@ submitted batch is finished and returns the pipeline state to save.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.rl.agent.api import Agent
+from megatron.rl.auth import API_KEY_ENV, is_loopback
 from megatron.rl.inference.interface import LocalInferenceInterface
 from megatron.rl.inference.scheduler import SchedulerConfig
 from megatron.rl.inference.step_group import GenerationAborted
@@ -35,6 +37,8 @@ from megatron.trainer.exits import PeerFailed
 from megatron.trainer.generation import GenerationHost
 from megatron.trainer.initialize import ParallelContext, agree_on_error
 from megatron.trainer.tiers.base import Tier
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -126,6 +130,11 @@ class RolloutSource:
         if self.agent.requires_inference_server:
             cfg = self.server_config
             app = create_inference_app(self.inference, self.tokenizer, api_key=cfg.api_key)
+            if cfg.api_key is None and not is_loopback(cfg.host):
+                logger.warning(
+                    "the inference server listens on %s without a key: anyone who reaches it "
+                    "can generate (--rl-api-key-file or %s)", cfg.host, API_KEY_ENV,
+                )  # fmt: skip
             try:
                 self._server = await EmbeddedServer.start(app, cfg.host, cfg.port)
             except OSError as exc:

@@ -20,7 +20,7 @@ import pytest
 from golden_values import ROOT, read_metrics, subprocess_env, training_command
 
 TINY = {"train-iters": 2, "lr-warmup-iters": 0, "rl-forced-lag": 1, "grpo-prompts-per-step": 4,
-        "grpo-group-size": 4, "micro-batch-size": 16}  # fmt: skip
+        "grpo-group-size": 4, "micro-batch-size": 8}  # fmt: skip
 SHARD = Path("iter_0000002") / "mp_rank_00" / "model_optim_rng.pt"
 
 
@@ -109,7 +109,7 @@ def test_corrupt_checkpoint_names_load_the_file_and_the_iteration_to_fall_back_t
     proc, _ = run(python_command({**args, "ckpt-step": step, "metrics-file": resumed}), 300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [m["step"] for m in read_metrics(resumed)] == list(range(step, 4))
-    print(f"{kind}: exited {proc.returncode} in {seconds:.1f} s: {message}")
+    print(f"{kind}: exited 1 in {seconds:.1f} s: {message}")
 
 
 def test_corrupt_checkpoint_under_the_launcher_with_two_ranks_prints_one_message(
@@ -142,7 +142,8 @@ def test_unusable_output_path_exits_before_anything_is_built(tmp_path, nproc, fl
     proc, seconds = run(cmd)
     lines = error_lines(proc.stderr)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert lines == ["pretrain_grpo.py: error: invalid arguments:", f"  --{flag} {path}: {problem}"]
+    assert lines[0] == "pretrain_grpo.py: error: invalid arguments:" and len(lines) == 2, lines
+    assert lines[1].startswith(f"  --{flag} {path}: ") and problem in lines[1], lines
     assert "tier:" not in proc.stdout  # nothing was built
     assert seconds < (30 if nproc == 0 else 60)
     print(f"--{flag} {value} ({'python' if nproc == 0 else 'launcher'}): {seconds:.1f} s")
@@ -153,6 +154,19 @@ def test_sequence_too_short_for_any_prompt_stops_with_the_engines_reason():
     proc, seconds = run(python_command(args))
     assert_one_message(proc, "every rollout of batch 0 failed", "max_seq_len=4")
     assert seconds < 60
+
+
+def test_environment_over_its_failure_budget_stops_the_run_naming_it(tmp_path):
+    config = tmp_path / "envs.yaml"
+    config.write_text("- agent_type: grpo_testing.fakes:RaisingDigits\n  env_id: raising\n")
+    args = {**TINY, "train-iters": 20, "env-config": config, "rl-max-failed-rollout-fraction": 0.1}
+    proc, seconds = run(python_command(args))
+    assert proc.returncode == 1 and seconds < 60
+    messages = [line for line in error_lines(proc.stderr) if "error:" in line]
+    assert len(messages) == 1 and messages[0].startswith("pretrain_grpo.py: error: environment")
+    assert "'raising'" in messages[0] and "above the limit of 10%" in messages[0]
+    # The environment's first raise is logged once, with its traceback; the exit has none.
+    assert proc.stderr.count("Traceback") == 1 and proc.stderr.count("raised on group") == 1
 
 
 def test_env_server_unreachable_at_start_up_is_one_message(tmp_path):

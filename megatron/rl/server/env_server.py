@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ipaddress
 import logging
 import os
 import signal
@@ -39,7 +38,7 @@ from fastapi import FastAPI, HTTPException
 from megatron.rl.agent.api import Agent
 from megatron.rl.agent.env_config import EnvConfigError, load_env_config
 from megatron.rl.agent.mixture import MixtureAgent
-from megatron.rl.auth import API_KEY_ENV, read_api_key, require_api_key
+from megatron.rl.auth import API_KEY_ENV, is_loopback, read_api_key, require_api_key
 from megatron.rl.http_client import ClientPool, RetryPolicy
 from megatron.rl.inference.remote import RemoteInferenceInterface
 from megatron.rl.rollout.faults import INFRASTRUCTURE_ERRORS, FaultLog
@@ -236,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as err:
         parser.exit(2, f"env_server: error: {err}\n")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    if api_key is None and not ipaddress_is_loopback(args.host):
+    if api_key is None and not is_loopback(args.host):
         logger.warning(
             "env server on %s without a key: anyone who reaches it can use it (set %s or "
             "--api-key-file)", args.host, API_KEY_ENV,
@@ -251,16 +250,6 @@ def main(argv: list[str] | None = None) -> None:
     # make that handler a clean exit.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-
-
-def ipaddress_is_loopback(host: str) -> bool:
-    """Whether ``host`` (an address or ``localhost``) is only reachable from this machine."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 if __name__ == "__main__":

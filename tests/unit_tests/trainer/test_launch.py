@@ -12,15 +12,17 @@ from megatron.trainer.exits import write_error_file
 from megatron.trainer.launch import report
 
 
-def failure(tmp_path, monkeypatch, rank: int, exitcode: int, message=None, expected=True):
+def failure(tmp_path, monkeypatch, rank: int, exitcode: int, message=None, expected="own"):
     path = tmp_path / f"error-{rank}.json"
     if message is not None:
         monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
-        write_error_file(message, expected=expected)
+        write_error_file(message, expected)
     return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file=str(path))
 
 
-def test_an_expected_error_ends_with_the_workers_status_and_no_report(tmp_path, monkeypatch, capsys):
+def test_an_expected_error_ends_with_the_workers_status_and_no_report(
+    tmp_path, monkeypatch, capsys
+):
     failures = {
         0: failure(tmp_path, monkeypatch, 0, 1, "--load CK: cannot read iteration 2"),
         1: failure(tmp_path, monkeypatch, 1, -signal.SIGTERM),  # killed by torchelastic after
@@ -41,7 +43,8 @@ def test_workers_stopped_by_a_signal_end_with_128_plus_signum(tmp_path, monkeypa
 def test_a_bug_gets_one_line_naming_its_rank(tmp_path, monkeypatch, capsys):
     failures = {
         0: failure(tmp_path, monkeypatch, 0, -signal.SIGTERM),
-        1: failure(tmp_path, monkeypatch, 1, 1, "ZeroDivisionError: division by zero", False),
+        1: failure(tmp_path, monkeypatch, 1, 1, "ZeroDivisionError: division by zero", None),
+        2: failure(tmp_path, monkeypatch, 2, 1, "rank 0 aborted generation", "peer"),
     }
     assert report(failures, "/x/pretrain_grpo.py") == 1
     err = capsys.readouterr().err.strip().splitlines()
@@ -49,3 +52,14 @@ def test_a_bug_gets_one_line_naming_its_rank(tmp_path, monkeypatch, capsys):
         "pretrain_grpo.py: rank 1 failed with exit status 1 (ZeroDivisionError: division by "
         "zero); its output is above"
     ]
+
+
+def test_an_expected_error_of_another_rank_only_is_printed_by_the_launcher(
+    tmp_path, monkeypatch, capsys
+):
+    failures = {
+        0: failure(tmp_path, monkeypatch, 0, 1, "rank 1 failed", "peer"),
+        1: failure(tmp_path, monkeypatch, 1, 1, "--load CK: cannot read mp_rank_01"),
+    }
+    assert report(failures, "pretrain_grpo.py") == 1
+    assert capsys.readouterr().err == "pretrain_grpo.py: error: --load CK: cannot read mp_rank_01\n"
