@@ -207,7 +207,7 @@ class RolloutSource:
     def stop_requested(self) -> int:
         """The signal number any rank was asked to stop with, else 0 (collective: every rank
         decides alike, at the end of each step)."""
-        signum = torch.tensor([self._stop_signal or 0])
+        signum = torch.tensor([self._stop_signal or 0], device=self.ctx.device)  # nccl on CUDA
         if self.ctx.world_size > 1:
             dist.all_reduce(signum, op=dist.ReduceOp.MAX)
         return int(signum.item())
