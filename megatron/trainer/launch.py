@@ -64,12 +64,13 @@ def report(failures: dict, script: str) -> int:
     name = os.path.basename(script)
     own = [(r, f) for r, f in by_time if f.error_file_data.get(EXPECTED_MARK) == "own"]
     if own:
-        rank, failure = own[0]
         if all(r != 0 for r, _ in own):  # rank 0 prints; it failed otherwise, or was stopped
-            message = _message(failure)
+            message = _message(own[0][1])
             prefix = "" if message.startswith(f"{name}: error:") else f"{name}: error: "
             print(f"{prefix}{message}", file=sys.stderr, flush=True)
-        return failure.exitcode if failure.exitcode > 0 else 1
+        # a rank that recorded its error may still be stopped by torchelastic before it exits
+        statuses = [f.exitcode for r, f in sorted(own, key=lambda o: o[0]) if f.exitcode > 0]
+        return statuses[0] if statuses else 1
     bugs = [
         (r, f)
         for r, f in by_time

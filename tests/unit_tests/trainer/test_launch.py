@@ -63,3 +63,13 @@ def test_an_expected_error_of_another_rank_only_is_printed_by_the_launcher(
     }
     assert report(failures, "pretrain_grpo.py") == 1
     assert capsys.readouterr().err == "pretrain_grpo.py: error: --load CK: cannot read mp_rank_01\n"
+
+
+def test_the_status_is_that_of_a_rank_that_exited_with_its_error(tmp_path, monkeypatch):
+    """Every rank failed validation (status 2); rank 1 recorded it, then torchelastic stopped it
+    before it exited."""
+    failures = {
+        1: failure(tmp_path, monkeypatch, 1, -signal.SIGTERM, "invalid arguments"),
+        0: failure(tmp_path, monkeypatch, 0, 2, "invalid arguments"),
+    }
+    assert report(failures, "pretrain_grpo.py") == 2
