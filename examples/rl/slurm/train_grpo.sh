@@ -24,9 +24,10 @@
 # The script sets --save, --load and --metrics-file itself. The job log is slurm-<job>-<id>.out
 # in the submission directory (sbatch --output overrides); trainer lines carry their task (node)
 # number. Slurm sends SIGUSR1 300 s before the time limit (--signal) and the job requeues itself;
-# preemption with PreemptMode=REQUEUE and scontrol requeue restart it the same way. scancel (SIGTERM)
-# stops the trainer after its current step: it drains, saves a checkpoint and exits 143. A key
-# generated per run (MEGATRON_RL_API_KEY) guards the env server and the trainer's inference server.
+# preemption with PreemptMode=REQUEUE and scontrol requeue restart it the same way. scancel
+# (SIGTERM) stops the trainer after its current step: it drains, saves a checkpoint and exits 143.
+# A key generated per run (MEGATRON_RL_API_KEY) guards the env server and the trainer's inference
+# server.
 #SBATCH --job-name=grpo
 #SBATCH --ntasks-per-node=1
 #SBATCH --exclusive
