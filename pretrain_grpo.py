@@ -1,15 +1,26 @@
 """GRPO post-training of a Megatron-Core GPT with forced-lag streaming rollouts.
 
-    torchrun --nproc-per-node 1 pretrain_grpo.py --rl-forced-lag 2
+    python -m megatron.trainer.launch --nproc-per-node 1 pretrain_grpo.py --rl-forced-lag 2
 
-See ``python pretrain_grpo.py --help`` for every flag and README.md for the design.
+See ``python pretrain_grpo.py --help`` for every flag and README.md for the design. An expected
+error ends the run with one message and status 1 (``megatron/trainer/exits.py``).
 """
 
+from megatron.trainer.exits import run_main
 from megatron.trainer.kernels import kernel_warnings
 
-with kernel_warnings() as missing_kernels:  # said once, in the run's header
-    from megatron.trainer.arguments import parse_args
-    from megatron.trainer.grpo import train
+
+def main() -> None:
+    """Validate the flags, then train (the training libraries load only for a valid command;
+    megatron-core's missing-kernel warnings are said once, in the run's header)."""
+    with kernel_warnings() as missing_kernels:
+        from megatron.trainer.arguments import parse_args
+
+        args = parse_args()
+        from megatron.trainer.grpo import train
+
+    train(args, missing_kernels)
+
 
 if __name__ == "__main__":
-    train(parse_args(), missing_kernels)
+    run_main(main)

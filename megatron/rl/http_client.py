@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,11 +84,13 @@ async def call_json(
     url: str,
     payload: BaseModel | None = None,
     policy: RetryPolicy = RetryPolicy(),
+    headers: Mapping[str, str] | None = None,
 ) -> Any:
-    """Send ``payload`` as JSON and return the decoded JSON answer, retrying per ``policy``."""
+    """Send ``payload`` as JSON (with extra ``headers``) and return the decoded JSON answer,
+    retrying per ``policy``."""
     pool = client if isinstance(client, ClientPool) else None
     body = None if payload is None else payload.model_dump_json()
-    headers = {"content-type": "application/json"} if body is not None else None
+    headers = {**(headers or {}), **({"content-type": "application/json"} if body else {})}
     attempts = policy.max_retries + 1
     last = ""
     for attempt in range(attempts):

@@ -259,7 +259,10 @@ class GroupedRolloutCall(WireModel):
         description="Base URL of the trainer's inference server the environment generates with.",
     )
     env_id: str | None = Field(
-        None, max_length=256, description="Environment to use (default: the server's mixture)."
+        None,
+        min_length=1,
+        max_length=256,
+        description="Environment to use (default: the server's mixture).",
     )
 
 
@@ -267,7 +270,9 @@ class EvaluationRequest(WireModel):
     """``POST /v1/evaluate``: score the current policy on fresh problems of each environment."""
 
     inference_url: str = Field(pattern=HTTP_URL_PATTERN, max_length=2048)
-    env_id: str | None = Field(None, max_length=256, description="Default: every environment.")
+    env_id: str | None = Field(
+        None, min_length=1, max_length=256, description="Default: every environment."
+    )
     num_problems: int = Field(16, ge=1, le=1024)
     seed: Seed = 0
     sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(temperature=0.0))

@@ -8,14 +8,19 @@ messages when validation fails.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
+import io
 import math
 import os
+import tempfile
 import time
 from pathlib import Path
 
+from megatron.rl.auth import read_api_key
 from megatron.rl.grpo.importance import ImportanceConfig
 from megatron.rl.grpo.terms import loss_terms
+from megatron.trainer.exits import UsageError
 from megatron.trainer.megatron_lm_flags import add_refused_flags, aliases_of
 from megatron.trainer.model_flags import add_model_arguments, validate_model_args
 
@@ -226,6 +231,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="Port of that inference server (0: a free port).",
     )
     g.add_argument(
+        "--rl-api-key-file",
+        type=str,
+        default=None,
+        help="File holding the job's shared key: the inference server requires it as a bearer "
+        "token (401 without) and remote environments send it to env servers. Default: the "
+        "environment variable MEGATRON_RL_API_KEY; neither: no key (keep servers on loopback).",
+    )
+    g.add_argument(
         "--inference-max-requests",
         type=int,
         default=64,
@@ -259,6 +272,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="C of --rl-inference-logprobs-is-correction: importance weights above C are set to "
         "C; 'none' caps nothing (Megatron-LM's default). Our default 1 only ever down-weights a "
         "token (see megatron/rl/grpo/importance.py).",
+    )
+    g.add_argument(
+        "--rl-max-failed-rollout-fraction",
+        type=float,
+        default=0.5,
+        help="Stop the run, naming the environment and its first error, once more than this "
+        "share of an environment's rollouts failed (environment errors become masked "
+        "placeholder rollouts, in process and behind the env server alike; each distinct error "
+        "is logged once). Judged once the environment produced --grpo-prompts-per-step x "
+        "--grpo-group-size rollouts; 1 never stops (a batch whose every rollout failed always "
+        "does).",
     )
     g.add_argument(
         "--rl-use-sequence-packing",
@@ -359,6 +383,19 @@ def build_parser() -> argparse.ArgumentParser:
         type=str,
         default=None,
         help="Local wandb directory (default: <--save>/wandb, else ./wandb).",
+    )
+    g.add_argument(
+        "--ckpt-step",
+        type=int,
+        default=None,
+        help="Load iteration N of --load instead of the one its tracker file names (e.g. the "
+        "older complete checkpoint an unreadable one's error names).",
+    )
+    g.add_argument(
+        "--debug-tracebacks",
+        action="store_true",
+        help="Print the traceback of expected errors too (bad input, unreadable checkpoint, "
+        "environment failures); also on with the environment variable GRPO_DEBUG_TRACEBACKS=1.",
     )
     add_refused_flags(p)
     return p
@@ -555,6 +592,11 @@ def validate_args(
             "--wandb-project needs the wandb package: pip install wandb",
         )
         check(args.wandb_exp_name != "", "--wandb-exp-name must not be empty")
+    if args.rl_api_key_file is not None:
+        try:
+            read_api_key(args.rl_api_key_file, {}, "--rl-api-key-file")
+        except ValueError as err:
+            errors.append(str(err))
     if args.tensorboard_dir is not None:
         check(
             importlib.util.find_spec("tensorboard") is not None,
@@ -565,8 +607,57 @@ def validate_args(
         check(args.save is not None, "--save-interval needs --save")
     if args.load is not None:
         check(Path(args.load).is_dir(), f"--load: no such directory {args.load!r}")
+    if args.ckpt_step is not None:
+        check(args.load is not None, "--ckpt-step needs --load")
+        check(args.ckpt_step >= 1, f"--ckpt-step must be >= 1, got {args.ckpt_step}")
+    check(
+        0 <= args.rl_max_failed_rollout_fraction <= 1,
+        f"--rl-max-failed-rollout-fraction must be in [0, 1], got "
+        f"{args.rl_max_failed_rollout_fraction}",
+    )
     errors += validate_algorithm_args(args, cuda)
+    if not errors:  # probe the file system only for an otherwise valid command
+        errors += [
+            problem
+            for flag, kind in OUTPUT_PATHS
+            if getattr(args, _dest(flag)) is not None
+            and (problem := output_path_problem(flag, getattr(args, _dest(flag)), kind))
+        ]
     return errors
+
+
+OUTPUT_PATHS = (("--save", "dir"), ("--tensorboard-dir", "dir"), ("--metrics-file", "file"))
+"""Every path the run writes, checked at start-up (before anything is built)."""
+
+
+def output_path_problem(flag: str, path: str, kind: str) -> str | None:
+    """Why the run could not write ``path`` (a ``kind`` of ``"dir"`` or ``"file"``), or None.
+
+    Probes without leaving anything behind: an existing file is opened for appending, an existing
+    or nearest existing parent directory gets a temporary file created and removed in it.
+    """
+    target = Path(path)
+    try:
+        if target.exists():
+            if kind == "file":
+                if target.is_dir():
+                    return f"{flag} {path}: is a directory, not a file"
+                with open(target, "a", encoding="utf-8"):
+                    return None
+            if not target.is_dir():
+                return f"{flag} {path}: exists and is not a directory"
+            probe_dir = target
+        else:
+            parent = target.parent if kind == "file" else target
+            probe_dir = next(p for p in (parent, *parent.parents) if p.exists())
+            if not probe_dir.is_dir():
+                return f"{flag} {path}: {probe_dir} is not a directory"
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=probe_dir)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return f"{flag} {path}: cannot write there: {exc.strerror or exc}"
+    return None
 
 
 def validate_algorithm_args(args: argparse.Namespace, cuda: bool) -> list[str]:
@@ -664,13 +755,21 @@ def parse_explicit(
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Parse and validate; exits with status 2 and every message on bad input."""
+    """Parse and validate; raises ``UsageError`` (status 2, printed once by
+    ``megatron.trainer.exits``) with every message on bad input."""
     import torch
 
     parser = build_parser()
-    args, explicit = parse_explicit(parser, argv)
+    captured = io.StringIO()  # every rank parses; exits.run_main prints on global rank 0
+    try:
+        with contextlib.redirect_stderr(captured):
+            args, explicit = parse_explicit(parser, argv)
+    except SystemExit as exc:
+        if exc.code in (None, 0):  # --help
+            raise
+        raise UsageError(captured.getvalue().rstrip()) from None
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     errors = validate_args(args, world_size, torch.cuda.is_available(), explicit)
     if errors:
-        parser.exit(2, f"{parser.prog}: error: invalid arguments:\n  " + "\n  ".join(errors) + "\n")
+        raise UsageError(f"{parser.prog}: error: invalid arguments:\n  " + "\n  ".join(errors))
     return args

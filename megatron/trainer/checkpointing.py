@@ -19,12 +19,17 @@ same step. A resumed run must share the ``RESUME_FLAGS`` of the saved one.
 Writes are atomic: every rank writes into ``iter_XXXXXXX.partial/``; after a barrier rank 0
 renames it to ``iter_XXXXXXX/`` and only then replaces the tracker file. A crash at any point of a
 save leaves the previous checkpoint, and the tracker pointing at it, untouched.
+
+Reads fail in one way: a tracker, rollout state or shard that cannot be read (truncated, random
+bytes, not this tier's) stops every rank with one message naming the flag, the file and the
+iteration, and the newest older complete checkpoint with the ``--ckpt-step`` that loads it.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -34,12 +39,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from pydantic import ValidationError
 
 from megatron.rl.rollout.generator import PipelineState
-from megatron.trainer.initialize import ParallelContext
+from megatron.trainer.initialize import ParallelContext, agree_on_error
 
 TRACKER = "latest_checkpointed_iteration.txt"
 ROLLOUT_STATE = "rollout_state.json"
+ITERATION_DIR = re.compile(r"iter_(\d{7})")
 
 RESUME_FLAGS = (
     "rl_forced_lag",
@@ -120,7 +127,13 @@ class CheckpointShards(ABC):
     ) -> None:
         """Restore ``state`` (what ``options`` asks for) from ``directory``; call
         ``check_args(saved flags)`` before any module is modified. Raise ``SystemExit`` naming
-        the directory when it is not this tier's checkpoint."""
+        the directory when it is not this tier's checkpoint; any other exception is reported by
+        the protocol as an unreadable shard."""
+
+    def path(self, directory: Path) -> Path:
+        """What this rank reads in ``directory`` (named in errors; its existence marks a
+        complete checkpoint). Default: the whole directory."""
+        return directory
 
 
 def iteration_dir(root: str | Path, iteration: int) -> Path:
@@ -149,7 +162,67 @@ def latest_iteration(root: str | Path, flag: str = "--load") -> int:
     tracker = Path(root) / TRACKER
     if not tracker.is_file():
         raise SystemExit(f"{flag} {root}: no {TRACKER} found")
-    return int(tracker.read_text().strip())
+    text = read_guarded(flag, root, None, tracker, tracker.read_text).strip()
+    if not text.isdigit():
+        raise SystemExit(
+            f"{flag} {root}: {tracker} holds {text[:40]!r}, not an iteration number"
+            + fallback_hint(root, None)
+        )
+    return int(text)
+
+
+def complete_iterations(root: str | Path, shards: CheckpointShards | None = None) -> list[int]:
+    """Iterations under ``root`` whose directory is finished (renamed from ``.partial``) and holds
+    a valid rollout state (and this rank's shards, given ``shards``), oldest first."""
+    found = []
+    for child in Path(root).iterdir() if Path(root).is_dir() else ():
+        match = ITERATION_DIR.fullmatch(child.name)
+        if match is None or not child.is_dir():
+            continue
+        try:
+            PipelineState.model_validate_json((child / ROLLOUT_STATE).read_text())
+        except (OSError, ValueError):
+            continue
+        if shards is None or shards.path(child).exists():
+            found.append(int(match.group(1)))
+    return sorted(found)
+
+
+def fallback_hint(root: str | Path, failed: int | None) -> str:
+    """Where to resume instead: the newest complete checkpoint older than ``failed`` (any, for
+    ``None``), with the ``--ckpt-step`` that loads it; or that there is none."""
+    older = [i for i in complete_iterations(root) if failed is None or i < failed]
+    which = "complete checkpoint" if failed is None else "older complete checkpoint"
+    if not older:
+        return f"; it holds no {which}"
+    newest = older[-1]
+    return (
+        f"; the newest {which} is iteration {newest} ({iteration_dir(root, newest)}): add "
+        f"--ckpt-step {newest} to resume from it"
+    )
+
+
+def read_guarded(
+    flag: str, root: str | Path, iteration: int | None, path: Path, read: Callable[[], Any]
+) -> Any:
+    """``read()``, with any failure but ``SystemExit`` turned into one message naming ``flag``,
+    the file and the iteration (and the checkpoint to fall back to)."""
+    try:
+        return read()
+    except SystemExit:
+        raise
+    except Exception as exc:  # torch.load, pickle, zip, JSON, pydantic, OS errors alike
+        if isinstance(exc, ValidationError):  # pydantic: the first error's type and message
+            first = exc.errors()[0]
+            reason = f"{first['type']}: {first['msg']}"
+        else:
+            reason = " ".join(str(exc).split()).split(". ", 1)[0]  # its first sentence
+        reason = reason[:200] or type(exc).__name__
+        which = f"iteration {iteration}" if iteration is not None else "the tracker"
+        raise SystemExit(
+            f"{flag} {root}: cannot read {which}: {path}: {type(exc).__name__}: {reason}"
+            + fallback_hint(root, iteration)
+        ) from None
 
 
 def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
@@ -202,13 +275,44 @@ def load_checkpoint(
     args: argparse.Namespace,
     ctx: ParallelContext,
     options: LoadOptions = LoadOptions(),
+    step: int | None = None,
 ) -> Checkpoint:
-    """Restore the latest checkpoint under ``root`` (``--load``) into ``state``.
+    """Restore the checkpoint of iteration ``step`` (``--ckpt-step``; default: the tracker's)
+    under ``root`` (``--load``) into ``state`` (collective). With ``--finetune`` (``options``)
+    only the weights are loaded and the run starts at iteration 0.
 
-    With ``--finetune`` only the weights are loaded and the run starts at iteration 0.
+    A failure on any rank raises ``SystemExit`` with the first rank's message on every rank.
     """
-    iteration = latest_iteration(root)
+    error, iteration, pipeline = None, -1, None
+    try:
+        iteration = step if step is not None else latest_iteration(root)
+        pipeline = _read(root, iteration, shards, state, args, ctx.is_main, options)
+    except SystemExit as exc:
+        error = str(exc.code)
+    agreed = agree_on_error(error)
+    if agreed is not None:
+        raise SystemExit(agreed)  # the same message on every rank (rank 0 prints it)
+    if not options.resume:
+        return Checkpoint(0, None)
+    return Checkpoint(iteration, pipeline)
+
+
+def _read(
+    root: str,
+    iteration: int,
+    shards: CheckpointShards,
+    state: TrainState,
+    args: argparse.Namespace,
+    is_main: bool,
+    options: LoadOptions,
+) -> PipelineState | None:
+    """Read the rollout state (rank 0; not with ``--finetune``) first, then this rank's shards."""
     directory = iteration_dir(root, iteration)
+    if not directory.is_dir():
+        raise SystemExit(
+            f"--load {root}: no checkpoint of iteration {iteration} ({directory} does not exist)"
+            + fallback_hint(root, iteration)
+        )
 
     def check_args(saved: dict) -> None:
         if not options.resume:
@@ -219,16 +323,28 @@ def load_checkpoint(
                 f"--load {root}: flags differ from the saved run: {', '.join(problems)}"
             )
 
-    shards.read(directory, state, check_args, options)
-    if not options.resume:
-        return Checkpoint(0, None)
     pipeline = None
-    if ctx.is_main:
+    if is_main and options.resume:
         rollout_file = directory / ROLLOUT_STATE
         if not rollout_file.is_file():
-            raise SystemExit(f"--load {root}: missing {rollout_file}")
-        pipeline = PipelineState.model_validate_json(rollout_file.read_text())
-    return Checkpoint(iteration, pipeline)
+            raise SystemExit(
+                f"--load {root}: iteration {iteration} is missing {rollout_file}"
+                + fallback_hint(root, iteration)
+            )
+        pipeline = read_guarded(
+            "--load", root, iteration, rollout_file,
+            lambda: PipelineState.model_validate_json(rollout_file.read_text()),
+        )  # fmt: skip
+    if not shards.path(directory).exists():
+        raise SystemExit(
+            f"--load {root}: iteration {iteration} is missing {shards.path(directory)}"
+            + fallback_hint(root, iteration)
+        )
+    read_guarded(
+        "--load", root, iteration, shards.path(directory),
+        lambda: shards.read(directory, state, check_args, options),
+    )  # fmt: skip
+    return pipeline
 
 
 def _barrier() -> None:

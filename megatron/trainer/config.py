@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from pathlib import Path
 
+from megatron.rl.auth import API_KEY_ENV, read_api_key
 from megatron.rl.eval.runner import EvalConfig
 from megatron.rl.grpo.filtering import DynamicSamplingConfig
 from megatron.rl.grpo.importance import ImportanceConfig
@@ -18,11 +20,13 @@ from megatron.rl.grpo.loss import GRPOLossConfig
 from megatron.rl.grpo.terms import LossTerm, loss_terms
 from megatron.rl.inference.scheduler import SchedulerConfig
 from megatron.rl.models.hf import HFCheckpointError, load_hf_tokenizer
+from megatron.rl.rollout.faults import FailureBudget
 from megatron.rl.rollout.generator import RolloutConfig
 from megatron.rl.tokenizer import CharTokenizer, HuggingFaceTokenizer, Tokenizer
 from megatron.rl.wire import SamplingParams
 from megatron.trainer.checkpointing import saved_args
 from megatron.trainer.metrics import WandbConfig
+from megatron.trainer.rollouts import InferenceServerConfig
 from megatron.trainer.step import StepConfig
 
 
@@ -93,6 +97,24 @@ def rollout_config(args: argparse.Namespace) -> RolloutConfig:
         seed=args.seed,
         sampling=sampling_params(args),
     )
+
+
+def failure_budget(args: argparse.Namespace) -> FailureBudget:
+    """The run-level limit on failed rollouts per environment, judged after a batch's worth."""
+    return FailureBudget(
+        max_fraction=args.rl_max_failed_rollout_fraction,
+        min_rollouts=args.grpo_prompts_per_step * args.grpo_group_size,
+    )
+
+
+def inference_server_config(args: argparse.Namespace) -> InferenceServerConfig:
+    """Where rank 0 serves remote environments, and the job's key (``--rl-api-key-file``, else
+    ``MEGATRON_RL_API_KEY``). A key read from the file is also put into that variable, where
+    remote agents (``RemoteAgentArgs.api_key_env``) find the key to send to env servers."""
+    key = read_api_key(args.rl_api_key_file, os.environ, "--rl-api-key-file")
+    if key is not None and args.rl_api_key_file is not None:
+        os.environ[API_KEY_ENV] = key
+    return InferenceServerConfig(args.rl_inference_server_host, args.rl_inference_server_port, key)
 
 
 def scheduler_config(

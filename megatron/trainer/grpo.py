@@ -49,7 +49,7 @@ from megatron.trainer.initialize import (
 from megatron.trainer.metrics import MetricsWriter, step_metrics
 from megatron.trainer.model_provider import architecture
 from megatron.trainer.reference import build_reference_model
-from megatron.trainer.rollouts import CollectedBatch, InferenceServerConfig, RolloutSource
+from megatron.trainer.rollouts import CollectedBatch, RolloutSource
 from megatron.trainer.step import StepConfig, StepResult
 from megatron.trainer.tiers import Tier, select_tier
 
@@ -139,7 +139,8 @@ def train(args: argparse.Namespace, missing_kernels: set[str] = frozenset()) -> 
                 if writer is not None:  # log
                     writer.write(step_metrics(iteration, args.rl_forced_lag, collected, result,
                                               elapsed, metrics, run.k))  # fmt: skip
-                if (iteration + 1) % run.k == 0 and end_of_collection(run, iteration + 1, rollouts):
+                stop = rollouts.stop_requested()  # a signal on any rank (collective)
+                if end_of_collection(run, iteration + 1, rollouts, stop):
                     break  # --exit-interval
         if args.save_hf is not None:  # the policy as a Hugging Face directory
             arch = architecture(args, run.tokenizer.vocab_size)
@@ -198,22 +199,39 @@ def rollout_source(run: Run, agent: Agent) -> RolloutSource:
     return RolloutSource(
         ctx, run.tier, run.state.model, run.tokenizer, agent if ctx.is_main else None,
         config.rollout_config(args), config.scheduler_config(args, ctx.dp_size, run.tokenizer),
-        run.resumed.iteration // run.k,
-        InferenceServerConfig(args.rl_inference_server_host, args.rl_inference_server_port),
+        run.resumed.iteration // run.k, config.inference_server_config(args),
         run.resumed.pipeline, policy_version=run.resumed.iteration,
+        failure_budget=config.failure_budget(args), stop_cancels_window=not args.save,
     )  # fmt: skip
 
 
-def end_of_collection(run: Run, iteration: int, rollouts: RolloutSource) -> bool:
-    """Checkpoint (after draining the pipeline) when due; whether ``--exit-interval`` ends the
-    run here."""
+def end_of_collection(run: Run, iteration: int, rollouts: RolloutSource, stop: int) -> bool:
+    """Between collections: checkpoint (after draining the pipeline) when due or when a signal
+    came with ``--save``, then stop for that signal (``SystemExit(128 + signum)``); whether
+    ``--exit-interval`` ends the run here. Mid-collection a signal stops at once without
+    ``--save`` and otherwise waits for the collection's end."""
     args = run.args
+    if iteration % run.k:
+        if stop and not args.save:
+            raise_stop(run, iteration, stop)
+        return False
     exiting = args.exit_interval is not None and iteration % args.exit_interval == 0
-    if checkpoint_due(args, iteration) or (exiting and args.save):
+    if checkpoint_due(args, iteration) or ((exiting or stop) and args.save):
         pipeline = rollouts.drain()
         shards = run.tier.checkpoint_shards()
         save_checkpoint(args.save, iteration, shards, run.state, pipeline, args, run.ctx)
+    if stop:
+        raise_stop(run, iteration, stop)
     return exiting
+
+
+def raise_stop(run: Run, iteration: int, signum: int) -> None:
+    """Say where the run stopped for ``signum`` (rank 0) and exit with 128 + signum."""
+    if run.ctx.is_main:
+        saved = f", saved iteration {iteration} to {run.args.save}" if run.args.save else ""
+        name = signal.Signals(signum).name
+        print(f"{name}: stopped after step {iteration - 1}{saved}", flush=True)
+    raise SystemExit(128 + signum)
 
 
 def evaluation_on(args: argparse.Namespace) -> bool:
@@ -280,9 +298,11 @@ def metrics_writer(args: argparse.Namespace, first_step: int) -> MetricsWriter:
 def stop_on_signals(rollouts: RolloutSource) -> None:
     """SIGTERM/SIGINT end the run at the next safe point with exit status 128 + signum.
 
-    The handler only records the request (an exception raised from a signal handler could land in
-    any asyncio task, e.g. an HTTP handler that would swallow it); ``RolloutSource`` raises
-    ``SystemExit`` and leaving its context shuts the pipeline down.
+    Without ``--save`` the generation window in progress is cancelled and the run stops at once;
+    with it the current step finishes, the pipeline is drained and a checkpoint saved first. The
+    handler only records the request (an exception raised from a signal handler could land in
+    any asyncio task, e.g. an HTTP handler that would swallow it); the loop (or ``RolloutSource``)
+    raises ``SystemExit`` and leaving its context shuts the pipeline down.
     """
     if threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGTERM, signal.SIGINT):

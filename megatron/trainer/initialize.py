@@ -91,6 +91,16 @@ def set_seeds(seed: int, cuda: bool) -> None:
         model_parallel_cuda_manual_seed(seed)
 
 
+def agree_on_error(error: str | None) -> str | None:
+    """The first failing rank's error message, on every rank (collective when distributed), so
+    that every rank stops at the same point instead of waiting in a later collective."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return error
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((e for e in errors if e is not None), None)
+
+
 def shutdown_distributed() -> None:
     """Tear down megatron-core's groups and the default process group."""
     if parallel_state.model_parallel_is_initialized():

@@ -19,6 +19,10 @@ from megatron.trainer.step import StepResult
 def rollout_metrics(batch: RolloutBatch, step: int) -> dict[str, Any]:
     """Reward, staleness and pipeline statistics of the batch trained at ``step``.
 
+    ``batch_id`` is the id of the trained batch (the generator's prompt cursor; ``step`` //
+    iterations per collection), ``complete_groups`` counts its groups with no
+    placeholder rollout and ``batch_complete`` says whether that is every group.
+
     Submission staleness of a rollout = step - policy version at its submission (exactly
     min(step, L) under the forced-lag contract). Token staleness = step - policy version that
     generated the token, over every generated token.
@@ -32,7 +36,11 @@ def rollout_metrics(batch: RolloutBatch, step: int) -> dict[str, Any]:
     per_env: dict[str, list[float]] = {}
     for r in real:
         per_env.setdefault(r.env_id, []).append(r.reward)
+    complete = sum(not any(r.is_placeholder for r in g.rollouts) for g in batch.groups)
     return {
+        "batch_id": batch.batch_id,
+        "complete_groups": complete,
+        "batch_complete": complete == len(batch.groups),
         "reward_mean": statistics.fmean(rewards),
         "reward_std": statistics.pstdev(rewards),
         "staleness_min": min(submission),
@@ -60,7 +68,8 @@ def step_metrics(
 ) -> dict[str, Any]:
     """Everything logged for one step (training iteration), as a flat JSON-serializable dict.
 
-    ``batch_id`` is the collection the iteration trains on and ``batch_staleness`` how many
+    ``batch_id`` (``rollout_metrics``) is the collection the iteration trains on and
+    ``batch_staleness`` how many
     collections before it that collection was submitted: exactly min(batch_id, L). Submission and
     token staleness count policy versions (iterations), ``iterations_per_collection`` per batch.
 
@@ -75,7 +84,6 @@ def step_metrics(
     return {
         "step": step,
         "loss": result.loss,
-        "batch_id": collected.batch.batch_id,
         "batch_staleness": collected.batch.batch_id - min(submitted) // k,
         **rollout_metrics(collected.batch, step),
         "grad_norm": result.grad_norm,
@@ -178,7 +186,8 @@ class MetricsWriter:
     """Writes metrics on rank 0: stdout every ``log_interval`` steps; JSONL, TensorBoard and
     wandb always.
 
-    The JSONL file is appended to. A run resumed at ``first_step`` first drops the records of
+    The JSONL file is appended to, and created with the first record (a run that fails before
+    its first step leaves none). A run resumed at ``first_step`` first drops the records of
     steps >= ``first_step`` (logged after the checkpoint by the run that stopped, and trained
     again now) and a torn last line, so the file holds each step once.
     """
@@ -199,11 +208,9 @@ class MetricsWriter:
         self.records: list[dict[str, Any]] = []
         """Every step's metrics, for the closing summary and the curves."""
         self._jsonl = None
-        if metrics_file is not None:
-            Path(metrics_file).parent.mkdir(parents=True, exist_ok=True)
-            if first_step > 0:
-                _drop_records_from(Path(metrics_file), first_step)
-            self._jsonl = open(metrics_file, "a", encoding="utf-8")
+        self._jsonl_path = None if metrics_file is None else Path(metrics_file)
+        if self._jsonl_path is not None and first_step > 0:
+            _drop_records_from(self._jsonl_path, first_step)
         self._tb = None
         if tensorboard_dir is not None:
             from torch.utils.tensorboard import SummaryWriter  # availability checked by the flags
@@ -224,12 +231,15 @@ class MetricsWriter:
         self.records.append(metrics)
         if step % self.log_interval == 0 or step == self.train_iters - 1:
             print(format_log_line(metrics, self.train_iters, self._timing(step)), flush=True)
-        if self._jsonl is not None:
+        if self._jsonl_path is not None:
+            if self._jsonl is None:  # created with the first record: a run that fails first
+                self._jsonl_path.parent.mkdir(parents=True, exist_ok=True)  # leaves no file
+                self._jsonl = open(self._jsonl_path, "a", encoding="utf-8")
             self._jsonl.write(json.dumps(metrics) + "\n")
             self._jsonl.flush()
         if self._tb is not None:
             for key, value in metrics.items():
-                if key != "step":
+                if key not in ("step", "batch_id"):
                     self._tb.add_scalar(key, value, step)
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=step)

@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-from megatron.trainer.checkpointing import iteration_dir, latest_iteration
+from megatron.trainer.checkpointing import iteration_dir, latest_iteration, read_guarded
 from megatron.trainer.initialize import ParallelContext
 from megatron.trainer.model_provider import build_model
 from megatron.trainer.tiers.cpu import TorchShards
@@ -38,8 +38,12 @@ def build_reference_model(
     with torch.random.fork_rng(devices=devices):  # initialization draws from the global RNG
         reference = build_model(args, vocab_size, ctx.device)
     if args.ref_load is not None:
-        directory = iteration_dir(args.ref_load, latest_iteration(args.ref_load, "--ref-load"))
-        TorchShards(ctx).read_model(directory, reference, "--ref-load")
+        iteration = latest_iteration(args.ref_load, "--ref-load")
+        directory, shards = iteration_dir(args.ref_load, iteration), TorchShards(ctx)
+        read_guarded(
+            "--ref-load", args.ref_load, iteration, shards.path(directory),
+            lambda: shards.read_model(directory, reference, "--ref-load"),
+        )  # fmt: skip
     else:
         reference.load_state_dict(policy.state_dict())
     reference.eval()

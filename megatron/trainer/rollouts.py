@@ -11,15 +11,19 @@ submitted batch is finished and returns the pipeline state to save.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from megatron.rl.agent.api import Agent
+from megatron.rl.auth import API_KEY_ENV, is_loopback
 from megatron.rl.inference.interface import LocalInferenceInterface
 from megatron.rl.inference.scheduler import SchedulerConfig
+from megatron.rl.inference.step_group import GenerationAborted
+from megatron.rl.rollout.faults import FailureBudget
 from megatron.rl.rollout.generator import (
     GroupedRolloutGenerator,
     PipelineState,
@@ -29,9 +33,12 @@ from megatron.rl.rollout.generator import (
 from megatron.rl.server.http import EmbeddedServer
 from megatron.rl.server.inference_server import create_inference_app
 from megatron.rl.tokenizer import Tokenizer
+from megatron.trainer.exits import PeerFailed
 from megatron.trainer.generation import GenerationHost
-from megatron.trainer.initialize import ParallelContext
+from megatron.trainer.initialize import ParallelContext, agree_on_error
 from megatron.trainer.tiers.base import Tier
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,8 @@ class InferenceServerConfig:
     """Interface to bind; remote environments on other hosts need 0.0.0.0 or a routable one."""
     port: int = 0
     """Port to bind (0: a free one)."""
+    api_key: str | None = field(default=None, repr=False)
+    """The job's shared key, required from clients (``megatron.rl.auth``); None: no key."""
 
 
 @dataclass(frozen=True)
@@ -74,8 +83,14 @@ class RolloutSource:
         server_config: InferenceServerConfig = InferenceServerConfig(),
         resume_from: PipelineState | None = None,
         policy_version: int = 0,
+        failure_budget: FailureBudget | None = None,
+        stop_cancels_window: bool = True,
     ) -> None:
         self.ctx = ctx
+        self.stop_cancels_window = stop_cancels_window
+        """False when a stop saves a checkpoint first: the window in progress then finishes and
+        the run stops after that step (``stop_requested``)."""
+        self.failure_budget = failure_budget or FailureBudget(max_fraction=1.0, min_rollouts=0)
         self.policy_version = policy_version
         self.host = GenerationHost(
             ctx, tier, model, engine_config, tokenizer.vocab_size, lambda: self.policy_version
@@ -99,12 +114,28 @@ class RolloutSource:
                 scheduler=self.engine,
                 resume_from=resume_from,
             )
-            self.host.run(self._start)
+        failure = None
+        if ctx.is_main:
+            try:
+                self.host.run(self._start)
+            except BaseException as exc:  # stop the other ranks too before raising it here
+                failure = exc
+                self.close()
+        agreed = agree_on_error(None if failure is None else f"{type(failure).__name__}: {failure}")
+        if failure is not None:
+            raise failure
+        if agreed is not None:
+            raise PeerFailed(agreed)
 
     async def _start(self) -> None:
         if self.agent.requires_inference_server:
-            app = create_inference_app(self.inference, self.tokenizer)
             cfg = self.server_config
+            app = create_inference_app(self.inference, self.tokenizer, api_key=cfg.api_key)
+            if cfg.api_key is None and not is_loopback(cfg.host):
+                logger.warning(
+                    "the inference server listens on %s without a key: anyone who reaches it "
+                    "can generate (--rl-api-key-file or %s)", cfg.host, API_KEY_ENV,
+                )  # fmt: skip
             try:
                 self._server = await EmbeddedServer.start(app, cfg.host, cfg.port)
             except OSError as exc:
@@ -125,14 +156,12 @@ class RolloutSource:
     def next_batch(self) -> CollectedBatch:
         """The next batch, in order, on every rank (collective).
 
-        Raises ``SystemExit(128 + signum)`` once ``request_stop`` was called.
+        Raises ``SystemExit(128 + signum)`` when ``request_stop`` cancelled the window.
         """
         start = time.perf_counter()
-        self._exit_if_stop_requested()
         if self.ctx.is_main:
             tokens_before = self.engine.generated_tokens
-            batch = self._window(self.generator.next_batch)
-            _check_not_all_failed(batch)
+            batch = self._window(self._next_checked_batch)
             message = [batch, self.engine.generated_tokens - tokens_before]
         else:
             self._window(None)
@@ -142,35 +171,47 @@ class RolloutSource:
         batch, generated = message
         return CollectedBatch(batch, time.perf_counter() - start, generated)
 
+    async def _next_checked_batch(self) -> RolloutBatch:
+        """The next batch, after the failure budget's check (inside the window, so that a
+        failure aborts the other ranks' windows instead of leaving them waiting)."""
+        batch = await self.generator.next_batch()
+        self.failure_budget.check(batch.batch_id, batch.groups, self.generator.faults)
+        return batch
+
     def drain(self) -> PipelineState | None:
         """Finish every submitted batch and return the pipeline state (collective).
 
         Called before a checkpoint; returns the state on rank 0 and ``None`` elsewhere. Tokens
         generated here belong to the current policy version, as in any window.
         """
-        self._exit_if_stop_requested()
         return self._window(self.generator.drain if self.ctx.is_main else None)
 
     def _window(self, work):
         try:
             return self.host.window(work)
-        except asyncio.CancelledError:
-            self._exit_if_stop_requested()
+        except (asyncio.CancelledError, GenerationAborted):
+            if self._stop_signal is not None:  # cancelled by request_stop (here or on rank 0)
+                raise SystemExit(128 + self._stop_signal) from None
             raise
 
     def request_stop(self, signum: int) -> None:
         """Stop at the next safe point (safe to call from a signal handler).
 
-        A generation window in progress is cancelled; the running or next ``next_batch`` then
-        raises ``SystemExit``, and leaving the context manager shuts the pipeline down.
+        With ``stop_cancels_window`` a generation window in progress is cancelled and the
+        running ``next_batch`` raises ``SystemExit(128 + signum)`` on every rank; otherwise the
+        loop sees the request at the end of the step (``stop_requested``).
         """
         self._stop_signal = signum
-        if self.ctx.is_main:
+        if self.ctx.is_main and self.stop_cancels_window:
             self.host.cancel()
 
-    def _exit_if_stop_requested(self) -> None:
-        if self._stop_signal is not None:
-            raise SystemExit(128 + self._stop_signal)
+    def stop_requested(self) -> int:
+        """The signal number any rank was asked to stop with, else 0 (collective: every rank
+        decides alike, at the end of each step)."""
+        signum = torch.tensor([self._stop_signal or 0], device=self.ctx.device)  # nccl on CUDA
+        if self.ctx.world_size > 1:
+            dist.all_reduce(signum, op=dist.ReduceOp.MAX)
+        return int(signum.item())
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Cancel and await every task of the pipeline (rank 0); idempotent, never hangs."""
@@ -183,13 +224,3 @@ class RolloutSource:
         if self._server is not None:
             await self._server.stop()
         await self.agent.aclose()
-
-
-def _check_not_all_failed(batch: RolloutBatch) -> None:
-    """A batch whose every rollout is a placeholder means the environments are broken: stop."""
-    rollouts = [r for g in batch.groups for r in g.rollouts]
-    if all(r.is_placeholder for r in rollouts):
-        raise RuntimeError(
-            f"every rollout of batch {batch.batch_id} failed in its environment "
-            f"({rollouts[0].env_id}): {rollouts[0].error}"
-        )

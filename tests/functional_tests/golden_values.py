@@ -75,10 +75,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def training_command(nproc: int, args: dict, script: str = "pretrain_grpo.py") -> list[str]:
-    """The torchrun command line of ``script`` with ``args`` (flag -> value; True: a switch)."""
+def training_command(
+    nproc: int,
+    args: dict,
+    script: str = "pretrain_grpo.py",
+    launcher: str = "megatron.trainer.launch",
+) -> list[str]:
+    """The command line of ``script`` with ``args`` (flag -> value; True: a switch) under
+    ``launcher`` (the README's ``megatron.trainer.launch``, or ``torch.distributed.run``)."""
     argv = [f"--{k}" if v is True else f"--{k}={v}" for k, v in args.items()]
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+    return [sys.executable, "-m", launcher, f"--nproc-per-node={nproc}",
             f"--master-port={free_port()}", script, *argv]  # fmt: skip
 
 
@@ -166,9 +172,10 @@ def run_until_step_then_kill(nproc: int, args: dict, metrics: Path, step: int) -
 
 @contextlib.contextmanager
 def env_server(
-    workdir: Path, config: str, log_level: str = "warning"
+    workdir: Path, config: str, log_level: str = "warning", api_key_file: Path | None = None
 ) -> Iterator[tuple[str, subprocess.Popen]]:
-    """Run ``python -m megatron.rl.server.env_server`` on a free port until the block exits.
+    """Run ``python -m megatron.rl.server.env_server`` on a free port until the block exits
+    (requiring the key in ``api_key_file``, if given).
 
     Yields the server's URL (once ``/health`` answers) and its process.
     """
@@ -181,7 +188,8 @@ def env_server(
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "megatron.rl.server.env_server", f"--env-config={env_config}",
-             "--host=127.0.0.1", f"--port={port}", f"--log-level={log_level}"],
+             "--host=127.0.0.1", f"--port={port}", f"--log-level={log_level}",
+             *([f"--api-key-file={api_key_file}"] if api_key_file else [])],
             cwd=ROOT, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         url = f"http://127.0.0.1:{port}"
@@ -189,7 +197,9 @@ def env_server(
             deadline = time.monotonic() + 60
             while True:
                 with contextlib.suppress(httpx.TransportError):
-                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    key = api_key_file.read_text().strip() if api_key_file else None
+                    headers = {"authorization": f"Bearer {key}"} if key else {}
+                    if httpx.get(f"{url}/health", timeout=1, headers=headers).status_code == 200:
                         break
                 if proc.poll() is not None:
                     raise RuntimeError(f"the env server exited:\n{log_path.read_text()}")

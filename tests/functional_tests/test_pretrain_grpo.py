@@ -89,6 +89,37 @@ def test_two_process_runs_match_the_single_process_run(runs, case):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
 
 
+@pytest.mark.slow
+def test_tp2_and_dp2_learning_curves_agree_with_tp1_statistically():
+    """Over 200 steps TP=2 and DP=2 reproduce TP=1's rewards exactly only until float rounding of
+    their reduction order first flips a sampled token (measured: first difference at steps 30-98,
+    median 58, over 17 seeds), then drift like runs with another seed.
+
+    Measured over 17 seeds (1234 and 1-16; 200 steps, forced lag 2, OMP_NUM_THREADS=1, 2 cores):
+    the mean reward of the last 100 steps of TP=2 or DP=2 differed from TP=1's by at most 0.183
+    (34 pairs, sd 0.051; TP=2 - TP=1 mean -0.001, DP=2 - TP=1 mean +0.028, paired t 1.9, not
+    significant at 5%), while TP=1's own varied across seeds with sd 0.091 (0.13-0.54). Hence the
+    tolerance 0.2 (3.9 sd of the differences); and each layout must have learned: last-100 mean
+    at least 3x its first-10 mean (measured: >= 4.4x). Seed 1234: TP=1 0.227, TP=2 0.206, DP=2
+    0.281.
+    """
+    args = {"rl-forced-lag": 2, "train-iters": 200, "seed": 1234}
+    curves = {
+        "tp1": run_training(1, args, timeout=900),
+        "tp2": run_training(2, {**args, "tensor-model-parallel-size": 2}, timeout=900),
+        "dp2": run_training(2, args, timeout=900),
+    }
+    rewards = {k: [m["reward_mean"] for m in v] for k, v in curves.items()}
+    last = {k: statistics.fmean(v[-100:]) for k, v in rewards.items()}
+    first = {k: statistics.fmean(v[:10]) for k, v in rewards.items()}
+    print("last-100 mean reward:", {k: round(v, 3) for k, v in last.items()})
+    for layout in ("tp2", "dp2"):
+        assert rewards[layout][:10] == rewards["tp1"][:10], layout  # exact before any drift
+        assert abs(last[layout] - last["tp1"]) <= 0.2, (layout, last)
+    for layout, value in last.items():
+        assert value >= 3 * first[layout], (layout, first, last)
+
+
 def test_same_command_twice_gives_bitwise_identical_metrics(runs):
     first = runs("lag2")
     case = load_case("lag2")

@@ -14,6 +14,7 @@ import golden_values
 import httpx
 from golden_values import (
     ROOT,
+    TOLERANCES,
     remote_env_config,
     run_training,
     subprocess_env,
@@ -25,9 +26,14 @@ COPY_ENV = "- agent_type: digits\n  env_id: copy\n  agent_args: {task: copy}\n"
 
 
 @contextlib.contextmanager
-def env_server(tmp_path: Path, config: str = COPY_ENV, log_level: str = "warning"):
+def env_server(
+    tmp_path: Path,
+    config: str = COPY_ENV,
+    log_level: str = "warning",
+    api_key_file: Path | None = None,
+):
     """A real env server process serving ``config`` (see ``golden_values.env_server``)."""
-    with golden_values.env_server(tmp_path, config, log_level) as served:
+    with golden_values.env_server(tmp_path, config, log_level, api_key_file) as served:
         yield served
 
 
@@ -67,9 +73,11 @@ def test_killing_the_env_server_makes_the_trainer_exit_naming_it(tmp_path):
             killed = time.monotonic()
             trainer.wait(timeout=60)
             elapsed = time.monotonic() - killed
-    assert trainer.returncode != 0
+    assert trainer.returncode == 1
     assert elapsed < 60
-    assert f"env server {url}" in stderr.read_text()
+    errors = [line for line in stderr.read_text().splitlines() if "error:" in line]
+    assert len(errors) == 1 and f"env server {url}" in errors[0], errors
+    assert "Traceback" not in stderr.read_text()
     print(f"trainer exited {elapsed:.1f} s after the env server was killed")
 
 
@@ -103,6 +111,39 @@ def test_failing_remote_environment_masks_rollouts_and_training_continues(tmp_pa
     assert len(metrics) == COMMON["train-iters"]
     failed = [m["placeholder_rollouts"] for m in metrics]
     assert sum(failed) > 0 and all(f < 64 for f in failed)
+
+
+def test_raising_environment_gives_the_same_run_in_process_and_remote(tmp_path):
+    """One fault policy: the groups a raising environment fails become the same placeholders
+    in process and behind the env server, so the two runs log the same metrics."""
+    config = "- agent_type: grpo_testing.fakes:RaisingDigits\n  env_id: raising\n"
+    (tmp_path / "local.yaml").write_text(config)
+    local = run_training(1, {**COMMON, "env-config": tmp_path / "local.yaml"})
+    with env_server(tmp_path, config) as (url, _):
+        remote = run_training(1, {**COMMON, "env-config": remote_config(tmp_path, url, "raising")})
+    assert len(local) == len(remote) == COMMON["train-iters"]
+    assert sum(m["placeholder_rollouts"] for m in local) > 0
+    assert not all(m["batch_complete"] for m in local)
+    for metric in [*TOLERANCES, "complete_groups", "batch_complete", "batch_id"]:
+        assert [m[metric] for m in remote] == [m[metric] for m in local], metric
+    log = (tmp_path / "env_server.log").read_text()
+    assert log.count("Traceback") == 1 and "KeyError" in log  # the first raise, logged once
+
+
+def test_keyed_servers_train_with_the_key_and_refuse_a_trainer_without_it(tmp_path):
+    key = tmp_path / "key"
+    key.write_text("job-key-123\n")
+    with env_server(tmp_path, api_key_file=key) as (url, _):
+        args = {**COMMON, "train-iters": 3, "env-config": remote_config(tmp_path, url)}
+        metrics = run_training(1, {**args, "rl-api-key-file": key})
+        assert [m["step"] for m in metrics] == [0, 1, 2]
+        proc = subprocess.run(
+            training_command(1, args), cwd=ROOT, env=subprocess_env(), capture_output=True,
+            text=True, timeout=120,
+        )  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert f"env server {url}" in proc.stderr and "HTTP 401" in proc.stderr
+    assert "job-key-123" not in proc.stderr + (tmp_path / "env_server.log").read_text()
 
 
 def test_environment_failing_everywhere_stops_the_run_with_its_error(tmp_path):

@@ -368,3 +368,32 @@ def test_requeued_job_resumes_from_its_last_checkpoint(cluster, tmp_path):
     steps = [m["step"] for m in read_metrics(tmp_path / "run" / "metrics.jsonl")]
     assert steps == list(range(40))
     print(f"requeued and resumed at iteration {iteration}")
+
+
+def test_scancel_stops_the_trainer_after_a_step_with_a_checkpoint(cluster, tmp_path):
+    """scancel sends SIGTERM to every process of the job: the trainer finishes its step, drains,
+    saves and exits 143 within Slurm's KillWait (10 s here), with no traceback in the log."""
+    config = tmp_path / "tiny.sh"
+    config.write_text(MODEL_ARGS_CONFIG)
+    args = [f"--model-config={config}", "--", "--train-iters=100000", "--lr-warmup-iters=2",
+            "--save-interval=100000"]  # fmt: skip
+    job_id = submit(cluster, tmp_path, 1, args)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        if cluster.job(job_id)["JobState"] in FINAL_STATES:
+            pytest.fail(f"job {job_id} ended early\n{diagnostics(cluster, tmp_path, job_id)}")
+        assert time.monotonic() < deadline, diagnostics(cluster, tmp_path, job_id)
+        time.sleep(0.2)
+    cluster.run("scancel", job_id)
+    job = wait_for_job(cluster, tmp_path, job_id)
+    assert job["JobState"] == "CANCELLED", diagnostics(cluster, tmp_path, job_id)
+    tracker = tmp_path / "run" / "checkpoints" / "latest_checkpointed_iteration.txt"
+    assert tracker.exists(), diagnostics(cluster, tmp_path, job_id)
+    iteration = int(tracker.read_text())
+    log = (tmp_path / f"slurm-{job_id}.out").read_text()
+    assert f"SIGTERM: stopped after step {iteration - 1}, saved iteration {iteration}" in log, log
+    assert "Traceback" not in log and "ChildFailedError" not in log, log
+    assert [m["step"] for m in read_metrics(metrics)] == list(range(iteration))
+    assert not list((tmp_path / "run" / "checkpoints").glob("*.partial"))
+    print(f"scancel: saved iteration {iteration}")

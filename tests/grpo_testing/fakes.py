@@ -96,3 +96,13 @@ class BrokenDigits(DigitTaskEnvironment):
 
     def make_problem(self, rng: random.Random) -> Problem:
         raise RuntimeError("dataset shard missing")
+
+
+class RaisingDigits(DigitTaskEnvironment):
+    """The digit task whose ``group_rollout`` itself raises for one group in five (chosen by the
+    request, so in-process and remote runs fail the same groups), before generating."""
+
+    async def group_rollout(self, request, inference):
+        if (request.batch_id * 7 + request.index_in_batch) % 5 == 0:
+            raise KeyError(f"lost the state of group {request.batch_id}/{request.index_in_batch}")
+        return await super().group_rollout(request, inference)

@@ -28,7 +28,7 @@ def wait_for_health(url: str, timeout_s: float, server_pid: int | None = None) -
         if server_pid is not None and not _alive(server_pid):
             raise SystemExit(f"env server {url}: its process {server_pid} exited before /health")
         try:
-            response = httpx.get(f"{url}/health", timeout=5.0)
+            response = httpx.get(f"{url}/health", timeout=5.0, headers=_auth_headers())
             if response.status_code == 200:
                 return response.json()
             last_error = f"HTTP {response.status_code}"
@@ -36,6 +36,12 @@ def wait_for_health(url: str, timeout_s: float, server_pid: int | None = None) -
             last_error = str(exc) or type(exc).__name__
         time.sleep(1.0)
     raise SystemExit(f"env server {url}: /health not ready within {timeout_s:.0f} s ({last_error})")
+
+
+def _auth_headers() -> dict[str, str]:
+    """The job's key (``MEGATRON_RL_API_KEY``), which the env server requires, as a header."""
+    key = os.environ.get("MEGATRON_RL_API_KEY")
+    return {"authorization": f"Bearer {key}"} if key else {}
 
 
 def remote_entries(url: str, health: dict) -> list[dict]:

@@ -24,7 +24,10 @@
 # The script sets --save, --load and --metrics-file itself. The job log is slurm-<job>-<id>.out
 # in the submission directory (sbatch --output overrides); trainer lines carry their task (node)
 # number. Slurm sends SIGUSR1 300 s before the time limit (--signal) and the job requeues itself;
-# preemption with PreemptMode=REQUEUE and scontrol requeue restart it the same way.
+# preemption with PreemptMode=REQUEUE and scontrol requeue restart it the same way. scancel
+# (SIGTERM) stops the trainer after its current step: it drains, saves a checkpoint and exits 143.
+# A key generated per run (MEGATRON_RL_API_KEY) guards the env server and the trainer's inference
+# server.
 #SBATCH --job-name=grpo
 #SBATCH --ntasks-per-node=1
 #SBATCH --exclusive
@@ -124,6 +127,13 @@ if [[ -f $SAVE_DIR/latest_checkpointed_iteration.txt ]]; then
     RESUME_FLAGS=(--load "$SAVE_DIR")
 fi
 
+# One shared key per job run: the env server and rank 0's inference server require it from every
+# request, and every party reads it from the environment (never from a command line or a log).
+if [[ -z ${MEGATRON_RL_API_KEY:-} ]]; then
+    MEGATRON_RL_API_KEY=$("$PYTHON" -c 'import secrets; print(secrets.token_urlsafe(32))')
+fi
+export MEGATRON_RL_API_KEY
+
 SERVER_PID=""
 TRAINER_PID=""
 # shellcheck disable=SC2317 # run by trap
@@ -179,7 +189,7 @@ log "pretrain_grpo.py ${FLAGS[*]}"
     IFS=,
     exec srun --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 \
         --nodelist="${TRAIN_NODES[*]}" --kill-on-bad-exit=1 --label \
-        "$PYTHON" -m torch.distributed.run --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" \
+        "$PYTHON" -m megatron.trainer.launch --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" \
         --rdzv-backend=c10d --rdzv-endpoint="$RDZV_ADDR:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" \
         pretrain_grpo.py "${FLAGS[@]}"
 ) &

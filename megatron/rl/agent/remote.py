@@ -12,10 +12,13 @@ run with a ``RemoteEnvironmentError`` naming the server.
 
 from __future__ import annotations
 
+import os
+
 import httpx
 from pydantic import Field
 
 from megatron.rl.agent.api import Agent, AgentArgs
+from megatron.rl.auth import API_KEY_ENV, bearer_headers
 from megatron.rl.http_client import ClientPool, RemoteCallError, RetryPolicy, call_json
 from megatron.rl.inference.interface import InferenceInterface
 from megatron.rl.wire import (
@@ -48,6 +51,12 @@ class RemoteAgentArgs(AgentArgs):
     max_retries: int = Field(3, ge=0, le=20, description="Retries of a failed call.")
     backoff_s: float = Field(0.5, ge=0, description="First retry delay (doubles each retry).")
     max_connections: int = Field(64, ge=1, description="Pooled connections to the server.")
+    api_key_env: str = Field(
+        API_KEY_ENV,
+        min_length=1,
+        description="Environment variable whose value, when set, is sent as the bearer key the "
+        "env server requires (the key itself never goes into a config file).",
+    )
 
 
 class RemoteAgent(Agent):
@@ -62,10 +71,12 @@ class RemoteAgent(Agent):
         self.url = self.args.url.rstrip("/")
         self.retry = RetryPolicy(self.args.max_retries, self.args.backoff_s)
         self._client: ClientPool | None = None
+        self._headers: dict[str, str] = {}
 
     async def astart(self) -> None:
         """Open the connection pool and check that the server hosts ``env_id``."""
         a = self.args
+        self._headers = bearer_headers(os.environ.get(a.api_key_env))
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(a.timeout_s, connect=a.connect_timeout_s, pool=a.timeout_s),
             limits=httpx.Limits(
@@ -74,7 +85,10 @@ class RemoteAgent(Agent):
         )
         try:
             health = HealthResponse.model_validate(
-                await call_json(self._client, "GET", f"{self.url}/health", policy=self.retry)
+                await call_json(
+                    self._client, "GET", f"{self.url}/health", policy=self.retry,
+                    headers=self._headers,
+                )  # fmt: skip
             )
         except (RemoteCallError, ValueError) as exc:
             raise RemoteEnvironmentError(f"env server {self.url} ({self.env_id}): {exc}") from None
@@ -103,7 +117,7 @@ class RemoteAgent(Agent):
         )
         url = f"{self.url}/v1/grouped_rollouts"
         try:
-            payload = await call_json(self._client, "POST", url, call, self.retry)
+            payload = await call_json(self._client, "POST", url, call, self.retry, self._headers)
             return RolloutGroup.model_validate(payload)
         except RemoteCallError as exc:
             raise RemoteEnvironmentError(f"env server {self.url} ({self.env_id}): {exc}") from None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron.rl.auth import bearer_headers
 from megatron.rl.http_client import ClientPool, RemoteCallError, RetryPolicy, call_json
 from megatron.rl.inference.interface import InferenceInterface
 from megatron.rl.inference.protocol import InvalidInferenceRequest
@@ -18,6 +19,9 @@ from megatron.rl.wire import (
     WireModel,
 )
 from megatron.rl.wire_chat import ChatCompletionRequest, ChatCompletionResponse
+
+REFUSED = frozenset({401, 403, 429})
+"""4xx answers about the caller (its key, its rate), not the request: the server is unavailable."""
 
 
 class InferenceUnavailable(RuntimeError):
@@ -34,12 +38,14 @@ class RemoteInferenceInterface(InferenceInterface):
         client: ClientPool,
         retry: RetryPolicy = RetryPolicy(),
         keep_rollout_keys: bool = True,
+        api_key: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.client = client
         self.retry = retry
         self.keep_rollout_keys = keep_rollout_keys
         """False for evaluation traffic, which must not enter the training schedule."""
+        self._headers = bearer_headers(api_key)
 
     async def generate(self, request: InferenceRequest) -> InferenceResponse:
         """One completion (see ``generate_group``)."""
@@ -48,7 +54,7 @@ class RemoteInferenceInterface(InferenceInterface):
 
     async def generate_group(self, request: InferenceRequest, n: int) -> list[InferenceResponse]:
         """``n`` samples in one HTTP call. 4xx answers raise ``InvalidInferenceRequest``, other
-        failures ``InferenceUnavailable``."""
+        failures (``REFUSED`` answers among them) ``InferenceUnavailable``."""
         return await self._complete(request, n)
 
     async def end_rollout(self, key: RolloutKey) -> bool:
@@ -89,11 +95,12 @@ class RemoteInferenceInterface(InferenceInterface):
         return responses
 
     async def _call(self, path: str, body: WireModel) -> Any:
-        """POST ``body``; 4xx answers raise ``InvalidInferenceRequest``, other failures
-        ``InferenceUnavailable``."""
+        """POST ``body`` (with the key); 4xx answers raise ``InvalidInferenceRequest``, other
+        failures (``REFUSED`` answers among them) ``InferenceUnavailable``."""
+        url = f"{self.base_url}{path}"
         try:
-            return await call_json(self.client, "POST", f"{self.base_url}{path}", body, self.retry)
+            return await call_json(self.client, "POST", url, body, self.retry, self._headers)
         except RemoteCallError as exc:
-            if exc.status is not None and 400 <= exc.status < 500 and exc.status != 429:
+            if exc.status is not None and 400 <= exc.status < 500 and exc.status not in REFUSED:
                 raise InvalidInferenceRequest(str(exc)) from None
             raise InferenceUnavailable(f"inference server {self.base_url}: {exc}") from None

@@ -10,8 +10,10 @@ optimizer updates applied so far):
    on-policy GRPO.
 2. Batches come out strictly in ``batch_id`` order and groups inside a batch in
    ``index_in_batch`` order, whatever order the agents finish in.
-3. A failure in any worker fails the pending ``next_batch`` with the original exception; nothing
-   waits forever.
+3. An environment whose own code raises gives placeholder rollouts (``faults.run_group``, the
+   policy the env server applies too); any other failure in a worker (the engine, an unreachable
+   server, a malformed group) fails the pending ``next_batch`` with the original exception;
+   nothing waits forever.
 4. Checkpoints keep the contract exact. ``drain`` completes every submitted batch (no generation
    is left half done) and ``state`` then captures the pipeline: the next batch id (the prompt
    cursor), how many batches were submitted, and the finished groups not yet consumed, each
@@ -32,6 +34,7 @@ from pydantic import BaseModel, ConfigDict
 from megatron.rl.agent.api import Agent
 from megatron.rl.inference.interface import InferenceInterface
 from megatron.rl.inference.protocol import BatchScheduler
+from megatron.rl.rollout.faults import FaultLog, run_group
 from megatron.rl.wire import GroupedRolloutRequest, RolloutGroup, SamplingParams
 
 
@@ -170,8 +173,11 @@ class GroupedRolloutGenerator:
         first_batch_id: int = 0,
         scheduler: BatchScheduler | None = None,
         resume_from: PipelineState | None = None,
+        faults: FaultLog | None = None,
     ) -> None:
         self.agent = agent
+        self.faults = faults if faults is not None else FaultLog()
+        """Environment errors seen so far (each distinct one logged once)."""
         self.inference = inference
         self.config = config
         self.policy_version = policy_version
@@ -312,7 +318,7 @@ class GroupedRolloutGenerator:
 
     async def _run_group(self, request: GroupedRolloutRequest) -> None:
         try:
-            group = await self.agent.group_rollout(request, self.inference)
+            group = await run_group(self.agent, request, self.inference, self.faults)
         finally:
             if self.scheduler is not None:
                 self.scheduler.group_done(request.batch_id, request.index_in_batch)

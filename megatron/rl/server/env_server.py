@@ -12,8 +12,10 @@ Endpoints (schema at ``/openapi.json``, docs at ``/docs``):
   (generation requests carry no rollout key, so they never enter the training schedule).
 
 Faults: an invalid body is a 422 naming the field; an unknown ``env_id`` a 422; an environment
-that raises gives a group of placeholder rollouts (HTTP 200, zero loss weight, error text kept);
-an inference server that cannot be reached or fails gives 424 naming it. SIGTERM stops uvicorn
+that raises gives a group of placeholder rollouts (HTTP 200, zero loss weight, error text kept;
+the first traceback of each distinct error logged once per environment), the policy of
+``megatron.rl.rollout.faults`` that in-process environments follow too; an inference server that
+cannot be reached or fails gives 424 naming it. SIGTERM stops uvicorn
 gracefully: in-flight requests finish, then agents and HTTP clients are closed.
 """
 
@@ -22,21 +24,25 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import signal
 import statistics
 import sys
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import uvicorn
 from fastapi import FastAPI, HTTPException
 
-from megatron.rl.agent.api import Agent, placeholder_rollout
+from megatron.rl.agent.api import Agent
 from megatron.rl.agent.env_config import EnvConfigError, load_env_config
 from megatron.rl.agent.mixture import MixtureAgent
+from megatron.rl.auth import API_KEY_ENV, is_loopback, read_api_key, require_api_key
 from megatron.rl.http_client import ClientPool, RetryPolicy
-from megatron.rl.inference.remote import InferenceUnavailable, RemoteInferenceInterface
+from megatron.rl.inference.remote import RemoteInferenceInterface
+from megatron.rl.rollout.faults import INFRASTRUCTURE_ERRORS, FaultLog
+from megatron.rl.rollout.faults import run_group as faults_run_group
 from megatron.rl.server.http import ERROR_RESPONSES, install_error_handlers
 from megatron.rl.wire import (
     EnvironmentInfo,
@@ -65,6 +71,11 @@ class EnvServerConfig:
     """Pooled connections to inference servers (all URLs together)."""
     retry: RetryPolicy = RetryPolicy()
     """Retries of a completion call that failed to connect or got a 5xx."""
+    api_key: str | None = field(default=None, repr=False)
+    """The job's shared key: required from clients (401 without it) and sent to inference
+    servers (``megatron.rl.auth``); None accepts every request."""
+    allowed_inference_urls: tuple[str, ...] = ()
+    """Prefixes an ``inference_url`` must start with (403 otherwise); empty allows any."""
 
 
 def create_app(
@@ -98,7 +109,9 @@ def create_app(
 
     app = FastAPI(title="megatron-rl env server", version="1", lifespan=lifespan)
     install_error_handlers(app)
+    require_api_key(app, config.api_key)
     by_id = {a.env_id: a for a in agent.evaluated}
+    faults = FaultLog(logger)
 
     def select(env_id: str | None) -> Agent:
         if env_id is None:
@@ -110,7 +123,12 @@ def create_app(
         return by_id[env_id]
 
     def inference(url: str, keep_keys: bool = True) -> RemoteInferenceInterface:
-        return RemoteInferenceInterface(url, client, config.retry, keep_rollout_keys=keep_keys)
+        allowed = config.allowed_inference_urls
+        if allowed and not any(url.startswith(prefix) for prefix in allowed):
+            raise HTTPException(
+                403, f"field 'inference_url': {url!r} does not start with an allowed prefix"
+            )
+        return RemoteInferenceInterface(url, client, config.retry, keep_keys, config.api_key)
 
     @app.get("/health", response_model=HealthResponse)
     async def health() -> HealthResponse:
@@ -128,7 +146,7 @@ def create_app(
     async def grouped_rollouts(call: GroupedRolloutCall) -> RolloutGroup:
         """Run one group of rollouts through the caller's inference server."""
         env = select(call.env_id)
-        return await run_group(env, call.request, inference(call.inference_url))
+        return await run_group(env, call.request, inference(call.inference_url), faults)
 
     @app.post("/v1/evaluate", response_model=EvaluationResponse, responses=ERROR_RESPONSES)
     async def evaluate(body: EvaluationRequest) -> EvaluationResponse:
@@ -149,7 +167,7 @@ def create_app(
                     sampling=body.sampling,
                     eval_prompts=body.num_problems,
                 )
-                rollout = (await run_group(env, request, remote)).rollouts[0]
+                rollout = (await run_group(env, request, remote, faults)).rollouts[0]
                 failed += rollout.is_placeholder
                 rewards.append(rollout.reward)
             results.append(
@@ -167,25 +185,16 @@ def create_app(
 
 
 async def run_group(
-    env: Agent, request: GroupedRolloutRequest, inference: RemoteInferenceInterface
+    env: Agent,
+    request: GroupedRolloutRequest,
+    inference: RemoteInferenceInterface,
+    faults: FaultLog,
 ) -> RolloutGroup:
-    """``env.group_rollout`` with the server's fault policy (see the module docstring)."""
+    """``env.group_rollout`` under the shared fault policy; inference failures are a 424."""
     try:
-        return await env.group_rollout(request, inference)
-    except InferenceUnavailable as exc:
+        return await faults_run_group(env, request, inference, faults)
+    except INFRASTRUCTURE_ERRORS as exc:
         raise HTTPException(424, str(exc)) from None
-    except Exception as exc:  # the environment failed: mask the group, keep the error
-        logger.warning(
-            "environment %s raised on group %d/%d: %r",
-            env.env_id,
-            request.batch_id,
-            request.index_in_batch,
-            exc,
-        )
-        rollouts = [placeholder_rollout(env.env_id, request, exc)] * request.group_size
-        return RolloutGroup(
-            batch_id=request.batch_id, index_in_batch=request.index_in_batch, rollouts=rollouts
-        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -205,13 +214,41 @@ def main(argv: list[str] | None = None) -> None:
         help="Read timeout of calls to the trainer's inference server.",
     )
     parser.add_argument("--log-level", default="info", help="uvicorn log level.")
+    parser.add_argument(
+        "--api-key-file",
+        default=None,
+        help=f"File holding the job's shared key, required from clients as a bearer token and "
+        f"sent to inference servers (default: the environment variable {API_KEY_ENV}; "
+        f"neither: no key).",
+    )
+    parser.add_argument(
+        "--allowed-inference-url",
+        action="append",
+        default=[],
+        metavar="PREFIX",
+        help="Only generate through inference servers whose URL starts with PREFIX "
+        "(repeatable; default: any).",
+    )
     args = parser.parse_args(argv)
     try:
         agent = load_env_config(args.env_config)
+        api_key = read_api_key(args.api_key_file, os.environ, "--api-key-file")
     except EnvConfigError as err:
         parser.exit(2, f"env_server: error: --env-config: {err}\n")
+    except ValueError as err:
+        parser.exit(2, f"env_server: error: {err}\n")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    app = create_app(agent, EnvServerConfig(inference_timeout_s=args.inference_timeout_s))
+    if api_key is None and not is_loopback(args.host):
+        logger.warning(
+            "env server on %s without a key: anyone who reaches it can use it (set %s or "
+            "--api-key-file)", args.host, API_KEY_ENV,
+        )  # fmt: skip
+    config = EnvServerConfig(
+        inference_timeout_s=args.inference_timeout_s,
+        api_key=api_key,
+        allowed_inference_urls=tuple(args.allowed_inference_url),
+    )
+    app = create_app(agent, config)
     # uvicorn shuts down gracefully on SIGTERM, then re-raises it with the previous handler:
     # make that handler a clean exit.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+from collections.abc import Sequence
 from typing import Any
 
 import uvicorn
@@ -26,7 +27,7 @@ from megatron.rl.wire import ErrorResponse
 logger = logging.getLogger(__name__)
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse} for status in (400, 422, 424, 500, 503)
+    status: {"model": ErrorResponse} for status in (400, 401, 403, 422, 424, 500, 503)
 }
 """``responses=`` for routes, so the OpenAPI schema documents the error body."""
 
@@ -36,11 +37,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = []
-        for err in exc.errors():
-            loc = ".".join(str(part) for part in err.get("loc", ()) if part != "body")
-            problems.append(f"field '{loc or 'body'}': {err.get('msg', 'invalid')}")
-        return JSONResponse(status_code=422, content={"detail": "; ".join(problems)})
+        return JSONResponse(status_code=422, content={"detail": describe_errors(exc.errors())})
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -48,6 +45,25 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(
             status_code=500, content={"detail": f"internal error: {type(exc).__name__}: {exc}"}
         )
+
+
+def describe_errors(errors: Sequence[Any]) -> str:
+    """One sentence per validation error: the field it names, or the byte of invalid JSON.
+
+    For a body that is not JSON, FastAPI reports ``loc = ("body", <byte offset>)``; that offset
+    is no field, so it reads ``invalid JSON at byte N: <reason>``.
+    """
+    problems = []
+    for err in errors:
+        if err.get("type") == "json_invalid":
+            where = [p for p in err.get("loc", ()) if p != "body"]
+            reason = (err.get("ctx") or {}).get("error", err.get("msg", "invalid"))
+            at = f" at byte {where[0]}" if where and isinstance(where[0], int) else ""
+            problems.append(f"invalid JSON{at}: {reason}")
+            continue
+        loc = ".".join(str(part) for part in err.get("loc", ()) if part != "body")
+        problems.append(f"field '{loc or 'body'}': {err.get('msg', 'invalid')}")
+    return "; ".join(problems)
 
 
 class EmbeddedServer(uvicorn.Server):

@@ -19,6 +19,7 @@ import time
 
 from fastapi import FastAPI, HTTPException
 
+from megatron.rl.auth import require_api_key
 from megatron.rl.inference.interface import InferenceInterface
 from megatron.rl.inference.protocol import EngineError, InvalidInferenceRequest
 from megatron.rl.server.http import ERROR_RESPONSES, install_error_handlers
@@ -45,12 +46,17 @@ from megatron.rl.wire_chat import (
 
 
 def create_inference_app(
-    inference: InferenceInterface, tokenizer: Tokenizer, model_name: str = "policy"
+    inference: InferenceInterface,
+    tokenizer: Tokenizer,
+    model_name: str = "policy",
+    api_key: str | None = None,
 ) -> FastAPI:
-    """A FastAPI app with ``GET /health``, ``POST /v1/completions`` and
-    ``POST /v1/chat/completions`` over ``inference``."""
+    """A FastAPI app with ``GET /health``, ``POST /v1/completions``,
+    ``POST /v1/chat/completions`` and ``POST /v1/rollouts/end`` over ``inference``; with
+    ``api_key`` every request needs it as a bearer token (401 otherwise)."""
     app = FastAPI(title="megatron-rl inference server", version="1")
     install_error_handlers(app)
+    require_api_key(app, api_key)
     ids = itertools.count()
 
     async def generate(request: InferenceRequest, n: int) -> list[InferenceResponse]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -186,3 +187,62 @@ def test_algorithm_flags_together_are_valid(tmp_path):
         "--rl-forced-lag", "2",
     ]  # fmt: skip
     assert errors_for(argv) == []
+
+
+@pytest.mark.parametrize(
+    "flag, path, problem",
+    [
+        pytest.param(
+            "--metrics-file", "F/m.jsonl", "F is not a directory", id="metrics-under-file"
+        ),
+        pytest.param("--metrics-file", "D", "is a directory, not a file", id="metrics-is-dir"),
+        pytest.param("--metrics-file", "/proc/m/m.jsonl", "cannot write there", id="metrics-proc"),
+        pytest.param("--save", "F/ck", "F is not a directory", id="save-under-file"),
+        pytest.param("--save", "F", "exists and is not a directory", id="save-is-file"),
+        pytest.param("--save", "/proc/self/ck", "cannot write there", id="save-proc"),
+    ],
+)
+def test_unusable_output_paths_are_refused_at_start_up(tmp_path, monkeypatch, flag, path, problem):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "F").write_text("a regular file")
+    (tmp_path / "D").mkdir()
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    errors = errors_for([flag, path])
+    assert len(errors) == 1 and errors[0].startswith(f"{flag} {path}: {problem}")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before  # the probe leaves nothing
+
+
+def test_writable_output_paths_pass_and_leave_nothing_behind(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "old.jsonl").write_text('{"step": 0}\n')
+    argv = ["--save", "a/b/ck", "--metrics-file", "old.jsonl"]
+    assert errors_for(argv) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.jsonl"]
+    assert (tmp_path / "old.jsonl").read_text() == '{"step": 0}\n'
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        pytest.param(["--ckpt-step", "3"], "--ckpt-step needs --load", id="ckpt-step-no-load"),
+        pytest.param(
+            ["--rl-max-failed-rollout-fraction", "1.5"],
+            "--rl-max-failed-rollout-fraction must be in [0, 1]",
+            id="failed-fraction",
+        ),
+    ],
+)
+def test_fault_flags_are_validated(argv, message):
+    assert any(message in e for e in errors_for(argv))
+
+
+def test_bad_output_path_exits_within_seconds_with_one_message(tmp_path):
+    (tmp_path / "F").write_text("")
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "pretrain_grpo.py", "--metrics-file", str(tmp_path / "F" / "m.jsonl")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and time.monotonic() - start < 30
+    assert proc.stderr.splitlines()[-1].strip().startswith("--metrics-file")
+    assert "Traceback" not in proc.stderr and "Warning" not in proc.stderr

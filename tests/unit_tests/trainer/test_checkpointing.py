@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 
 import pytest
 import torch
@@ -203,3 +204,70 @@ def test_resume_flags_added_later_take_their_defaults_for_older_checkpoints():
         "--grpo-filter-groups-with-same-reward False -> True",
         "--grpo-max-generation-rounds 1 -> 2",
     ]
+
+
+def corrupt(path, how: str) -> None:
+    """Damage ``path`` as a crash, a bad copy or a disk error would."""
+    data = path.read_bytes()
+    if how == "truncate":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "random":
+        path.write_bytes(bytes(random.Random(0).randrange(256) for _ in range(len(data))))
+    else:
+        path.write_text(how)
+
+
+@pytest.mark.parametrize(
+    "target, how, reason",
+    [
+        pytest.param("shard", "truncate", "PytorchStreamReader", id="truncated-shard"),
+        pytest.param("shard", "random", "UnpicklingError", id="random-shard"),
+        pytest.param("rollout", "truncate", "json_invalid", id="truncated-rollout-state"),
+        pytest.param(TRACKER, "garbage", "holds 'garbage'", id="garbage-tracker"),
+    ],
+)
+def test_an_unreadable_checkpoint_names_flag_file_iteration_and_the_older_one(
+    tmp_path, target, how, reason
+):
+    model, optimizer, scheduler = trained_state(seed=1)
+    for iteration in (3, 6):
+        save_checkpoint(str(tmp_path), iteration, model, optimizer, scheduler,
+                        pipeline_state(iteration), run_args(), context())  # fmt: skip
+    files = {
+        "shard": tmp_path / "iter_0000006" / "mp_rank_00" / "model_optim_rng.pt",
+        "rollout": tmp_path / "iter_0000006" / "rollout_state.json",
+        TRACKER: tmp_path / TRACKER,
+    }
+    corrupt(files[target], how)
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    fresh, fresh_opt, fresh_sched = fresh_state(seed=2)
+    with pytest.raises(SystemExit) as exc:
+        load_checkpoint(str(tmp_path), fresh, fresh_opt, fresh_sched, run_args(), context())
+    message = str(exc.value)
+    assert message.startswith(f"--load {tmp_path}: ") and str(files[target]) in message
+    assert reason in message and "\n" not in message
+    assert (target == TRACKER) or "iteration 6" in message
+    want = "complete checkpoint" if target == TRACKER else "older complete checkpoint"
+    if target == TRACKER:  # the newest one with its files is named (6 is intact here)
+        assert f"the newest {want} is iteration 6" in message
+    else:
+        assert f"the newest {want} is iteration 3" in message and "--ckpt-step 3" in message
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before  # nothing written
+
+    args = run_args()
+    resumed = checkpointing.load_checkpoint(
+        str(tmp_path), TorchShards(context()), TrainState(fresh, fresh_opt, fresh_sched), args,
+        context(), step=3,
+    )  # fmt: skip
+    assert resumed.iteration == 3 and resumed.pipeline == pipeline_state(3)
+
+
+def test_ckpt_step_of_a_missing_iteration_is_named(tmp_path):
+    model, optimizer, scheduler = trained_state(seed=1)
+    save_checkpoint(str(tmp_path), 3, model, optimizer, scheduler, pipeline_state(3), run_args(),
+                    context())  # fmt: skip
+    with pytest.raises(SystemExit, match="no checkpoint of iteration 5 .*iteration 3"):
+        checkpointing.load_checkpoint(
+            str(tmp_path), TorchShards(context()), TrainState(model, optimizer, scheduler),
+            run_args(), context(), step=5,
+        )  # fmt: skip

@@ -15,6 +15,7 @@ import traceback
 import pytest
 
 from megatron.rl.agent.api import Agent
+from megatron.rl.inference.protocol import EngineError
 from megatron.rl.rollout.generator import (
     GroupedRolloutGenerator,
     PipelineState,
@@ -179,15 +180,24 @@ def test_lag_zero_equals_a_synchronous_reference_exactly():
 
 
 class FailingAgent(RandomDelayAgent):
-    def __init__(self, fail_at: tuple[int, int], hang_before: int | None = None) -> None:
+    """Fails group ``fail_at``: its inference fails (``EngineError``, which ends the run) or, with
+    ``environment_bug``, its own code raises (which masks the group)."""
+
+    def __init__(
+        self,
+        fail_at: tuple[int, int],
+        hang_before: int | None = None,
+        environment_bug: bool = False,
+    ) -> None:
         super().__init__(max_delay=0.002)
         self.fail_at = fail_at
         self.hang_before = hang_before
+        self.environment_bug = environment_bug
 
     async def group_rollout(self, request, inference):
         if (request.batch_id, request.index_in_batch) == self.fail_at:
             await asyncio.sleep(0.01)
-            raise_environment_bug()
+            raise_environment_bug() if self.environment_bug else raise_engine_failure()
         if self.hang_before is not None and request.batch_id < self.hang_before:
             await asyncio.Event().wait()  # never finishes
         return await super().group_rollout(request, inference)
@@ -197,17 +207,37 @@ def raise_environment_bug():
     raise ZeroDivisionError("bug in the agent")
 
 
-def test_worker_exception_reaches_the_trainer_with_its_traceback():
+def raise_engine_failure():
+    raise EngineError("the engine failed")
+
+
+def test_inference_failure_reaches_the_trainer_with_its_traceback():
     version = [0]
     gen = make_generator(FailingAgent(fail_at=(3, 2)), lag=2, version=version)
 
     async def run():
         return await asyncio.wait_for(train_loop(gen, version, steps=20), timeout=5)
 
-    with pytest.raises(ZeroDivisionError, match="bug in the agent") as info:
+    with pytest.raises(EngineError, match="the engine failed") as info:
         asyncio.run(run())
     frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
-    assert "raise_environment_bug" in frames
+    assert "raise_engine_failure" in frames
+
+
+def test_environment_exception_masks_its_group_and_is_logged_once(caplog):
+    version = [0]
+    agent = FailingAgent(fail_at=(3, 2), environment_bug=True)
+    gen = make_generator(agent, lag=2, version=version)
+    batches = asyncio.run(asyncio.wait_for(train_loop(gen, version, steps=6), timeout=5))
+    failed = batches[3].groups[2].rollouts
+    assert all(
+        r.is_placeholder and "ZeroDivisionError: bug in the agent" in r.error for r in failed
+    )
+    assert len(failed) == GROUP_SIZE and failed[0].submission_policy_version == 1
+    others = [r for b in batches for g in b.groups for r in g.rollouts if r not in failed]
+    assert not any(r.is_placeholder for r in others)
+    logged = [r for r in caplog.records if "raised on group 3/2" in r.getMessage()]
+    assert len(logged) == 1 and "raise_environment_bug" in logged[0].getMessage()
 
 
 def test_failure_in_a_later_batch_does_not_wait_for_the_current_one():
@@ -223,7 +253,7 @@ def test_failure_in_a_later_batch_does_not_wait_for_the_current_one():
             await gen.aclose()
 
     start = time.monotonic()
-    with pytest.raises(ZeroDivisionError):
+    with pytest.raises(EngineError):
         asyncio.run(run())
     assert time.monotonic() - start < 2
 
@@ -397,7 +427,7 @@ def test_drain_raises_a_worker_failure():
         gen = make_generator(FailingAgent(fail_at=(2, 1)), 2, [0])
         gen.start()
         try:
-            with pytest.raises(ZeroDivisionError, match="bug in the agent"):
+            with pytest.raises(EngineError, match="the engine failed"):
                 await asyncio.wait_for(gen.drain(), timeout=5)
         finally:
             await gen.aclose()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import httpx
 import pytest
@@ -10,6 +11,7 @@ from grpo_testing.fakes import SeededInference
 
 from megatron.rl.agent.env_config import build_agents
 from megatron.rl.http_client import RetryPolicy
+from megatron.rl.rollout.faults import FaultLog, run_group
 from megatron.rl.server.env_server import EnvServerConfig, create_app
 from megatron.rl.server.inference_server import create_inference_app
 from megatron.rl.wire import GroupedRolloutCall, GroupedRolloutRequest, RolloutGroup
@@ -20,6 +22,7 @@ ENVS = [
     {"agent_type": "grpo_testing.fakes:FlakyDigits", "env_id": "flaky", "weight": 1},
 ]
 INFERENCE_URL = "http://trainer:9000"
+JSON = "application/json"
 
 
 def request(batch_id=0, index=0, group_size=4, groups=8) -> GroupedRolloutRequest:
@@ -48,7 +51,9 @@ def call_env_server(requests: list[tuple[str, str, object]], inference=None, env
             async with httpx.AsyncClient(transport=transport, base_url="http://env") as client:
                 out = []
                 for method, path, body in requests:
-                    kwargs = {"content": body} if isinstance(body, str) else {"json": body}
+                    kwargs = {"json": body}
+                    if isinstance(body, str):  # raw text, sent as a JSON client would
+                        kwargs = {"content": body, "headers": {"content-type": JSON}}
                     out.append(await client.request(method, path, **kwargs))
                 return out
 
@@ -76,6 +81,28 @@ def test_grouped_rollouts_equal_the_in_process_agent(env_id):
     local = [asyncio.run(local_agent.group_rollout(c.request, SeededInference())) for c in calls]
     assert [r.status_code for r in responses] == [200] * 4
     assert [RolloutGroup.model_validate(r.json()) for r in responses] == local
+
+
+def test_a_raising_environment_gives_the_groups_of_the_in_process_fault_policy(caplog):
+    envs = [{"agent_type": "grpo_testing.fakes:RaisingDigits", "env_id": "raising"}]
+    calls = [
+        GroupedRolloutCall(request=request(b, i), inference_url=INFERENCE_URL, env_id="raising")
+        for b in range(3)
+        for i in range(5)
+    ]
+    with caplog.at_level(logging.WARNING, logger="megatron.rl.server.env_server"):
+        responses = call_env_server(
+            [("POST", "/v1/grouped_rollouts", c.model_dump(mode="json")) for c in calls],
+            envs=envs,
+        )
+    agent, faults = build_agents(envs), FaultLog()
+    local = [asyncio.run(run_group(agent, c.request, SeededInference(), faults)) for c in calls]
+    remote = [RolloutGroup.model_validate(r.json()) for r in responses]
+    assert [r.status_code for r in responses] == [200] * len(calls)
+    assert remote == local and sum(g.rollouts[0].is_placeholder for g in remote) == 3
+    server_log = [r for r in caplog.records if r.name == "megatron.rl.server.env_server"]
+    tracebacks = [r for r in server_log if "Traceback" in r.getMessage()]
+    assert len(tracebacks) == 1 and "KeyError" in tracebacks[0].getMessage()
 
 
 def test_generation_requests_carry_rollout_keys_and_seeds_through_http():
@@ -153,9 +180,28 @@ def test_malformed_requests_get_422_naming_the_field(body, field):
     assert f"field '{field}" in response.json()["detail"]
 
 
-def test_invalid_json_is_a_4xx():
-    (response,) = call_env_server([("POST", "/v1/grouped_rollouts", "{not json")])
-    assert 400 <= response.status_code < 500
+def test_invalid_json_is_a_422_naming_the_byte_not_a_field():
+    truncated = request().model_dump_json()[:13]
+    responses = call_env_server(
+        [("POST", "/v1/grouped_rollouts", "{not json"), ("POST", "/v1/evaluate", truncated)]
+    )
+    details = [r.json()["detail"] for r in responses]
+    assert [r.status_code for r in responses] == [422, 422]
+    assert details[0].startswith("invalid JSON at byte 1: Expecting property name")
+    assert details[1].startswith("invalid JSON at byte 13: ")
+    assert not any("field" in d for d in details)
+
+
+def test_empty_env_id_is_refused_by_the_schema_it_publishes():
+    body = {"request": request().model_dump(), "inference_url": INFERENCE_URL, "env_id": ""}
+    response, schema = call_env_server(
+        [("POST", "/v1/grouped_rollouts", body), ("GET", "/openapi.json", None)]
+    )
+    assert response.status_code == 422 and "field 'env_id'" in response.json()["detail"]
+    schemas = schema.json()["components"]["schemas"]
+    for model in ("GroupedRolloutCall", "EvaluationRequest"):
+        options = schemas[model]["properties"]["env_id"]["anyOf"]
+        assert {"type": "string", "minLength": 1, "maxLength": 256} in options
 
 
 def test_unreachable_inference_server_is_424_naming_it():

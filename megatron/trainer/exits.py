@@ -1,0 +1,145 @@
+"""How ``pretrain_grpo.py`` ends: one message for an expected error, a traceback for a bug.
+
+``run_main(main)`` runs the program and maps what ends it to what is printed and the status:
+
+* the last step: nothing, 0;
+* ``UsageError`` (bad flags): argparse's or ``validate_args``'s messages on global rank 0, 2;
+* ``SystemExit(int)`` (a stop on SIGTERM/SIGINT: 128 + signum) and Ctrl-C before the handlers
+  are installed (130): nothing more, that status;
+* ``SystemExit(str)`` and ``expected_errors()`` (bad input, an unreadable checkpoint, failing
+  environments, an unreachable env server): ``pretrain_grpo.py: error: <message>`` on global
+  rank 0, 1;
+* ``PeerFailed``, ``GenerationAborted`` (another rank failed and reports it): nothing, 1;
+* any other exception (a bug): its traceback, 1.
+
+With ``--debug-tracebacks`` or ``GRPO_DEBUG_TRACEBACKS=1`` expected errors print their traceback
+too. Under torchrun every failing rank also writes the message into torchelastic's error file
+(``TORCHELASTIC_ERROR_FILE``), marked expected; ``megatron.trainer.launch`` reads that mark to end
+with the worker's status and no report of its own, and plain torchrun shows the message as the
+root cause instead of a link to its documentation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+DEBUG_ENV = "GRPO_DEBUG_TRACEBACKS"
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+EXPECTED_MARK = "grpo_expected_error"
+"""Key of the error file that marks an expected error (read by ``megatron.trainer.launch``):
+``"own"`` (this rank's message; printed by it when it is global rank 0) or ``"peer"`` (another
+rank failed and reports it)."""
+
+
+class UsageError(SystemExit):
+    """Bad flags: ``message`` (argparse's, or every problem ``validate_args`` found) is printed
+    as it is, status 2."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(2)
+        self.message = message
+
+
+class PeerFailed(SystemExit):
+    """Raised on the ranks that did not fail when another one did: that rank reports the error,
+    these exit quietly with status 1."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(1)
+        self.message = message
+
+
+def expected_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that are a run's expected end, reported by their message alone (imported
+    here, late, so that a bad flag exits before the libraries load)."""
+    from megatron.rl.agent.remote import RemoteEnvironmentError
+    from megatron.rl.rollout.faults import EnvironmentFailures
+
+    return (EnvironmentFailures, RemoteEnvironmentError)
+
+
+def quiet_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions of ranks whose failure another rank reports."""
+    from megatron.rl.inference.step_group import GenerationAborted
+
+    return (PeerFailed, GenerationAborted)
+
+
+def debug_tracebacks(argv: list[str]) -> bool:
+    """Whether expected errors print their traceback too."""
+    return "--debug-tracebacks" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def global_rank() -> int:
+    """This process's rank as the launcher set it (0 without one)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def run_main(main: Callable[[], None], prog: str = "pretrain_grpo.py") -> None:
+    """Run ``main()`` and exit as the module docstring says."""
+    debug = debug_tracebacks(sys.argv[1:])
+    try:
+        main()
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt):
+            sys.exit(130)
+        if isinstance(exc, UsageError):
+            if global_rank() == 0:
+                print(exc.message, file=sys.stderr, flush=True)
+            write_error_file(exc.message, "own")
+            sys.exit(2)
+        if isinstance(exc, quiet_errors()):
+            if debug:
+                traceback.print_exc()
+            write_error_file(getattr(exc, "message", str(exc)), "peer")
+            sys.exit(1)
+        if isinstance(exc, SystemExit):
+            if exc.code is None or isinstance(exc.code, int):  # argparse, a stop on a signal
+                if exc.code:
+                    write_error_file(f"exit status {exc.code}", "own")
+                raise
+            expected_exit(prog, str(exc.code), debug)
+        if isinstance(exc, expected_errors()):
+            expected_exit(prog, str(exc), debug)
+        if isinstance(exc, Exception):  # a bug: the traceback is the report
+            write_error_file(f"{type(exc).__name__}: {exc}", None, trace=True)
+        raise
+
+
+def expected_exit(prog: str, message: str, debug: bool) -> None:
+    """Print ``message`` once (global rank 0), record it for the launcher and exit 1."""
+    if debug:
+        traceback.print_exc()
+    if global_rank() == 0:
+        prefix = "" if message.startswith(f"{prog}: error:") else f"{prog}: error: "
+        print(f"{prefix}{message}", file=sys.stderr, flush=True)
+    write_error_file(message, "own")
+    sys.exit(1)
+
+
+def write_error_file(message: str, expected: str | None, trace: bool = False) -> None:
+    """Write torchelastic's error file of this worker, if it has one (``expected``: the mark,
+    ``"own"``, ``"peer"`` or None for a bug)."""
+    path = os.environ.get(ERROR_FILE_ENV)
+    if not path:
+        return
+    data = {
+        "message": {
+            "message": message,
+            "extraInfo": {
+                "py_callstack": traceback.format_exc() if trace else message,
+                "timestamp": str(int(time.time())),
+            },
+        },
+        EXPECTED_MARK: expected,
+    }
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(data, f)
+    except OSError:
+        pass  # the report on stderr stands; torchrun then shows its generic line
