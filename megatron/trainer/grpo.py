@@ -106,7 +106,7 @@ def build_run(args: argparse.Namespace, ctx: ParallelContext) -> Run:
     resumed = Checkpoint(iteration=0, pipeline=None)
     if args.load:
         shards, options = tier.checkpoint_shards(), LoadOptions.of(args)
-        resumed = load_checkpoint(args.load, shards, state, args, ctx, options)
+        resumed = load_checkpoint(args.load, shards, state, args, ctx, options, args.ckpt_step)
     return Run(args, ctx, tier, tokenizer, step_config, state, reference, resumed)
 
 

@@ -301,10 +301,12 @@ def test_sbatch_runs_a_five_step_cpu_job_on_two_nodes(cluster, tmp_path):
     assert tracker.read_text().strip() == "5"  # saved at the end
     log = (tmp_path / f"slurm-{job_id}.out").read_text()
     assert "training on n1 n2 (1 ranks each)" in log
-    # One torchrun per node (srun --label prefixes its task number), joined into one job; rank 0
-    # (which logs the steps) is on whichever node joined the rendezvous first.
+    # One torchrun per node (srun --label prefixes its task number) with one rank each, joined into
+    # one world of two; rank 0 (the only one that logs) is on whichever node joined first.
+    assert re.search(
+        r"^[01]: parallelism  tier: cpu; world 2 = TP 1 x PP 1 x DP 2$", log, re.MULTILINE
+    )
     assert re.search(r"^[01]: step     4/5", log, re.MULTILINE)
-    assert re.search(r"^0: ", log, re.MULTILINE) and re.search(r"^1: ", log, re.MULTILINE)
 
 
 def test_bad_arguments_fail_the_job_with_a_message(cluster, tmp_path):
