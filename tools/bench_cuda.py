@@ -41,6 +41,8 @@ from megatron.rl.inference.scheduler import SchedulerConfig  # noqa: E402
 from megatron.rl.wire import SamplingParams  # noqa: E402
 from megatron.trainer.arguments import build_parser  # noqa: E402
 from megatron.trainer.checkpointing import TrainState  # noqa: E402
+from megatron.trainer.losses import GRPOLoss  # noqa: E402
+from megatron.trainer.policy import PolicyConfig  # noqa: E402
 from megatron.trainer.step import StepConfig  # noqa: E402
 
 PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.4, "H200": 989.4, "A100": 312.0}
@@ -117,11 +119,12 @@ def bench_training(tier, state: TrainState, opts, vocab: int) -> dict:
     """Median step time and throughput of GRPO steps on a synthetic batch."""
     batch = synthetic_batch(opts.batch_size, opts.seq_length, opts.prompt_len, vocab)
     config = StepConfig(GRPOLossConfig(0.2, 0.28), vocab, opts.micro_batch_size, clip_grad=1.0)
+    policy, loss = tier.build_policy(state, PolicyConfig.of(config)), GRPOLoss(config)
     times = []
     for step in range(opts.warmup_steps + opts.train_steps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        result = tier.train_step(state, batch, config)
+        (result,) = policy.train(batch, loss)
         torch.cuda.synchronize()
         if step >= opts.warmup_steps:
             times.append(time.perf_counter() - t0)

@@ -4,7 +4,7 @@
 
 The batch is ``--rollouts`` synthetic rollouts (one group per ``--group-size``) whose lengths are
 spread uniformly over [``--min-length``, ``--seq-length``]: prompt tokens then generated tokens,
-random ids, random rewards. The same batch is trained with ``train_step`` unpacked (each
+random ids, random rewards. The same batch is trained with ``CPUPolicy.train`` unpacked (each
 micro-batch right-padded to its longest rollout) and packed (``--rl-use-sequence-packing``: rows of
 ``--seq-length`` tokens, block-diagonal causal mask), alternating, from the same initial weights;
 reported is the median over ``--repeats`` of real (non-padding) tokens per second of the step, and
@@ -31,9 +31,11 @@ from megatron.trainer import config  # noqa: E402
 from megatron.trainer.arguments import build_parser, validate_args  # noqa: E402
 from megatron.trainer.checkpointing import TrainState  # noqa: E402
 from megatron.trainer.initialize import initialize_distributed  # noqa: E402
+from megatron.trainer.losses import GRPOLoss  # noqa: E402
 from megatron.trainer.model_provider import build_model  # noqa: E402
 from megatron.trainer.optimizer import build_optimizer  # noqa: E402
-from megatron.trainer.tiers.cpu import train_step  # noqa: E402
+from megatron.trainer.policy import PolicyConfig  # noqa: E402
+from megatron.trainer.tiers.cpu import CPUPolicy  # noqa: E402
 
 
 def mixed_length_batch(
@@ -90,7 +92,8 @@ def main(argv: list[str] | None = None) -> None:
     for _ in range(known.repeats + 1):  # the first round warms up
         for name, capacity in layouts.items():
             step = dataclasses.replace(config.step_config(args, vocab), packing_capacity=capacity)
-            result = train_step(states[name], batch, step, ctx)
+            policy = CPUPolicy(states[name], PolicyConfig.of(step), ctx)
+            (result,) = policy.train(batch, GRPOLoss(step))
             rates[name].append(result.trained_tokens / result.seconds)
             losses.setdefault(name, result.loss)
     lengths = batch.lengths.tolist()

@@ -130,6 +130,11 @@ class CheckpointShards(ABC):
         the directory when it is not this tier's checkpoint; any other exception is reported by
         the protocol as an unreadable shard."""
 
+    @abstractmethod
+    def read_model(self, directory: Path, model: torch.nn.Module, flag: str) -> None:
+        """Load only the model weights of ``directory`` into ``model`` (``--ref-load``; the
+        model may be wrapped); ``SystemExit`` naming ``flag`` when they do not fit it."""
+
     def path(self, directory: Path) -> Path:
         """What this rank reads in ``directory`` (named in errors; its existence marks a
         complete checkpoint). Default: the whole directory."""

@@ -12,8 +12,10 @@ multiple of GBS a global batch wraps around, as in Megatron-LM).
 Ratios with ``--grpo-iterations`` > 1 (and the IS correction) are against pi_old, the policy that
 collected: with one global batch per pass it is the first forward of the collection's first
 iteration; with several, a later global batch is first trained after an update, so pi_old of every
-global batch is computed (forward only) before the collection's first update. The per-micro-batch
-caches live as long as the collection.
+global batch is computed (``Policy.get_logprobs``, forward only) before the collection's first
+update. The reference KL term's pi_ref of every global batch is computed then too
+(``Policy.get_reference_policy_logprobs``). The per-micro-batch caches live as long as the
+collection; each iteration trains through ``Policy.train`` with the collection's ``GRPOLoss``.
 
 The forced lag counts collections: the generator submits collection s+L+1 when the trainer asks
 for collection s+1, so rollouts of collection s were submitted when collection max(0, s-L) was
@@ -27,9 +29,9 @@ import math
 import torch
 
 from megatron.rl.grpo.batch import TrainBatch
-from megatron.trainer.checkpointing import TrainState
+from megatron.trainer.losses import GRPOLoss
+from megatron.trainer.policy import Policy
 from megatron.trainer.step import MicroBatchCache, StepConfig
-from megatron.trainer.tiers.base import Tier
 
 
 class Collection:
@@ -42,6 +44,10 @@ class Collection:
         self.num_slices = batch.num_rows // math.gcd(batch.num_rows, global_batch_size)
         """Distinct global batches: the cycle of ``j x GBS mod (P x G)``."""
         self._caches: dict[int, list[MicroBatchCache]] = {}
+        self._old: dict[int, torch.Tensor] = {}
+        """(GBS, T) pi_old of each distinct global batch computed up front."""
+        self._ref: dict[int, torch.Tensor] = {}
+        """(GBS, T) pi_ref of each distinct global batch."""
 
     def global_batch(self, j: int) -> TrainBatch:
         """The rows of iteration j (0 <= j < k) of this collection."""
@@ -59,13 +65,17 @@ class Collection:
             j % self.num_slices, [MicroBatchCache() for _ in range(num_micro_batches)]
         )
 
-    def prepare(
-        self, tier: Tier, state: TrainState, config: StepConfig, num_micro_batches: int
-    ) -> None:
-        """Compute pi_old of every global batch before the first update, when it is needed and
-        a later global batch could not take it from its own first forward."""
-        if not config.needs_old_logprobs or self.num_slices == 1:
-            return
+    def loss(self, j: int, config: StepConfig) -> GRPOLoss:
+        """The GRPO loss of iteration j's global batch (with its pi_old and pi_ref)."""
+        s = j % self.num_slices
+        return GRPOLoss(config, self._old.get(s), self._ref.get(s))
+
+    def prepare(self, policy: Policy, config: StepConfig) -> None:
+        """Before the first update: pi_old of every global batch when it is needed and a later
+        global batch could not take it from its own first forward, and pi_ref of every global
+        batch when a loss term needs it."""
         for j in range(self.num_slices):
-            caches = self.caches(j, num_micro_batches)
-            tier.fill_old_logprobs(state, self.global_batch(j), config, caches)
+            if config.needs_old_logprobs and self.num_slices > 1:
+                self._old[j] = policy.get_logprobs(self.global_batch(j))
+            if config.needs_reference:
+                self._ref[j] = policy.get_reference_policy_logprobs(self.global_batch(j))

@@ -4,7 +4,8 @@ Every rank runs this loop. Rank 0 also owns the rollout pipeline (agents, forced
 inference engine, and the inference server when remote environments need it) inside
 ``RolloutSource``; the other ranks take part in its engine steps and receive each batch from it.
 Flags become typed configs in ``config.py``; the device picks the ``Tier`` that builds the model,
-optimizer, train step, engine and checkpoint shards.
+optimizer, engine and checkpoint shards, and the ``Policy`` (``policy.py``) through which the loop
+computes pi_old and pi_ref and trains.
 
 Optional pieces, each off by default: dynamic sampling picks the groups a step trains on
 (``training_groups``; ``megatron/rl/grpo/filtering.py``), loss terms, IS correction, repeated
@@ -21,8 +22,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from megatron.rl.agent.api import Agent
 from megatron.rl.agent.env_config import EnvConfigError, load_env_config
@@ -48,6 +47,7 @@ from megatron.trainer.initialize import (
 )
 from megatron.trainer.metrics import MetricsWriter, step_metrics
 from megatron.trainer.model_provider import architecture
+from megatron.trainer.policy import Policy, PolicyConfig
 from megatron.trainer.reference import build_reference_model
 from megatron.trainer.rollouts import CollectedBatch, RolloutSource
 from megatron.trainer.step import StepConfig, StepResult
@@ -64,7 +64,8 @@ class Run:
     tokenizer: Tokenizer
     step_config: StepConfig
     state: TrainState
-    reference: torch.nn.Module | None
+    policy: Policy
+    """Every forward and update of training goes through it."""
     resumed: Checkpoint
     """Where the run starts (``--load``): iteration 0 and no pipeline for a new run."""
 
@@ -83,14 +84,16 @@ class Run:
         groups, extra = training_groups(self.args, collected)
         batch = build_train_batch(groups, self.tokenizer.pad_id)
         collection = Collection(batch, self.args.global_batch_size, self.k)
-        collection.prepare(self.tier, self.state, self.step_config, self.micro_batches)
+        collection.prepare(self.policy, self.step_config)
         return collection, extra
 
     def train_step(self, collection: Collection, iteration: int) -> StepResult:
         """One optimizer update on iteration ``iteration``'s global batch."""
         j = iteration % self.k
         batch, caches = collection.global_batch(j), collection.caches(j, self.micro_batches)
-        return self.tier.train_step(self.state, batch, self.step_config, self.reference, caches)
+        loss = collection.loss(j, self.step_config)
+        (result,) = self.policy.train(batch, loss, caches=caches)
+        return result
 
 
 def build_run(args: argparse.Namespace, ctx: ParallelContext) -> Run:
@@ -100,14 +103,15 @@ def build_run(args: argparse.Namespace, ctx: ParallelContext) -> Run:
     step_config = config.step_config(args, tokenizer.vocab_size)
     model = tier.build_model(tokenizer.vocab_size, weight_loader(args))
     reference = build_reference_model(  # before --load overwrites the initial weights
-        args, model, tokenizer.vocab_size, ctx, step_config.needs_reference
+        args, tier, model, tokenizer.vocab_size, ctx, step_config.needs_reference
     )
     state = TrainState(model, *tier.build_optimizer(model))
+    policy = tier.build_policy(state, PolicyConfig.of(step_config), reference)
     resumed = Checkpoint(iteration=0, pipeline=None)
     if args.load:
         shards, options = tier.checkpoint_shards(), LoadOptions.of(args)
         resumed = load_checkpoint(args.load, shards, state, args, ctx, options, args.ckpt_step)
-    return Run(args, ctx, tier, tokenizer, step_config, state, reference, resumed)
+    return Run(args, ctx, tier, tokenizer, step_config, state, policy, resumed)
 
 
 def train(args: argparse.Namespace, missing_kernels: set[str] = frozenset()) -> None:

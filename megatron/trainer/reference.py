@@ -1,12 +1,14 @@
 """The frozen reference policy of the KL term (``--grpo-kl-beta``, ``--ref-load``).
 
-The reference is a second model of the same shape (this rank's TP shard) holding either the
-policy's *initial* weights or, with ``--ref-load DIR``, the model weights of the latest checkpoint
-in DIR. It is not saved in checkpoints. On resume it is rebuilt the same way: the policy is first
-built from ``--seed`` exactly as in the original run (``--seed`` and the model shape must match to
-resume), the reference copies those initial weights, and only then does ``--load`` overwrite the
-policy; ``--ref-load`` is simply read again. Building it does not advance the run's RNG streams,
-so a run with the KL term draws the same random numbers as one without.
+The reference is a second model of the same shape (this rank's TP shard and pipeline stage,
+built by the tier: ``Tier.build_reference``, no DDP) holding either the policy's *initial*
+weights or, with ``--ref-load DIR``, the model weights of the latest checkpoint in DIR (the
+tier's checkpoint shards). It is not saved in checkpoints. On resume it is rebuilt the same way:
+the policy is first built from ``--seed`` exactly as in the original run (``--seed`` and the model
+shape must match to resume), the reference copies those initial weights, and only then does
+``--load`` overwrite the policy; ``--ref-load`` is simply read again. Building it does not advance
+the run's RNG streams, so a run with the KL term draws the same random numbers as one without.
+The policy reads it through ``Policy.get_reference_policy_logprobs``.
 """
 
 from __future__ import annotations
@@ -14,15 +16,16 @@ from __future__ import annotations
 import argparse
 
 import torch
+from megatron.core.utils import unwrap_model
 
 from megatron.trainer.checkpointing import iteration_dir, latest_iteration, read_guarded
 from megatron.trainer.initialize import ParallelContext
-from megatron.trainer.model_provider import build_model
-from megatron.trainer.tiers.cpu import TorchShards
+from megatron.trainer.tiers.base import Tier
 
 
 def build_reference_model(
     args: argparse.Namespace,
+    tier: Tier,
     policy: torch.nn.Module,
     vocab_size: int,
     ctx: ParallelContext,
@@ -36,16 +39,16 @@ def build_reference_model(
         return None
     devices = [ctx.device] if ctx.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):  # initialization draws from the global RNG
-        reference = build_model(args, vocab_size, ctx.device)
+        reference = tier.build_reference(vocab_size)
     if args.ref_load is not None:
         iteration = latest_iteration(args.ref_load, "--ref-load")
-        directory, shards = iteration_dir(args.ref_load, iteration), TorchShards(ctx)
+        directory, shards = iteration_dir(args.ref_load, iteration), tier.checkpoint_shards()
         read_guarded(
             "--ref-load", args.ref_load, iteration, shards.path(directory),
             lambda: shards.read_model(directory, reference, "--ref-load"),
         )  # fmt: skip
     else:
-        reference.load_state_dict(policy.state_dict())
+        unwrap_model(reference).load_state_dict(unwrap_model(policy).state_dict())
     reference.eval()
     reference.requires_grad_(False)
     return reference

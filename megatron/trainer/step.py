@@ -1,51 +1,50 @@
 """The GRPO train step both tiers share: micro-batches, the loss of a micro-batch, the results.
 
 A step is one training iteration: one optimizer update on this rank's data-parallel shard of a
-global batch (``collection.py`` cuts each collection into global batches). With the default
-``StepConfig`` it is the plain clipped surrogate against the engine's logprobs. The options (see
-``megatron/rl/grpo/loss.py``):
+global batch (``collection.py`` cuts each collection into global batches), run by the tier's
+``Policy.train`` (``megatron/trainer/policy.py``) with the GRPO loss (``losses.GRPOLoss`` over
+``micro_batch_loss``). With the default ``StepConfig`` it is the plain clipped surrogate against
+the engine's logprobs. The options (see ``megatron/rl/grpo/loss.py``):
 
 * ``old_logprobs`` (``--grpo-iterations`` > 1 or the IS correction): the ratio's denominator is
   pi_old, the policy that collected the batch, *before its collection's first update*. Each
   micro-batch's ``MicroBatchCache`` holds it across the iterations that reuse the batch: filled
   by the first forward when no update came before it (its ratio is then exactly 1), or computed
-  up front (``Tier.fill_old_logprobs``) when a collection has several global batches.
+  up front (``Policy.get_logprobs``) when a collection has several global batches.
 * ``importance`` (``--rl-inference-logprobs-is-correction``): the ratio is against pi_old, and
   each token is weighted by min(pi_old / pi_inference, C); the mismatch metrics are measured the
   first time a micro-batch is trained.
 * loss terms (``loss.terms``): a term that requires reference logprobs gets them from the
-  reference model, computed once per micro-batch (no gradient) and cached for every iteration;
-  one that requires the entropy gets it from the same forward as the logprobs.
+  reference model (``Policy.get_reference_policy_logprobs``, once per global batch of a
+  collection, before its first update); one that requires the entropy gets it from the same
+  forward as the logprobs.
 * ``packing_capacity`` (``--rl-use-sequence-packing``): each micro-batch runs packed
-  (``megatron/rl/grpo/packing.py``); per-token outputs are unpacked before the loss.
+  (``megatron/trainer/forward.py``); per-token outputs are unpacked before the loss.
 
-Metrics travel by name (``LossOutput.metric_sums``): each update adds its micro-batches' sums as
-one float64 vector in sorted key order (``NamedSums``), the IS mismatch sums of its micro-batches
-are appended, and the vector is all-reduced over data parallelism (and the
-pipeline on CUDA) before each sum is divided by the global number of loss tokens.
+Metrics travel by name (``MicroBatchLoss.metric_sums``): each update adds its micro-batches' sums
+as one float64 vector in sorted key order (``NamedSums``), the loss function's extra sums (the IS
+mismatch sums of the micro-batches) are appended, and the vector is all-reduced over data
+parallelism (and the pipeline on CUDA) before the loss function turns the sums into metrics
+(divided by the global number of loss tokens).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from megatron.rl.grpo.batch import TrainBatch
-from megatron.rl.grpo.entropy import token_entropy
-from megatron.rl.grpo.importance import (
-    MISMATCH_SUMS,
-    ImportanceConfig,
-    importance_weights,
-    mismatch_metrics,
-    mismatch_sums,
-)
-from megatron.rl.grpo.logprobs import token_logprobs
+from megatron.rl.grpo.importance import ImportanceConfig, importance_weights, mismatch_sums
 from megatron.rl.grpo.loss import GRPOLossConfig, LossInputs, LossOutput, grpo_loss
-from megatron.rl.grpo.packing import pack_sequences
+from megatron.trainer.forward import micro_outputs, model_inputs
 from megatron.trainer.initialize import ParallelContext
+
+if TYPE_CHECKING:
+    from megatron.trainer.policy import LossFunction
 
 BASE_METRICS = ("clip_fraction", "loss", "mismatch_kl", "ratio_mean")
 """Metric sums every step reports (``LossOutput.metric_sums``), before the terms' own."""
@@ -153,8 +152,22 @@ class StepResult:
     trained_tokens: int
     seconds: float
     metrics: dict[str, float] = field(default_factory=dict)
-    """Per-loss-token means of the other metrics by name: ``clip_fraction``, ``ratio_mean``,
-    ``mismatch_kl``, each loss term's metric, and the ``is_*`` metrics of the IS correction."""
+    """The loss function's other metrics by name (``LossFunction.metrics``); for GRPO the
+    per-loss-token means of ``clip_fraction``, ``ratio_mean``, ``mismatch_kl``, each loss term's
+    metric, and the ``is_*`` metrics of the IS correction."""
+
+
+def data_parallel_rows(num_rows: int, ctx: ParallelContext, size: int) -> list[slice]:
+    """The rows of this rank's micro-batches of ``size`` rows in a batch of ``num_rows`` rows:
+    data-parallel rank r takes the r-th of ``dp_size`` equal consecutive shards."""
+    if num_rows % ctx.dp_size:
+        raise ValueError(
+            f"a batch of {num_rows} rows does not split over {ctx.dp_size} data-parallel ranks"
+        )
+    per_rank = num_rows // ctx.dp_size
+    first = ctx.dp_rank * per_rank
+    last = first + per_rank
+    return [slice(s, min(s + size, last)) for s in range(first, last, size)]
 
 
 def data_parallel_micro_batches(
@@ -165,25 +178,10 @@ def data_parallel_micro_batches(
     Each micro-batch is trimmed to its longest row, or, with ``fixed_width``, keeps the batch's
     full width (pipeline stages exchange activations of one fixed shape).
     """
-    per_rank = batch.num_rows // ctx.dp_size
-    first = ctx.dp_rank * per_rank
     return [
-        batch.rows(s, s + size, trim=not fixed_width) for s in range(first, first + per_rank, size)
+        batch.rows(r.start, r.stop, trim=not fixed_width)
+        for r in data_parallel_rows(batch.num_rows, ctx, size)
     ]
-
-
-def token_outputs(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    temperature: torch.Tensor,
-    vocab_size: int,
-    tp_group: dist.ProcessGroup | None,
-    with_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(b, t) logprobs of ``targets`` and (b, t) entropies (or None) from (b, t, V/tp) logits."""
-    logprobs = token_logprobs(logits, targets, vocab_size, temperature, tp_group)
-    entropy = token_entropy(logits, vocab_size, temperature, tp_group) if with_entropy else None
-    return logprobs, entropy
 
 
 def policy_logprobs(
@@ -194,28 +192,11 @@ def policy_logprobs(
     packing_capacity: int | None = None,
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(b, t) logprobs of the targets (and (b, t) entropies) under ``model``, unpacked layout."""
-    dev = ctx.device
-    if packing_capacity is None:
-        ids = micro_batch.input_ids.to(dev)  # (b, t)
-        positions = torch.arange(ids.shape[1], device=dev)[None, :].expand_as(ids)  # (b, t)
-        logits = model(ids, positions, None)  # (b, t, V/tp)
-        targets, temperature = micro_batch.target_ids.to(dev), micro_batch.temperature.to(dev)
-        return token_outputs(logits, targets, temperature, vocab_size, ctx.tp_group, with_entropy)
-    layout = pack_sequences(micro_batch.lengths, packing_capacity)
-    per_token_t = micro_batch.temperature[:, None].expand_as(micro_batch.input_ids)  # (b, t)
-    ids = layout.pack(micro_batch.input_ids).to(dev)  # (r, s)
-    mask = layout.attention_mask().to(dev)  # (r, 1, s, s)
-    logits = model(ids, layout.position_ids.to(dev), mask)  # (r, s, V/tp)
-    targets = layout.pack(micro_batch.target_ids).to(dev)  # (r, s)
-    temperature = layout.pack(per_token_t, fill=1.0).to(dev)  # (r, s)
-    logprobs, entropy = token_outputs(
-        logits, targets, temperature, vocab_size, ctx.tp_group, with_entropy
-    )
-    width = micro_batch.input_ids.shape[1]
-    logprobs = layout.unpack(logprobs, width)  # (b, t)
-    entropy = None if entropy is None else layout.unpack(entropy, width)
-    return logprobs, entropy
+    """(b, t) logprobs of the targets (and (b, t) entropies) under ``model``, unpacked layout
+    (one forward on this stage: the CPU tier's; megatron-core's schedule runs the CUDA tier's)."""
+    inputs = model_inputs(micro_batch, ctx.device, packing_capacity)
+    logits = model(inputs.ids, inputs.positions, inputs.mask)  # (r, s, V/tp)
+    return micro_outputs(logits, micro_batch, inputs, vocab_size, ctx.tp_group, with_entropy)
 
 
 def micro_batch_loss(
@@ -223,14 +204,12 @@ def micro_batch_loss(
     entropy: torch.Tensor | None,
     micro_batch: TrainBatch,
     config: StepConfig,
-    ctx: ParallelContext,
     cache: MicroBatchCache,
-    reference: torch.nn.Module | None = None,
 ) -> LossOutput:
     """GRPO loss sums of a micro-batch from its (b, t) policy logprobs (and (b, t) entropies).
 
-    ``cache`` keeps what the first use computes (pi_old, pi_ref, the mismatch sums) for the
-    iterations that reuse the micro-batch; ``reference`` is the frozen reference policy when a loss term needs it.
+    ``cache`` keeps what the first use computes (pi_old, the mismatch sums) for the iterations
+    that reuse the micro-batch; it must hold pi_ref when a loss term needs it.
     """
     dev = logprobs.device
     inputs = LossInputs(
@@ -241,19 +220,14 @@ def micro_batch_loss(
         entropy=entropy,
     )
     if config.needs_old_logprobs or config.needs_reference:
-        inputs = _with_cached_inputs(inputs, micro_batch, config, ctx, cache, reference)
+        inputs = _with_cached_inputs(inputs, config, cache)
     return grpo_loss(inputs, config.loss)
 
 
 def _with_cached_inputs(
-    inputs: LossInputs,
-    micro_batch: TrainBatch,
-    config: StepConfig,
-    ctx: ParallelContext,
-    cache: MicroBatchCache,
-    reference: torch.nn.Module | None,
+    inputs: LossInputs, config: StepConfig, cache: MicroBatchCache
 ) -> LossInputs:
-    """Fill pi_old, the IS weights and pi_ref (computing and caching them on first use)."""
+    """Fill pi_old, the IS weights (computing and caching them on first use) and pi_ref."""
     old = is_weights = None
     if config.needs_old_logprobs:
         if cache.old_logprobs is None:  # first iteration: pi_old is the current policy
@@ -268,12 +242,10 @@ def _with_cached_inputs(
                 old, inputs.inference_logprobs, inputs.loss_mask, config.importance
             )
     if cache.ref_logprobs is None and config.needs_reference:
-        if reference is None:
-            raise ValueError("a loss term needs the reference policy, but none was given")
-        with torch.no_grad():
-            cache.ref_logprobs, _ = policy_logprobs(
-                reference, micro_batch, config.vocab_size, ctx, config.packing_capacity
-            )
+        raise ValueError(
+            "a loss term needs the reference policy's logprobs (Policy."
+            "get_reference_policy_logprobs), but none were given"
+        )
     return LossInputs(
         trainer_logprobs=inputs.trainer_logprobs,
         inference_logprobs=inputs.inference_logprobs,
@@ -288,40 +260,36 @@ def _with_cached_inputs(
 
 def step_result(
     update: Update,
+    loss_fn: LossFunction,
     caches: list[MicroBatchCache],
     batch: TrainBatch,
-    config: StepConfig,
     groups: list[dist.ProcessGroup],
     device: torch.device,
     start: float,
 ) -> StepResult:
     """The step's global results from the update's results on this rank.
 
-    The sums are joined by the IS mismatch sums of the micro-batches this rank computed a loss
-    for, then summed over ``groups`` in one all-reduce (on ``device``: NCCL reduces on the GPU).
+    The sums are joined by the loss function's extra sums of this rank's ``caches`` (the IS
+    mismatch sums of GRPO), then summed over ``groups`` in one all-reduce (on ``device``: NCCL
+    reduces on the GPU), and turned into metrics by the loss function.
     """
     sums = update.sums
-    if config.importance is not None:
-        keys = tuple(sorted(MISMATCH_SUMS))
-        mismatch = [NamedSums.of(c.mismatch, keys).values for c in caches if c.mismatch is not None]
-        total = torch.stack(mismatch).sum(0) if mismatch else NamedSums.zeros(keys).values
-        sums = NamedSums(sums.keys + keys, torch.cat([sums.values, total]))
+    extra = loss_fn.extra_sums(caches)
+    if extra is not None:
+        sums = NamedSums(sums.keys + extra.keys, torch.cat([sums.values, extra.values]))
     if groups:
         values = sums.values.to(device)
         for group in groups:
             dist.all_reduce(values, group=group)
         sums = NamedSums(sums.keys, values.cpu())
     reduced = sums.as_dict()
-    denom = max(batch.num_loss_tokens, 1)
-    metrics = {k: reduced[k] / denom for k in update.sums.keys if k != "loss"}
-    if config.importance is not None:
-        metrics.update(mismatch_metrics(reduced))
+    num_tokens = loss_fn.num_tokens(batch)
     return StepResult(
-        loss=reduced["loss"] / denom,
+        loss=reduced["loss"] / max(num_tokens, 1),
         grad_norm=update.grad_norm,
         lr=update.lr,
-        loss_tokens=batch.num_loss_tokens,
+        loss_tokens=num_tokens,
         trained_tokens=int(batch.lengths.sum()),
         seconds=time.perf_counter() - start,
-        metrics=metrics,
+        metrics=loss_fn.metrics(reduced, num_tokens),
     )

@@ -12,11 +12,24 @@ computes; the ``gpu`` tests in ``test_cuda_tier.py`` run the real thing.
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
-from golden_values import TOLERANCES, checkpoint_of_iteration, run_training
+import torch
+from golden_values import (
+    ROOT,
+    TOLERANCES,
+    checkpoint_of_iteration,
+    free_port,
+    run_training,
+    subprocess_env,
+)
 
 EMULATED = "tests/grpo_testing/emulated_cuda_train.py"
+POLICY = "tests/grpo_testing/emulated_cuda_policy.py"
 BASE = {"train-iters": 3, "lr-warmup-iters": 1, "seed": 1234}
 SAME = {"reward_mean": 1e-9, "reward_std": 1e-9, "loss": 1e-4, "grad_norm": 1e-5}
 """Metric -> relative tolerance between the tiers (rewards: the same tokens; the rest: float
@@ -107,3 +120,85 @@ def test_step_options_match_the_cpu_tier():
     for a, b in zip(cpu, cuda):
         for metric in ("entropy", "is_kl", "is_abs_delta_p", "is_weight_mean", "ratio_mean"):
             assert b[metric] == pytest.approx(a[metric], rel=1e-4, abs=1e-7), (a["step"], metric)
+
+
+def test_reference_kl_and_sequence_packing_match_the_cpu_tier():
+    """The reference KL term (pi_ref from the CUDA tier's reference model) and sequence packing
+    (the SDPA layer spec's block-diagonal mask) through megatron-core's schedule."""
+    options = {"rl-forced-lag": 0, "grpo-kl-beta": 0.1, "rl-use-sequence-packing": True}
+    cpu = run_training(1, {**BASE, **options})
+    cuda = run_training(1, {**BASE, **options}, script=EMULATED)
+    assert_same_run(cpu, cuda)
+    for a, b in zip(cpu, cuda):
+        assert b["ref_kl"] == pytest.approx(a["ref_kl"], rel=1e-4, abs=1e-7), a["step"]
+    assert cpu[0]["ref_kl"] == 0.0 and cpu[-1]["ref_kl"] > 0  # the policy leaves the reference
+
+
+def test_ref_load_reads_the_cuda_tiers_checkpoint_as_the_cpu_tier_reads_its_own(tmp_path):
+    """``--ref-load`` on CUDA: the reference model's weights from a ``dist_checkpointing``
+    checkpoint (the CPU tier reads its ``torch.save`` shards); both runs' KL terms agree."""
+    save = {**BASE, "rl-forced-lag": 0, "train-iters": 2, "save-interval": 2}
+    run_training(1, {**save, "save": tmp_path / "cpu"})
+    run_training(1, {**save, "save": tmp_path / "cuda"}, script=EMULATED)
+    options = {**BASE, "rl-forced-lag": 0, "grpo-kl-beta": 0.1}
+    cpu = run_training(1, {**options, "ref-load": tmp_path / "cpu"})
+    cuda = run_training(1, {**options, "ref-load": tmp_path / "cuda"}, script=EMULATED)
+    assert_same_run(cpu, cuda)
+    for a, b in zip(cpu, cuda):
+        assert b["ref_kl"] == pytest.approx(a["ref_kl"], rel=1e-4, abs=1e-7), a["step"]
+    assert cpu[0]["ref_kl"] > 0  # the reference is the trained checkpoint, not the initial weights
+
+
+def policy_results(nproc: int, flags: list[str]) -> list[dict]:
+    """Each rank's ``{tier: results}`` of ``grpo_testing/emulated_cuda_policy.py``."""
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+            f"--master-port={free_port()}", POLICY, "--out", out, *flags,
+        ]  # fmt: skip
+        proc = subprocess.run(
+            cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
+
+
+@pytest.mark.parametrize(
+    "nproc, flags",
+    [
+        pytest.param(1, [], id="one-process"),
+        pytest.param(1, ["--packing", "24"], id="packed"),
+        pytest.param(2, ["--tp", "2", "--packing", "24"], id="tp2-packed"),
+        pytest.param(2, [], id="dp2"),
+    ],
+)
+def test_every_policy_method_matches_the_cpu_tier(nproc, flags):
+    """``get_logprobs``, ``get_reference_policy_logprobs``, ``get_topk_logits`` and ``train``
+    (eval mode, a supervised NLL loss, GRPO with the KL and entropy terms) on both tiers."""
+    for rank in policy_results(nproc, flags):
+        cpu, cuda = rank["cpu"], rank["cuda"]
+        mask = cpu["valid"]
+        for key in ("logprobs", "ref_logprobs", "topk_values"):
+            torch.testing.assert_close(cuda[key][mask], cpu[key][mask], atol=1e-5, rtol=1e-5)
+        assert torch.equal(cuda["topk_indices"][mask], cpu["topk_indices"][mask])
+        assert cuda["nll"] == pytest.approx(cpu["nll"], rel=1e-6)
+        assert cuda["grpo_loss"] == pytest.approx(cpu["grpo_loss"], rel=1e-5, abs=1e-7)
+        assert cuda["grad_norm"] == pytest.approx(cpu["grad_norm"], rel=1e-5)
+        assert cuda["lr"] == cpu["lr"]
+        for a, b in zip(cpu["grpo_metrics"], cuda["grpo_metrics"]):
+            assert b == pytest.approx(a, rel=1e-5, abs=1e-7)
+        assert cpu["grpo_metrics"][1]["ref_kl"] > 0  # the NLL updates moved the policy
+
+
+def test_policy_methods_agree_with_each_other_under_pipeline_parallelism():
+    """PP=2 (no CPU twin): every stage returns the last stage's results, and the forward-only
+    path and ``train``'s forward give the same numbers (a GRPO update against pi_old from
+    ``get_logprobs`` has ratio exactly 1; the NLL of ``get_logprobs`` is ``train``'s)."""
+    first, last = (rank["cuda"] for rank in policy_results(2, ["--pp", "2", "--packing", "24"]))
+    for key in ("logprobs", "ref_logprobs", "topk_values", "topk_indices"):
+        assert torch.equal(first[key], last[key]), key
+    assert first["nll"] == last["nll"] and first["grad_norm"] == last["grad_norm"]
+    assert last["upfront_ratio_mean"] == 1.0
+    assert last["nll_of_logprobs"] == pytest.approx(last["nll"][0], rel=1e-6)
+    mask = last["valid"]
+    assert torch.all(last["logprobs"][mask] < 0) and int(last["topk_indices"].max()) < 21

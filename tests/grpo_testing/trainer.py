@@ -10,7 +10,9 @@ from megatron.core import parallel_state
 
 from megatron.rl.grpo.loss import GRPOLossConfig
 from megatron.trainer.initialize import ParallelContext
-from megatron.trainer.step import StepConfig
+from megatron.trainer.losses import GRPOLoss
+from megatron.trainer.policy import Policy
+from megatron.trainer.step import MicroBatchCache, StepConfig, StepResult
 
 
 def train_args(**overrides) -> argparse.Namespace:
@@ -38,3 +40,16 @@ def one_rank_context(device: str = "cpu") -> ParallelContext:
         dp_size=1, tp_group=parallel_state.get_tensor_model_parallel_group(),
         dp_group=parallel_state.get_data_parallel_group(),
     )  # fmt: skip
+
+
+def grpo_update(
+    policy: Policy,
+    batch,
+    config: StepConfig,
+    caches: list[MicroBatchCache] | None = None,
+) -> StepResult:
+    """One GRPO update of ``batch`` as the training loop runs it through the policy interface:
+    pi_ref up front when a loss term needs it, then ``Policy.train`` with the GRPO loss."""
+    ref = policy.get_reference_policy_logprobs(batch) if config.needs_reference else None
+    (result,) = policy.train(batch, GRPOLoss(config, ref_logprobs=ref), caches=caches)
+    return result

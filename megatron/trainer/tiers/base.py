@@ -1,16 +1,19 @@
 """What the training loop builds that differs between CPU and CUDA: the ``Tier`` interface.
 
-Everything device-specific goes through a ``Tier``: the model, the optimizer and LR schedule, the
-train step, the engine's step group and the inference engine, and the checkpoint shards. Above
-the tier (rollout generator, agents, GRPO math, logging, servers) there is one code path, and the
-parts of a train step that do not depend on the device live in ``megatron/trainer/step.py``.
+Everything device-specific goes through a ``Tier``: the model (and the reference model), the
+optimizer and LR schedule, the ``Policy`` the training loop trains and queries
+(``megatron/trainer/policy.py``), the engine's step group and the inference engine, and the
+checkpoint shards. Above the tier (rollout generator, agents, GRPO math, logging, servers) there
+is one code path, and the parts of a train step that do not depend on the device live in
+``megatron/trainer/step.py`` and ``forward.py``.
 
 * ``CPUTier`` (``cpu.py``; development, CI): float32 GPT with the SDPA core attention, torch AdamW
-  with a flattened DP all-reduce, the KV-cache row runner, per-rank ``torch.save`` shards.
+  with a flattened DP all-reduce, ``CPUPolicy`` (micro-batches in a loop), the KV-cache row
+  runner, per-rank ``torch.save`` shards.
 * ``CUDATier`` (``cuda.py``; production): megatron-core DDP and ``get_megatron_optimizer``,
-  ``get_forward_backward_func()`` (PP), ``--bf16``, the Transformer Engine layer spec when it
-  imports, megatron-core's ``DynamicInferenceEngine`` as the row runner, ``dist_checkpointing``
-  shards.
+  ``CUDAPolicy`` (``cuda_policy.py``: ``get_forward_backward_func()``, PP), ``--bf16``, the
+  Transformer Engine layer spec when it imports, megatron-core's ``DynamicInferenceEngine`` as the
+  row runner, ``dist_checkpointing`` shards.
 
 Both tiers run the same scheduler (``ContinuousBatchingScheduler``) and the same checkpoint
 directory protocol (``megatron/trainer/checkpointing.py``). ``megatron.trainer.tiers.select_tier``
@@ -26,12 +29,19 @@ from typing import Any, ClassVar
 
 import torch
 
-from megatron.rl.grpo.batch import TrainBatch
 from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig
 from megatron.rl.inference.step_group import StepGroup
 from megatron.trainer.checkpointing import CheckpointShards, TrainState
 from megatron.trainer.initialize import ParallelContext
-from megatron.trainer.step import MicroBatchCache, StepConfig, StepResult
+from megatron.trainer.policy import Policy, PolicyConfig
+
+
+def no_reference_error() -> ValueError:
+    """What asking a policy without a reference model for reference logprobs raises."""
+    return ValueError(
+        "the policy has no reference model: it is built only when a loss term needs it "
+        "(--grpo-kl-beta > 0)"
+    )
 
 
 class Tier(ABC):
@@ -53,32 +63,23 @@ class Tier(ABC):
         ``GPTModel``'s weights (a Hugging Face checkpoint) before any wrapping."""
 
     @abstractmethod
+    def build_reference(self, vocab_size: int) -> torch.nn.Module:
+        """A second model of ``build_model``'s architecture on this rank (its shard and stage),
+        for forward passes only (no DDP); ``reference.py`` sets its weights and freezes it."""
+
+    @abstractmethod
     def build_optimizer(self, model: torch.nn.Module) -> tuple[Any, Any]:
         """The optimizer and the LR scheduler (megatron-core's ``OptimizerParamScheduler``)."""
 
     @abstractmethod
-    def train_step(
+    def build_policy(
         self,
         state: TrainState,
-        batch: TrainBatch,
-        config: StepConfig,
+        config: PolicyConfig,
         reference: torch.nn.Module | None = None,
-        caches: list[MicroBatchCache] | None = None,
-    ) -> StepResult:
-        """One training iteration (optimizer update) on this rank's data-parallel shard of the
-        global batch ``batch`` (collective). ``caches``: one per micro-batch of this rank, kept
-        by the caller across the iterations that reuse ``batch``."""
-
-    @abstractmethod
-    def fill_old_logprobs(
-        self,
-        state: TrainState,
-        batch: TrainBatch,
-        config: StepConfig,
-        caches: list[MicroBatchCache],
-    ) -> None:
-        """Set each cache's pi_old: this rank's micro-batches of ``batch``, forward only
-        (collective; before the collection's first update)."""
+    ) -> Policy:
+        """The ``Policy`` over ``state`` (model, optimizer, LR schedule) and the frozen
+        ``reference`` model (None: no reference logprobs)."""
 
     @abstractmethod
     def build_step_group(

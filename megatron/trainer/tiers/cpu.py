@@ -1,10 +1,11 @@
 """The CPU tier: what the trainer runs on CPU (development, CI); it also runs on one GPU.
 
-* Model: float32 GPT with the SDPA core attention (``model_provider.build_model``).
+* Model: float32 GPT with the SDPA core attention (``model_provider.build_model``); the
+  reference policy is a second one (``reference.py``).
 * Optimizer: torch AdamW, a flattened DP gradient all-reduce and a TP-aware gradient clip
   (``megatron/trainer/optimizer.py``): megatron-core's DDP and optimizers hard-code CUDA.
-* Train step: micro-batches run one after the other, each backpropagating its share of the
-  global token-mean loss (``step.micro_batch_loss``).
+* Policy (``CPUPolicy``): micro-batches run one after the other; in ``train`` each
+  backpropagates its share of the global token-mean loss.
 * Rollouts: the scheduler over ``KVCacheRowRunner``s, each with its own per-slot KV cache.
 * Checkpoints: one ``torch.save`` file per tensor-parallel rank, written by data-parallel rank 0:
   ``iter_XXXXXXX/mp_rank_XX/model_optim_rng.pt`` (model, optimizer, LR schedule, RNG, flags).
@@ -35,20 +36,37 @@ from megatron.trainer.checkpointing import (
     TrainState,
     write_atomic,
 )
+from megatron.trainer.forward import (
+    ModelInputs,
+    gather_data_parallel,
+    micro_outputs,
+    micro_topk,
+    model_inputs,
+    padded_rows,
+)
 from megatron.trainer.initialize import ParallelContext
 from megatron.trainer.optimizer import allreduce_gradients, build_optimizer, clip_grad_norm
+from megatron.trainer.policy import (
+    LossFunction,
+    PlannedUpdate,
+    Policy,
+    PolicyConfig,
+    TopKLogits,
+    plan_updates,
+    update_keys,
+)
 from megatron.trainer.step import (
-    MicroBatchCache,
     NamedSums,
-    StepConfig,
     StepResult,
     Update,
     data_parallel_micro_batches,
-    micro_batch_loss,
     policy_logprobs,
     step_result,
 )
-from megatron.trainer.tiers.base import Tier
+from megatron.trainer.tiers.base import Tier, no_reference_error
+
+PerMicro = Callable[[torch.Tensor, TrainBatch, ModelInputs], tuple[torch.Tensor, ...]]
+"""(logits, micro-batch, its model inputs) -> per-token outputs (b, t, ...) of a forward."""
 
 
 class CPUTier(Tier):
@@ -64,22 +82,17 @@ class CPUTier(Tier):
             load(model)
         return model
 
+    def build_reference(self, vocab_size):
+        """The same GPT as ``build_model``."""
+        return model_provider.build_model(self.args, vocab_size, self.ctx.device)
+
     def build_optimizer(self, model: torch.nn.Module) -> tuple[Any, Any]:
         """torch AdamW and the shared LR schedule."""
         return build_optimizer(model, self.args)
 
-    def train_step(self, state, batch, config, reference=None, caches=None):
-        """One update over this rank's micro-batches (``train_step``)."""
-        return train_step(state, batch, config, self.ctx, reference, caches)
-
-    def fill_old_logprobs(self, state, batch, config, caches):
-        """pi_old of each of this rank's micro-batches, forward only."""
-        micros = data_parallel_micro_batches(batch, self.ctx, config.micro_batch_size)
-        with torch.no_grad():
-            for micro, cache in zip(micros, caches):
-                cache.old_logprobs, _ = policy_logprobs(
-                    state.model, micro, config.vocab_size, self.ctx, config.packing_capacity
-                )
+    def build_policy(self, state, config, reference=None):
+        """A ``CPUPolicy``."""
+        return CPUPolicy(state, config, self.ctx, reference)
 
     def build_step_group(self, model, config, vocab_size):
         """A ``KVCacheRowRunner`` with its own per-slot KV cache under a ``StepGroup``."""
@@ -101,56 +114,104 @@ class CPUTier(Tier):
         return TorchShards(self.ctx)
 
 
-def train_step(
-    state: TrainState,
-    batch: TrainBatch,
-    config: StepConfig,
-    ctx: ParallelContext,
-    reference: torch.nn.Module | None = None,
-    caches: list[MicroBatchCache] | None = None,
-) -> StepResult:
-    """One optimizer update on this rank's data-parallel shard of ``batch`` (every rank holds the
-    whole global batch). ``caches`` (one per micro-batch of this rank) carry pi_old, pi_ref and
-    the mismatch sums between iterations that reuse ``batch``; fresh ones by default."""
-    start = time.perf_counter()
-    if config.needs_reference and reference is None:
-        raise ValueError("a loss term needs the reference policy, but none was given")
-    micros = data_parallel_micro_batches(batch, ctx, config.micro_batch_size)
-    caches = [MicroBatchCache() for _ in micros] if caches is None else caches
-    update = _update(state, micros, caches, batch.num_loss_tokens, config, ctx, reference)
-    groups = [ctx.dp_group] if ctx.dp_size > 1 else []
-    return step_result(update, caches, batch, config, groups, ctx.device, start)
+class CPUPolicy(Policy):
+    """The policy on this rank's model: micro-batches in a loop, one forward each."""
 
+    def __init__(
+        self,
+        state: TrainState,
+        config: PolicyConfig,
+        ctx: ParallelContext,
+        reference: torch.nn.Module | None = None,
+    ) -> None:
+        self.state = state
+        self.config = config
+        self.ctx = ctx
+        self.reference = reference
 
-def _update(
-    state: TrainState,
-    micros: list[TrainBatch],
-    caches: list[MicroBatchCache],
-    num_tokens: int,
-    config: StepConfig,
-    ctx: ParallelContext,
-    reference: torch.nn.Module | None,
-) -> Update:
-    """One optimizer update over the micro-batches: this rank's sums, the grad norm, the LR."""
-    model, optimizer, scheduler = state.model, state.optimizer, state.scheduler
-    model.train()
-    optimizer.zero_grad(set_to_none=True)
-    keys = config.metric_keys()
-    sums = NamedSums.zeros(keys)
-    for micro, cache in zip(micros, caches):
-        logprobs, entropy = policy_logprobs(
-            model, micro, config.vocab_size, ctx, config.packing_capacity, config.needs_entropy
-        )  # (b, t)
-        out = micro_batch_loss(logprobs, entropy, micro, config, ctx, cache, reference)
-        (out.loss_sum / max(num_tokens, 1)).backward()
-        sums = sums + NamedSums.of(out.metric_sums(), keys)
-    params = [p for p in model.parameters() if p.requires_grad]
-    allreduce_gradients(params, ctx.dp_group)
-    grad_norm = clip_grad_norm(params, config.clip_grad, ctx.tp_group)
-    scheduler.step(increment=1)  # update k uses the schedule's value at k + 1 (no zero-LR step)
-    lr = optimizer.param_groups[0]["lr"]
-    optimizer.step()
-    return Update(sums, grad_norm, lr)
+    def get_logprobs(self, data, micro_batch_size=None):
+        """Forward only, micro-batch by micro-batch, gathered over DP."""
+        (logprobs,) = self._forward_only(self.state.model, data, micro_batch_size, self._logprobs)
+        return logprobs
+
+    def get_reference_policy_logprobs(self, data, micro_batch_size=None):
+        """``get_logprobs`` of the reference model."""
+        if self.reference is None:
+            raise no_reference_error()
+        (logprobs,) = self._forward_only(self.reference, data, micro_batch_size, self._logprobs)
+        return logprobs
+
+    def get_topk_logits(self, data, k, micro_batch_size=None):
+        """Each micro-batch's vocab-parallel top-k, gathered over DP."""
+
+        def topk(logits: torch.Tensor, micro: TrainBatch, inputs: ModelInputs):
+            return micro_topk(logits, inputs, k, self.config.vocab_size, self.ctx.tp_group)
+
+        values, indices = self._forward_only(self.state.model, data, micro_batch_size, topk)
+        return TopKLogits(values, indices)
+
+    def train(self, data, loss_fn, eval_mode=False, *, gbs=None, mbs=None, caches=None):
+        """One update per global batch, its micro-batches in a loop (``_update``)."""
+        mbs = self.config.micro_batch_size if mbs is None else mbs
+        plan = plan_updates(data, self.ctx, gbs, mbs, caches)
+        return [self._update(update, loss_fn, eval_mode) for update in plan]
+
+    def _logprobs(self, logits: torch.Tensor, micro: TrainBatch, inputs: ModelInputs):
+        config, tp = self.config, self.ctx.tp_group
+        return micro_outputs(logits, micro, inputs, config.vocab_size, tp)[:1]
+
+    def _forward_only(
+        self, model: torch.nn.Module, data: TrainBatch, mbs: int | None, outputs: PerMicro
+    ) -> tuple[torch.Tensor, ...]:
+        """The per-token ``outputs`` of every micro-batch of this rank (no gradient), as (B, T,
+        ...) tensors of the whole batch."""
+        mbs = self.config.micro_batch_size if mbs is None else mbs
+        model.eval()
+        parts = []
+        with torch.no_grad():
+            for micro in data_parallel_micro_batches(data, self.ctx, mbs):
+                inputs = model_inputs(micro, self.ctx.device, self.config.packing_capacity)
+                logits = model(inputs.ids, inputs.positions, inputs.mask)  # (r, s, V/tp)
+                parts.append(outputs(logits, micro, inputs))
+        width = data.input_ids.shape[1]
+        return tuple(
+            gather_data_parallel(padded_rows(list(p), width), self.ctx) for p in zip(*parts)
+        )
+
+    def _update(self, update: PlannedUpdate, loss_fn: LossFunction, eval_mode: bool) -> StepResult:
+        """One optimizer update over the micro-batches (or, in eval mode, only the loss)."""
+        start = time.perf_counter()
+        ctx, config = self.ctx, self.config
+        model, optimizer, scheduler = self.state.model, self.state.optimizer, self.state.scheduler
+        model.train(not eval_mode)
+        if not eval_mode:
+            optimizer.zero_grad(set_to_none=True)
+        keys = update_keys(loss_fn)
+        sums = NamedSums.zeros(keys)
+        denom = max(loss_fn.num_tokens(update.batch), 1)
+        with torch.set_grad_enabled(not eval_mode):
+            for micro in update.micro_batches:
+                logprobs, entropy = policy_logprobs(
+                    model, micro.data, config.vocab_size, ctx, config.packing_capacity,
+                    loss_fn.needs_entropy,
+                )  # fmt: skip
+                out = loss_fn(micro, logprobs, entropy)  # (b, t) -> sums
+                if not eval_mode:
+                    (out.loss_sum / denom).backward()
+                sums = sums + NamedSums.of({"loss": out.loss_sum.detach(), **out.metric_sums}, keys)
+        if eval_mode:
+            result = Update(sums, 0.0, optimizer.param_groups[0]["lr"])
+        else:
+            params = [p for p in model.parameters() if p.requires_grad]
+            allreduce_gradients(params, ctx.dp_group)
+            grad_norm = clip_grad_norm(params, config.clip_grad, ctx.tp_group)
+            scheduler.step(increment=1)  # update k uses the schedule's value at k + 1
+            lr = optimizer.param_groups[0]["lr"]
+            optimizer.step()
+            result = Update(sums, grad_norm, lr)
+        groups = [ctx.dp_group] if ctx.dp_size > 1 else []
+        caches = [m.cache for m in update.micro_batches]
+        return step_result(result, loss_fn, caches, update.batch, groups, ctx.device, start)
 
 
 class TorchShards(CheckpointShards):

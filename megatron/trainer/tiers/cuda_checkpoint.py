@@ -87,6 +87,17 @@ class DistShards(CheckpointShards):
         if options.rng:
             _set_rng_state(loaded["rng_state"])
 
+    def read_model(self, directory: Path, model: torch.nn.Module, flag: str) -> None:
+        """Load only the model's shards (any saved layout) into ``model`` (``--ref-load``)."""
+        if not (directory / "metadata.json").is_file():
+            raise SystemExit(
+                f"{flag} {directory.parent}: {directory} is not a dist_checkpointing checkpoint"
+            )
+        unwrapped = unwrap_model(model)
+        sharded = {"model": unwrapped.sharded_state_dict()}
+        loaded = dist_checkpointing.load(sharded, str(directory), sharded_strategy=None)
+        unwrapped.load_state_dict(loaded["model"])
+
 
 def _rng_object(state: Any) -> ShardedObject:
     """Per model-parallel rank RNG states (data-parallel replicas share the TP/PP rank's)."""

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from grpo_testing.rollouts import synthetic_groups
-from grpo_testing.trainer import one_rank_context
+from grpo_testing.trainer import grpo_update, one_rank_context
 from megatron.core import parallel_state
 from safetensors.torch import load_file
 
@@ -20,6 +20,7 @@ from megatron.trainer.arguments import build_parser, parse_explicit, validate_ar
 from megatron.trainer.checkpointing import TrainState
 from megatron.trainer.hf_io import save_hf, weight_loader
 from megatron.trainer.model_provider import architecture
+from megatron.trainer.policy import PolicyConfig
 from megatron.trainer.tiers.cpu import CPUTier
 
 
@@ -138,9 +139,10 @@ def test_round_trip_is_bitwise_and_trained_weights_export_to_transformers(
 
     state = TrainState(model, *tier.build_optimizer(model))
     step = config.step_config(args, tokenizer.vocab_size)
+    policy = tier.build_policy(state, PolicyConfig.of(step))
     for seed in range(3):  # three GRPO steps on synthetic rollouts
         batch = build_train_batch(synthetic_groups(2, 4, tokenizer.vocab_size, seed=seed), 0)
-        tier.train_step(state, batch, step)
+        grpo_update(policy, batch, step)
     args.save_hf = str(tmp_path / "trained")
     save_hf(args, model, arch, args.hf_config.vocab_size, cpu_ctx)
 

@@ -16,7 +16,7 @@ from megatron.trainer.initialize import ParallelContext, set_seeds
 from megatron.trainer.model_provider import build_model
 from megatron.trainer.optimizer import build_optimizer
 from megatron.trainer.reference import build_reference_model
-from megatron.trainer.tiers.cpu import TorchShards
+from megatron.trainer.tiers.cpu import CPUTier, TorchShards
 
 pytestmark = pytest.mark.usefixtures("single_rank_world")
 
@@ -46,7 +46,9 @@ def start(args, ctx):
     """What ``grpo.train`` does before the loop: seed, policy, reference, optimizer."""
     set_seeds(args.seed, cuda=False)
     model = build_model(args, VOCAB, ctx.device)
-    reference = build_reference_model(args, model, VOCAB, ctx, args.grpo_kl_beta > 0)
+    reference = build_reference_model(
+        args, CPUTier(args, ctx), model, VOCAB, ctx, args.grpo_kl_beta > 0
+    )
     optimizer, scheduler = build_optimizer(model, args)
     return model, reference, optimizer, scheduler
 
@@ -82,7 +84,10 @@ def test_no_reference_without_kl():
     args = run_args(grpo_kl_beta=0.0)
     set_seeds(args.seed, cuda=False)
     model = build_model(args, VOCAB, ctx.device)
-    assert build_reference_model(args, model, VOCAB, ctx, args.grpo_kl_beta > 0) is None
+    assert (
+        build_reference_model(args, CPUTier(args, ctx), model, VOCAB, ctx, args.grpo_kl_beta > 0)
+        is None
+    )
 
 
 def test_reference_copies_initial_weights_is_frozen_and_leaves_the_rng_alone():
@@ -91,7 +96,9 @@ def test_reference_copies_initial_weights_is_frozen_and_leaves_the_rng_alone():
     set_seeds(args.seed, cuda=False)
     model = build_model(args, VOCAB, ctx.device)
     before = torch.get_rng_state()
-    reference = build_reference_model(args, model, VOCAB, ctx, args.grpo_kl_beta > 0)
+    reference = build_reference_model(
+        args, CPUTier(args, ctx), model, VOCAB, ctx, args.grpo_kl_beta > 0
+    )
     assert torch.equal(torch.get_rng_state(), before)
     assert all(torch.equal(a, b) for a, b in zip(weights(reference), weights(model)))
     assert not reference.training and not any(p.requires_grad for p in reference.parameters())

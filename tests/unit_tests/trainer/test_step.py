@@ -15,6 +15,7 @@ import pytest
 import torch
 from grpo_testing.models import VOCAB, tiny_args
 from grpo_testing.rollouts import synthetic_groups
+from grpo_testing.trainer import grpo_update
 from megatron.core import parallel_state
 
 from megatron.rl.grpo.batch import TrainBatch, build_train_batch
@@ -27,9 +28,10 @@ from megatron.trainer.checkpointing import TrainState
 from megatron.trainer.initialize import ParallelContext, set_seeds
 from megatron.trainer.model_provider import build_model
 from megatron.trainer.optimizer import build_optimizer
+from megatron.trainer.policy import PolicyConfig
 from megatron.trainer.reference import build_reference_model
 from megatron.trainer.step import MicroBatchCache, StepConfig, micro_batch_loss, policy_logprobs
-from megatron.trainer.tiers.cpu import train_step
+from megatron.trainer.tiers.cpu import CPUPolicy, CPUTier
 
 KL = (ReferenceKL(0.1),)
 KL_AND_ENTROPY = (ReferenceKL(0.1), EntropyBonus(0.01))
@@ -63,7 +65,9 @@ def setup(ctx: ParallelContext, **overrides) -> tuple[TrainState, torch.nn.Modul
     args = run_args(**overrides)
     set_seeds(args.seed, cuda=False)
     model = build_model(args, VOCAB, ctx.device)
-    reference = build_reference_model(args, model, VOCAB, ctx, needs_reference=True)
+    reference = build_reference_model(
+        args, CPUTier(args, ctx), model, VOCAB, ctx, needs_reference=True
+    )
     return TrainState(model, *build_optimizer(model, args)), reference
 
 
@@ -74,6 +78,12 @@ def batch(seed: int = 0) -> TrainBatch:
 def config(terms=(), micro_batch_size=MICRO, **options) -> StepConfig:
     loss = GRPOLossConfig(terms=tuple(terms))
     return StepConfig(loss, VOCAB, micro_batch_size, clip_grad=1.0, **options)
+
+
+def train_step(state, b, cfg, ctx, reference=None, caches=None):
+    """One GRPO update through the CPU tier's policy."""
+    policy = CPUPolicy(state, PolicyConfig.of(cfg), ctx, reference)
+    return grpo_update(policy, b, cfg, caches)
 
 
 def step(state, b, ctx, terms=(), reference=None, caches=None, **options):
@@ -88,7 +98,9 @@ def test_first_micro_batch_has_ratio_one_and_zero_kl():
     cache = MicroBatchCache()
     state.model.train()
     logprobs, _ = policy_logprobs(state.model, micro, VOCAB, ctx)
-    out = micro_batch_loss(logprobs, None, micro, cfg, ctx, cache, reference)
+    with torch.no_grad():
+        cache.ref_logprobs, _ = policy_logprobs(reference, micro, VOCAB, ctx)
+    out = micro_batch_loss(logprobs, None, micro, cfg, cache)
     assert out.ratio_sum.item() == micro.num_loss_tokens  # pi / pi_old == 1 on every token
     assert out.clipped_tokens.item() == 0 and out.mismatch_kl_sum.item() == 0
     assert out.term_sums["ref_kl"].item() == 0.0  # reference == initial weights
@@ -189,7 +201,7 @@ def test_kl_penalty_pulls_towards_the_reference():
 def test_kl_without_reference_model_is_an_error():
     ctx = context()
     state, _ = setup(ctx)
-    with pytest.raises(ValueError, match="reference policy"):
+    with pytest.raises(ValueError, match="no reference model"):
         step(state, batch(), ctx, KL)
 
 
@@ -212,7 +224,9 @@ def options_steps(rank: int, world_size: int, tp: int):
     args = run_args(tensor_model_parallel_size=tp, distributed_timeout_minutes=1)
     ctx = initialize_distributed(args)
     model = build_model(args, VOCAB, ctx.device)
-    reference = build_reference_model(args, model, VOCAB, ctx, needs_reference=True)
+    reference = build_reference_model(
+        args, CPUTier(args, ctx), model, VOCAB, ctx, needs_reference=True
+    )
     state = TrainState(model, *build_optimizer(model, args))
     cfg = config(
         KL_AND_ENTROPY, micro_batch_size=4, old_logprobs=True, importance=ImportanceConfig(1.5),

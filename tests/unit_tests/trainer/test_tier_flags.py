@@ -1,5 +1,6 @@
 """CUDA-tier flags: refused on CPU (naming the flag), accepted and validated on CUDA; the step
-options the CUDA tier's train step lacks are refused on CUDA by name."""
+options the CUDA tier's policy has are accepted there, sequence packing only without the
+Transformer Engine layer spec."""
 
 from __future__ import annotations
 
@@ -49,22 +50,21 @@ def test_entry_script_refuses_bf16_on_cpu_with_status_2():
     assert "--bf16" in proc.stderr and "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize(
-    "argv",
-    [
-        pytest.param(["--grpo-kl-beta", "0.1"], id="kl"),
-        pytest.param(["--rl-use-sequence-packing"], id="packing"),
-    ],
-)
-def test_step_options_the_cuda_train_step_lacks_are_refused_on_cuda_by_name(argv):
+def test_packing_is_refused_on_cuda_only_with_the_transformer_engine_spec(monkeypatch):
+    import megatron.trainer.arguments as arguments
+
+    argv = ["--rl-use-sequence-packing"]
+    monkeypatch.setattr(arguments, "transformer_engine_importable", lambda: False)
+    assert errors_for(argv, cuda=True) == []  # the SDPA layer spec honours the packed mask
+    monkeypatch.setattr(arguments, "transformer_engine_importable", lambda: True)
     assert errors_for(argv, cuda=False) == []
     (error,) = errors_for(argv, cuda=True)
-    assert error.startswith(argv[0]) and "CUDA tier" in error
+    assert error.startswith(argv[0]) and "Transformer Engine" in error
 
 
-def test_step_options_the_cuda_train_step_has_are_accepted_on_cuda():
+def test_step_options_the_cuda_policy_has_are_accepted_on_cuda():
     argv = [
         "--grpo-entropy-term-weight", "0.01", "--grpo-iterations", "2",
-        "--rl-inference-logprobs-is-correction",
+        "--rl-inference-logprobs-is-correction", "--grpo-kl-beta", "0.1",
     ]  # fmt: skip
     assert errors_for(argv, cuda=True) == []

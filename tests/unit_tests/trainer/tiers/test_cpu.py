@@ -6,7 +6,7 @@ import pytest
 import torch
 from grpo_testing.models import VOCAB
 from grpo_testing.rollouts import synthetic_groups
-from grpo_testing.trainer import one_rank_context, step_config, train_args
+from grpo_testing.trainer import grpo_update, one_rank_context, step_config, train_args
 from megatron.core import parallel_state
 
 from megatron.rl.grpo.batch import build_train_batch
@@ -15,6 +15,8 @@ from megatron.rl.inference.protocol import InferenceEngine, RowRunner
 from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig
 from megatron.rl.models.attention import SDPACoreAttention
 from megatron.trainer.checkpointing import TrainState
+from megatron.trainer.losses import GRPOLoss
+from megatron.trainer.policy import PolicyConfig
 from megatron.trainer.step import MicroBatchCache
 from megatron.trainer.tiers.cpu import CPUTier, TorchShards
 
@@ -43,7 +45,8 @@ def test_a_step_is_one_update_and_one_schedule_step(tier):
     state = TrainState(model, *tier.build_optimizer(model))
     batch = build_train_batch(synthetic_groups(2, 4, VOCAB, seed=1), pad_id=0)
     before = [p.detach().clone() for p in model.parameters()]
-    result = tier.train_step(state, batch, step_config(VOCAB))
+    config = step_config(VOCAB)
+    result = grpo_update(tier.build_policy(state, PolicyConfig.of(config)), batch, config)
     first_param = next(iter(model.parameters()))
     assert state.optimizer.state[first_param]["step"].item() == 1
     assert state.scheduler.num_steps == 1
@@ -58,12 +61,14 @@ def test_pi_old_filled_up_front_equals_the_policy_before_the_update(tier):
     state = TrainState(model, *tier.build_optimizer(model))
     batch = build_train_batch(synthetic_groups(2, 4, VOCAB, seed=1), pad_id=0)
     config = step_config(VOCAB, old_logprobs=True)
-    upfront = [MicroBatchCache(), MicroBatchCache()]
-    tier.fill_old_logprobs(state, batch, config, upfront)
+    policy = tier.build_policy(state, PolicyConfig.of(config))
+    upfront = policy.get_logprobs(batch)  # (B, T)
     lazy = [MicroBatchCache(), MicroBatchCache()]
-    result = tier.train_step(state, batch, config, caches=lazy)  # fills pi_old from its forward
-    for a, b in zip(upfront, lazy):
-        assert torch.allclose(a.old_logprobs, b.old_logprobs, atol=1e-6)
+    (result,) = policy.train(batch, GRPOLoss(config), caches=lazy)  # pi_old from its forward
+    for rows, cache in zip((slice(0, 4), slice(4, 8)), lazy):
+        width = cache.old_logprobs.shape[1]
+        assert torch.equal(upfront[rows, :width], cache.old_logprobs)
+        assert torch.all(upfront[rows, width:] == 0)  # past the micro-batch's width: padding
     assert result.metrics["ratio_mean"] == 1.0
 
 

@@ -1,4 +1,5 @@
-"""The CPU tier's GRPO step is invariant to micro-batching, data and tensor parallelism.
+"""The CPU tier's GRPO step (``CPUPolicy.train`` with the GRPO loss) is invariant to
+micro-batching, data and tensor parallelism.
 
 Each case runs two optimizer steps on the same synthetic batches from the same seed; loss and
 gradient norm must agree with the single-rank, single-micro-batch reference.
@@ -17,10 +18,12 @@ from megatron.rl.grpo.batch import build_train_batch
 from megatron.rl.grpo.loss import GRPOLossConfig
 from megatron.trainer.checkpointing import TrainState
 from megatron.trainer.initialize import initialize_distributed
+from megatron.trainer.losses import GRPOLoss
 from megatron.trainer.model_provider import build_model
 from megatron.trainer.optimizer import build_optimizer
+from megatron.trainer.policy import PolicyConfig
 from megatron.trainer.step import StepConfig
-from megatron.trainer.tiers.cpu import train_step
+from megatron.trainer.tiers.cpu import CPUPolicy
 
 
 def two_steps(rank: int, world_size: int, tp: int, micro_batch_size: int):
@@ -42,10 +45,11 @@ def two_steps(rank: int, world_size: int, tp: int, micro_batch_size: int):
     model = build_model(args, VOCAB, ctx.device)
     state = TrainState(model, *build_optimizer(model, args))
     config = StepConfig(GRPOLossConfig(0.2, 0.28), VOCAB, micro_batch_size, clip_grad=0.5)
+    policy = CPUPolicy(state, PolicyConfig.of(config), ctx)
     results = []
     for step in range(2):
         batch = build_train_batch(synthetic_groups(4, 4, VOCAB, seed=step), pad_id=0)
-        r = train_step(state, batch, config, ctx)
+        (r,) = policy.train(batch, GRPOLoss(config))
         results.append((r.loss, r.grad_norm, r.lr, r.metrics["clip_fraction"], r.loss_tokens))
     return results
 

@@ -8,32 +8,19 @@ import pytest
 import torch
 from grpo_testing.models import VOCAB
 from grpo_testing.rollouts import synthetic_groups
-from grpo_testing.trainer import one_rank_context, step_config, train_args
+from grpo_testing.trainer import grpo_update, one_rank_context, step_config, train_args
 from megatron.core import parallel_state
 
 from megatron.rl.grpo.batch import build_train_batch
-from megatron.rl.grpo.loss import GRPOLossConfig
-from megatron.rl.grpo.terms.reference_kl import ReferenceKL
 from megatron.rl.inference.protocol import InferenceEngine, RowRunner
 from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig
 from megatron.trainer.checkpointing import TrainState, load_checkpoint, save_checkpoint
-from megatron.trainer.model_provider import architecture, build_model
-from megatron.trainer.step import (
-    MicroBatchCache,
-    NamedSums,
-    StepConfig,
-    data_parallel_micro_batches,
-    micro_batch_loss,
-    policy_logprobs,
-)
+from megatron.trainer.model_provider import architecture
+from megatron.trainer.policy import PolicyConfig
+from megatron.trainer.step import data_parallel_micro_batches
 from megatron.trainer.tiers.cpu import CPUTier
-from megatron.trainer.tiers.cuda import (
-    NO_CLIP,
-    CUDATier,
-    _loss,
-    cuda_transformer_config,
-    optimizer_config,
-)
+from megatron.trainer.tiers.cuda import NO_CLIP, CUDATier, cuda_transformer_config, optimizer_config
+from megatron.trainer.tiers.cuda_policy import CUDAPolicy
 
 ARCH = architecture(train_args(), VOCAB)
 
@@ -80,36 +67,11 @@ def test_micro_batches_keep_a_fixed_width_for_pipeline_parallelism(cpu_world):
         assert torch.equal(m.input_ids, batch.input_ids[start : start + 2, : m.input_ids.shape[1]])
 
 
-def test_cuda_loss_function_returns_the_cpu_tiers_sums_and_the_token_count(cpu_world):
-    torch.manual_seed(0)
-    model = build_model(train_args(), VOCAB, torch.device("cpu"))
-    batch = build_train_batch(synthetic_groups(2, 4, VOCAB, seed=3), pad_id=0)
-    micro = batch.rows(0, 4)
-    config = step_config(VOCAB)
-    logprobs, _ = policy_logprobs(model, micro, VOCAB, cpu_world)
-    cpu = micro_batch_loss(logprobs, None, micro, config, cpu_world, MicroBatchCache())
-    ids = micro.input_ids
-    logits = model(ids, torch.arange(ids.shape[1])[None].expand_as(ids), None)
-    sums: list[NamedSums] = []
-    loss_sum, num_tokens, report = _loss(
-        micro, MicroBatchCache(), logits, config=config, ctx=cpu_world, sums=sums
-    )
-    assert int(num_tokens) == micro.num_loss_tokens and num_tokens.dtype == torch.int32
-    assert float(loss_sum.detach()) == pytest.approx(float(cpu.loss_sum.detach()), rel=1e-6)
-    assert loss_sum.requires_grad  # megatron-core backpropagates the sum
-    want = cpu.metric_sums()
-    assert sums[0].keys == config.metric_keys()
-    got = sums[0].as_dict()
-    assert got == pytest.approx({k: float(v) for k, v in want.items()}, rel=1e-6)
-
-
-def test_the_cuda_tier_refuses_step_options_it_does_not_implement(cpu_world):
-    tier = CUDATier(train_args(), cpu_world)
-    with pytest.raises(NotImplementedError, match="packing"):
-        tier.train_step(None, None, step_config(VOCAB, packing_capacity=32))
-    kl = StepConfig(GRPOLossConfig(terms=(ReferenceKL(0.1),)), VOCAB, 4, clip_grad=0.5)
-    with pytest.raises(NotImplementedError, match="KL"):
-        tier.train_step(None, None, kl)
+def test_the_cuda_policy_refuses_packing_with_the_transformer_engine_spec(cpu_world):
+    config = PolicyConfig.of(step_config(VOCAB, packing_capacity=32))
+    with pytest.raises(ValueError, match="--rl-use-sequence-packing.*Transformer Engine"):
+        CUDAPolicy(None, config, cpu_world, transformer_engine=True)
+    assert CUDAPolicy(None, config, cpu_world).config.packing_capacity == 32  # SDPA spec
 
 
 # ------------------------------------------------------------- CUDA tier on one GPU
@@ -124,6 +86,12 @@ def cuda_world():
     shutdown_distributed()
 
 
+def train_step(tier, state, batch):
+    """One GRPO update through the tier's policy."""
+    config = step_config(VOCAB)
+    return grpo_update(tier.build_policy(state, PolicyConfig.of(config)), batch, config)
+
+
 def run_steps(tier, steps: int = 2, seed: int = 3):
     torch.manual_seed(seed)
     model = tier.build_model(VOCAB)
@@ -131,7 +99,7 @@ def run_steps(tier, steps: int = 2, seed: int = 3):
     results = []
     for step in range(steps):
         batch = build_train_batch(synthetic_groups(2, 4, VOCAB, seed=step), pad_id=0)
-        results.append(tier.train_step(state, batch, step_config(VOCAB)))
+        results.append(train_step(tier, state, batch))
     return state, results
 
 
@@ -168,7 +136,7 @@ def test_dist_checkpoint_round_trip_continues_identically(cuda_world, tmp_path):
     )
     save_checkpoint(str(tmp_path), 1, tier.checkpoint_shards(), state, pipeline, args, cuda_world)
     batch = build_train_batch(synthetic_groups(2, 4, VOCAB, seed=9), pad_id=0)
-    want = tier.train_step(state, batch, step_config(VOCAB))
+    want = train_step(tier, state, batch)
 
     torch.manual_seed(123)  # different initial weights: everything must come from the checkpoint
     fresh = tier.build_model(VOCAB)
@@ -177,7 +145,7 @@ def test_dist_checkpoint_round_trip_continues_identically(cuda_world, tmp_path):
         str(tmp_path), tier.checkpoint_shards(), fresh_state, args, cuda_world
     )
     assert resumed.iteration == 1 and resumed.pipeline == pipeline
-    got = tier.train_step(fresh_state, batch, step_config(VOCAB))
+    got = train_step(tier, fresh_state, batch)
     assert got.loss == pytest.approx(want.loss, rel=1e-6)
     assert got.grad_norm == pytest.approx(want.grad_norm, rel=1e-6)
     assert got.lr == want.lr

@@ -1,0 +1,106 @@
+"""Every ``Policy`` method on the CUDA tier (emulated on the CPU) and on the CPU tier.
+
+    python -m torch.distributed.run --nproc-per-node=N tests/grpo_testing/emulated_cuda_policy.py \\
+        --out DIR [--tp T] [--packing CAPACITY]
+
+Each rank builds both tiers' policies from the same seed (each with its reference model, a copy
+of the initial weights), runs the same calls on both: ``train`` in eval mode (NLL, and GRPO
+against pi_old from ``get_logprobs``) and with a supervised NLL loss (two global batches),
+``get_logprobs``, ``get_reference_policy_logprobs``,
+``get_topk_logits`` and a GRPO update with the reference KL and entropy terms, and saves both
+tiers' results to ``DIR/rank<r>.pt`` (``--pp`` > 1: the CUDA tier's only). One process per rank: the emulation patches torch globally.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+import torch  # noqa: E402
+from grpo_testing.emulated_cuda import emulate_cuda_on_cpu  # noqa: E402
+
+emulate_cuda_on_cpu()
+
+from grpo_testing.models import VOCAB  # noqa: E402
+from grpo_testing.rollouts import synthetic_groups  # noqa: E402
+from grpo_testing.trainer import grpo_update, train_args  # noqa: E402
+
+from megatron.rl.grpo.batch import build_train_batch  # noqa: E402
+from megatron.rl.grpo.loss import GRPOLossConfig  # noqa: E402
+from megatron.rl.grpo.terms.entropy_bonus import EntropyBonus  # noqa: E402
+from megatron.rl.grpo.terms.reference_kl import ReferenceKL  # noqa: E402
+from megatron.trainer.checkpointing import TrainState  # noqa: E402
+from megatron.trainer.initialize import initialize_distributed  # noqa: E402
+from megatron.trainer.losses import GRPOLoss, TokenMeanNLL  # noqa: E402
+from megatron.trainer.policy import PolicyConfig  # noqa: E402
+from megatron.trainer.reference import build_reference_model  # noqa: E402
+from megatron.trainer.step import StepConfig  # noqa: E402
+from megatron.trainer.tiers.cpu import CPUTier  # noqa: E402
+from megatron.trainer.tiers.cuda import CUDATier  # noqa: E402
+
+K = 5
+
+
+def run_policy(tier_class, args, ctx, packing: int | None) -> dict:
+    """The results of every method on ``tier_class``'s policy."""
+    tier = tier_class(args, ctx)
+    torch.manual_seed(7)
+    model = tier.build_model(VOCAB)
+    reference = build_reference_model(args, tier, model, VOCAB, ctx, needs_reference=True)
+    state = TrainState(model, *tier.build_optimizer(model))
+    config = StepConfig(
+        GRPOLossConfig(0.2, 0.28, terms=(ReferenceKL(0.1), EntropyBonus(0.01))),
+        VOCAB, 2, clip_grad=0.5, old_logprobs=True, packing_capacity=packing,
+    )  # fmt: skip
+    policy = tier.build_policy(state, PolicyConfig.of(config), reference)
+    data = build_train_batch(synthetic_groups(2, 4, VOCAB, seed=1), pad_id=0)
+    (evaluated,) = policy.train(data, TokenMeanNLL(), eval_mode=True)
+    logprobs = policy.get_logprobs(data)  # the same forward as the evaluation's
+    upfront_loss = GRPOLoss(config, logprobs, policy.get_reference_policy_logprobs(data))
+    (upfront,) = policy.train(data, upfront_loss, eval_mode=True)
+    trained = policy.train(data, TokenMeanNLL(), gbs=4, mbs=2)
+    top = policy.get_topk_logits(data, K)
+    grpo = [grpo_update(policy, data, config) for _ in range(2)]
+    return {
+        "nll": [evaluated.loss] + [r.loss for r in trained],
+        "nll_of_logprobs": float(-(logprobs * data.loss_mask).sum() / data.loss_mask.sum()),
+        "upfront_ratio_mean": upfront.metrics["ratio_mean"],
+        "grad_norm": [r.grad_norm for r in trained] + [r.grad_norm for r in grpo],
+        "lr": [r.lr for r in trained] + [r.lr for r in grpo],
+        "logprobs": policy.get_logprobs(data),
+        "ref_logprobs": policy.get_reference_policy_logprobs(data, micro_batch_size=4),
+        "topk_values": top.values,
+        "topk_indices": top.indices,
+        "grpo_loss": [r.loss for r in grpo],
+        "grpo_metrics": [r.metrics for r in grpo],
+        "valid": torch.arange(data.input_ids.shape[1])[None] < data.lengths[:, None],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1, help="> 1: the CUDA tier only")
+    parser.add_argument("--packing", type=int, default=None)
+    opts = parser.parse_args()
+    args = train_args(
+        tensor_model_parallel_size=opts.tp, pipeline_model_parallel_size=opts.pp,
+        grpo_kl_beta=0.1, ref_load=None,
+    )  # fmt: skip
+    torch.cuda.is_available = lambda: False  # gloo and the CPU as the context's device
+    ctx = initialize_distributed(args)
+    torch.cuda.is_available = lambda: True
+    results = {"cuda": run_policy(CUDATier, args, ctx, opts.packing)}
+    if opts.pp == 1:  # the CPU tier has no pipeline stages
+        results["cpu"] = run_policy(CPUTier, args, ctx, opts.packing)
+    torch.save(results, Path(opts.out) / f"rank{ctx.rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
