@@ -274,6 +274,24 @@ def build_parser() -> argparse.ArgumentParser:
         "token (see megatron/rl/grpo/importance.py).",
     )
     g.add_argument(
+        "--rl-seq-logprob-error-threshold",
+        type=optional_float,
+        default=None,
+        help="Mask out of the loss every sequence whose logprob error exceeds this (NeMo-RL's "
+        "grpo.seq_logprob_error_threshold, e.g. 1.5): the mean over its generated tokens of "
+        "exp(|log pi_old - log pi_inference|), with pi_old the policy before the collection's "
+        "first update (one more forward pass when the step has no pi_old). The token-mean loss "
+        "is normalised over the remaining tokens. Logs the error's min/mean/max before and "
+        "after the mask, the masked sequences and the share of them that were rewarded "
+        "(seq_mult_prob_error_*, seq_logprob_error_*). Default: no mask.",
+    )
+    g.add_argument(
+        "--rl-log-seq-logprob-error",
+        action="store_true",
+        help="Log the sequence-level logprob error (seq_mult_prob_error_min/mean/max, see "
+        "--rl-seq-logprob-error-threshold) without masking anything.",
+    )
+    g.add_argument(
         "--rl-max-failed-rollout-fraction",
         type=float,
         default=0.5,
@@ -706,6 +724,12 @@ def validate_algorithm_args(args: argparse.Namespace, cuda: bool) -> list[str]:
     check(
         coef is None or (math.isfinite(coef) and coef > 0),
         f"--rl-importance-sampling-truncation-coef must be > 0 or none, got {coef}",
+    )
+    threshold = args.rl_seq_logprob_error_threshold
+    check(
+        threshold is None or (math.isfinite(threshold) and threshold >= 1),
+        f"--rl-seq-logprob-error-threshold must be >= 1 (a sequence's error is >= 1, exactly 1 "
+        f"where the trainer's and the engine's logprobs agree) or none, got {threshold}",
     )
     if args.eval_interval is not None:
         check(args.eval_interval >= 1, f"--eval-interval must be >= 1, got {args.eval_interval}")

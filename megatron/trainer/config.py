@@ -17,6 +17,7 @@ from megatron.rl.eval.runner import EvalConfig
 from megatron.rl.grpo.filtering import DynamicSamplingConfig
 from megatron.rl.grpo.importance import ImportanceConfig
 from megatron.rl.grpo.loss import GRPOLossConfig
+from megatron.rl.grpo.seq_logprob_error import SeqLogprobErrorConfig
 from megatron.rl.grpo.terms import LossTerm, loss_terms
 from megatron.rl.inference.scheduler import SchedulerConfig
 from megatron.rl.models.hf import HFCheckpointError, load_hf_tokenizer
@@ -63,6 +64,15 @@ def step_config(args: argparse.Namespace, vocab_size: int) -> StepConfig:
         importance=importance,
         packing_capacity=args.seq_length if args.rl_use_sequence_packing else None,
     )
+
+
+def seq_logprob_error_config(args: argparse.Namespace) -> SeqLogprobErrorConfig | None:
+    """The sequence-level logprob error of ``--rl-log-seq-logprob-error`` (metrics) and
+    ``--rl-seq-logprob-error-threshold`` (masking; implies the metrics); None when off."""
+    threshold = args.rl_seq_logprob_error_threshold
+    if threshold is None and not args.rl_log_seq_logprob_error:
+        return None
+    return SeqLogprobErrorConfig(threshold)
 
 
 def generation_rounds(args: argparse.Namespace) -> int:

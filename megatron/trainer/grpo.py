@@ -50,6 +50,7 @@ from megatron.trainer.metrics import MetricsWriter, step_metrics
 from megatron.trainer.model_provider import architecture
 from megatron.trainer.reference import build_reference_model
 from megatron.trainer.rollouts import CollectedBatch, RolloutSource
+from megatron.trainer.seq_logprob_error import apply_seq_logprob_error
 from megatron.trainer.step import StepConfig, StepResult
 from megatron.trainer.tiers import Tier, select_tier
 
@@ -79,11 +80,18 @@ class Run:
         return self.args.global_batch_size // (self.args.micro_batch_size * self.ctx.dp_size)
 
     def collection(self, collected: CollectedBatch) -> tuple[Collection, dict[str, Any]]:
-        """The collection of a batch (dynamic sampling, advantages, pi_old) and its metrics."""
+        """The collection of a batch (dynamic sampling, advantages, pi_old, the sequence-level
+        logprob error mask) and its metrics."""
         groups, extra = training_groups(self.args, collected)
         batch = build_train_batch(groups, self.tokenizer.pad_id)
         collection = Collection(batch, self.args.global_batch_size, self.k)
         collection.prepare(self.tier, self.state, self.step_config, self.micro_batches)
+        error_config = config.seq_logprob_error_config(self.args)
+        if error_config is not None:  # pi_old vs the engine's logprobs; masks rows above X
+            extra.update(apply_seq_logprob_error(
+                collection, groups, self.tier, self.state, self.step_config, self.micro_batches,
+                self.ctx, error_config,
+            ))  # fmt: skip
         return collection, extra
 
     def train_step(self, collection: Collection, iteration: int) -> StepResult:

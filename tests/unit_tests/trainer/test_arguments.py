@@ -164,6 +164,16 @@ def test_entry_script_exits_non_zero_naming_the_flag(argv, flag):
             "--rl-importance-sampling-truncation-coef must be > 0",
             id="zero-coef",
         ),
+        pytest.param(
+            ["--rl-seq-logprob-error-threshold", "0.9"],
+            "--rl-seq-logprob-error-threshold must be >= 1",
+            id="seq-error-threshold-below-one",
+        ),
+        pytest.param(
+            ["--rl-seq-logprob-error-threshold", "inf"],
+            "--rl-seq-logprob-error-threshold must be >= 1",
+            id="seq-error-threshold-inf",
+        ),
         pytest.param(["--eval-interval", "0"], "--eval-interval", id="zero-eval-interval"),
         pytest.param(["--eval-prompts", "0"], "--eval-prompts", id="zero-eval-prompts"),
         pytest.param(["--eval-samples", "0"], "--eval-samples", id="zero-eval-samples"),
@@ -184,7 +194,8 @@ def test_algorithm_flags_together_are_valid(tmp_path):
         "--grpo-max-generation-rounds", "3", "--rl-inference-logprobs-is-correction",
         "--rl-importance-sampling-truncation-coef", "1.5", "--rl-use-sequence-packing",
         "--eval-interval", "10", "--eval-samples", "8", "--eval-pass-k", "1", "8",
-        "--rl-forced-lag", "2",
+        "--rl-forced-lag", "2", "--rl-seq-logprob-error-threshold", "1.5",
+        "--rl-log-seq-logprob-error",
     ]  # fmt: skip
     assert errors_for(argv) == []
 
