@@ -183,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="Rounds of --grpo-prompts-per-step groups generated per batch for "
         "--grpo-filter-groups-with-same-reward (Megatron-LM regenerates dropped groups without "
-        "a bound).",
+        "a bound): all submitted with the batch when --rl-forced-lag > 0; at lag 0 one more "
+        "round only while the batch lacks groups whose rewards differ.",
     )
 
     g = p.add_argument_group("RL")

@@ -99,13 +99,17 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def rollout_config(args: argparse.Namespace) -> RolloutConfig:
-    """What the forced-lag generator submits, and how far ahead."""
+    """What the forced-lag generator submits, and how far ahead: dynamic sampling's rounds all
+    with the batch when L > 0, lazily (one more only while the batch is short) when L = 0."""
+    rounds = generation_rounds(args)
     return RolloutConfig(
         forced_lag=args.rl_forced_lag,
-        groups_per_batch=args.grpo_prompts_per_step * generation_rounds(args),
+        groups_per_batch=args.grpo_prompts_per_step * rounds,
         group_size=args.grpo_group_size,
         seed=args.seed,
         sampling=sampling_params(args),
+        rounds=rounds,
+        lazy_rounds=rounds > 1 and args.rl_forced_lag == 0,
     )
 
 

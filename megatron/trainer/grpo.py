@@ -268,8 +268,10 @@ def training_groups(
     return chosen.groups, {
         "dynamic_sampling_rounds": chosen.rounds_used,
         "dynamic_sampling_dropped_groups": chosen.dropped,
+        "dynamic_sampling_generated_rounds": len(groups) // sampling.groups_per_batch,
         "dynamic_sampling_generated_groups": len(groups),
         "dynamic_sampling_kept_groups": chosen.kept,
+        "dynamic_sampling_surplus_groups": chosen.surplus,
         "dynamic_sampling_kept_reward_mean": sum(kept) / max(len(kept), 1),
     }
 

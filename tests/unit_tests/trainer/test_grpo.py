@@ -122,9 +122,26 @@ def test_dynamic_sampling_keeps_the_lag_exact(runs):
     )  # fmt: skip
     for m in metrics:
         assert m["staleness_min"] == m["staleness_max"] == min(m["step"], 2)
-        assert m["dynamic_sampling_generated_groups"] == 24
+        assert m["dynamic_sampling_generated_groups"] == 24  # L > 0: every round, eagerly
+        assert m["dynamic_sampling_generated_rounds"] == 6
         assert 1 <= m["dynamic_sampling_rounds"] <= 6
         assert m["in_flight_batches"] == 3
+
+
+def test_dynamic_sampling_at_lag_zero_generates_rounds_only_while_the_batch_is_short(runs):
+    metrics = runs(
+        "dynamic-lazy", "--rl-forced-lag", "0", "--grpo-filter-groups-with-same-reward",
+        "--grpo-max-generation-rounds", "3", "--rl-default-temperature", "1.0",
+    )  # fmt: skip
+    for m in metrics:
+        assert m["staleness_min"] == m["staleness_max"] == 0
+        full = m["dynamic_sampling_kept_groups"] == 4
+        rounds = m["dynamic_sampling_rounds"] if full else 3  # a short batch takes all R rounds
+        assert m["dynamic_sampling_generated_rounds"] == rounds
+        assert m["dynamic_sampling_generated_groups"] == 4 * rounds
+        assert m["dynamic_sampling_surplus_groups"] < 4  # the last round was needed
+    # seed 3 at temperature 1: some batch fills before its last round, so it is never generated
+    assert min(m["dynamic_sampling_generated_groups"] for m in metrics) < 12
 
 
 def test_dynamic_sampling_without_qualifying_groups_trains_on_nothing_and_goes_on(runs):
