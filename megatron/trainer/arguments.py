@@ -354,6 +354,34 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="A sampled completion counts as correct for pass@k when its reward is >= this.",
     )
+    g.add_argument(
+        "--val-split-fraction",
+        type=float,
+        default=0.0,
+        help="Hold this share of each file-backed environment's problems (GSM8K, math JSONL) "
+        "out of training as its validation partition: evaluation takes each held-out problem "
+        "once (at most --eval-prompts), training never draws one. The split is fixed by the "
+        "data set's size, not by --seed. 0 = off (the held-out set is drawn).",
+    )
+    g.add_argument(
+        "--val-at-start",
+        action="store_true",
+        help="Evaluate before the first training step (logged as eval_at_start/* on the first "
+        "step's record).",
+    )
+    g.add_argument(
+        "--val-at-end",
+        action="store_true",
+        help="Evaluate after the last iteration (as --eval-iters > 0 does), whatever "
+        "--eval-interval says.",
+    )
+    g.add_argument(
+        "--val-dump-dir",
+        type=str,
+        default=None,
+        help="Write each evaluation's rollouts (prompt, response, reward, length, truncated) to "
+        "<dir>/eval-v<policy version>.jsonl, one line per rollout of both passes.",
+    )
 
     g = p.add_argument_group("output")
     g.add_argument("--metrics-file", type=str, default=None, help="Append per-step JSONL here.")
@@ -645,7 +673,23 @@ def validate_args(
     return errors
 
 
-OUTPUT_PATHS = (("--save", "dir"), ("--tensorboard-dir", "dir"), ("--metrics-file", "file"))
+def evaluation_requested(args: argparse.Namespace) -> bool:
+    """Whether the run evaluates (``--eval-interval``, ``--eval-iters`` > 0, ``--val-at-start``
+    or ``--val-at-end``)."""
+    return (
+        args.eval_interval is not None
+        or args.eval_iters > 0
+        or args.val_at_start
+        or args.val_at_end
+    )
+
+
+OUTPUT_PATHS = (
+    ("--save", "dir"),
+    ("--tensorboard-dir", "dir"),
+    ("--metrics-file", "file"),
+    ("--val-dump-dir", "dir"),
+)
 """Every path the run writes, checked at start-up (before anything is built)."""
 
 
@@ -740,6 +784,21 @@ def validate_algorithm_args(args: argparse.Namespace, cuda: bool) -> list[str]:
     check(
         not bad_k,
         f"--eval-pass-k values must be in [1, --eval-samples ({args.eval_samples})], got {bad_k}",
+    )
+    evaluating = evaluation_requested(args)
+    check(
+        0.0 <= args.val_split_fraction < 1.0,
+        f"--val-split-fraction must be in [0, 1), got {args.val_split_fraction}",
+    )
+    check(
+        args.val_split_fraction == 0.0 or evaluating,
+        "--val-split-fraction holds problems out for evaluation: give --eval-interval, "
+        "--eval-iters, --val-at-start or --val-at-end",
+    )
+    check(
+        args.val_dump_dir is None or evaluating,
+        "--val-dump-dir needs evaluation: give --eval-interval, --eval-iters, --val-at-start or "
+        "--val-at-end",
     )
     if cuda:
         needs_reference = [

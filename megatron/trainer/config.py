@@ -147,8 +147,10 @@ def scheduler_config(
     return config
 
 
-def eval_config(args: argparse.Namespace) -> EvalConfig:
-    """The evaluation described by the flags (sampled pass at the training sampling params)."""
+def eval_config(args: argparse.Namespace, tokenizer: Tokenizer | None = None) -> EvalConfig:
+    """The evaluation described by the flags (sampled pass at the training sampling params);
+    the tokenizer's EOS and extra stop ids tell a finished response from a truncated one."""
+    stops = () if tokenizer is None else (tokenizer.eos_id, *tokenizer.extra_stop_ids)
     return EvalConfig(
         num_prompts=args.eval_prompts,
         samples_per_prompt=args.eval_samples,
@@ -156,6 +158,7 @@ def eval_config(args: argparse.Namespace) -> EvalConfig:
         sampling=sampling_params(args),
         correct_threshold=args.eval_correct_threshold,
         seed=args.seed,
+        stop_token_ids=tuple(stops),
     )
 
 

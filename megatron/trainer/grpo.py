@@ -31,6 +31,7 @@ from megatron.rl.grpo.filtering import select_groups
 from megatron.rl.tokenizer import Tokenizer
 from megatron.rl.wire import RolloutGroup
 from megatron.trainer import config, report
+from megatron.trainer.arguments import evaluation_requested
 from megatron.trainer.checkpointing import (
     Checkpoint,
     LoadOptions,
@@ -39,7 +40,7 @@ from megatron.trainer.checkpointing import (
     save_checkpoint,
 )
 from megatron.trainer.collection import Collection
-from megatron.trainer.evaluation import Evaluator, eval_agents
+from megatron.trainer.evaluation import Evaluator, eval_agents, hold_out_validation
 from megatron.trainer.hf_io import save_hf, weight_loader
 from megatron.trainer.initialize import (
     ParallelContext,
@@ -132,6 +133,10 @@ def train(args: argparse.Namespace, missing_kernels: set[str] = frozenset()) -> 
         print_header(run, agent, missing_kernels)
         writer = metrics_writer(args, run.resumed.iteration) if ctx.is_main else None
         evaluator = build_evaluator(run, agent)
+        at_start = {}
+        if args.val_at_start and run.resumed.iteration < args.train_iters:  # before any update
+            at_start = evaluator.run(policy_version=run.resumed.iteration)
+            at_start = {k.replace("eval/", "eval_at_start/", 1): v for k, v in at_start.items()}
         with rollout_source(run, agent) as rollouts:
             stop_on_signals(rollouts)
             for iteration in range(run.resumed.iteration, args.train_iters):
@@ -142,6 +147,8 @@ def train(args: argparse.Namespace, missing_kernels: set[str] = frozenset()) -> 
                 result = run.train_step(collection, iteration)  # one optimizer update
                 rollouts.policy_version = iteration + 1
                 elapsed, metrics = time.perf_counter() - t0, dict(extra)
+                metrics.update(at_start)  # the first step's record only
+                at_start = {}
                 if evaluation_due(args, iteration + 1):  # own engine and window
                     metrics.update(evaluator.run(policy_version=iteration + 1))
                 if writer is not None:  # log
@@ -197,7 +204,8 @@ def build_evaluator(run: Run, agent: Agent) -> Evaluator | None:
     engine = config.scheduler_config(run.args, run.ctx.dp_size, run.tokenizer, training=False)
     return Evaluator(
         run.ctx, run.tier, run.state.model, run.tokenizer, agent if run.ctx.is_main else None,
-        config.eval_config(run.args), engine,
+        config.eval_config(run.args, run.tokenizer), engine,
+        None if run.args.val_dump_dir is None else Path(run.args.val_dump_dir),
     )  # fmt: skip
 
 
@@ -243,16 +251,16 @@ def raise_stop(run: Run, iteration: int, signum: int) -> None:
 
 
 def evaluation_on(args: argparse.Namespace) -> bool:
-    """Whether the run evaluates (``--eval-interval`` or ``--eval-iters`` > 0)."""
-    return args.eval_interval is not None or args.eval_iters > 0
+    """Whether the run evaluates (``arguments.evaluation_requested``)."""
+    return evaluation_requested(args)
 
 
 def evaluation_due(args: argparse.Namespace, iteration: int) -> bool:
     """Evaluate after ``iteration`` iterations: every ``--eval-interval`` and, with
-    ``--eval-iters`` > 0, after the last one."""
+    ``--eval-iters`` > 0 or ``--val-at-end``, after the last one."""
     if args.eval_interval is not None and iteration % args.eval_interval == 0:
         return True
-    return args.eval_iters > 0 and iteration == args.train_iters
+    return (args.eval_iters > 0 or args.val_at_end) and iteration == args.train_iters
 
 
 def training_groups(
@@ -284,6 +292,8 @@ def load_agent(args: argparse.Namespace) -> Agent:
         raise SystemExit(f"pretrain_grpo.py: error: --env-config: {err}") from None
     if evaluation_on(args):
         eval_agents(agent)  # refuses remote environments on every rank, before any collective
+    if args.val_split_fraction > 0:  # the same split on every rank (a pure function of the data)
+        hold_out_validation(agent, args.val_split_fraction)
     return agent
 
 
