@@ -184,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="Rounds of --grpo-prompts-per-step groups generated per batch for "
         "--grpo-filter-groups-with-same-reward (Megatron-LM regenerates dropped groups without "
-        "a bound).",
+        "a bound): all submitted with the batch when --rl-forced-lag > 0; at lag 0 one more "
+        "round only while the batch lacks groups whose rewards differ.",
     )
 
     g = p.add_argument_group("RL")
@@ -275,6 +276,24 @@ def build_parser() -> argparse.ArgumentParser:
         "token (see megatron/rl/grpo/importance.py).",
     )
     g.add_argument(
+        "--rl-seq-logprob-error-threshold",
+        type=optional_float,
+        default=None,
+        help="Mask out of the loss every sequence whose logprob error exceeds this (NeMo-RL's "
+        "grpo.seq_logprob_error_threshold, e.g. 1.5): the mean over its generated tokens of "
+        "exp(|log pi_old - log pi_inference|), with pi_old the policy before the collection's "
+        "first update (one more forward pass when the step has no pi_old). The token-mean loss "
+        "is normalised over the remaining tokens. Logs the error's min/mean/max before and "
+        "after the mask, the masked sequences and the share of them that were rewarded "
+        "(seq_mult_prob_error_*, seq_logprob_error_*). Default: no mask.",
+    )
+    g.add_argument(
+        "--rl-log-seq-logprob-error",
+        action="store_true",
+        help="Log the sequence-level logprob error (seq_mult_prob_error_min/mean/max, see "
+        "--rl-seq-logprob-error-threshold) without masking anything.",
+    )
+    g.add_argument(
         "--rl-max-failed-rollout-fraction",
         type=float,
         default=0.5,
@@ -335,6 +354,34 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=1.0,
         help="A sampled completion counts as correct for pass@k when its reward is >= this.",
+    )
+    g.add_argument(
+        "--val-split-fraction",
+        type=float,
+        default=0.0,
+        help="Hold this share of each file-backed environment's problems (GSM8K, math JSONL) "
+        "out of training as its validation partition: evaluation takes each held-out problem "
+        "once (at most --eval-prompts), training never draws one. The split is fixed by the "
+        "data set's size, not by --seed. 0 = off (the held-out set is drawn).",
+    )
+    g.add_argument(
+        "--val-at-start",
+        action="store_true",
+        help="Evaluate before the first training step (logged as eval_at_start/* on the first "
+        "step's record).",
+    )
+    g.add_argument(
+        "--val-at-end",
+        action="store_true",
+        help="Evaluate after the last iteration (as --eval-iters > 0 does), whatever "
+        "--eval-interval says.",
+    )
+    g.add_argument(
+        "--val-dump-dir",
+        type=str,
+        default=None,
+        help="Write each evaluation's rollouts (prompt, response, reward, length, truncated) to "
+        "<dir>/eval-v<policy version>.jsonl, one line per rollout of both passes.",
     )
 
     g = p.add_argument_group("output")
@@ -627,7 +674,23 @@ def validate_args(
     return errors
 
 
-OUTPUT_PATHS = (("--save", "dir"), ("--tensorboard-dir", "dir"), ("--metrics-file", "file"))
+def evaluation_requested(args: argparse.Namespace) -> bool:
+    """Whether the run evaluates (``--eval-interval``, ``--eval-iters`` > 0, ``--val-at-start``
+    or ``--val-at-end``)."""
+    return (
+        args.eval_interval is not None
+        or args.eval_iters > 0
+        or args.val_at_start
+        or args.val_at_end
+    )
+
+
+OUTPUT_PATHS = (
+    ("--save", "dir"),
+    ("--tensorboard-dir", "dir"),
+    ("--metrics-file", "file"),
+    ("--val-dump-dir", "dir"),
+)
 """Every path the run writes, checked at start-up (before anything is built)."""
 
 
@@ -708,6 +771,12 @@ def validate_algorithm_args(args: argparse.Namespace, cuda: bool) -> list[str]:
         coef is None or (math.isfinite(coef) and coef > 0),
         f"--rl-importance-sampling-truncation-coef must be > 0 or none, got {coef}",
     )
+    threshold = args.rl_seq_logprob_error_threshold
+    check(
+        threshold is None or (math.isfinite(threshold) and threshold >= 1),
+        f"--rl-seq-logprob-error-threshold must be >= 1 (a sequence's error is >= 1, exactly 1 "
+        f"where the trainer's and the engine's logprobs agree) or none, got {threshold}",
+    )
     if args.eval_interval is not None:
         check(args.eval_interval >= 1, f"--eval-interval must be >= 1, got {args.eval_interval}")
     check(args.eval_prompts >= 1, f"--eval-prompts must be >= 1, got {args.eval_prompts}")
@@ -716,6 +785,21 @@ def validate_algorithm_args(args: argparse.Namespace, cuda: bool) -> list[str]:
     check(
         not bad_k,
         f"--eval-pass-k values must be in [1, --eval-samples ({args.eval_samples})], got {bad_k}",
+    )
+    evaluating = evaluation_requested(args)
+    check(
+        0.0 <= args.val_split_fraction < 1.0,
+        f"--val-split-fraction must be in [0, 1), got {args.val_split_fraction}",
+    )
+    check(
+        args.val_split_fraction == 0.0 or evaluating,
+        "--val-split-fraction holds problems out for evaluation: give --eval-interval, "
+        "--eval-iters, --val-at-start or --val-at-end",
+    )
+    check(
+        args.val_dump_dir is None or evaluating,
+        "--val-dump-dir needs evaluation: give --eval-interval, --eval-iters, --val-at-start or "
+        "--val-at-end",
     )
     if cuda and args.rl_use_sequence_packing and transformer_engine_importable():
         errors.append(

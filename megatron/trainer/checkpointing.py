@@ -59,12 +59,14 @@ RESUME_FLAGS = (
     "ffn_hidden_size",
     "grpo_filter_groups_with_same_reward",
     "grpo_max_generation_rounds",
+    "val_split_fraction",
 )
 """Flags a resumed run must share with the saved one (different values break exact resume)."""
 
 RESUME_FLAG_DEFAULTS = {
     "grpo_filter_groups_with_same_reward": False,
     "grpo_max_generation_rounds": 1,
+    "val_split_fraction": 0.0,
 }
 """Values of resume flags added later, assumed for checkpoints saved before they existed."""
 

@@ -65,6 +65,10 @@ class Collection:
             j % self.num_slices, [MicroBatchCache() for _ in range(num_micro_batches)]
         )
 
+    def old_logprobs(self, j: int) -> torch.Tensor | None:
+        """(GBS, T) pi_old of iteration j's global batch if ``prepare`` computed it up front."""
+        return self._old.get(j % self.num_slices)
+
     def loss(self, j: int, config: StepConfig) -> GRPOLoss:
         """The GRPO loss of iteration j's global batch (with its pi_old and pi_ref)."""
         s = j % self.num_slices

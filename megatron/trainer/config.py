@@ -17,6 +17,7 @@ from megatron.rl.eval.runner import EvalConfig
 from megatron.rl.grpo.filtering import DynamicSamplingConfig
 from megatron.rl.grpo.importance import ImportanceConfig
 from megatron.rl.grpo.loss import GRPOLossConfig
+from megatron.rl.grpo.seq_logprob_error import SeqLogprobErrorConfig
 from megatron.rl.grpo.terms import LossTerm, loss_terms
 from megatron.rl.inference.scheduler import SchedulerConfig
 from megatron.rl.models.hf import HFCheckpointError, load_hf_tokenizer
@@ -65,6 +66,15 @@ def step_config(args: argparse.Namespace, vocab_size: int) -> StepConfig:
     )
 
 
+def seq_logprob_error_config(args: argparse.Namespace) -> SeqLogprobErrorConfig | None:
+    """The sequence-level logprob error of ``--rl-log-seq-logprob-error`` (metrics) and
+    ``--rl-seq-logprob-error-threshold`` (masking; implies the metrics); None when off."""
+    threshold = args.rl_seq_logprob_error_threshold
+    if threshold is None and not args.rl_log_seq_logprob_error:
+        return None
+    return SeqLogprobErrorConfig(threshold)
+
+
 def generation_rounds(args: argparse.Namespace) -> int:
     """Rounds of groups generated per batch (> 1 only with dynamic sampling)."""
     return args.grpo_max_generation_rounds if args.grpo_filter_groups_with_same_reward else 1
@@ -89,13 +99,17 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def rollout_config(args: argparse.Namespace) -> RolloutConfig:
-    """What the forced-lag generator submits, and how far ahead."""
+    """What the forced-lag generator submits, and how far ahead: dynamic sampling's rounds all
+    with the batch when L > 0, lazily (one more only while the batch is short) when L = 0."""
+    rounds = generation_rounds(args)
     return RolloutConfig(
         forced_lag=args.rl_forced_lag,
-        groups_per_batch=args.grpo_prompts_per_step * generation_rounds(args),
+        groups_per_batch=args.grpo_prompts_per_step * rounds,
         group_size=args.grpo_group_size,
         seed=args.seed,
         sampling=sampling_params(args),
+        rounds=rounds,
+        lazy_rounds=rounds > 1 and args.rl_forced_lag == 0,
     )
 
 
@@ -133,8 +147,10 @@ def scheduler_config(
     return config
 
 
-def eval_config(args: argparse.Namespace) -> EvalConfig:
-    """The evaluation described by the flags (sampled pass at the training sampling params)."""
+def eval_config(args: argparse.Namespace, tokenizer: Tokenizer | None = None) -> EvalConfig:
+    """The evaluation described by the flags (sampled pass at the training sampling params);
+    the tokenizer's EOS and extra stop ids tell a finished response from a truncated one."""
+    stops = () if tokenizer is None else (tokenizer.eos_id, *tokenizer.extra_stop_ids)
     return EvalConfig(
         num_prompts=args.eval_prompts,
         samples_per_prompt=args.eval_samples,
@@ -142,6 +158,7 @@ def eval_config(args: argparse.Namespace) -> EvalConfig:
         sampling=sampling_params(args),
         correct_threshold=args.eval_correct_threshold,
         seed=args.seed,
+        stop_token_ids=tuple(stops),
     )
 
 

@@ -9,18 +9,28 @@ are exactly those of a run without evaluation (the forced-lag contract does not 
 uses no global RNG (each request has its own seeded stream), and evaluation requests are keyed and
 announced on their own engine, so evaluation results are deterministic too. Remote environments are
 refused: they generate through the trainer's inference server, i.e. the training engine.
+
+Validation as NeMo-RL's ``validate_sync``: ``--val-split-fraction`` makes the held-out set of each
+file-backed environment a partition training never draws from (``megatron/rl/agent/dataset.py``),
+``--val-at-start`` / ``--val-at-end`` evaluate before the first and after the last step, the
+``eval/*`` metrics include response lengths and the truncated share, and ``--val-dump-dir`` gets
+each evaluation's rollouts as ``eval-v<policy version>.jsonl``.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from megatron.rl.agent.api import Agent
+from megatron.rl.agent.dataset import DatasetEnvironment
 from megatron.rl.agent.mixture import MixtureAgent
-from megatron.rl.eval.runner import EvalConfig, eval_metrics, evaluate_agents
+from megatron.rl.eval.runner import EnvEvaluation, EvalConfig, eval_metrics, evaluate_agents
 from megatron.rl.inference.interface import LocalInferenceInterface
 from megatron.rl.inference.scheduler import SchedulerConfig
 from megatron.rl.tokenizer import Tokenizer
@@ -43,6 +53,36 @@ def eval_agents(agent: Agent) -> list[Agent]:
     return agents
 
 
+def write_records(path: Path, results: list[EnvEvaluation], policy_version: int) -> None:
+    """One JSON line per evaluated rollout (``runner.eval_record`` and the policy version);
+    the file is replaced atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "w", encoding="utf-8") as out:
+        for result in results:
+            for record in result.records:
+                out.write(json.dumps({"policy_version": policy_version, **record}) + "\n")
+    os.replace(partial, path)
+
+
+def hold_out_validation(agent: Agent, fraction: float) -> list[DatasetEnvironment]:
+    """Split ``fraction`` of each trained file-backed environment's problems off as its
+    validation partition (``--val-split-fraction``); the environments split."""
+    trained = agent.agents if isinstance(agent, MixtureAgent) else [agent]
+    split = [a for a in trained if isinstance(a, DatasetEnvironment)]
+    if not split:
+        raise SystemExit(
+            "pretrain_grpo.py: error: --val-split-fraction: no trained environment is file-backed "
+            f"(a DatasetEnvironment); environments: {[a.env_id for a in trained]}"
+        )
+    for env in split:
+        try:
+            env.hold_out(fraction)
+        except ValueError as err:
+            raise SystemExit(f"pretrain_grpo.py: error: --val-split-fraction: {err}") from None
+    return split
+
+
 class Evaluator:
     """Owns the evaluation engine; ``run`` is collective (every rank calls it)."""
 
@@ -55,9 +95,12 @@ class Evaluator:
         agent: Agent | None,
         config: EvalConfig,
         engine_config: SchedulerConfig,
+        dump_dir: Path | None = None,
     ) -> None:
         self.ctx = ctx
         self.config = config
+        self.dump_dir = dump_dir
+        """Where rank 0 writes each evaluation's rollouts (None: nowhere)."""
         self.policy_version = 0
         self.host = GenerationHost(
             ctx, tier, model, engine_config, tokenizer.vocab_size, lambda: self.policy_version
@@ -76,6 +119,8 @@ class Evaluator:
             return {}
         start = time.perf_counter()
         results = self.host.window(self._evaluate)
+        if self.dump_dir is not None:
+            write_records(self.dump_dir / f"eval-v{policy_version}.jsonl", results, policy_version)
         return {
             **eval_metrics(results),
             "eval/policy_version": policy_version,

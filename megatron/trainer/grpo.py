@@ -30,6 +30,7 @@ from megatron.rl.grpo.filtering import select_groups
 from megatron.rl.tokenizer import Tokenizer
 from megatron.rl.wire import RolloutGroup
 from megatron.trainer import config, report
+from megatron.trainer.arguments import evaluation_requested
 from megatron.trainer.checkpointing import (
     Checkpoint,
     LoadOptions,
@@ -38,7 +39,7 @@ from megatron.trainer.checkpointing import (
     save_checkpoint,
 )
 from megatron.trainer.collection import Collection
-from megatron.trainer.evaluation import Evaluator, eval_agents
+from megatron.trainer.evaluation import Evaluator, eval_agents, hold_out_validation
 from megatron.trainer.hf_io import save_hf, weight_loader
 from megatron.trainer.initialize import (
     ParallelContext,
@@ -50,6 +51,7 @@ from megatron.trainer.model_provider import architecture
 from megatron.trainer.policy import Policy, PolicyConfig
 from megatron.trainer.reference import build_reference_model
 from megatron.trainer.rollouts import CollectedBatch, RolloutSource
+from megatron.trainer.seq_logprob_error import apply_seq_logprob_error
 from megatron.trainer.step import StepConfig, StepResult
 from megatron.trainer.tiers import Tier, select_tier
 
@@ -80,11 +82,15 @@ class Run:
         return self.args.global_batch_size // (self.args.micro_batch_size * self.ctx.dp_size)
 
     def collection(self, collected: CollectedBatch) -> tuple[Collection, dict[str, Any]]:
-        """The collection of a batch (dynamic sampling, advantages, pi_old) and its metrics."""
+        """The collection of a batch (dynamic sampling, advantages, pi_old, the sequence-level
+        logprob error mask) and its metrics."""
         groups, extra = training_groups(self.args, collected)
         batch = build_train_batch(groups, self.tokenizer.pad_id)
         collection = Collection(batch, self.args.global_batch_size, self.k)
         collection.prepare(self.policy, self.step_config)
+        error_config = config.seq_logprob_error_config(self.args)
+        if error_config is not None:  # pi_old vs the engine's logprobs; masks rows above X
+            extra.update(apply_seq_logprob_error(collection, groups, self.policy, error_config))
         return collection, extra
 
     def train_step(self, collection: Collection, iteration: int) -> StepResult:
@@ -128,6 +134,10 @@ def train(args: argparse.Namespace, missing_kernels: set[str] = frozenset()) -> 
         print_header(run, agent, missing_kernels)
         writer = metrics_writer(args, run.resumed.iteration) if ctx.is_main else None
         evaluator = build_evaluator(run, agent)
+        at_start = {}
+        if args.val_at_start and run.resumed.iteration < args.train_iters:  # before any update
+            at_start = evaluator.run(policy_version=run.resumed.iteration)
+            at_start = {k.replace("eval/", "eval_at_start/", 1): v for k, v in at_start.items()}
         with rollout_source(run, agent) as rollouts:
             stop_on_signals(rollouts)
             for iteration in range(run.resumed.iteration, args.train_iters):
@@ -138,6 +148,8 @@ def train(args: argparse.Namespace, missing_kernels: set[str] = frozenset()) -> 
                 result = run.train_step(collection, iteration)  # one optimizer update
                 rollouts.policy_version = iteration + 1
                 elapsed, metrics = time.perf_counter() - t0, dict(extra)
+                metrics.update(at_start)  # the first step's record only
+                at_start = {}
                 if evaluation_due(args, iteration + 1):  # own engine and window
                     metrics.update(evaluator.run(policy_version=iteration + 1))
                 if writer is not None:  # log
@@ -193,7 +205,8 @@ def build_evaluator(run: Run, agent: Agent) -> Evaluator | None:
     engine = config.scheduler_config(run.args, run.ctx.dp_size, run.tokenizer, training=False)
     return Evaluator(
         run.ctx, run.tier, run.state.model, run.tokenizer, agent if run.ctx.is_main else None,
-        config.eval_config(run.args), engine,
+        config.eval_config(run.args, run.tokenizer), engine,
+        None if run.args.val_dump_dir is None else Path(run.args.val_dump_dir),
     )  # fmt: skip
 
 
@@ -239,16 +252,16 @@ def raise_stop(run: Run, iteration: int, signum: int) -> None:
 
 
 def evaluation_on(args: argparse.Namespace) -> bool:
-    """Whether the run evaluates (``--eval-interval`` or ``--eval-iters`` > 0)."""
-    return args.eval_interval is not None or args.eval_iters > 0
+    """Whether the run evaluates (``arguments.evaluation_requested``)."""
+    return evaluation_requested(args)
 
 
 def evaluation_due(args: argparse.Namespace, iteration: int) -> bool:
     """Evaluate after ``iteration`` iterations: every ``--eval-interval`` and, with
-    ``--eval-iters`` > 0, after the last one."""
+    ``--eval-iters`` > 0 or ``--val-at-end``, after the last one."""
     if args.eval_interval is not None and iteration % args.eval_interval == 0:
         return True
-    return args.eval_iters > 0 and iteration == args.train_iters
+    return (args.eval_iters > 0 or args.val_at_end) and iteration == args.train_iters
 
 
 def training_groups(
@@ -264,8 +277,10 @@ def training_groups(
     return chosen.groups, {
         "dynamic_sampling_rounds": chosen.rounds_used,
         "dynamic_sampling_dropped_groups": chosen.dropped,
+        "dynamic_sampling_generated_rounds": len(groups) // sampling.groups_per_batch,
         "dynamic_sampling_generated_groups": len(groups),
         "dynamic_sampling_kept_groups": chosen.kept,
+        "dynamic_sampling_surplus_groups": chosen.surplus,
         "dynamic_sampling_kept_reward_mean": sum(kept) / max(len(kept), 1),
     }
 
@@ -278,6 +293,8 @@ def load_agent(args: argparse.Namespace) -> Agent:
         raise SystemExit(f"pretrain_grpo.py: error: --env-config: {err}") from None
     if evaluation_on(args):
         eval_agents(agent)  # refuses remote environments on every rank, before any collective
+    if args.val_split_fraction > 0:  # the same split on every rank (a pure function of the data)
+        hold_out_validation(agent, args.val_split_fraction)
     return agent
 
 

@@ -77,7 +77,8 @@ def step_metrics(
     each loss term's metric (``ref_kl``, ``entropy``, ...) and the train/inference mismatch
     (``is_abs_delta_p``, ``is_kl``, ``is_weight_mean``, ``is_truncated_fraction``,
     ``is_truncated_sequence_fraction``); ``extra`` from the loop adds dynamic sampling
-    (``dynamic_sampling_*``) and evaluation (``eval/*``).
+    (``dynamic_sampling_*``), the sequence-level logprob error (``seq_mult_prob_error_*``,
+    ``seq_logprob_error_*``) and evaluation (``eval/*``).
     """
     k = iterations_per_collection
     submitted = [r.submission_policy_version for g in collected.batch.groups for r in g.rollouts]
@@ -136,6 +137,16 @@ def _optional_log_fields(m: dict[str, Any]) -> str:
         parts.append(
             f"train/inference |dp| {m['is_abs_delta_p']:.2e} kl {m['is_kl']:.2e} "
             f"truncated {m['is_truncated_fraction']:.3f}"
+        )
+    if "seq_mult_prob_error_max" in m:
+        parts.append(
+            f"seq prob error {m['seq_mult_prob_error_min']:.3f}/"
+            f"{m['seq_mult_prob_error_mean']:.3f}/{m['seq_mult_prob_error_max']:.3f}"
+            + (
+                f" masked {m['seq_logprob_error_masked_sequences']}"
+                if "seq_logprob_error_masked_sequences" in m
+                else ""
+            )
         )
     if "dynamic_sampling_rounds" in m:
         parts.append(

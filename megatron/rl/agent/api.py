@@ -156,13 +156,18 @@ class SingleTurnEnvironment(Agent):
         """One keyed request per rollout, all sent together."""
         return request.group_size
 
+    def problem_for(self, request: GroupedRolloutRequest) -> Problem:
+        """The group's problem: ``make_problem`` with the RNG seeded by the request's place."""
+        seed = derive_seed(request.seed, request.batch_id, request.index_in_batch)
+        return self.make_problem(random.Random(seed))
+
     async def group_rollout(
         self, request: GroupedRolloutRequest, inference: InferenceInterface
     ) -> RolloutGroup:
         """Generate the group and score each rollout."""
         path = (request.batch_id, request.index_in_batch)
         try:
-            problem = self.make_problem(random.Random(derive_seed(request.seed, *path)))
+            problem = self.problem_for(request)
             sampling = request.sampling
             if problem.max_tokens is not None:  # validated: an env cannot send a bad budget
                 sampling = SamplingParams.model_validate(

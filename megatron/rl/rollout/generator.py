@@ -20,6 +20,14 @@ optimizer updates applied so far):
    rollout carrying the policy version it was submitted at. A generator built with
    ``resume_from=state`` holds the same permits and buffer, so the resumed run submits and hands
    out exactly what the uninterrupted run would have after the same drain.
+5. Generation rounds (dynamic sampling, ``megatron/rl/grpo/filtering.py``): a batch's groups may
+   come in R rounds. By default every round is submitted with the batch (exact lag for any L).
+   With ``lazy_rounds`` (L = 0 only, NeMo-RL's dynamic sampling) round r + 1 is submitted only
+   while the batch's rounds so far hold fewer than a round's worth of groups whose rewards
+   differ, from ``next_batch`` and at the batch's own policy version: at L = 0 nothing is trained
+   between a batch's submission and its hand-over. The round's requests are those the eager
+   rounds would send (same ids, same seeds), and the choice depends only on rewards, so a
+   resumed run reproduces it.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict
 
 from megatron.rl.agent.api import Agent
+from megatron.rl.grpo.filtering import has_reward_variance
 from megatron.rl.inference.interface import InferenceInterface
 from megatron.rl.inference.protocol import BatchScheduler
 from megatron.rl.rollout.faults import FaultLog, run_group
@@ -52,12 +61,21 @@ class RolloutConfig:
     """Run seed passed to agents in every request."""
     sampling: SamplingParams = field(default_factory=SamplingParams)
     """Default sampling parameters of every request (agents may override max_tokens)."""
+    rounds: int = 1
+    """R: the batch's groups come in R rounds of ``groups_per_batch // R`` (point 5)."""
+    lazy_rounds: bool = False
+    """Submit a further round only while the batch lacks groups whose rewards differ (L = 0
+    only); False: every round with the batch."""
 
     def __post_init__(self) -> None:
         if self.forced_lag < 0:
             raise ValueError(f"forced_lag must be >= 0, got {self.forced_lag}")
         if self.groups_per_batch < 1 or self.group_size < 1:
             raise ValueError("groups_per_batch and group_size must be >= 1")
+        if self.rounds < 1 or self.groups_per_batch % self.rounds:
+            raise ValueError(f"{self.rounds} rounds do not divide {self.groups_per_batch} groups")
+        if self.lazy_rounds and self.forced_lag != 0:
+            raise ValueError("lazy rounds need forced_lag 0 (else a round is submitted late)")
 
 
 class PipelineState(BaseModel):
@@ -98,7 +116,7 @@ class OrderedReassembly:
     def __init__(self, groups_per_batch: int) -> None:
         self.groups_per_batch = groups_per_batch
         self._groups: dict[int, dict[int, RolloutGroup]] = {}
-        self._waiters: dict[int, asyncio.Future] = {}
+        self._waiters: dict[int, tuple[asyncio.Future, range]] = {}
         self._error: BaseException | None = None
 
     @property
@@ -107,30 +125,35 @@ class OrderedReassembly:
         return sum(len(g) for g in self._groups.values())
 
     def put(self, group: RolloutGroup) -> None:
-        """Add a finished group; wakes the consumer when its batch is complete."""
+        """Add a finished group; wakes the consumer when the groups it waits for are in."""
         if not 0 <= group.index_in_batch < self.groups_per_batch:
             raise ValueError(f"group index {group.index_in_batch} outside its batch")
         batch = self._groups.setdefault(group.batch_id, {})
         if group.index_in_batch in batch:
             raise ValueError(f"group {group.batch_id}/{group.index_in_batch} delivered twice")
         batch[group.index_in_batch] = group
-        waiter = self._waiters.get(group.batch_id)
-        if len(batch) == self.groups_per_batch and waiter is not None and not waiter.done():
+        waiter, wanted = self._waiters.get(group.batch_id, (None, ()))
+        if waiter is not None and not waiter.done() and all(i in batch for i in wanted):
             waiter.set_result(None)
 
-    async def pop(self, batch_id: int) -> list[RolloutGroup]:
-        """All groups of ``batch_id`` in ``index_in_batch`` order, once they are all in."""
-        if self._error is None and len(self._groups.get(batch_id, ())) < self.groups_per_batch:
+    async def pop(self, batch_id: int, indices: range | None = None) -> list[RolloutGroup]:
+        """The groups ``indices`` (default: all) of ``batch_id`` in ``index_in_batch`` order,
+        once they are all in."""
+        wanted = range(self.groups_per_batch) if indices is None else indices
+        if self._error is None and not all(i in self._groups.get(batch_id, ()) for i in wanted):
             waiter = asyncio.get_running_loop().create_future()
-            self._waiters[batch_id] = waiter
+            self._waiters[batch_id] = (waiter, wanted)
             try:
                 await waiter
             finally:
                 self._waiters.pop(batch_id, None)
         if self._error is not None:
             raise self._error
-        batch = self._groups.pop(batch_id)
-        return [batch[i] for i in range(self.groups_per_batch)]
+        batch = self._groups[batch_id]
+        groups = [batch.pop(i) for i in wanted]
+        if not batch:
+            del self._groups[batch_id]
+        return groups
 
     def buffered(self) -> list[RolloutGroup]:
         """Every buffered group, ordered by (batch_id, index_in_batch)."""
@@ -145,7 +168,7 @@ class OrderedReassembly:
         """Make every current and future ``pop`` raise ``error`` (first failure wins)."""
         if self._error is None:
             self._error = error
-        for waiter in self._waiters.values():
+        for waiter, _ in self._waiters.values():
             if not waiter.done():
                 waiter.set_result(None)
 
@@ -193,6 +216,7 @@ class GroupedRolloutGenerator:
         self._gate = asyncio.Semaphore(permits)
         self._permitted = self._submitted + permits  # batches the gate has let through so far
         self._progress = asyncio.Event()  # set by the submitter after each batch
+        self._versions: dict[int, int] = {}  # lazy rounds: submission version of each batch
         self._tasks: set[asyncio.Task] = set()
         self._submitter: asyncio.Task | None = None
 
@@ -244,10 +268,28 @@ class GroupedRolloutGenerator:
         self._release_on_next = True
         if self.scheduler is not None:
             self.scheduler.await_batch(self._next_batch_id)
-        groups = await self._reassembly.pop(self._next_batch_id)
+        if self.config.lazy_rounds:
+            groups = await self._lazy_rounds(self._next_batch_id)
+        else:
+            groups = await self._reassembly.pop(self._next_batch_id)
         batch = RolloutBatch(self._next_batch_id, groups, self.in_flight, self._reassembly.depth)
         self._next_batch_id += 1
         return batch
+
+    async def _lazy_rounds(self, batch_id: int) -> list[RolloutGroup]:
+        """The batch's first round, then one round more at a time while fewer than a round's
+        worth of its groups have rewards that differ (contract point 5)."""
+        size = self.config.groups_per_batch // self.config.rounds
+        groups = await self._reassembly.pop(batch_id, range(size))
+        version = self._versions.pop(batch_id)  # recorded by the submitter (done by now)
+        for r in range(1, self.config.rounds):
+            if sum(map(has_reward_variance, groups)) >= size:
+                break
+            if self.policy_version() != version:  # the trainer updated since the submission
+                raise RuntimeError(f"a lazy round of batch {batch_id} would be submitted late")
+            self._submit_groups(batch_id, range(r * size, (r + 1) * size), version)
+            groups += await self._reassembly.pop(batch_id, range(r * size, (r + 1) * size))
+        return groups
 
     async def drain(self) -> PipelineState:
         """Wait until every submitted batch is finished; return the pipeline state.
@@ -296,25 +338,33 @@ class GroupedRolloutGenerator:
             await self._progress.wait()
 
     async def _submit_loop(self) -> None:
+        cfg = self.config
         for batch_id in itertools.count(self._submitted):
             await self._gate.acquire()
             version = self.policy_version()
-            for index in range(self.config.groups_per_batch):
-                request = GroupedRolloutRequest(
-                    batch_id=batch_id,
-                    index_in_batch=index,
-                    groups_in_batch=self.config.groups_per_batch,
-                    group_size=self.config.group_size,
-                    seed=self.config.seed,
-                    submission_policy_version=version,
-                    sampling=self.config.sampling,
-                )
-                expected = self.agent.expected_requests(request)
-                if self.scheduler is not None and expected:
-                    self.scheduler.expect_group(batch_id, index, expected)
-                self._spawn(self._run_group(request), f"rollout-group-{batch_id}-{index}")
+            if cfg.lazy_rounds:
+                self._versions[batch_id] = version
+            first = cfg.groups_per_batch // cfg.rounds if cfg.lazy_rounds else cfg.groups_per_batch
+            self._submit_groups(batch_id, range(first), version)
             self._submitted = batch_id + 1
             self._progress.set()
+
+    def _submit_groups(self, batch_id: int, indices: range, version: int) -> None:
+        """Announce groups ``indices`` of ``batch_id`` to the scheduler and start their workers."""
+        for index in indices:
+            request = GroupedRolloutRequest(
+                batch_id=batch_id,
+                index_in_batch=index,
+                groups_in_batch=self.config.groups_per_batch,
+                group_size=self.config.group_size,
+                seed=self.config.seed,
+                submission_policy_version=version,
+                sampling=self.config.sampling,
+            )
+            expected = self.agent.expected_requests(request)
+            if self.scheduler is not None and expected:
+                self.scheduler.expect_group(batch_id, index, expected)
+            self._spawn(self._run_group(request), f"rollout-group-{batch_id}-{index}")
 
     async def _run_group(self, request: GroupedRolloutRequest) -> None:
         try:

@@ -164,11 +164,41 @@ def test_entry_script_exits_non_zero_naming_the_flag(argv, flag):
             "--rl-importance-sampling-truncation-coef must be > 0",
             id="zero-coef",
         ),
+        pytest.param(
+            ["--rl-seq-logprob-error-threshold", "0.9"],
+            "--rl-seq-logprob-error-threshold must be >= 1",
+            id="seq-error-threshold-below-one",
+        ),
+        pytest.param(
+            ["--rl-seq-logprob-error-threshold", "inf"],
+            "--rl-seq-logprob-error-threshold must be >= 1",
+            id="seq-error-threshold-inf",
+        ),
         pytest.param(["--eval-interval", "0"], "--eval-interval", id="zero-eval-interval"),
         pytest.param(["--eval-prompts", "0"], "--eval-prompts", id="zero-eval-prompts"),
         pytest.param(["--eval-samples", "0"], "--eval-samples", id="zero-eval-samples"),
         pytest.param(
             ["--eval-samples", "4", "--eval-pass-k", "1", "8"], "--eval-pass-k", id="k-above-n"
+        ),
+        pytest.param(
+            ["--val-at-end", "--val-split-fraction", "1"],
+            "--val-split-fraction must be in [0, 1), got 1.0",
+            id="val-split-all",
+        ),
+        pytest.param(
+            ["--val-at-end", "--val-split-fraction", "-0.1"],
+            "--val-split-fraction must be in [0, 1)",
+            id="val-split-negative",
+        ),
+        pytest.param(
+            ["--val-split-fraction", "0.1"],
+            "--val-split-fraction holds problems out for evaluation: give --eval-interval",
+            id="val-split-without-evaluation",
+        ),
+        pytest.param(
+            ["--val-dump-dir", "dump"],
+            "--val-dump-dir needs evaluation",
+            id="val-dump-without-evaluation",
         ),
     ],
 )
@@ -184,9 +214,24 @@ def test_algorithm_flags_together_are_valid(tmp_path):
         "--grpo-max-generation-rounds", "3", "--rl-inference-logprobs-is-correction",
         "--rl-importance-sampling-truncation-coef", "1.5", "--rl-use-sequence-packing",
         "--eval-interval", "10", "--eval-samples", "8", "--eval-pass-k", "1", "8",
-        "--rl-forced-lag", "2",
+        "--rl-forced-lag", "2", "--rl-seq-logprob-error-threshold", "1.5",
+        "--rl-log-seq-logprob-error", "--val-split-fraction", "0.1", "--val-at-start",
+        "--val-at-end", "--val-dump-dir", str(tmp_path / "dump"),
     ]  # fmt: skip
     assert errors_for(argv) == []
+
+
+@pytest.mark.parametrize(
+    "flag",
+    [
+        pytest.param("--val-at-start", id="at-start"),
+        pytest.param("--val-at-end", id="at-end"),
+        pytest.param("--eval-iters", id="eval-iters"),
+    ],
+)
+def test_each_evaluation_flag_allows_a_validation_split(flag):
+    argv = [flag, "1"] if flag == "--eval-iters" else [flag]
+    assert errors_for([*argv, "--val-split-fraction", "0.2"]) == []
 
 
 @pytest.mark.parametrize(
@@ -210,6 +255,12 @@ def test_unusable_output_paths_are_refused_at_start_up(tmp_path, monkeypatch, fl
     errors = errors_for([flag, path])
     assert len(errors) == 1 and errors[0].startswith(f"{flag} {path}: {problem}")
     assert sorted(p.name for p in tmp_path.rglob("*")) == before  # the probe leaves nothing
+
+
+def test_a_val_dump_dir_that_is_a_file_is_refused_at_start_up(tmp_path):
+    (tmp_path / "F").write_text("a regular file")
+    errors = errors_for(["--val-at-end", "--val-dump-dir", str(tmp_path / "F")])
+    assert errors == [f"--val-dump-dir {tmp_path / 'F'}: exists and is not a directory"]
 
 
 def test_writable_output_paths_pass_and_leave_nothing_behind(tmp_path, monkeypatch):

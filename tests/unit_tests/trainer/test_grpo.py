@@ -122,9 +122,26 @@ def test_dynamic_sampling_keeps_the_lag_exact(runs):
     )  # fmt: skip
     for m in metrics:
         assert m["staleness_min"] == m["staleness_max"] == min(m["step"], 2)
-        assert m["dynamic_sampling_generated_groups"] == 24
+        assert m["dynamic_sampling_generated_groups"] == 24  # L > 0: every round, eagerly
+        assert m["dynamic_sampling_generated_rounds"] == 6
         assert 1 <= m["dynamic_sampling_rounds"] <= 6
         assert m["in_flight_batches"] == 3
+
+
+def test_dynamic_sampling_at_lag_zero_generates_rounds_only_while_the_batch_is_short(runs):
+    metrics = runs(
+        "dynamic-lazy", "--rl-forced-lag", "0", "--grpo-filter-groups-with-same-reward",
+        "--grpo-max-generation-rounds", "3", "--rl-default-temperature", "1.0",
+    )  # fmt: skip
+    for m in metrics:
+        assert m["staleness_min"] == m["staleness_max"] == 0
+        full = m["dynamic_sampling_kept_groups"] == 4
+        rounds = m["dynamic_sampling_rounds"] if full else 3  # a short batch takes all R rounds
+        assert m["dynamic_sampling_generated_rounds"] == rounds
+        assert m["dynamic_sampling_generated_groups"] == 4 * rounds
+        assert m["dynamic_sampling_surplus_groups"] < 4  # the last round was needed
+    # seed 3 at temperature 1: some batch fills before its last round, so it is never generated
+    assert min(m["dynamic_sampling_generated_groups"] for m in metrics) < 12
 
 
 def test_dynamic_sampling_without_qualifying_groups_trains_on_nothing_and_goes_on(runs):
@@ -136,3 +153,31 @@ def test_dynamic_sampling_without_qualifying_groups_trains_on_nothing_and_goes_o
         assert m["dynamic_sampling_kept_groups"] == 0
         assert m["dynamic_sampling_dropped_groups"] == 4
         assert m["loss"] == 0.0 and m["grad_norm"] == 0.0  # every row masked
+
+
+def test_seq_logprob_error_masks_the_stale_sequences_above_the_threshold(runs):
+    """Seed 6: steps 0-1 train on tokens of their own policy (the engine's logprobs are the
+    trainer's up to rounding: error 1); step 2's tokens come from an older policy."""
+    plain = runs("plain-seed6", "--seed", "6")
+    measured = runs("seq-error", "--seed", "6", "--rl-log-seq-logprob-error")
+    for a, b in zip(plain, measured):  # measuring costs a forward pass and changes nothing
+        assert {k: a[k] for k in DETERMINISTIC} == {k: b[k] for k in DETERMINISTIC}
+        assert "seq_logprob_error_masked_sequences" not in b
+        low, mean = b["seq_mult_prob_error_min"], b["seq_mult_prob_error_mean"]
+        assert 1.0 <= low <= mean <= b["seq_mult_prob_error_max"]
+    assert all(m["seq_mult_prob_error_max"] < 1.0001 for m in measured[:2])
+    stale = measured[2]
+    assert stale["token_staleness_min"] > 0 and stale["seq_mult_prob_error_max"] > 1.01
+    threshold = (stale["seq_mult_prob_error_mean"] + stale["seq_mult_prob_error_max"]) / 2
+    masked = runs("seq-mask", "--seed", "6", "--rl-seq-logprob-error-threshold", repr(threshold))
+    for a, b in zip(measured[:2], masked[:2]):  # nothing above the threshold yet
+        assert {k: a[k] for k in DETERMINISTIC} == {k: b[k] for k in DETERMINISTIC}
+        assert b["seq_logprob_error_masked_sequences"] == 0
+    m = masked[2]
+    for key in ("seq_mult_prob_error_min", "seq_mult_prob_error_mean", "seq_mult_prob_error_max"):
+        assert m[key] == stale[key]  # the same weights and rollouts up to here
+    assert m["seq_logprob_error_masked_sequences"] >= 1
+    assert m["seq_mult_prob_error_after_mask_max"] <= threshold < m["seq_mult_prob_error_max"]
+    assert 0.0 <= m["seq_logprob_error_masked_rewarded_fraction"] <= 1.0
+    assert m["reward_mean"] == stale["reward_mean"] and m["loss"] != stale["loss"]
+    assert all(r["staleness_min"] == r["staleness_max"] == min(r["step"], 2) for r in masked)

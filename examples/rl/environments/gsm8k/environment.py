@@ -1,7 +1,7 @@
 r"""GSM8K-format math word problems from local JSONL/Parquet files, scored with math-verify.
 
 Each group draws one problem uniformly (with replacement) from the RNG the framework hands
-``make_problem``, so a run is reproducible. The prompt is ``prompt_template`` with
+``make_problem`` (from the training partition when problems are held out), so a run is reproducible. The prompt is ``prompt_template`` with
 ``{question}`` replaced by the question: as plain text (``prompt_style: plain``) or as chat
 messages, an optional system message then the user message (``prompt_style: chat``), which the
 trainer's tokenizer renders with its chat template (a tokenizer without one masks the rollouts).
@@ -11,12 +11,12 @@ equal to the final answer after ``####`` with math-verify; otherwise ``format_re
 0) when the completion states an answer in the asked form, else 0.0. Rewards are in [0, 1].
 
 Held-out evaluation: give ``data_files`` as ``{train: ..., test: ...}`` and use ``split: test``
-in the entry you evaluate with.
+in the entry you evaluate with, or hold a share of the problems out of training with
+``--val-split-fraction`` (``megatron/rl/agent/dataset.py``).
 """
 
 from __future__ import annotations
 
-import random
 from typing import Literal
 
 from pydantic import Field, ValidationInfo, field_validator
@@ -28,7 +28,8 @@ from examples.rl.environments.gsm8k.answers import (
     verify_answer,
 )
 from examples.rl.environments.gsm8k.dataset import DataFiles, FileFormat, load_records
-from megatron.rl.agent.api import AgentArgs, Problem, SingleTurnEnvironment
+from megatron.rl.agent.api import AgentArgs, Problem
+from megatron.rl.agent.dataset import DatasetEnvironment
 
 DEFAULT_TEMPLATE = (
     "{question}\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -99,7 +100,7 @@ def records(data_files: DataFiles, args: dict):
     )
 
 
-class GSM8KEnvironment(SingleTurnEnvironment):
+class GSM8KEnvironment(DatasetEnvironment):
     """GSM8K-format problems with math-verify scoring (see the module docstring)."""
 
     Args = GSM8KArgs
@@ -109,9 +110,13 @@ class GSM8KEnvironment(SingleTurnEnvironment):
         super().__init__(env_id, args)
         self.records = records(self.args.data_files, self.args.model_dump())
 
-    def make_problem(self, rng: random.Random) -> Problem:
-        """Draw one problem uniformly and fill in the prompt."""
-        record = self.records[rng.randrange(len(self.records))]
+    def num_problems(self) -> int:
+        """Problems in the split read."""
+        return len(self.records)
+
+    def problem(self, index: int) -> Problem:
+        """Problem ``index`` with the prompt filled in."""
+        record = self.records[index]
         text = self.args.prompt_template.replace("{question}", record.question)
         if self.args.prompt_style == "plain":
             return Problem(record.source, text, record.answer, self.args.max_tokens)

@@ -2,7 +2,9 @@ r"""Math questions from a local JSONL file, scored by their final (boxed) answer
 
 The file (``agent_args.path``; relative paths are resolved from the working directory) holds one
 ``{"question": ..., "answer": ...}`` object per line (see ``dataset.py``). Each group draws one
-record uniformly at random (with replacement) from an RNG seeded by the request. The prompt is
+record uniformly at random (with replacement) from an RNG seeded by the request, from the training
+partition when ``--val-split-fraction`` holds records out for validation
+(``megatron/rl/agent/dataset.py``). The prompt is
 ``prompt_template`` with ``{question}`` replaced by the question.
 
 Reward: 1.0 when the completion's answer equals the reference answer after ``normalize_answer``
@@ -19,7 +21,6 @@ answers must be written in ``0123456789+-*=:,.? `` and the model answers unboxed
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 from pydantic import Field, field_validator
@@ -30,7 +31,8 @@ from examples.rl.environments.math.answers import (
     final_answer,
 )
 from examples.rl.environments.math.dataset import load_jsonl
-from megatron.rl.agent.api import AgentArgs, Problem, SingleTurnEnvironment
+from megatron.rl.agent.api import AgentArgs, Problem
+from megatron.rl.agent.dataset import DatasetEnvironment
 
 
 class MathArgs(AgentArgs):
@@ -59,7 +61,7 @@ class MathArgs(AgentArgs):
         return value
 
 
-class MathEnvironment(SingleTurnEnvironment):
+class MathEnvironment(DatasetEnvironment):
     """Questions from a local JSONL file with boxed-answer scoring (see module doc)."""
 
     Args = MathArgs
@@ -70,9 +72,13 @@ class MathEnvironment(SingleTurnEnvironment):
         self.records = load_jsonl(self.args.path)
         self._name = Path(self.args.path).name
 
-    def make_problem(self, rng: random.Random) -> Problem:
-        """Draw one record uniformly and fill in the prompt template."""
-        record = self.records[rng.randrange(len(self.records))]
+    def num_problems(self) -> int:
+        """Records in the file."""
+        return len(self.records)
+
+    def problem(self, index: int) -> Problem:
+        """Record ``index`` with the prompt template filled in."""
+        record = self.records[index]
         reference = extract_boxed(record.answer)
         return Problem(
             problem_id=f"{self._name}:{record.line}",

@@ -8,17 +8,20 @@ import random
 import pytest
 from grpo_testing.fakes import SeededInference
 
+from megatron.rl.agent.api import Problem
+from megatron.rl.agent.dataset import DatasetEnvironment
 from megatron.rl.environments.digits import DigitTaskArgs, DigitTaskEnvironment
 from megatron.rl.eval.runner import (
     EVAL_STREAM,
     EvalConfig,
+    ResponseLengths,
     eval_metrics,
     evaluate_agents,
 )
 from megatron.rl.inference.interface import InferenceInterface
 from megatron.rl.seeding import derive_seed
 from megatron.rl.tokenizer import CharTokenizer
-from megatron.rl.wire import InferenceRequest, InferenceResponse
+from megatron.rl.wire import InferenceRequest, InferenceResponse, SamplingParams
 
 
 class EchoInference(InferenceInterface):
@@ -86,7 +89,11 @@ def test_results_are_deterministic_and_metrics_are_per_environment():
         "eval/sample_reward", "eval/sample_reward/a", "eval/sample_reward/b",
         "eval/pass@1", "eval/pass@1/a", "eval/pass@1/b",
         "eval/pass@3", "eval/pass@3/a", "eval/pass@3/b", "eval/failed",
+        "eval/prompts", "eval/prompts/a", "eval/prompts/b",
+        *(f"eval/{p}_{m}{env}" for p in ("greedy", "sample") for env in ("", "/a", "/b")
+          for m in ("response_length_mean", "response_length_max", "truncated_fraction")),
     }  # fmt: skip
+    assert metrics["eval/prompts"] == 8  # 4 per environment
     assert metrics["eval/pass@1"] == pytest.approx(
         (metrics["eval/pass@1/a"] + metrics["eval/pass@1/b"]) / 2
     )
@@ -95,3 +102,70 @@ def test_results_are_deterministic_and_metrics_are_per_environment():
 def test_pass_k_above_samples_is_rejected():
     with pytest.raises(ValueError, match="pass@k"):
         EvalConfig(samples_per_prompt=2, pass_k=(4,))
+
+
+class NumberedProblems(DatasetEnvironment):
+    """Problem i asks for the number i (its answer)."""
+
+    def num_problems(self) -> int:
+        return 10
+
+    def problem(self, index: int) -> Problem:
+        return Problem(problem_id=f"p{index}", prompt=f"{index}=", answer=str(index))
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        return float(completion == problem.answer)
+
+
+class AnswerInference(InferenceInterface):
+    """Greedy and sample 1 answer right and stop (EOS); sample 0 writes "9999" and runs out of
+    its 4-token budget (truncated)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    async def generate(self, request: InferenceRequest) -> InferenceResponse:
+        right = request.sampling.temperature == 0 or request.rollout_key.sample_index == 1
+        text = request.prompt[:-1] if right else "9999"
+        tokens = self.tokenizer.encode(text) + ([self.tokenizer.eos_id] if right else [])
+        return InferenceResponse(
+            prompt_tokens=self.tokenizer.encode(request.prompt), tokens=tokens, text=text,
+            logprobs=[-0.1] * len(tokens), policy_versions=[0] * len(tokens),
+            finish_reason="stop" if right else "length",
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "num_prompts, evaluated",
+    [pytest.param(5, 3, id="all-3-held-out"), pytest.param(2, 2, id="capped-by-num-prompts")],
+)
+def test_a_held_out_partition_is_evaluated_once_with_lengths_and_records(num_prompts, evaluated):
+    tokenizer = CharTokenizer()
+    env = NumberedProblems("numbers")
+    env.hold_out(0.3)
+    config = EvalConfig(
+        num_prompts=num_prompts, samples_per_prompt=2, pass_k=(1, 2), seed=3,
+        sampling=SamplingParams(max_tokens=4), stop_token_ids=(tokenizer.eos_id,),
+    )  # fmt: skip
+    (result,) = asyncio.run(evaluate_agents([env], AnswerInference(tokenizer), config))
+    held_out = [f"p{i}" for i in env.validation_indices[:evaluated]]
+    assert result.prompts == evaluated
+    assert (result.greedy_reward, result.sample_reward, result.pass_at_k) == (
+        1.0,
+        0.5,
+        {1: 0.5, 2: 1.0},
+    )
+    # greedy: one digit + EOS; sampled: 4 tokens cut off, and one digit + EOS
+    assert result.greedy_lengths == ResponseLengths(mean=2.0, max=2, truncated_fraction=0.0)
+    assert result.sample_lengths == ResponseLengths(mean=3.0, max=4, truncated_fraction=0.5)
+    records = result.records
+    assert len(records) == evaluated * 3  # one greedy and two sampled rollouts per problem
+    assert [r["problem_id"] for r in records if r["pass"] == "greedy"] == held_out
+    assert [(r["problem_id"], r["sample"]) for r in records if r["pass"] == "sample"] == [
+        (p, k) for p in held_out for k in (0, 1)
+    ]
+    for r in records:
+        cut = r["pass"] == "sample" and r["sample"] == 0
+        assert r["truncated"] is cut and r["response_tokens"] == (4 if cut else 2)
+        assert r["reward"] == (0.0 if cut else 1.0)
+        assert r["response"] == ("9999" if cut else r["prompt"][:-1])

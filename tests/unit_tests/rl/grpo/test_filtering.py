@@ -88,6 +88,39 @@ def test_masked_groups_carry_no_loss_and_the_mean_is_over_kept_tokens():
     assert batch.num_loss_tokens == 2  # the token-mean loss divides by the kept group's tokens
 
 
-def test_wrong_number_of_groups_is_rejected():
-    with pytest.raises(ValueError, match="expected 4 groups"):
-        select_groups([group(0, 0, 1)], DynamicSamplingConfig(2, 2))
+@pytest.mark.parametrize(
+    "count",
+    [
+        pytest.param(1, id="less-than-a-round"),
+        pytest.param(3, id="part-of-a-round"),
+        pytest.param(6, id="more-rounds-than-R"),
+    ],
+)
+def test_wrong_number_of_groups_is_rejected(count):
+    groups = [group(i, 0, 1) for i in range(count)]
+    with pytest.raises(ValueError, match="expected 1 to 2 rounds of 2 groups"):
+        select_groups(groups, DynamicSamplingConfig(2, 2))
+
+
+@pytest.mark.parametrize(
+    "rewards, kept, dropped, rounds, surplus",
+    [
+        # P = 2, R = 3; lazy rounds stop once the kept groups fill the batch
+        pytest.param([(0, 1), (0, 1)], [0, 1], 0, 1, 0, id="one-round-fills"),
+        pytest.param([(1, 1), (0, 1), (0, 1), (0, 1)], [1, 2], 1, 2, 1, id="second-round-surplus"),
+        pytest.param([(1, 1), (0, 1), (1, 1), (2, 2), (0, 1), (1, 1)], [1, 4], 3, 3, 0, id="r3"),
+        pytest.param([(1, 1), (0, 0), (0, 1), (1, 1)], [2, 0], 3, 2, 0, id="short-two-rounds"),
+    ],
+)
+def test_lazy_rounds_are_a_prefix_of_the_eager_ones(rewards, kept, dropped, rounds, surplus):
+    groups = [group(i, *r) for i, r in enumerate(rewards)]
+    out = select_groups(groups, DynamicSamplingConfig(2, 3))
+    assert [g.index_in_batch for g in out.groups] == kept
+    assert (out.dropped, out.rounds_used, out.surplus) == (dropped, rounds, surplus)
+
+
+def test_surplus_counts_the_qualifying_groups_generated_after_the_batch_filled():
+    groups = [group(0, 0, 1), group(1, 1, 1), group(2, 0, 1), group(3, 0, 1), group(4, 0, 1)]
+    out = select_groups(groups + [group(5, 2, 2)], DynamicSamplingConfig(2, 3))
+    assert [g.index_in_batch for g in out.groups] == [0, 2]
+    assert out.rounds_used == 2 and out.surplus == 2  # groups 3 and 4; 5's rewards are equal
