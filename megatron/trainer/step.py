@@ -160,13 +160,14 @@ class StepResult:
 def data_parallel_micro_batches(
     batch: TrainBatch, ctx: ParallelContext, size: int, fixed_width: bool = False
 ) -> list[TrainBatch]:
-    """This rank's shard of ``batch`` in micro-batches of ``size`` rows.
+    """This rank's shard of ``batch`` in micro-batches of ``size`` rows (all of ``batch`` when it
+    already is this rank's shard: ``TrainBatch.is_shard``).
 
     Each micro-batch is trimmed to its longest row, or, with ``fixed_width``, keeps the batch's
     full width (pipeline stages exchange activations of one fixed shape).
     """
-    per_rank = batch.num_rows // ctx.dp_size
-    first = ctx.dp_rank * per_rank
+    per_rank = batch.num_rows if batch.is_shard else batch.num_rows // ctx.dp_size
+    first = 0 if batch.is_shard else ctx.dp_rank * per_rank
     return [
         batch.rows(s, s + size, trim=not fixed_width) for s in range(first, first + per_rank, size)
     ]
@@ -312,7 +313,7 @@ def step_result(
             dist.all_reduce(values, group=group)
         sums = NamedSums(sums.keys, values.cpu())
     reduced = sums.as_dict()
-    denom = max(batch.num_loss_tokens, 1)
+    denom = max(batch.global_loss_tokens, 1)
     metrics = {k: reduced[k] / denom for k in update.sums.keys if k != "loss"}
     if config.importance is not None:
         metrics.update(mismatch_metrics(reduced))
@@ -320,8 +321,8 @@ def step_result(
         loss=reduced["loss"] / denom,
         grad_norm=update.grad_norm,
         lr=update.lr,
-        loss_tokens=batch.num_loss_tokens,
-        trained_tokens=int(batch.lengths.sum()),
+        loss_tokens=batch.global_loss_tokens,
+        trained_tokens=batch.global_trained_tokens,
         seconds=time.perf_counter() - start,
         metrics=metrics,
     )

@@ -109,15 +109,16 @@ def train_step(
     reference: torch.nn.Module | None = None,
     caches: list[MicroBatchCache] | None = None,
 ) -> StepResult:
-    """One optimizer update on this rank's data-parallel shard of ``batch`` (every rank holds the
-    whole global batch). ``caches`` (one per micro-batch of this rank) carry pi_old, pi_ref and
-    the mismatch sums between iterations that reuse ``batch``; fresh ones by default."""
+    """One optimizer update on this rank's data-parallel shard of ``batch`` (the whole global
+    batch, or this rank's shard of it with the global counts). ``caches`` (one per micro-batch
+    of this rank) carry pi_old, pi_ref and the mismatch sums between iterations that reuse
+    ``batch``; fresh ones by default."""
     start = time.perf_counter()
     if config.needs_reference and reference is None:
         raise ValueError("a loss term needs the reference policy, but none was given")
     micros = data_parallel_micro_batches(batch, ctx, config.micro_batch_size)
     caches = [MicroBatchCache() for _ in micros] if caches is None else caches
-    update = _update(state, micros, caches, batch.num_loss_tokens, config, ctx, reference)
+    update = _update(state, micros, caches, batch.global_loss_tokens, config, ctx, reference)
     groups = [ctx.dp_group] if ctx.dp_size > 1 else []
     return step_result(update, caches, batch, config, groups, ctx.device, start)
 
