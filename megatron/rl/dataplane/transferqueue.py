@@ -17,6 +17,7 @@ tensor and a 0-d one as a dense column; the ledger's types rebuild each value ex
 from __future__ import annotations
 
 import os
+from importlib.util import find_spec
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +36,18 @@ TQ_CONFIG: dict[str, Any] = {
 """TransferQueue's settings: one storage unit (with the controller, 2 of Ray's logical CPUs: the
 default 2 units would wait forever for a third on a 2-CPU Ray) and no blocking reads."""
 RAY_CPUS = 2
+AUTH_MODE = "RAY_AUTH_MODE"
 """Logical CPUs of the owner's local Ray: the controller's and the storage unit's."""
+
+
+def _require_installed() -> None:
+    """Raise (on every rank alike, before any communication) without the extra's modules."""
+    missing = [m for m in ("ray", "transfer_queue", "tensordict") if find_spec(m) is None]
+    if missing:
+        raise ImportError(
+            f"--rl-data-plane transferqueue needs the transferqueue extra "
+            f"(pip install '.[transferqueue]'): no module {missing[0]!r}"
+        )
 
 
 def _import_backend():
@@ -68,21 +80,26 @@ class TransferQueueDataPlane(DataPlane):
 
     def __init__(self, rank: int, world_size: int, device: torch.device, owner: int = 0) -> None:
         super().__init__(rank, world_size, device, owner)
+        _require_installed()
         os.environ.setdefault("TQ_NUM_THREADS", "2")  # its threads per call; the data is small
-        self._ray, self._tq, self._TensorDict = _import_backend()
         self._ledgers: dict[str, _Ledger] = {}
         self._started_ray = False
         self._closed = False
         with self.stats.timed():
             address = None
             if self.is_owner:
+                self._ray, self._tq, self._TensorDict = _import_backend()
                 if not self._ray.is_initialized():
                     self._ray.init(num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False)
                     self._started_ray = True
                 self._tq.init(TQ_CONFIG)
-                address = self._ray.get_runtime_context().gcs_address
-            address = self._broadcast(address)
-            if not self.is_owner:
+                # Ray 2.60 gives a cluster it starts a token (~/.ray/auth_token) by default, but a
+                # process joining one expects none unless told: pass the owner's mode along
+                address = (self._ray.get_runtime_context().gcs_address, os.environ.get(AUTH_MODE))
+            address, auth_mode = self._broadcast(address)
+            if not self.is_owner:  # Ray reads the mode when imported
+                os.environ[AUTH_MODE] = auth_mode or "token"
+                self._ray, self._tq, self._TensorDict = _import_backend()
                 if not self._ray.is_initialized():
                     self._ray.init(address=address, log_to_driver=False)
                     self._started_ray = True
