@@ -105,7 +105,9 @@ def keyed_step(plane, groups, step: int, rank: int, world: int) -> tuple[TrainBa
 def same_rows(a: TrainBatch, b: TrainBatch) -> bool:
     """Whether two batches hold the same rows (bitwise)."""
     names = ("input_ids", "target_ids", "loss_mask", "inference_logprobs", "advantages")
-    return all(torch.equal(getattr(a, n), getattr(b, n)) for n in (*names, "temperature", "lengths"))
+    return all(
+        torch.equal(getattr(a, n), getattr(b, n)) for n in (*names, "temperature", "lengths")
+    )
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:

@@ -125,13 +125,16 @@ class KeyedCollection(_Slices):
         s = j % self.num_slices
         if s not in self._shards:
             rows = global_rows(s, self.num_rows, self.global_batch_size)
-            self._shards[s] = shard_batch(self.plane, self.meta, rows, self._mine(rows), self.pad_id)
+            self._shards[s] = shard_batch(
+                self.plane, self.meta, rows, self._mine(rows), self.pad_id
+            )
         return self._shards[s]
 
     def write_back(self, j: int, config: StepConfig, micro_batch_size: int) -> None:
         """After iteration j: write the pi_old and pi_ref logprobs of the rows it trained first
         (TP rank 0 of each replica writes its rows; a stage without them writes none)."""
-        names = [LOGPROBS] * config.needs_old_logprobs + [REFERENCE_LOGPROBS] * config.needs_reference
+        needed = {LOGPROBS: config.needs_old_logprobs, REFERENCE_LOGPROBS: config.needs_reference}
+        names = [name for name, needs in needed.items() if needs]
         if not names or j >= self.num_slices:
             return
         rows = global_rows(j, self.num_rows, self.global_batch_size)

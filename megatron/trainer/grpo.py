@@ -41,8 +41,8 @@ from megatron.trainer.checkpointing import (
     save_checkpoint,
 )
 from megatron.trainer.collection import KeyedCollection
-from megatron.trainer.exits import PeerFailed
 from megatron.trainer.evaluation import Evaluator, eval_agents
+from megatron.trainer.exits import PeerFailed
 from megatron.trainer.hf_io import save_hf, weight_loader
 from megatron.trainer.initialize import (
     ParallelContext,

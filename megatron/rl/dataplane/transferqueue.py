@@ -17,9 +17,9 @@ tensor and a 0-d one as a dense column; the ledger's types rebuild each value ex
 from __future__ import annotations
 
 import os
-from importlib.util import find_spec
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from importlib.util import find_spec
 from typing import Any
 
 import torch
