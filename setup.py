@@ -49,6 +49,10 @@ setup(
         # examples/rl/environments/gsm8k: local JSONL/Parquet with datasets, math-verify scoring
         # (tested: datasets 5.2.0, math-verify 0.9.0 with torch 2.13.0 CPU on Python 3.11)
         "math": ["datasets>=5,<6", "math-verify>=0.8,<1"],
+        # --rl-data-plane transferqueue: TransferQueue's storage on a local Ray (its API moves
+        # between releases: pinned to the tested set, transferqueue 0.1.11 with ray 2.60.0 and
+        # tensordict 0.15.3, torch 2.13.0 CPU on Python 3.11; installing them keeps torch)
+        "transferqueue": ["transferqueue==0.1.11", "ray[default]==2.60.0", "tensordict==0.15.3"],
         "dev": ["black>=24", "isort>=5.13"],
         "tensorboard": ["tensorboard>=2.16"],
         "wandb": ["wandb>=0.19,<1"],

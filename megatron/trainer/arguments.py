@@ -311,6 +311,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="Pack the rollouts of each micro-batch into rows of --seq-length tokens with "
         "per-sequence attention (block-diagonal causal mask, positions restarting at 0).",
     )
+    g.add_argument(
+        "--rl-data-plane",
+        choices=("in-process", "transferqueue"),
+        default="in-process",
+        help="Where each collection's rollouts live: rank 0 writes each sample once under its "
+        "own key and every data-parallel rank fetches only the keys of its shard (logprobs and "
+        "reference logprobs are written back as fields; the partition is cleared when the "
+        "collection ends). 'in-process': rank 0 holds the store and serves it point to point; "
+        "'transferqueue': the TransferQueue package on Ray (pip install '.[transferqueue]'; "
+        "rank 0 starts a local Ray, the other ranks attach to it).",
+    )
 
     g = p.add_argument_group("evaluation")
     g.add_argument(

@@ -24,40 +24,60 @@ handed over, i.e. at policy version k x max(0, s - L).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
+import torch.distributed as dist
 
-from megatron.rl.grpo.batch import TrainBatch
+from megatron.rl.dataplane.base import DataPlane
+from megatron.rl.dataplane.batches import LOGPROBS, REFERENCE_LOGPROBS, shard_batch
+from megatron.rl.dataplane.store import BatchMeta
+from megatron.rl.grpo.batch import GlobalCounts, TrainBatch
+from megatron.trainer.initialize import ParallelContext
 from megatron.trainer.losses import GRPOLoss
 from megatron.trainer.policy import Policy
 from megatron.trainer.step import MicroBatchCache, StepConfig
 
 
-class Collection:
-    """One collection's batch, cut into the global batches of its k iterations."""
+def global_rows(j: int, num_rows: int, global_batch_size: int) -> list[int]:
+    """The collection rows (indices) iteration j trains: ``(j x GBS + r) mod (P x G)``."""
+    start = j * global_batch_size % num_rows
+    return [(start + r) % num_rows for r in range(global_batch_size)]
 
-    def __init__(self, batch: TrainBatch, global_batch_size: int, iterations: int) -> None:
-        self.batch = batch
+
+class CollectionSlices:
+    """The k iterations' global batches of a collection of ``num_rows`` rows, their caches and
+    their pi_old / pi_ref computed up front. Subclasses say what ``global_batch`` holds."""
+
+    def __init__(self, num_rows: int, global_batch_size: int, iterations: int) -> None:
+        self.num_rows = num_rows
         self.global_batch_size = global_batch_size
         self.iterations = iterations
-        self.num_slices = batch.num_rows // math.gcd(batch.num_rows, global_batch_size)
+        self.num_slices = num_rows // math.gcd(num_rows, global_batch_size)
         """Distinct global batches: the cycle of ``j x GBS mod (P x G)``."""
         self._caches: dict[int, list[MicroBatchCache]] = {}
         self._old: dict[int, torch.Tensor] = {}
-        """(GBS, T) pi_old of each distinct global batch computed up front."""
+        """(b, T) pi_old of each distinct global batch's rows on this rank, computed up front."""
         self._ref: dict[int, torch.Tensor] = {}
-        """(GBS, T) pi_ref of each distinct global batch."""
+        """(b, T) pi_ref of each distinct global batch's rows on this rank."""
 
     def global_batch(self, j: int) -> TrainBatch:
-        """The rows of iteration j (0 <= j < k) of this collection."""
-        rows, size = self.batch.num_rows, self.global_batch_size
-        if size == rows:
-            return self.batch
-        start = j * size % rows
-        if start + size <= rows:
-            return self.batch.rows(start, start + size, trim=False)
-        return self.batch.select((torch.arange(size) + start) % rows)
+        """What this rank trains at iteration j (0 <= j < k) of this collection."""
+        raise NotImplementedError
+
+    def local_rows(self, j: int) -> torch.Tensor:
+        """(b,) the collection rows of ``global_batch(j)``'s rows, in order."""
+        raise NotImplementedError
+
+    def add_over_ranks(self, sums: torch.Tensor) -> torch.Tensor:
+        """Per-row ``sums`` of this rank's rows added into the whole collection's (collective
+        when ranks hold shards)."""
+        return sums
+
+    def mask_rows(self, keep: torch.Tensor) -> None:
+        """Take the collection rows where the (N,) bool ``keep`` is False out of the loss."""
+        raise NotImplementedError
 
     def caches(self, j: int, num_micro_batches: int) -> list[MicroBatchCache]:
         """The micro-batch caches of iteration j's global batch (shared by every pass over it)."""
@@ -66,7 +86,7 @@ class Collection:
         )
 
     def old_logprobs(self, j: int) -> torch.Tensor | None:
-        """(GBS, T) pi_old of iteration j's global batch if ``prepare`` computed it up front."""
+        """(b, T) pi_old of ``global_batch(j)`` if ``prepare`` computed it up front."""
         return self._old.get(j % self.num_slices)
 
     def loss(self, j: int, config: StepConfig) -> GRPOLoss:
@@ -83,3 +103,141 @@ class Collection:
                 self._old[j] = policy.get_logprobs(self.global_batch(j))
             if config.needs_reference:
                 self._ref[j] = policy.get_reference_policy_logprobs(self.global_batch(j))
+
+
+class Collection(CollectionSlices):
+    """One collection's whole batch, cut into the global batches of its k iterations (every rank
+    holds every row)."""
+
+    def __init__(self, batch: TrainBatch, global_batch_size: int, iterations: int) -> None:
+        super().__init__(batch.num_rows, global_batch_size, iterations)
+        self.batch = batch
+
+    def global_batch(self, j: int) -> TrainBatch:
+        """The rows of iteration j (0 <= j < k) of this collection."""
+        rows, size = self.batch.num_rows, self.global_batch_size
+        if size == rows:
+            return self.batch
+        start = j * size % rows
+        if start + size <= rows:
+            return self.batch.rows(start, start + size, trim=False)
+        return self.batch.select(torch.tensor(global_rows(j, rows, size)))
+
+    def local_rows(self, j: int) -> torch.Tensor:
+        """(GBS,) the collection rows of iteration j's global batch."""
+        return torch.tensor(global_rows(j, self.num_rows, self.global_batch_size))
+
+    def mask_rows(self, keep: torch.Tensor) -> None:
+        """Zero the loss mask of the rows not kept."""
+        masked = self.batch.loss_mask * keep[:, None].to(self.batch.loss_mask.dtype)
+        self.batch = dataclasses.replace(self.batch, loss_mask=masked)
+
+
+class KeyedCollection(CollectionSlices):
+    """One collection held in the data plane: each rank reads only its shard of each global
+    batch, by key, and writes back the logprobs it computes for them.
+
+    ``global_batch``, ``write_back`` and ``finish`` are collective (every rank, same order).
+    """
+
+    def __init__(
+        self,
+        plane: DataPlane,
+        meta: BatchMeta,
+        global_batch_size: int,
+        iterations: int,
+        ctx: ParallelContext,
+        pad_id: int,
+    ) -> None:
+        super().__init__(len(meta.keys), global_batch_size, iterations)
+        self.plane, self.meta, self.ctx, self.pad_id = plane, meta, ctx, pad_id
+        self._shards: dict[int, TrainBatch] = {}
+        self._written: set[int] = set()
+        """Rows whose logprobs are written back (every rank alike)."""
+        self._keep: torch.Tensor | None = None
+        """(N,) bool rows kept in the loss (``mask_rows``); None: all."""
+
+    def _mine(self, rows: list[int]) -> list[int]:
+        """This data-parallel rank's contiguous share of a global batch's ``rows``."""
+        per_rank = len(rows) // self.ctx.dp_size
+        return rows[self.ctx.dp_rank * per_rank : (self.ctx.dp_rank + 1) * per_rank]
+
+    def global_batch(self, j: int) -> TrainBatch:
+        """This rank's shard of iteration j's global batch (fetched once per collection)."""
+        s = j % self.num_slices
+        if s not in self._shards:
+            rows = global_rows(s, self.num_rows, self.global_batch_size)
+            shard = shard_batch(self.plane, self.meta, rows, self._mine(rows), self.pad_id)
+            self._shards[s] = self._masked(s, shard)
+        return self._shards[s]
+
+    def local_rows(self, j: int) -> torch.Tensor:
+        """(GBS / DP,) the collection rows of this rank's shard of iteration j's global batch."""
+        return torch.tensor(self._mine(global_rows(j, self.num_rows, self.global_batch_size)))
+
+    def add_over_ranks(self, sums: torch.Tensor) -> torch.Tensor:
+        """Each data-parallel replica's row sums added (tensor-parallel ranks of a replica hold
+        the same rows and values)."""
+        if self.ctx.dp_size == 1:
+            return sums
+        total = sums.to(self.ctx.device)
+        dist.all_reduce(total, group=self.ctx.dp_group)
+        return total.cpu()
+
+    def mask_rows(self, keep: torch.Tensor) -> None:
+        """Zero the loss mask of the rows not kept in the shards fetched so far and later, and
+        count the global batches' loss tokens without them."""
+        self._keep = keep
+        for s, shard in self._shards.items():
+            self._shards[s] = self._masked(s, shard)
+
+    def _masked(self, s: int, shard: TrainBatch) -> TrainBatch:
+        """``shard`` (of global batch s) with the rows ``mask_rows`` dropped out of its loss."""
+        if self._keep is None:
+            return shard
+        rows = torch.tensor(global_rows(s, self.num_rows, self.global_batch_size))
+        mine = self.local_rows(s)
+        mask = shard.loss_mask * self._keep[mine][:, None].to(shard.loss_mask.dtype)
+        kept = self.meta.tag("loss_tokens")[rows] * self._keep[rows]
+        counts = shard.global_counts or GlobalCounts(len(rows), 0, 0)
+        counts = dataclasses.replace(counts, loss_tokens=int(kept.sum()))
+        return dataclasses.replace(shard, loss_mask=mask, global_counts=counts)
+
+    def rewarded(self) -> torch.Tensor:
+        """(N,) float64, 1 for each collection row whose reward is > 0 (the partition's tag)."""
+        return self.meta.tag("rewarded").to(torch.float64)
+
+    def write_back(self, j: int, config: StepConfig, micro_batch_size: int) -> None:
+        """After iteration j: write the pi_old and pi_ref logprobs of the rows it trained first
+        (TP rank 0 of each replica writes its rows; a stage without them writes none)."""
+        needed = {LOGPROBS: config.needs_old_logprobs, REFERENCE_LOGPROBS: config.needs_reference}
+        names = [name for name, needs in needed.items() if needs]
+        if not names or j >= self.num_slices:
+            return
+        rows = global_rows(j, self.num_rows, self.global_batch_size)
+        first = {}  # row -> its first position in the global batch (a row may repeat)
+        for position, row in enumerate(rows):
+            first.setdefault(row, position)
+        per_rank, caches = len(rows) // self.ctx.dp_size, self._caches.get(j, [])
+        keys: list[str] = []
+        values: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+        for i in range(per_rank) if self.ctx.is_replica_leader else []:
+            position = self.ctx.dp_rank * per_rank + i
+            row, micro = rows[position], i // micro_batch_size
+            if row in self._written or first[row] != position or micro >= len(caches):
+                continue
+            cache = caches[micro]
+            tensors = {LOGPROBS: cache.old_logprobs, REFERENCE_LOGPROBS: cache.ref_logprobs}
+            if any(tensors[name] is None for name in names):
+                continue  # a pipeline stage that does not compute them
+            n = self.meta.tags["length"][row]
+            keys.append(self.meta.keys[row])
+            for name in names:
+                values[name].append(tensors[name][i % micro_batch_size, :n].detach().float().cpu())
+        self.plane.write(self.meta.partition, keys, values if keys else {})
+        self._written.update(rows)
+
+    def finish(self) -> None:
+        """Drop the collection's partition once its last iteration is done."""
+        self.plane.clear(self.meta.partition)
+        self._shards.clear()

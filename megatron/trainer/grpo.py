@@ -2,7 +2,8 @@
 
 Every rank runs this loop. Rank 0 also owns the rollout pipeline (agents, forced-lag generator,
 inference engine, and the inference server when remote environments need it) inside
-``RolloutSource``; the other ranks take part in its engine steps and receive each batch from it.
+``RolloutSource``; the other ranks take part in its engine steps. Rank 0 writes each collection's
+rollouts to the data plane (``--rl-data-plane``) and every rank fetches only its shard by key.
 Flags become typed configs in ``config.py``; the device picks the ``Tier`` that builds the model,
 optimizer, engine and checkpoint shards, and the ``Policy`` (``policy.py``) through which the loop
 computes pi_old and pi_ref and trains.
@@ -25,7 +26,8 @@ from typing import Any
 
 from megatron.rl.agent.api import Agent
 from megatron.rl.agent.env_config import EnvConfigError, load_env_config
-from megatron.rl.grpo.batch import build_train_batch
+from megatron.rl.dataplane import DataPlane, make_data_plane
+from megatron.rl.dataplane.batches import publish_groups
 from megatron.rl.grpo.filtering import select_groups
 from megatron.rl.tokenizer import Tokenizer
 from megatron.rl.wire import RolloutGroup
@@ -38,11 +40,13 @@ from megatron.trainer.checkpointing import (
     load_checkpoint,
     save_checkpoint,
 )
-from megatron.trainer.collection import Collection
+from megatron.trainer.collection import KeyedCollection
 from megatron.trainer.evaluation import Evaluator, eval_agents, hold_out_validation
+from megatron.trainer.exits import PeerFailed
 from megatron.trainer.hf_io import save_hf, weight_loader
 from megatron.trainer.initialize import (
     ParallelContext,
+    agree_on_error,
     initialize_distributed,
     shutdown_distributed,
 )
@@ -70,6 +74,8 @@ class Run:
     """Every forward and update of training goes through it."""
     resumed: Checkpoint
     """Where the run starts (``--load``): iteration 0 and no pipeline for a new run."""
+    plane: DataPlane
+    """Where each collection's samples live (``--rl-data-plane``)."""
 
     @property
     def k(self) -> int:
@@ -81,24 +87,43 @@ class Run:
         """Micro-batches of one global batch on this data-parallel rank."""
         return self.args.global_batch_size // (self.args.micro_batch_size * self.ctx.dp_size)
 
-    def collection(self, collected: CollectedBatch) -> tuple[Collection, dict[str, Any]]:
-        """The collection of a batch (dynamic sampling, advantages, pi_old, the sequence-level
-        logprob error mask) and its metrics."""
-        groups, extra = training_groups(self.args, collected)
-        batch = build_train_batch(groups, self.tokenizer.pad_id)
-        collection = Collection(batch, self.args.global_batch_size, self.k)
+    def collection(self, collected: CollectedBatch) -> tuple[KeyedCollection, dict[str, Any]]:
+        """The collection of a batch (dynamic sampling and advantages on rank 0, which writes its
+        samples to the data plane; pi_old; the sequence-level logprob error mask) and its metrics
+        (rank 0; collective)."""
+        meta, extra, failure = None, {}, None
+        if self.ctx.is_main:
+            try:
+                groups, extra = training_groups(self.args, collected)
+                meta = publish_groups(self.plane, groups, collected.batch.batch_id)
+            except Exception as exc:  # every rank stops here instead of waiting for the meta
+                failure = exc
+        agreed = agree_on_error(None if failure is None else f"{type(failure).__name__}: {failure}")
+        if failure is not None:
+            raise failure
+        if agreed is not None:
+            raise PeerFailed(agreed)
+        meta = self.plane.share(meta)
+        collection = KeyedCollection(
+            self.plane, meta, self.args.global_batch_size, self.k, self.ctx, self.tokenizer.pad_id
+        )
         collection.prepare(self.policy, self.step_config)
         error_config = config.seq_logprob_error_config(self.args)
         if error_config is not None:  # pi_old vs the engine's logprobs; masks rows above X
-            extra.update(apply_seq_logprob_error(collection, groups, self.policy, error_config))
+            rewarded = collection.rewarded()
+            extra.update(apply_seq_logprob_error(collection, rewarded, self.policy, error_config))
         return collection, extra
 
-    def train_step(self, collection: Collection, iteration: int) -> StepResult:
-        """One optimizer update on iteration ``iteration``'s global batch."""
+    def train_step(self, collection: KeyedCollection, iteration: int) -> StepResult:
+        """One optimizer update on this rank's shard of iteration ``iteration``'s global batch;
+        its logprobs are written back, and the collection's partition cleared after its last."""
         j = iteration % self.k
         batch, caches = collection.global_batch(j), collection.caches(j, self.micro_batches)
         loss = collection.loss(j, self.step_config)
         (result,) = self.policy.train(batch, loss, caches=caches)
+        collection.write_back(j, self.step_config, self.args.micro_batch_size)
+        if j == self.k - 1:
+            collection.finish()
         return result
 
 
@@ -117,7 +142,8 @@ def build_run(args: argparse.Namespace, ctx: ParallelContext) -> Run:
     if args.load:
         shards, options = tier.checkpoint_shards(), LoadOptions.of(args)
         resumed = load_checkpoint(args.load, shards, state, args, ctx, options, args.ckpt_step)
-    return Run(args, ctx, tier, tokenizer, step_config, state, policy, resumed)
+    plane = make_data_plane(args.rl_data_plane, ctx.rank, ctx.world_size, ctx.device)
+    return Run(args, ctx, tier, tokenizer, step_config, state, policy, resumed, plane)
 
 
 def train(args: argparse.Namespace, missing_kernels: set[str] = frozenset()) -> None:
@@ -128,7 +154,7 @@ def train(args: argparse.Namespace, missing_kernels: set[str] = frozenset()) -> 
     started = time.monotonic()
     agent = load_agent(args)
     ctx = initialize_distributed(args)
-    writer = evaluator = None
+    writer = evaluator = run = None
     try:
         run = build_run(args, ctx)
         print_header(run, agent, missing_kernels)
@@ -173,6 +199,8 @@ def train(args: argparse.Namespace, missing_kernels: set[str] = frozenset()) -> 
             evaluator.close()
         if writer is not None:
             writer.close()
+        if run is not None:
+            run.plane.close()
         shutdown_distributed()
 
 
@@ -267,7 +295,7 @@ def evaluation_due(args: argparse.Namespace, iteration: int) -> bool:
 def training_groups(
     args: argparse.Namespace, collected: CollectedBatch
 ) -> tuple[list[RolloutGroup], dict[str, Any]]:
-    """The groups the step trains on, and the dynamic-sampling metrics (every rank alike)."""
+    """The groups the step trains on, and the dynamic-sampling metrics (rank 0)."""
     groups = collected.batch.groups
     sampling = config.dynamic_sampling_config(args)
     if sampling is None:

@@ -5,7 +5,10 @@ method with the same global batch ``data`` (a ``TrainBatch``: one row per rollou
 ``tokens[:-1]`` and targets ``tokens[1:]``, so T = S - 1 for S tokens); each data-parallel rank
 runs its consecutive shard of the rows in micro-batches, and the forward-only methods return the
 whole batch's result on every rank (gathered over data parallelism, and from the last pipeline
-stage on CUDA). Per-token outputs are aligned with the targets; positions past a row's length
+stage on CUDA). With the keyed data plane a rank holds only its shard of a global batch
+(``TrainBatch.is_shard``, carrying the global token counts the loss is averaged over): it is called
+with that shard, runs all of its rows, and the forward-only methods return those rows. Per-token
+outputs are aligned with the targets; positions past a row's length
 hold padding values (0 past its micro-batch's width) that callers mask.
 
 * ``get_logprobs``: log pi(target) of every position, forward only, no gradient.
@@ -98,8 +101,9 @@ class LossFunction(ABC):
         (b, t) entropies when ``needs_entropy``), both differentiable."""
 
     def num_tokens(self, data: TrainBatch) -> int:
-        """The tokens of ``data`` the loss is averaged over (default: the loss-mask tokens)."""
-        return data.num_loss_tokens
+        """The tokens of ``data`` the loss is averaged over (default: the loss-mask tokens of the
+        global batch, also when ``data`` is one rank's shard of it)."""
+        return data.global_loss_tokens
 
     def extra_sums(self, caches: list[MicroBatchCache]) -> NamedSums | None:
         """Sums reduced with the update's, from this rank's caches (default: none)."""
@@ -149,12 +153,14 @@ def plan_updates(
     """``data`` cut into global batches of ``gbs`` rows (default: one), each into this rank's
     micro-batches of ``mbs`` rows; ``caches``: one per micro-batch of this rank, in order
     (fresh ones by default)."""
+    if data.is_shard and gbs is not None:
+        raise ValueError("a data-parallel shard is one global batch: train it without gbs")
     gbs = data.num_rows if gbs is None else gbs
     if gbs < 1 or data.num_rows % gbs:
         raise ValueError(f"gbs ({gbs}) must divide the {data.num_rows} rows of the data")
     if mbs < 1:
         raise ValueError(f"mbs must be >= 1, got {mbs}")
-    per_update = data_parallel_rows(gbs, ctx, mbs)
+    per_update = data_parallel_rows(gbs, ctx, mbs, data.is_shard)
     count = len(per_update) * (data.num_rows // gbs)
     caches = [MicroBatchCache() for _ in range(count)] if caches is None else caches
     if len(caches) != count:

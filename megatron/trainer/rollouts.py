@@ -3,7 +3,8 @@
 Rank 0's ``GenerationHost`` (``generation.py``) runs the agents, the ``GroupedRolloutGenerator``
 and the inference engine (plus the inference server when remote environments need it) in its
 event loop. ``next_batch`` opens a generation window until the generator hands over the next
-ordered batch, then broadcasts it to every rank; the other ranks execute the window's engine steps
+ordered batch (on rank 0: it goes to the data plane from there, and each rank fetches only its
+shard by key, ``megatron/rl/dataplane``); the other ranks execute the window's engine steps
 meanwhile. ``drain`` is the other window: before a checkpoint it runs the engine until every
 submitted batch is finished and returns the pipeline state to save.
 """
@@ -57,10 +58,12 @@ class InferenceServerConfig:
 class CollectedBatch:
     """A batch as handed to the training step, with how long collecting it took."""
 
-    batch: RolloutBatch
+    batch: RolloutBatch | None
+    """The batch on rank 0; None on the other ranks (they fetch their rows from the data
+    plane)."""
     seconds: float
-    generated_tokens: int
-    """Tokens the engine sampled during this collection window (all batches in flight)."""
+    generated_tokens: int | None
+    """Tokens the engine sampled during this collection window (all batches in flight; rank 0)."""
 
 
 class RolloutSource:
@@ -154,21 +157,17 @@ class RolloutSource:
         self.close()
 
     def next_batch(self) -> CollectedBatch:
-        """The next batch, in order, on every rank (collective).
+        """The next batch, in order, on rank 0 (collective: the other ranks run the window).
 
         Raises ``SystemExit(128 + signum)`` when ``request_stop`` cancelled the window.
         """
         start = time.perf_counter()
-        if self.ctx.is_main:
-            tokens_before = self.engine.generated_tokens
-            batch = self._window(self._next_checked_batch)
-            message = [batch, self.engine.generated_tokens - tokens_before]
-        else:
+        if not self.ctx.is_main:
             self._window(None)
-            message = [None, None]
-        if self.ctx.world_size > 1:
-            dist.broadcast_object_list(message, src=0)
-        batch, generated = message
+            return CollectedBatch(None, time.perf_counter() - start, None)
+        tokens_before = self.engine.generated_tokens
+        batch = self._window(self._next_checked_batch)
+        generated = self.engine.generated_tokens - tokens_before
         return CollectedBatch(batch, time.perf_counter() - start, generated)
 
     async def _next_checked_batch(self) -> RolloutBatch:

@@ -157,9 +157,14 @@ class StepResult:
     metric, and the ``is_*`` metrics of the IS correction."""
 
 
-def data_parallel_rows(num_rows: int, ctx: ParallelContext, size: int) -> list[slice]:
+def data_parallel_rows(
+    num_rows: int, ctx: ParallelContext, size: int, shard: bool = False
+) -> list[slice]:
     """The rows of this rank's micro-batches of ``size`` rows in a batch of ``num_rows`` rows:
-    data-parallel rank r takes the r-th of ``dp_size`` equal consecutive shards."""
+    data-parallel rank r takes the r-th of ``dp_size`` equal consecutive shards (all of them when
+    the batch is already this rank's ``shard``)."""
+    if shard:
+        return [slice(s, min(s + size, num_rows)) for s in range(0, num_rows, size)]
     if num_rows % ctx.dp_size:
         raise ValueError(
             f"a batch of {num_rows} rows does not split over {ctx.dp_size} data-parallel ranks"
@@ -173,14 +178,15 @@ def data_parallel_rows(num_rows: int, ctx: ParallelContext, size: int) -> list[s
 def data_parallel_micro_batches(
     batch: TrainBatch, ctx: ParallelContext, size: int, fixed_width: bool = False
 ) -> list[TrainBatch]:
-    """This rank's shard of ``batch`` in micro-batches of ``size`` rows.
+    """This rank's shard of ``batch`` in micro-batches of ``size`` rows (all of ``batch`` when it
+    already is this rank's shard: ``TrainBatch.is_shard``).
 
     Each micro-batch is trimmed to its longest row, or, with ``fixed_width``, keeps the batch's
     full width (pipeline stages exchange activations of one fixed shape).
     """
     return [
         batch.rows(r.start, r.stop, trim=not fixed_width)
-        for r in data_parallel_rows(batch.num_rows, ctx, size)
+        for r in data_parallel_rows(batch.num_rows, ctx, size, batch.is_shard)
     ]
 
 
@@ -289,7 +295,7 @@ def step_result(
         grad_norm=update.grad_norm,
         lr=update.lr,
         loss_tokens=num_tokens,
-        trained_tokens=int(batch.lengths.sum()),
+        trained_tokens=batch.global_trained_tokens,
         seconds=time.perf_counter() - start,
         metrics=loss_fn.metrics(reduced, num_tokens),
     )

@@ -9,6 +9,8 @@ A case is a folder ``test_cases/<name>/`` holding ``model_config.yaml``::
         env_id: copy                              #   through `remote` agents
     resume: {save-interval: 10, kill-after-step: 12}   # optional: save every 10 steps, kill -9
                                                   #   the job once step 12 is logged, resume
+    requires: [transfer_queue, ray]               # optional: modules the case needs (an extra);
+                                                  #   skipped where one is not installed
     tolerances: {loss: {rtol: 1.0e-3}}            # optional overrides of TOLERANCES
 
 and ``golden_values.json``: ``{metric: [value per step]}`` for every metric in ``TOLERANCES``.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -234,6 +237,11 @@ def case_names() -> list[str]:
     return sorted(p.name for p in CASES.iterdir() if (p / "model_config.yaml").is_file())
 
 
+def missing_modules(name: str) -> list[str]:
+    """The modules case ``name`` requires (``requires:``) that are not installed here."""
+    return [m for m in load_case(name).get("requires", []) if importlib.util.find_spec(m) is None]
+
+
 def load_case(name: str) -> dict:
     """The parsed ``model_config.yaml`` of case ``name``."""
     path = CASES / name / "model_config.yaml"
@@ -322,6 +330,9 @@ def main() -> int:
     opts = parser.parse_args()
     failed = False
     for name in opts.case or case_names():
+        if missing_modules(name):
+            print(f"{name}: skipped (not installed: {', '.join(missing_modules(name))})")
+            continue
         metrics = run_case(name)
         if opts.update_golden:
             update(name, metrics)

@@ -22,6 +22,7 @@ from golden_values import (
     compare,
     format_table,
     load_case,
+    missing_modules,
     run_case,
     run_training,
 )
@@ -41,7 +42,18 @@ def runs():
     return get
 
 
-@pytest.mark.parametrize("case", case_names())
+def golden_case(name: str):
+    """A case as a parameter; one that ``requires:`` modules is skipped where they are missing
+    (and marked ``transferqueue`` when it needs that extra)."""
+    requires, missing = load_case(name).get("requires", []), missing_modules(name)
+    if not requires:
+        return name
+    marks = [pytest.mark.skipif(bool(missing), reason=f"not installed: {', '.join(missing)}")]
+    marks += [pytest.mark.transferqueue] if "transfer_queue" in requires else []
+    return pytest.param(name, marks=marks, id=name)
+
+
+@pytest.mark.parametrize("case", [golden_case(name) for name in case_names()])
 def test_metrics_match_golden_values(runs, case):
     problems = compare(case, runs(case))
     assert not problems, "\n" + format_table(problems)
@@ -132,6 +144,17 @@ def test_remote_env_run_equals_the_in_process_run_bitwise(runs):
     """The deterministic engine schedule makes HTTP timing irrelevant: same tokens, same steps."""
     remote, local = runs("lag2_remote_env"), runs("lag2")
     assert all(m["staleness_min"] == m["staleness_max"] == min(m["step"], 2) for m in remote)
+    for metric in DETERMINISTIC:
+        assert [m[metric] for m in remote] == [m[metric] for m in local], metric
+
+
+@pytest.mark.transferqueue
+def test_transferqueue_data_plane_run_equals_the_in_process_run_bitwise(runs):
+    """Where the samples live does not change a number: same rows on the same ranks."""
+    missing = missing_modules("lag2_dp2_transferqueue")
+    if missing:
+        pytest.skip(f"not installed: {', '.join(missing)}")
+    remote, local = runs("lag2_dp2_transferqueue"), runs("lag2_dp2")
     for metric in DETERMINISTIC:
         assert [m[metric] for m in remote] == [m[metric] for m in local], metric
 

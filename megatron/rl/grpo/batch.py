@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
 from megatron.rl.grpo.advantages import group_advantages
-from megatron.rl.wire import RolloutGroup
+from megatron.rl.wire import RolloutGroup, TokenRollout
+
+
+@dataclass(frozen=True)
+class GlobalCounts:
+    """What a data-parallel shard knows of the global batch it is cut from."""
+
+    rows: int
+    loss_tokens: int
+    """Generated tokens that carry loss in the whole global batch (the loss's denominator)."""
+    trained_tokens: int
+    """Real (non-padding) input positions in the whole global batch."""
 
 
 @dataclass(frozen=True)
@@ -32,6 +44,9 @@ class TrainBatch:
     """(B,) float32 sampling temperature of each rollout."""
     lengths: torch.Tensor
     """(B,) int64 number of real (non-padding) input positions."""
+    global_counts: GlobalCounts | None = None
+    """Set on one data-parallel rank's shard of a global batch (its rows only); None when the
+    batch is the whole global batch."""
 
     @property
     def num_rows(self) -> int:
@@ -42,6 +57,29 @@ class TrainBatch:
     def num_loss_tokens(self) -> int:
         """Generated tokens that carry loss."""
         return int(self.loss_mask.sum())
+
+    @property
+    def is_shard(self) -> bool:
+        """Whether this is one data-parallel rank's shard (``global_counts`` is set)."""
+        return self.global_counts is not None
+
+    @property
+    def global_loss_tokens(self) -> int:
+        """Loss tokens of the whole global batch (of this batch, when it is not a shard)."""
+        return (
+            self.num_loss_tokens if self.global_counts is None else self.global_counts.loss_tokens
+        )
+
+    @property
+    def global_trained_tokens(self) -> int:
+        """Real input positions of the whole global batch (of this batch, when not a shard)."""
+        if self.global_counts is None:
+            return int(self.lengths.sum())
+        return self.global_counts.trained_tokens
+
+    def as_shard(self, counts: GlobalCounts) -> "TrainBatch":
+        """These rows as a data-parallel shard of a global batch with ``counts``."""
+        return replace(self, global_counts=counts)
 
     def rows(self, start: int, stop: int, trim: bool = True) -> "TrainBatch":
         """Rows [start, stop), trimmed to their own longest sequence (or, without ``trim``, at
@@ -72,11 +110,48 @@ class TrainBatch:
         )
 
 
-def build_train_batch(groups: list[RolloutGroup], pad_id: int) -> TrainBatch:
-    """Advantages per group, then one padded row per rollout in (group, rollout) order.
+SAMPLE_FIELDS = ("tokens", "loss_mask", "inference_logprobs", "temperature", "reward")
+"""Fields of one rollout as a sample (``rollout_sample``); ``advantages`` is added per group."""
+TRAIN_FIELDS = ("tokens", "loss_mask", "inference_logprobs", "temperature", "advantages")
+"""The fields ``rows_from_samples`` builds training rows from."""
 
-    Placeholder rollouts (environment errors) stay as rows so that batch shapes and data-parallel
-    shards do not depend on failures, but they carry no loss and do not enter group statistics.
+
+def rollout_sample(rollout: TokenRollout) -> dict[str, torch.Tensor]:
+    """One rollout as unpadded per-sample tensors, aligned with ``build_train_batch``'s rows.
+
+    ``tokens`` (n + 1,) int64 is the trajectory (inputs ``[:-1]``, targets ``[1:]``), or empty for
+    a row that carries nothing (a placeholder, fewer than two tokens); ``loss_mask`` (n,) bool
+    marks generated targets; ``inference_logprobs`` (generated,) float32 their logprobs;
+    ``temperature`` float32 and ``reward`` float64 are scalars.
+    """
+    r = rollout
+    empty = torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.bool), torch.zeros(0)
+    tokens, loss_mask, logprobs = empty
+    if not r.is_placeholder:
+        if r.generation_mask and r.generation_mask[0]:
+            raise ValueError(f"rollout {r.env_id}/{r.problem_id} starts with a generated token")
+        if len(r.tokens) >= 2:
+            tokens = torch.tensor(r.tokens)
+            loss_mask = torch.tensor(r.generation_mask[1:])  # aligned with targets
+            logprobs = torch.tensor(r.logprobs, dtype=torch.float32)
+    return {
+        "tokens": tokens,
+        "loss_mask": loss_mask,
+        "inference_logprobs": logprobs,
+        "temperature": torch.tensor(r.temperature, dtype=torch.float32),
+        "reward": torch.tensor(r.reward, dtype=torch.float64),
+    }
+
+
+def padded_width(groups: list[RolloutGroup]) -> int:
+    """The width of the batch's padded rows: its longest trajectory (placeholders too) - 1."""
+    return max(1, max(len(r.tokens) for g in groups for r in g.rollouts) - 1)
+
+
+def batch_advantages(groups: list[RolloutGroup]) -> torch.Tensor:
+    """(B,) float32 advantages of the rollouts in (group, rollout) order, normalized per group.
+
+    Placeholder rollouts (environment errors) do not enter group statistics and get 0.
     """
     rollouts = [r for g in groups for r in g.rollouts]
     sizes = {len(g.rollouts) for g in groups}
@@ -85,36 +160,50 @@ def build_train_batch(groups: list[RolloutGroup], pad_id: int) -> TrainBatch:
     k = sizes.pop()
     rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float64).view(-1, k)
     valid = torch.tensor([not r.is_placeholder for r in rollouts]).view(-1, k)
-    advantages = group_advantages(rewards, valid).view(-1)  # (B,)
+    return group_advantages(rewards, valid).view(-1)  # (B,)
 
-    width = max(1, max(len(r.tokens) for r in rollouts) - 1)
-    rows = len(rollouts)
+
+def rows_from_samples(
+    samples: Mapping[str, Sequence[torch.Tensor]], pad_id: int, width: int
+) -> TrainBatch:
+    """Padded rows of ``width`` from the ``TRAIN_FIELDS`` of samples (one row per sample)."""
+    tokens = samples["tokens"]
+    rows = len(tokens)
     input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
     target_ids = torch.full((rows, width), pad_id, dtype=torch.long)
     loss_mask = torch.zeros(rows, width)
     old_logprobs = torch.zeros(rows, width)
     lengths = torch.zeros(rows, dtype=torch.long)
-    for b, r in enumerate(rollouts):
-        if r.is_placeholder:
+    for b, (row, generated, logprobs) in enumerate(
+        zip(tokens, samples["loss_mask"], samples["inference_logprobs"])
+    ):
+        n = len(row) - 1
+        if n < 1:
             continue
-        if r.generation_mask and r.generation_mask[0]:
-            raise ValueError(f"rollout {r.env_id}/{r.problem_id} starts with a generated token")
-        if len(r.tokens) < 2:
-            continue
-        n = len(r.tokens) - 1
-        tokens = torch.tensor(r.tokens)
-        input_ids[b, :n] = tokens[:-1]
-        target_ids[b, :n] = tokens[1:]
-        generated = torch.tensor(r.generation_mask[1:])  # aligned with targets
+        input_ids[b, :n] = row[:-1]
+        target_ids[b, :n] = row[1:]
         loss_mask[b, :n] = generated.float()
-        old_logprobs[b, :n][generated] = torch.tensor(r.logprobs, dtype=torch.float32)
+        old_logprobs[b, :n][generated] = logprobs
         lengths[b] = n
     return TrainBatch(
         input_ids=input_ids,
         target_ids=target_ids,
         loss_mask=loss_mask,
         inference_logprobs=old_logprobs,
-        advantages=advantages,
-        temperature=torch.tensor([r.temperature for r in rollouts], dtype=torch.float32),
+        advantages=torch.stack(list(samples["advantages"])) if rows else torch.zeros(0),
+        temperature=torch.stack(list(samples["temperature"])) if rows else torch.zeros(0),
         lengths=lengths,
     )
+
+
+def build_train_batch(groups: list[RolloutGroup], pad_id: int) -> TrainBatch:
+    """Advantages per group, then one padded row per rollout in (group, rollout) order.
+
+    Placeholder rollouts (environment errors) stay as rows so that batch shapes and data-parallel
+    shards do not depend on failures, but they carry no loss and do not enter group statistics.
+    """
+    advantages = batch_advantages(groups)
+    samples = [rollout_sample(r) for g in groups for r in g.rollouts]
+    fields = {name: [s[name] for s in samples] for name in SAMPLE_FIELDS}
+    fields["advantages"] = list(advantages.unbind())
+    return rows_from_samples(fields, pad_id, padded_width(groups))

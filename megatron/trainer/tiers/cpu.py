@@ -164,7 +164,7 @@ class CPUPolicy(Policy):
         self, model: torch.nn.Module, data: TrainBatch, mbs: int | None, outputs: PerMicro
     ) -> tuple[torch.Tensor, ...]:
         """The per-token ``outputs`` of every micro-batch of this rank (no gradient), as (B, T,
-        ...) tensors of the whole batch."""
+        ...) tensors of the whole batch (of this rank's rows when ``data`` is its shard)."""
         mbs = self.config.micro_batch_size if mbs is None else mbs
         model.eval()
         parts = []
@@ -174,9 +174,10 @@ class CPUPolicy(Policy):
                 logits = model(inputs.ids, inputs.positions, inputs.mask)  # (r, s, V/tp)
                 parts.append(outputs(logits, micro, inputs))
         width = data.input_ids.shape[1]
-        return tuple(
-            gather_data_parallel(padded_rows(list(p), width), self.ctx) for p in zip(*parts)
-        )
+        local = [padded_rows(list(p), width) for p in zip(*parts)]
+        if data.is_shard:  # this rank's rows only
+            return tuple(local)
+        return tuple(gather_data_parallel(t, self.ctx) for t in local)
 
     def _update(self, update: PlannedUpdate, loss_fn: LossFunction, eval_mode: bool) -> StepResult:
         """One optimizer update over the micro-batches (or, in eval mode, only the loss)."""

@@ -139,7 +139,8 @@ class CUDAPolicy(Policy):
         specs: tuple[tuple[tuple[int, ...], torch.dtype], ...] = (((), torch.float32),),
     ) -> tuple[torch.Tensor, ...]:
         """The per-token ``outputs`` of every micro-batch of this rank as (B, T, ...) tensors of
-        the whole batch; ``specs``: the trailing shape and dtype of each output."""
+        the whole batch (of this rank's rows when ``data`` is its shard); ``specs``: the trailing shape and dtype of each output.
+        """
         mbs = self.config.micro_batch_size if mbs is None else mbs
         micros = data_parallel_micro_batches(data, self.ctx, mbs, fixed_width=self.pipeline > 1)
         parts: list[tuple[torch.Tensor, ...]] = []
@@ -152,13 +153,16 @@ class CUDAPolicy(Policy):
         model.eval()
         with torch.no_grad():
             self._schedule(model, [(m, m) for m in micros], keep, mbs, forward_only=True)
-        width, rows = data.input_ids.shape[1], data.num_rows // self.ctx.dp_size
+        width = data.input_ids.shape[1]
+        rows = data.num_rows if data.is_shard else data.num_rows // self.ctx.dp_size
         if parallel_state.is_pipeline_last_stage():
             local = [padded_rows(list(p), width) for p in zip(*parts)]
         else:
             local = [torch.empty((rows, width, *shape), dtype=dtype) for shape, dtype in specs]
         if self.pipeline > 1:
             local = [self._from_last_stage(t) for t in local]
+        if data.is_shard:  # this rank's rows only
+            return tuple(local)
         return tuple(gather_data_parallel(t, self.ctx) for t in local)
 
     def _from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -80,6 +80,10 @@ def engine_groups(policy: Policy) -> list[RolloutGroup]:
     return out
 
 
+def rewards(groups: list[RolloutGroup]) -> torch.Tensor:
+    return torch.tensor([r.reward for g in groups for r in g.rollouts], dtype=torch.float64)
+
+
 def step_config(**options) -> StepConfig:
     return StepConfig(GRPOLossConfig(), VOCAB, MICRO, clip_grad=1.0, **options)
 
@@ -100,7 +104,9 @@ def test_injected_mismatch_masks_exactly_the_rows_above_the_threshold(
     batch = build_train_batch(groups, pad_id=0)
     collection = Collection(batch, global_batch_size, iterations)
     collection.prepare(policy, step_config())
-    metrics = apply_seq_logprob_error(collection, groups, policy, SeqLogprobErrorConfig(1.5))
+    metrics = apply_seq_logprob_error(
+        collection, rewards(groups), policy, SeqLogprobErrorConfig(1.5)
+    )
 
     # 13 rows with error 1, then 2, 4 and 1.2; masked above 1.5: rows 1 and 6 (rewards 1 and 0)
     assert metrics == pytest.approx(
@@ -129,7 +135,7 @@ def test_the_loss_is_normalised_over_the_remaining_tokens(single_rank_world):
     collection = Collection(batch, 16, 1)
     config = step_config()
     collection.prepare(policy, config)
-    apply_seq_logprob_error(collection, groups, policy, SeqLogprobErrorConfig(1.5))
+    apply_seq_logprob_error(collection, rewards(groups), policy, SeqLogprobErrorConfig(1.5))
     (masked,) = policy.train(
         collection.global_batch(0), collection.loss(0, config), caches=collection.caches(0, 4)
     )
