@@ -101,11 +101,11 @@ class SampleStore:
                 f"{step}"
             )
         part = part or _Partition(step)
-        _check_keys(keys)
+        check_keys(keys)
         taken = [k for k in keys if k in part.samples]
         if taken:
             raise KeyError(f"partition {partition!r}: keys already written: {taken[:4]}")
-        specs = _specs(fields, len(keys), part.specs)
+        specs = field_specs(fields, len(keys), part.specs)
         tags = dict(tags or {})
         if part.samples and set(tags) != set(part.tags):
             raise ValueError(
@@ -129,11 +129,11 @@ class SampleStore:
         A field becomes part of the partition's metadata once every sample has it.
         """
         part = self._partition(partition)
-        _check_keys(keys)
+        check_keys(keys)
         missing = [k for k in keys if k not in part.samples]
         if missing:
             raise KeyError(f"partition {partition!r} has no keys {missing[:4]}")
-        specs = _specs(fields, len(keys), part.specs)
+        specs = field_specs(fields, len(keys), part.specs)
         for name in specs:
             rewritten = [k for k in keys if name in part.samples[k]]
             if rewritten:
@@ -182,7 +182,8 @@ class SampleStore:
         return part
 
 
-def _check_keys(keys: Sequence[str]) -> None:
+def check_keys(keys: Sequence[str]) -> None:
+    """Raise unless ``keys`` are distinct non-empty strings."""
     if len(set(keys)) != len(keys):
         raise ValueError("keys must be distinct")
     bad = [k for k in keys if not isinstance(k, str) or not k]
@@ -190,7 +191,9 @@ def _check_keys(keys: Sequence[str]) -> None:
         raise ValueError(f"keys must be non-empty strings, got {bad[:4]}")
 
 
-def _specs(fields: Fields, num_keys: int, known: Mapping[str, FieldSpec]) -> dict[str, FieldSpec]:
+def field_specs(
+    fields: Fields, num_keys: int, known: Mapping[str, FieldSpec]
+) -> dict[str, FieldSpec]:
     """The spec of each field, checked against its key count and any spec already ``known``."""
     specs = {}
     for name, values in fields.items():

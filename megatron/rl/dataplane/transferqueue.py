@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from megatron.rl.dataplane.base import DataPlane
 from megatron.rl.dataplane.keyed import DataPlaneError
-from megatron.rl.dataplane.store import BatchMeta, Fields, FieldSpec, _check_keys, _specs
+from megatron.rl.dataplane.store import BatchMeta, Fields, FieldSpec, check_keys, field_specs
 
 TQ_CONFIG: dict[str, Any] = {
     "controller": {"polling_mode": True},
@@ -126,11 +126,11 @@ class TransferQueueDataPlane(DataPlane):
                     f"step {step}"
                 )
             ledger = ledger or _Ledger(step)
-            _check_keys(keys)
+            check_keys(keys)
             taken = [k for k in keys if k in ledger.keys]
             if taken:
                 raise KeyError(f"partition {partition!r}: keys already written: {taken[:4]}")
-            specs = _specs(fields, len(keys), ledger.specs)
+            specs = field_specs(fields, len(keys), ledger.specs)
             tags = {name: [int(v) for v in values] for name, values in (tags or {}).items()}
             if ledger.keys and set(tags) != set(ledger.tags):
                 raise ValueError(
@@ -273,7 +273,7 @@ class TransferQueueDataPlane(DataPlane):
         if ledger is None:
             return f"no partition {partition!r} (partitions: {list(self._ledgers)})"
         try:
-            _check_keys(keys)
+            check_keys(keys)
         except ValueError as exc:
             return str(exc)
         for name, (count, spec) in summary.items():
