@@ -101,6 +101,22 @@ def test_two_process_runs_match_the_single_process_run(runs, case):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
 
 
+def test_seq_logprob_error_mask_under_dp2_matches_one_process():
+    """With the keyed data plane each DP rank holds its shard: the per-row errors are added over
+    data parallelism, and both ranks mask the same rows, as one process does."""
+    args = {**load_case("lag2")["args"], "train-iters": 4, "rl-log-seq-logprob-error": True}
+    measured = run_training(1, args)[2]  # step 2 trains on tokens of an older policy
+    threshold = (measured["seq_mult_prob_error_mean"] + measured["seq_mult_prob_error_max"]) / 2
+    args = {**args, "rl-seq-logprob-error-threshold": threshold}
+    single, parallel = run_training(1, args), run_training(2, args)
+    assert single[2]["seq_logprob_error_masked_sequences"] >= 1
+    for a, b in zip(single, parallel):
+        for key in ("seq_mult_prob_error_mean", "seq_mult_prob_error_max", "loss"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
+        for key in ("seq_logprob_error_masked_sequences", "reward_mean"):
+            assert b[key] == a[key], (a["step"], key)
+
+
 @pytest.mark.slow
 def test_tp2_and_dp2_learning_curves_agree_with_tp1_statistically():
     """Over 200 steps TP=2 and DP=2 reproduce TP=1's rewards exactly only until float rounding of
