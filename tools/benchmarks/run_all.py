@@ -45,7 +45,9 @@ HF_TARGET, SERIAL_TARGET = 1.3, 5.0
 """Issue 17: engine tokens/s at batch 64 over HF ``generate`` / over one request at a time."""
 DECODE_MATMUL_TARGET, TRAIN_MATMUL_TARGET = 0.25, 0.50
 """Issue 17: share of the measured matmul rate reached by decode / by a training step (~25M)."""
-BENCHMARKS = ("engine", "trl", "lag_sweep", "hf_shapes")
+TRL_L0_TARGET, TRL_L2_TARGET = 1.3, 2.0
+"""Issue 17: TRL s/step over ours at L=0 / at L=2 on the same HF checkpoint."""
+BENCHMARKS = ("engine", "trl", "lag_sweep", "hf_shapes", "trl_hf")
 
 
 def run_engine(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -225,6 +227,37 @@ def hf_targets(hfs: dict[str, Any]) -> list[str]:
     return lines
 
 
+def trl_hf_targets(trl_hf: dict[str, Any]) -> list[str]:
+    """Issue 17's whole-step and memory targets against TRL on each HF checkpoint."""
+    lines = []
+    for shape, res in trl_hf.items():
+        rows = {r["name"]: r for r in res["results"]}
+        trl = rows["trl"]
+        per_step = 64 if not res.get("prompts") else res["prompts"] * res["group_size"]
+        for name, target in (("ours L=0", TRL_L0_TARGET), ("ours L=2", TRL_L2_TARGET)):
+            r = rows[name]
+            v = r["speedup_vs_trl"]
+            per_token = v * r["completion_tokens_mean"] / trl["completion_tokens_mean"]
+            unc = r.get("uncontended_speedup_vs_trl")
+            lines.append(
+                f"- Llama {shape.upper()}: {name} whole GRPO step >= {target}x TRL: "
+                f"**{'met' if v >= target else 'not met'}**: TRL s/step ÷ ours = {v:.2f}x "
+                f"(rounds {spread(r['speedup_vs_trl_per_round'])}"
+                + ("" if unc is None else f"; {unc:.2f}x without run-queue wait")
+                + f"; {r['completion_tokens_mean'] * per_step:.0f} vs "
+                f"{trl['completion_tokens_mean'] * per_step:.0f} generated tokens per step, "
+                f"{per_token:.2f}x per generated token)."
+            )
+        worst = max(rows[n]["peak_rss_mib"] for n in ("ours L=0", "ours L=2"))
+        lines.append(
+            f"- Llama {shape.upper()}: peak RSS ours <= TRL: "
+            f"**{'met' if worst <= trl['peak_rss_mib'] else 'not met'}**: ours "
+            f"{rows['ours L=0']['peak_rss_mib']:.0f} MiB (L=0), "
+            f"{rows['ours L=2']['peak_rss_mib']:.0f} MiB (L=2), TRL {trl['peak_rss_mib']:.0f} MiB."
+        )
+    return lines
+
+
 def targets(res: dict[str, Any]) -> list[str]:
     """One line per target of issue 7, met or not, with the measured ratios."""
     lags = {r["name"]: r for r in res["lag_sweep"]["results"]}
@@ -295,9 +328,10 @@ time, as an estimate for an otherwise idle machine.{separate(res)}
 
 {chr(10).join(targets(res))}
 
-## Targets (issue 17, measured by `hf_shapes.py`)
+## Targets (issue 17, measured by `hf_shapes.py` and `trl_side_by_side.py --hf-shape`)
 
 {chr(10).join(hf_targets(res["hf_shapes"])) if "hf_shapes" in res else "not measured in this run"}
+{chr(10).join(trl_hf_targets(res["trl_hf"])) if "trl_hf" in res else ""}
 
 ## 1. Lag sweep
 
@@ -351,11 +385,39 @@ sides, so the mean tokens per completion (last column) differ; fewer tokens per 
 work per step.
 
 {hf_section(res["hf_shapes"]) if "hf_shapes" in res else ""}
+{trl_hf_section(res["trl_hf"]) if "trl_hf" in res else ""}
 ## Reading the results
 
 {chr(10).join(notes(res))}
 
 ![benchmarks](benchmarks.png)
+"""
+
+
+def trl_hf_section(trl_hf: dict[str, Any]) -> str:
+    """Section 5 of RESULTS.md: whole GRPO step vs TRL on the HF checkpoints, with memory."""
+    parts = []
+    for shape, res in trl_hf.items():
+        load = ", ".join(f"{x:.1f}" for x in res["load"])
+        parts.append(
+            f"**Llama {shape.upper()}** (the checkpoint of section 4), measured {res['started']} "
+            f"(load average {load}); {res['steps']} steps per run of which the first "
+            f"{res['skip']} are not measured, interleaved rounds: {res['rounds']}.\n\n"
+            + trl_side_by_side.markdown(res)
+        )
+    body = "\n\n".join(parts)
+    return f"""## 5. Whole GRPO step vs TRL on the Llama checkpoints, peak memory
+
+Both trainers load the same random Llama checkpoint and its tokenizer (TRL with
+`from_pretrained`, ours with `--hf-checkpoint`), on the digit-copy prompts and reward, 8
+prompts x 8 samples, at most 16 new tokens (EOS may end a completion earlier on either side),
+temperature 1, micro-batches of 32, lr 3e-3 constant, clip 0.2/0.28, no KL term; ours with
+`--inference-max-requests 192`. *Generated tokens/step*: mean completion length x 64, the work
+of each step's generation; the targets also give the ratio per generated token. *Peak RSS*: the
+process's `ru_maxrss` (ours: the training process under `torchrun`), the largest over rounds.
+Absolute times are not comparable with section 3 (other shape, other time of the day).
+
+{body}
 """
 
 
@@ -365,9 +427,10 @@ def separate(res: dict[str, Any]) -> str:
     if not hfs or hfs["started"] == res["started"]:
         return ""
     return (
-        f"\n\nSection 4 (and its targets) was measured by a later `run_all.py --only hf_shapes`"
-        f" run, started {hfs['started']}, with the code of that date; its ratios are side by side"
-        " within that run."
+        f"\n\nSections 4 and 5 (and the issue-17 targets) were measured by a later "
+        f"`run_all.py --only hf_shapes trl_hf` run, started {hfs['started']}, with the code of "
+        "that date; their ratios are side by side within that run. Sections 1-3 keep the "
+        "earlier run's numbers."
     )
 
 
@@ -474,6 +537,12 @@ def main() -> None:
     parser.add_argument("--engine-repeats", type=int, default=7)
     parser.add_argument("--hf-repeats", type=int, default=5, help="Repeats of hf_shapes.py.")
     parser.add_argument(
+        "--trl-hf",
+        nargs="+",
+        default=["1m:2:24:8", "25m:1:12:4"],
+        help="TRL side by side on HF checkpoints: SHAPE:ROUNDS:STEPS:SKIP for each shape.",
+    )
+    parser.add_argument(
         "--only",
         nargs="+",
         choices=BENCHMARKS,
@@ -531,6 +600,20 @@ def main() -> None:
             print("lag sweep ...", flush=True)
             res["lag_sweep"] = lag_sweep.run(sweep_opts, Path(tmp) / "lag")
             print(lag_sweep.markdown(res["lag_sweep"]), flush=True)
+        if "trl_hf" in only:
+            res["trl_hf"] = {}
+            for spec in opts.trl_hf:
+                shape, rounds, steps, skip = spec.split(":")
+                if opts.quick:
+                    rounds, steps, skip = "1", "5", "2"
+                trl_side_by_side.add_arguments(p := argparse.ArgumentParser())
+                flags = ["--hf-shape", shape, "--rounds", rounds, "--steps", steps, "--skip", skip]
+                shape_opts = p.parse_args([*flags, "--threads", str(opts.threads)])
+                print(f"TRL side by side on the Llama {shape} checkpoint ...", flush=True)
+                when = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+                out = trl_side_by_side.run(shape_opts, Path(tmp) / f"trl_{shape}")
+                res["trl_hf"][shape] = {**out, "started": when, "load": os.getloadavg()}
+                print(trl_side_by_side.markdown(out), flush=True)
         if "hf_shapes" in only:
             print("Llama HF checkpoints: engine vs HF generate, matmul efficiency ...", flush=True)
             res["hf_shapes"] = run_hf_shapes(opts, Path(tmp))
@@ -548,7 +631,10 @@ def write_results(res: dict[str, Any], out: Path) -> None:
     """RESULTS.md and benchmarks.png from the measured ``res``."""
     plot(res, out / "benchmarks.png")
     (out / "RESULTS.md").write_text(report(res))
-    print("\n".join(targets(res) + (hf_targets(res["hf_shapes"]) if "hf_shapes" in res else [])))
+    extra = (hf_targets(res["hf_shapes"]) if "hf_shapes" in res else []) + (
+        trl_hf_targets(res["trl_hf"]) if "trl_hf" in res else []
+    )
+    print("\n".join(targets(res) + extra))
     print(f"wrote {out}/RESULTS.md, benchmarks.png ({res['seconds']:.0f} s of measurements)")
 
 
