@@ -23,6 +23,12 @@ timed with ``torch.mm`` in the same process) against the FLOP rate the engine's 
 a training step (forward + backward of the GRPO loss's model part, plus the optimizer) reach:
 achieved FLOP/s = 2 x (matmul parameters) x tokens (x3 for forward + backward) / seconds.
 Attention score FLOPs are not counted on either side (they are < 2% at these lengths).
+
+Profiles (``--profile``): ``torch.profiler`` over one engine decode step (``KVCacheRowRunner.run``
+on ``--batch`` one-token rows at position 20 of every slot: forward with the KV cache and
+sampling) and over one training step (as above); the operators with the most self CPU time, their
+share of the step's total, and the share of the step's wall time not spent inside any operator
+(Python and dispatch).
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron.rl.inference.kv_cache_runner import KVCacheRowRunner  # noqa: E402
+from megatron.rl.inference.protocol import RowWork  # noqa: E402
 from megatron.rl.inference.scheduler import (  # noqa: E402
     ContinuousBatchingScheduler,
     SchedulerConfig,
@@ -209,6 +216,10 @@ def time_train_step(args, model, tokens: torch.Tensor, steps: int) -> float:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    if steps == 0:  # warm-up only
+        step()
+        model.eval()
+        return 0.0
     step()
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -282,7 +293,49 @@ def run_shape(shape: str, opts: argparse.Namespace, workdir: Path) -> dict[str, 
     }
     if opts.matmul:
         res["matmul"] = matmul_efficiency(args, ours, opts, rates[names[0]])
+    if opts.profile:
+        res["profiles"] = profiles(args, ours, vocab, opts)
     return res
+
+
+def _top_ops(prof, wall: float, top: int) -> dict[str, Any]:
+    """The ``top`` operators by self CPU time, shares of all operators' self time."""
+    events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    total = sum(e.self_cpu_time_total for e in events) / 1e6  # seconds inside operators
+    events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    return {
+        "wall_ms": wall * 1e3,
+        "operators_ms": total * 1e3,
+        "top": [
+            {"op": e.key, "calls": e.count, "ms": e.self_cpu_time_total / 1e3,
+             "share": e.self_cpu_time_total / 1e6 / total}
+            for e in events[:top]
+        ],  # fmt: skip
+    }
+
+
+def profiles(args, model, vocab: int, opts) -> dict[str, Any]:
+    """torch.profiler of one engine decode step and one training step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    c = model.config
+    cache = KVCache(c.num_layers, opts.batch, 64, c.num_query_groups, c.kv_channels,
+                    torch.float32, torch.device("cpu"))  # fmt: skip
+    runner = KVCacheRowRunner(model, cache, vocab)
+    rows = [RowWork(slot=i, tokens=(5,), start=20, temperature=1.0, top_p=1.0, top_k=0, seed=i)
+            for i in range(opts.batch)]  # fmt: skip
+    runner.run(rows)  # warm-up
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        runner.run(rows)
+        decode_wall = time.perf_counter() - t0
+    out = {"decode": _top_ops(prof, decode_wall, 8)}
+    tokens = torch.randint(0, vocab, (opts.train_micro_batch, opts.train_seq))
+    time_train_step(args, model, tokens, 0)  # warm-up (one step)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        train_wall = time_train_step(args, model, tokens, 1)
+    out["train"] = _top_ops(prof, train_wall, 8)
+    return out
 
 
 def matmul_efficiency(args, model, opts, engine_rates: list[float]) -> dict[str, Any]:
@@ -371,6 +424,20 @@ def markdown(res: dict[str, Any]) -> str:
                 f"{m['train_matmul_flops'] / 1e9:.1f} GFLOP/s | "
                 f"{m['train_achieved_flops'] / 1e9:.1f} GFLOP/s | **{m['train_fraction']:.0%}** |"
             )
+    prof = [s for s in res["shapes"] if "profiles" in s]
+    for s in prof:
+        for kind, label in (("decode", f"one engine decode step ({res['batch']} rows)"),
+                            ("train", "one training step")):  # fmt: skip
+            p = s["profiles"][kind]
+            outside = max(0.0, 1 - p["operators_ms"] / p["wall_ms"])
+            ops = ", ".join(
+                f"`{t['op']}` {t['share']:.0%} ({t['calls']} calls)" for t in p["top"][:6]
+            )
+            lines.append(
+                f"\n*Profile, {s['shape']}, {label}*: {p['wall_ms']:.1f} ms wall, "
+                f"{p['operators_ms']:.1f} ms inside operators (outside: {outside:.0%}, Python "
+                f"and dispatch); by self time: {ops}."
+            )
     return "\n".join(lines)
 
 
@@ -387,6 +454,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-micro-batch", type=int, default=32, help="Training rows.")
     parser.add_argument("--train-seq", type=int, default=64, help="Training sequence length.")
     parser.add_argument("--train-steps", type=int, default=3, help="Timed training steps.")
+    parser.add_argument("--no-profile", dest="profile", action="store_false",
+                        help="Skip the torch.profiler tables.")  # fmt: skip
 
 
 def main() -> None:

@@ -108,7 +108,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 4, figsize=(22, 5.2))
+    fig, axes = plt.subplots(1, 5, figsize=(27, 5.2))
 
     ax = axes[0]
     rows = res["lag_sweep"]["results"]
@@ -156,11 +156,22 @@ def plot(res: dict[str, Any], path: Path) -> None:
     else:
         ax.set_axis_off()
 
+    ax = axes[4]
+    if "trl_hf" in res:
+        _trl_hf_bars(ax, res["trl_hf"])
+    else:
+        ax.set_axis_off()
+
     m = res["machine"]
     fig.suptitle(
         f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}, {res['threads']} torch thread(s) "
         f"per process; error bars: per-round range; all measured side by side in one run "
-        f"({res['started']})",
+        f"({res['started']})"
+        + (
+            f"; panels 4-5 in a later run ({res['hf_shapes']['started']})"
+            if "hf_shapes" in res and res["hf_shapes"]["started"] != res["started"]
+            else ""
+        ),
         fontsize=9,
     )
     fig.tight_layout()
@@ -191,6 +202,29 @@ def _hf_shapes_bars(ax, hfs: dict[str, Any]) -> None:
     ax.set_xticks(range(len(shapes)), labels, fontsize=8)
     ax.set_ylabel(f"engine batch-{b} tokens/s ÷ this (log)")
     ax.set_title("Engine on HF checkpoints (same weights)", fontsize=10)
+    ax.legend(fontsize=7)
+
+
+def _trl_hf_bars(ax, trl_hf: dict[str, Any]) -> None:
+    """TRL s/step over ours at L=0 and L=2 on each HF checkpoint, with the targets."""
+    shapes = list(trl_hf)
+    series = [("ours L=0", TRL_L0_TARGET), ("ours L=2", TRL_L2_TARGET)]
+    width = 0.8 / len(series)
+    for k, (name, target) in enumerate(series):
+        rows = [next(r for r in trl_hf[s]["results"] if r["name"] == name) for s in shapes]
+        xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(shapes))]
+        vals = [r["speedup_vs_trl"] for r in rows]
+        bars = ax.bar(xs, vals, width, label=f"{name} (target {target}x)")
+        lo = [v - min(r["speedup_vs_trl_per_round"]) for v, r in zip(vals, rows)]
+        hi = [max(r["speedup_vs_trl_per_round"]) - v for v, r in zip(vals, rows)]
+        ax.errorbar(xs, vals, yerr=[lo, hi], fmt="none", c="k", lw=1)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+        for x in xs:
+            ax.plot([x - width / 2, x + width / 2], [target, target], c="r", ls="--", lw=1)
+    ax.axhline(1.0, c="gray", lw=0.8)
+    ax.set_xticks(range(len(shapes)), [f"Llama {s.upper()}" for s in shapes], fontsize=8)
+    ax.set_ylabel("TRL s/step ÷ ours  (> 1: faster than TRL)")
+    ax.set_title("GRPO step vs TRL on HF checkpoints (red: targets)", fontsize=10)
     ax.legend(fontsize=7)
 
 
