@@ -24,11 +24,13 @@ a training step (forward + backward of the GRPO loss's model part, plus the opti
 achieved FLOP/s = 2 x (matmul parameters) x tokens (x3 for forward + backward) / seconds.
 Attention score FLOPs are not counted on either side (they are < 2% at these lengths).
 
-Profiles (``--profile``): ``torch.profiler`` over one engine decode step (``KVCacheRowRunner.run``
-on ``--batch`` one-token rows at position 20 of every slot: forward with the KV cache and
-sampling) and over one training step (as above); the operators with the most self CPU time, their
-share of the step's total, and the share of the step's wall time not spent inside any operator
-(Python and dispatch).
+Matmul rates, training step times and profiles are in CPU time of the (only) working thread.
+
+Profiles: ``torch.profiler`` over 10 engine decode steps (``KVCacheRowRunner.run`` on ``--batch``
+one-token rows at position 20 of every slot: forward with the KV cache and sampling) and over one
+training step (as above); the operators with the most self CPU time, their share of all
+operators' time, and the share of the step's wall time spent outside any operator (Python and
+dispatch).
 """
 
 from __future__ import annotations
@@ -191,19 +193,19 @@ def matmul_rate(shapes: list[tuple[int, int]], rows: int, backward: bool, second
     flops_per_pass = 2 * rows * sum(o * i for o, i in shapes) * (3 if backward else 1)
     for op in ops:
         op()
-    passes, t0 = 0, time.perf_counter()
-    while passes < 3 or time.perf_counter() - t0 < seconds:
+    passes, t0 = 0, time.thread_time()
+    while passes < 3 or time.thread_time() - t0 < seconds:
         for op in ops:
             op()
         passes += 1
-    return passes * flops_per_pass / (time.perf_counter() - t0)
+    return passes * flops_per_pass / (time.thread_time() - t0)
 
 
-def time_train_step(args, model, tokens: torch.Tensor, steps: int) -> float:
-    """Seconds per training step: forward, token log-probs, a policy-gradient loss, backward and
-    an Adam update on ``tokens`` (B, T) (the work of the trainer's micro-batch step)."""
+def train_step_fn(model, tokens: torch.Tensor) -> Callable[[], None]:
+    """One training step on ``tokens`` (B, T): forward, token log-probs, a policy-gradient loss,
+    backward and an Adam update (the work of the trainer's micro-batch step). The model must be
+    in train mode while it runs. The optimizer state is real: the weights change."""
     opt = torch.optim.Adam(model.parameters(), lr=1e-6)
-    model.train()
     b, t = tokens.shape
     positions = torch.arange(t)[None].expand(b, t)
     adv = torch.randn(b, 1)
@@ -216,16 +218,19 @@ def time_train_step(args, model, tokens: torch.Tensor, steps: int) -> float:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    if steps == 0:  # warm-up only
-        step()
-        model.eval()
-        return 0.0
+    return step
+
+
+def time_train_step(model, tokens: torch.Tensor, steps: int) -> float:
+    """CPU seconds (this thread) per training step, after one warm-up step."""
+    step = train_step_fn(model, tokens)
+    model.train()
     step()
-    t0 = time.perf_counter()
+    t0 = time.thread_time()
     for _ in range(steps):
         step()
     model.eval()
-    return (time.perf_counter() - t0) / steps
+    return (time.thread_time() - t0) / steps
 
 
 # ---------------------------------------------------------------------------------- measuring
@@ -258,12 +263,14 @@ def run_shape(shape: str, opts: argparse.Namespace, workdir: Path) -> dict[str, 
         fn()
     rates: dict[str, list[float]] = {n: [] for n, _, _ in runs}
     unc: dict[str, list[float]] = {n: [] for n, _, _ in runs}
+    cpu: dict[str, list[float]] = {n: [] for n, _, _ in runs}
     wall = runq = 0.0
     for rep in range(opts.repeats):
         shift = rep % len(runs)
         for name, fn, requests in runs[shift:] + runs[:shift]:
             watch = fn()
             rates[name].append(requests * opts.new_tokens / watch.wall)
+            cpu[name].append(requests * opts.new_tokens / watch.cpu)
             if watch.runq is not None:
                 unc[name].append(requests * opts.new_tokens / (watch.wall - watch.runq))
                 wall, runq = wall + watch.wall, runq + watch.runq
@@ -280,6 +287,7 @@ def run_shape(shape: str, opts: argparse.Namespace, workdir: Path) -> dict[str, 
             "engine_batch_over_this": ratio(rates, name),
             "engine_batch_over_this_rounds": [e / r for e, r in zip(rates[names[0]], rates[name])],
             "uncontended_engine_batch_over_this": ratio(unc, name),
+            "cpu_engine_batch_over_this": ratio(cpu, name),
         }
         for name, _, requests in runs
     ]
@@ -292,30 +300,33 @@ def run_shape(shape: str, opts: argparse.Namespace, workdir: Path) -> dict[str, 
         "results": results,
     }
     if opts.matmul:
-        res["matmul"] = matmul_efficiency(args, ours, opts, rates[names[0]])
+        res["matmul"] = matmul_efficiency(ours, opts, cpu[names[0]])
     if opts.profile:
-        res["profiles"] = profiles(args, ours, vocab, opts)
+        res["profiles"] = profiles(ours, vocab, opts)
     return res
 
 
-def _top_ops(prof, wall: float, top: int) -> dict[str, Any]:
-    """The ``top`` operators by self CPU time, shares of all operators' self time."""
+def _top_ops(prof, cpu: float, wall: float, top: int, steps: int) -> dict[str, Any]:
+    """The ``top`` operators by self time (shares of all operators' self time), per step;
+    ``cpu``/``wall``: the thread's CPU / wall seconds over the ``steps`` profiled steps (the
+    profiler's operator times are wall times)."""
     events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
     total = sum(e.self_cpu_time_total for e in events) / 1e6  # seconds inside operators
     events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
     return {
-        "wall_ms": wall * 1e3,
-        "operators_ms": total * 1e3,
+        "cpu_ms": cpu * 1e3 / steps,
+        "wall_ms": wall * 1e3 / steps,
+        "operators_ms": total * 1e3 / steps,
         "top": [
-            {"op": e.key, "calls": e.count, "ms": e.self_cpu_time_total / 1e3,
+            {"op": e.key, "calls": e.count / steps, "ms": e.self_cpu_time_total / 1e3 / steps,
              "share": e.self_cpu_time_total / 1e6 / total}
             for e in events[:top]
         ],  # fmt: skip
     }
 
 
-def profiles(args, model, vocab: int, opts) -> dict[str, Any]:
-    """torch.profiler of one engine decode step and one training step."""
+def profiles(model, vocab: int, opts, decode_steps: int = 10) -> dict[str, Any]:
+    """torch.profiler of engine decode steps and a training step (times per step)."""
     from torch.profiler import ProfilerActivity, profile
 
     c = model.config
@@ -326,20 +337,28 @@ def profiles(args, model, vocab: int, opts) -> dict[str, Any]:
             for i in range(opts.batch)]  # fmt: skip
     runner.run(rows)  # warm-up
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
-        runner.run(rows)
-        decode_wall = time.perf_counter() - t0
-    out = {"decode": _top_ops(prof, decode_wall, 8)}
+        t0, w0 = time.thread_time(), time.perf_counter()
+        for _ in range(decode_steps):
+            runner.run(rows)
+        decode = (time.thread_time() - t0, time.perf_counter() - w0)
+    out = {"decode": _top_ops(prof, *decode, 8, decode_steps)}
     tokens = torch.randint(0, vocab, (opts.train_micro_batch, opts.train_seq))
-    time_train_step(args, model, tokens, 0)  # warm-up (one step)
+    step = train_step_fn(model, tokens)
+    model.train()
+    step()  # warm-up
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        train_wall = time_train_step(args, model, tokens, 1)
-    out["train"] = _top_ops(prof, train_wall, 8)
+        t0, w0 = time.thread_time(), time.perf_counter()
+        step()
+        train = (time.thread_time() - t0, time.perf_counter() - w0)
+    model.eval()
+    out["train"] = _top_ops(prof, *train, 8, 1)
     return out
 
 
-def matmul_efficiency(args, model, opts, engine_rates: list[float]) -> dict[str, Any]:
-    """Achieved vs measured matmul FLOP/s for decode (batch ``opts.batch``) and a train step."""
+def matmul_efficiency(model, opts, engine_rates: list[float]) -> dict[str, Any]:
+    """Achieved vs measured matmul FLOP/s for decode (batch ``opts.batch``) and a train step, all
+    in CPU time of this thread (``engine_rates``: tokens per CPU second), so that waiting for a
+    core while other jobs run counts on neither side."""
     shapes = linear_shapes(model)
     macs = matmul_params(model)
     decode_peak = matmul_rate(shapes, opts.batch, False, 1.0)
@@ -348,7 +367,7 @@ def matmul_efficiency(args, model, opts, engine_rates: list[float]) -> dict[str,
     b, t = opts.train_micro_batch, opts.train_seq
     tokens = torch.randint(0, 300, (b, t), generator=g)
     train_peak = matmul_rate(shapes, b * t, True, 1.0)
-    seconds = time_train_step(args, model, tokens, opts.train_steps)
+    seconds = time_train_step(model, tokens, opts.train_steps)
     train_achieved = 3 * 2 * macs * b * t / seconds
     return {
         "matmul_macs_per_token": macs,
@@ -390,8 +409,9 @@ def markdown(res: dict[str, Any]) -> str:
     """Tables of the throughput and matmul efficiency per shape."""
     lines = [
         "| shape | parameters | generator | requests | tokens/s (median) |"
-        " engine batch ÷ this (per repeat) | without run-queue wait | run-queue wait |",
-        "|---|---|---|---|---|---|---|---|",
+        " engine batch ÷ this (per repeat) | without run-queue wait | in CPU time |"
+        " run-queue wait |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for s in res["shapes"]:
         for r in s["results"]:
@@ -402,7 +422,7 @@ def markdown(res: dict[str, Any]) -> str:
                 f"{r['tokens_per_s']:.0f} | **{r['engine_batch_over_this']:.2f}x** "
                 f"({min(rounds):.2f}-{max(rounds):.2f}) | "
                 + ("n/a" if unc is None else f"{unc:.2f}x")
-                + f" | {s['runq_fraction'] or 0:.0%} |"
+                + f" | {r['cpu_engine_batch_over_this']:.2f}x | {s['runq_fraction'] or 0:.0%} |"
             )
     mm = [s for s in res["shapes"] if "matmul" in s]
     if mm:
@@ -426,17 +446,18 @@ def markdown(res: dict[str, Any]) -> str:
             )
     prof = [s for s in res["shapes"] if "profiles" in s]
     for s in prof:
-        for kind, label in (("decode", f"one engine decode step ({res['batch']} rows)"),
-                            ("train", "one training step")):  # fmt: skip
+        for kind, label in (("decode", f"engine decode step ({res['batch']} rows)"),
+                            ("train", "training step")):  # fmt: skip
             p = s["profiles"][kind]
             outside = max(0.0, 1 - p["operators_ms"] / p["wall_ms"])
             ops = ", ".join(
-                f"`{t['op']}` {t['share']:.0%} ({t['calls']} calls)" for t in p["top"][:6]
+                f"`{t['op']}` {t['share']:.0%} ({t['calls']:.0f} calls)" for t in p["top"][:6]
             )
             lines.append(
-                f"\n*Profile, {s['shape']}, {label}*: {p['wall_ms']:.1f} ms wall, "
-                f"{p['operators_ms']:.1f} ms inside operators (outside: {outside:.0%}, Python "
-                f"and dispatch); by self time: {ops}."
+                f"\n*Profile, {s['shape']}, {label}*: {p['cpu_ms']:.1f} ms CPU, "
+                f"{p['wall_ms']:.1f} ms wall per step (profiler on), {p['operators_ms']:.1f} ms "
+                f"inside operators (outside: {outside:.0%} of wall, Python and dispatch); by "
+                f"self time: {ops}."
             )
     return "\n".join(lines)
 

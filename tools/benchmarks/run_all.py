@@ -246,7 +246,7 @@ def hf_targets(hfs: dict[str, Any]) -> list[str]:
                 f"**{'met' if v >= target else 'not met'}**: {v:.2f}x "
                 f"(repeats {spread(r['engine_batch_over_this_rounds'])}"
                 + ("" if unc is None else f"; {unc:.2f}x without run-queue wait")
-                + ")."
+                + f"; {r['cpu_engine_batch_over_this']:.2f}x in CPU time)."
             )
         m = s.get("matmul")
         if m and s["shape"] == "25m":
@@ -497,7 +497,9 @@ written by `megatron.rl.models.hf.tiny.make_tiny_checkpoint` ({shapes}); ours is
 `from_pretrained(DIR)`. {hfs['batch']} arithmetic prompts of 4-8 tokens, {hfs['new_tokens']} new
 tokens each (EOS disabled), temperature 1, no top-k/top-p, padded vocabulary rows never sampled;
 median of {hfs['repeats']} interleaved repeats (rotating order); each ratio is the median of the
-per-repeat ratios, in parentheses their range.
+per-repeat ratios, in parentheses their range. *In CPU time*: the same ratio of tokens per CPU
+second of the main thread (one torch thread, so it does all the work), the measure least moved
+by other jobs on the cores.
 
 {hf_shapes.markdown(hfs)}
 
