@@ -106,9 +106,10 @@ def thread_clocks() -> dict[str, float | None]:
 
 
 class Stopwatch:
-    """Wall time and run-queue wait of the calling thread inside a ``with`` block."""
+    """Wall time, CPU time and run-queue wait of the calling thread inside a ``with`` block."""
 
     wall: float = 0.0
+    cpu: float = 0.0
     runq: float | None = None
 
     def __enter__(self) -> "Stopwatch":
@@ -118,7 +119,9 @@ class Stopwatch:
 
     def __exit__(self, *exc_info) -> None:
         self.wall = time.perf_counter() - self._t0
-        end, start = thread_clocks()["runq"], self._clocks["runq"]
+        clocks = thread_clocks()
+        self.cpu = clocks["cpu"] - self._clocks["cpu"]
+        end, start = clocks["runq"], self._clocks["runq"]
         self.runq = None if end is None or start is None else end - start
 
 

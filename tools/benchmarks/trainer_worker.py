@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import time
 from pathlib import Path
@@ -104,6 +105,7 @@ def main() -> None:
     train(parse_args(flags))
     summary = {"flags": flags, "wall_seconds": time.perf_counter() - probes.start}
     summary["steps"] = probes.records
+    summary["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     Path(opts.bench_summary).write_text(json.dumps(summary))
 
 

@@ -20,6 +20,12 @@ other round):
   KV-cache slots (``--inference-max-requests 192``: room for the 3 batches in flight at L=2);
 * ``ours L=2, 64 slots``: the default ``--inference-max-requests 64``, for reference.
 
+With ``--hf-shape 1m|25m`` both sides train the same random Llama checkpoint and tokenizer
+(``hf_shapes.SHAPES``, written with ``make_tiny_hf_checkpoint``'s library): TRL loads it with
+``from_pretrained``, ours with ``--hf-checkpoint``; prompts, group size, token budget, reward and
+settings are as above (the reference row with 64 slots is left out). Each process's peak RSS
+(``ru_maxrss``) is reported beside its timing.
+
 The result is each trainer's wall seconds per step and the ratio TRL / ours (> 1: ours is
 faster), pooled over rounds, with the per-round range. Two contention-robust cross-checks come
 with it: the same ratio of wall time minus the main thread's run-queue wait (time it was ready
@@ -82,27 +88,35 @@ def shared_flags(opts: argparse.Namespace, env_config: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def ours_flags(lag: int, slots: int, opts: argparse.Namespace, env_config: Path) -> list[str]:
-    """All flags of one of our runs (model: the trainer's defaults)."""
+def ours_flags(
+    lag: int, slots: int, opts: argparse.Namespace, env_config: Path, ckpt: Path | None = None
+) -> list[str]:
+    """All flags of one of our runs (model: the trainer's defaults, or ``--hf-checkpoint``)."""
+    model = [] if ckpt is None else ["--hf-checkpoint", str(ckpt)]
     return [
         "--rl-forced-lag", str(lag),
         "--inference-max-requests", str(slots),
+        *model,
         *shared_flags(opts, env_config),
     ]  # fmt: skip
 
 
-def run_trl(opts: argparse.Namespace, log: Path, workdir: Path) -> Window:
-    """Timing of one TRL run over its measured steps."""
+def run_trl(
+    opts: argparse.Namespace, log: Path, workdir: Path, ckpt: Path | None = None
+) -> tuple[Window, float]:
+    """Timing of one TRL run over its measured steps, and its peak RSS (MiB)."""
     summary = workdir / "trl_summary.json"
     cmd = [
         sys.executable, str(REPO / "tools" / "benchmarks" / "trl_worker.py"),
         "--summary", str(summary), "--steps", str(opts.steps), "--prompts", str(opts.prompts),
         "--group-size", str(opts.group_size), "--max-new-tokens", str(opts.max_new_tokens),
     ]  # fmt: skip
+    if ckpt is not None:
+        cmd += ["--hf-checkpoint", str(ckpt)]
     with open(log, "w", encoding="utf-8") as out:
         proc = subprocess.run(
             cmd, cwd=workdir, env=subprocess_env(opts.threads), stdout=out,
-            stderr=subprocess.STDOUT, timeout=600, check=False,
+            stderr=subprocess.STDOUT, timeout=1800, check=False,
         )  # fmt: skip
     if proc.returncode != 0:
         tail = "".join(log.read_text(encoding="utf-8").splitlines(keepends=True)[-30:])
@@ -112,7 +126,10 @@ def run_trl(opts: argparse.Namespace, log: Path, workdir: Path) -> Window:
         raise RuntimeError(f"TRL ran {len(data['steps'])} steps, expected {opts.steps}")
     steps, wall, cpu, runq = clock_window(data["steps"], opts.skip)
     lengths = data["completion_tokens_mean"][opts.skip :] or [float("nan")]
-    return Window(steps, wall, cpu, runq, dict.fromkeys(COUNTERS, 0.0), statistics.fmean(lengths))
+    window_ = Window(
+        steps, wall, cpu, runq, dict.fromkeys(COUNTERS, 0.0), statistics.fmean(lengths)
+    )
+    return window_, data["peak_rss_mib"]
 
 
 def run(opts: argparse.Namespace, logs: Path) -> dict[str, Any]:
@@ -120,25 +137,38 @@ def run(opts: argparse.Namespace, logs: Path) -> dict[str, Any]:
     logs.mkdir(parents=True, exist_ok=True)
     env_config = logs / "copy_env.yaml"
     env_config.write_text(ENV_CONFIG)
-    runs: dict[str, list[Window]] = {name: [] for name, _, _ in CONFIGS}
+    ckpt, params, configs = None, None, CONFIGS
+    if opts.hf_shape is not None:
+        from tools.benchmarks.hf_shapes import SHAPES, write_checkpoint
+
+        ckpt = write_checkpoint(opts.hf_shape, logs / f"llama-{opts.hf_shape}")
+        params = dict(SHAPES[opts.hf_shape])
+        configs = [c for c in CONFIGS if c[2] != 64]  # the reference row only at the tiny shape
+    runs: dict[str, list[Window]] = {name: [] for name, _, _ in configs}
+    rss: dict[str, list[float]] = {name: [] for name, _, _ in configs}
     for r in range(opts.rounds):
-        order = CONFIGS if r % 2 == 0 else list(reversed(CONFIGS))
+        order = configs if r % 2 == 0 else list(reversed(configs))
         for name, lag, slots in order:
             print(f"  TRL side by side: round {r + 1}/{opts.rounds}, {name}", flush=True)
             log = logs / f"{name.replace(' ', '_').replace(',', '').replace('=', '')}_{r}.log"
             if lag is None:
-                runs[name].append(run_trl(opts, log, logs))
+                w, peak = run_trl(opts, log, logs, ckpt)
+                runs[name].append(w)
+                rss[name].append(peak)
             else:
-                summary = run_trainer(ours_flags(lag, slots, opts, env_config), opts.threads, log)
+                flags = ours_flags(lag, slots, opts, env_config, ckpt)
+                summary = run_trainer(flags, opts.threads, log, timeout_s=1800)
                 runs[name].append(window(summary, opts.skip))
+                rss[name].append(summary["peak_rss_mib"])
     trl, trl_runs = pooled(runs["trl"]), runs["trl"]
     results = []
-    for name, lag, slots in CONFIGS:
+    for name, lag, slots in configs:
         w = pooled(runs[name])
         row: dict[str, Any] = {
             "name": name,
             "lag": lag,
             "slots": slots if lag is not None else None,
+            "peak_rss_mib": max(rss[name]),
             "seconds_per_step": w.seconds_per_step,
             "seconds_per_step_per_round": [x.seconds_per_step for x in runs[name]],
             "speedup_vs_trl": trl.seconds_per_step / w.seconds_per_step,
@@ -157,11 +187,15 @@ def run(opts: argparse.Namespace, logs: Path) -> dict[str, Any]:
             )
         results.append(row)
     return {
+        "hf_shape": opts.hf_shape,
+        "architecture": params,
         "flags": shared_flags(opts, Path("copy_env.yaml")),
         "steps": opts.steps,
         "skip": opts.skip,
         "rounds": opts.rounds,
         "threads": opts.threads,
+        "prompts": opts.prompts,
+        "group_size": opts.group_size,
         "results": results,
     }
 
@@ -170,9 +204,11 @@ def markdown(res: dict[str, Any]) -> str:
     """The comparison as a markdown table."""
     lines = [
         "| trainer | s/step | per round | TRL s/step ÷ this (per round) | without run-queue wait:"
-        " s/step, TRL ÷ this | CPU s/step, TRL ÷ this | run-queue wait | completion tokens |",
-        "|---|---|---|---|---|---|---|---|",
+        " s/step, TRL ÷ this | CPU s/step, TRL ÷ this | run-queue wait | completion tokens |"
+        " generated tokens/step | peak RSS |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    rollouts = res.get("prompts", 8) * res.get("group_size", 8)
     for r in res["results"]:
         rounds = ", ".join(f"{s:.3f}" for s in r["seconds_per_step_per_round"])
         unc = (
@@ -185,7 +221,9 @@ def markdown(res: dict[str, Any]) -> str:
             f"| {r['name']} | {r['seconds_per_step']:.3f} | {rounds} | "
             f"**{r['speedup_vs_trl']:.2f}x** ({spread(r['speedup_vs_trl_per_round'])}) | {unc} | "
             f"{r['cpu_seconds_per_step']:.3f}, {r['cpu_speedup_vs_trl']:.2f}x | {runq} | "
-            f"{r['completion_tokens_mean']:.1f} |"
+            f"{r['completion_tokens_mean']:.1f} | {r['completion_tokens_mean'] * rollouts:.0f} | "
+            + ("n/a" if r.get("peak_rss_mib") is None else f"{r['peak_rss_mib']:.0f} MiB")
+            + " |"
         )
     return "\n".join(lines)
 
@@ -199,6 +237,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-size", type=int, default=8, help="Samples per prompt.")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="Completion budget.")
     parser.add_argument("--threads", type=int, default=1, help="Torch threads per process.")
+    parser.add_argument(
+        "--hf-shape",
+        choices=("1m", "25m"),
+        default=None,
+        help="Both trainers on this random Llama checkpoint (hf_shapes.SHAPES) instead of the "
+        "tiny GPT-2 shape.",
+    )
 
 
 def main() -> None:

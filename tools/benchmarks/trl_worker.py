@@ -3,14 +3,15 @@
     python tools/benchmarks/trl_worker.py --summary OUT.json [--steps 30 --prompts 8 ...]
 
 The model is ``hf_models.gpt2_like`` (random init, same shape and parameter count as the
-trainer's default model), the tokenizer has the trainer's character ids, the prompts and the
+trainer's default model) and the tokenizer has the trainer's character ids, or, with
+``--hf-checkpoint DIR``, the checkpoint's own model and tokenizer; the prompts and the
 reward are the digit-copy task's (``FixedBudgetDigits``: partial-credit positional match), and
 the GRPO settings mirror ``pretrain_grpo.py``'s defaults: ``--prompts`` x ``--group-size``
 completions per optimizer step (generated once, trained as micro-batches of
 ``--micro-batch-size``), ``--max-new-tokens`` per completion, temperature 1, no top-k/top-p, no
 KL term (beta 0), clip 0.2/0.28, learning rate 3e-3, AdamW. The summary JSON records, at the end
 of every optimizer step, the wall clock, the main thread's CPU time and run-queue wait
-(``common.thread_clocks``), and TRL's logged mean completion length.
+(``common.thread_clocks``), TRL's logged mean completion length, and the process's peak RSS.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import resource
 import sys
 import time
 from pathlib import Path
@@ -39,6 +41,11 @@ def main() -> None:
     parser.add_argument("--seq-length", type=int, default=32)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument(
+        "--hf-checkpoint",
+        default=None,
+        help="Train this Hugging Face checkpoint with its tokenizer instead of the GPT-2 model.",
+    )
     opts = parser.parse_args()
 
     start = time.perf_counter()
@@ -58,11 +65,19 @@ def main() -> None:
         unused_ids,
     )
 
-    vocab = padded_vocab()
-    model = gpt2_like(
-        opts.num_layers, opts.hidden_size, opts.num_attention_heads, 4 * opts.hidden_size,
-        vocab, opts.seq_length, opts.seed,
-    )  # fmt: skip
+    if opts.hf_checkpoint is None:
+        vocab = padded_vocab()
+        model = gpt2_like(
+            opts.num_layers, opts.hidden_size, opts.num_attention_heads, 4 * opts.hidden_size,
+            vocab, opts.seq_length, opts.seed,
+        )  # fmt: skip
+        tokenizer, suppressed = char_tokenizer(vocab), unused_ids(vocab)
+    else:  # embedding rows past the tokenizer are never sampled (as in our engine)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(opts.hf_checkpoint, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(opts.hf_checkpoint)
+        suppressed = list(range(len(tokenizer), model.config.vocab_size))
     env = FixedBudgetDigits("copy", DigitTaskArgs(task="copy"))
     problems = [
         env.make_problem(random.Random(derive_seed(opts.seed, i)))
@@ -98,7 +113,7 @@ def main() -> None:
         learning_rate=opts.lr,
         lr_scheduler_type="constant",
         max_grad_norm=1.0,
-        generation_kwargs={"suppress_tokens": unused_ids(vocab)},
+        generation_kwargs={"suppress_tokens": suppressed} if suppressed else None,
         logging_steps=1,
         report_to="none",
         save_strategy="no",
@@ -124,7 +139,7 @@ def main() -> None:
         reward_funcs=copy_reward,
         args=config,
         train_dataset=dataset,
-        processing_class=char_tokenizer(vocab),
+        processing_class=tokenizer,
         callbacks=[StepClock()],
     )
     trainer.train()
@@ -135,6 +150,7 @@ def main() -> None:
                 "completion_tokens_mean": lengths,
                 "threads": torch.get_num_threads(),
                 "wall_seconds": time.perf_counter() - start,
+                "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             }
         )
     )

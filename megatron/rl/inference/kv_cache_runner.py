@@ -50,7 +50,10 @@ class KVCacheRowRunner:
         decode = [i for i, r in enumerate(rows) if len(r.tokens) == 1]
         prefill = [i for i, r in enumerate(rows) if len(r.tokens) > 1]
         parts = [self._forward_last_logits([rows[i] for i in b]) for b in (decode, prefill) if b]
-        logits = torch.cat(parts)[torch.argsort(torch.tensor(decode + prefill))]  # (B, V)
+        if len(parts) == 1:  # one kind of row: already in row order
+            logits = parts[0]  # (B, V)
+        else:
+            logits = torch.cat(parts)[torch.argsort(torch.tensor(decode + prefill))]  # (B, V)
         return self._sample(rows, logits)
 
     def end_window(self) -> None:

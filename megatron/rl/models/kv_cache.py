@@ -86,6 +86,13 @@ class KVCacheStep:
         # Where this step's new keys/values go, shared by every layer: (N,) rows and columns.
         self.write_rows = slots[:, None].expand_as(self.positions)[self.valid]
         self.write_cols = self.positions[self.valid]
+        # Fast paths (same values, fewer copies): every row full (decode steps: no boolean
+        # selection of the new keys), and rows on consecutive slots (a view of the cache instead
+        # of gathering each layer's keys/values).
+        self.all_valid = bool(self.valid.all())
+        first = int(slots[0])
+        span = torch.arange(first, first + len(slots), device=slots.device)
+        self.slot_range = (first, first + len(slots)) if torch.equal(slots, span) else None
 
     def attend(
         self,
@@ -104,11 +111,21 @@ class KVCacheStep:
         rows, cols = self.write_rows, self.write_cols  # (N,), (N,)
         cache_k = self.cache.keys[layer_index]
         cache_v = self.cache.values[layer_index]
-        cache_k[rows, cols] = key.transpose(0, 1)[self.valid].to(cache_k.dtype)
-        cache_v[rows, cols] = value.transpose(0, 1)[self.valid].to(cache_v.dtype)
+        if self.all_valid:  # (T, B, H, D) -> (B * T, H, D), the order of rows/cols
+            new_k = key.transpose(0, 1).reshape(-1, *key.shape[2:])
+            new_v = value.transpose(0, 1).reshape(-1, *value.shape[2:])
+        else:
+            new_k, new_v = key.transpose(0, 1)[self.valid], value.transpose(0, 1)[self.valid]
+        cache_k[rows, cols] = new_k.to(cache_k.dtype)
+        cache_v[rows, cols] = new_v.to(cache_v.dtype)
 
-        k = cache_k[self.slots, : self.context_len].transpose(1, 2)  # (B, Hkv, L, D)
-        v = cache_v[self.slots, : self.context_len].transpose(1, 2)  # (B, Hkv, L, D)
+        if self.slot_range is not None:
+            first, end = self.slot_range
+            k = cache_k[first:end, : self.context_len].transpose(1, 2)  # (B, Hkv, L, D)
+            v = cache_v[first:end, : self.context_len].transpose(1, 2)  # (B, Hkv, L, D)
+        else:
+            k = cache_k[self.slots, : self.context_len].transpose(1, 2)  # (B, Hkv, L, D)
+            v = cache_v[self.slots, : self.context_len].transpose(1, 2)  # (B, Hkv, L, D)
         groups = num_heads // k.shape[1]
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)

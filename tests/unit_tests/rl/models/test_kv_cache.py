@@ -155,3 +155,50 @@ def test_runner_never_samples_padded_vocabulary_ids():
     for res in runner.run(rows):
         assert 0 <= res.token < VOCAB
         assert res.logprob == pytest.approx(-math.log(VOCAB))
+
+
+@pytest.mark.parametrize(
+    "slots",
+    [
+        pytest.param([0, 1, 2, 3], id="consecutive-slots-view"),
+        pytest.param([2, 0, 3, 1], id="scattered-slots-gather"),
+    ],
+)
+def test_cached_logits_do_not_depend_on_slot_layout(single_rank_world, slots):
+    """The consecutive-slot fast path (a view of the cache) and the gather give the same bits."""
+    model = tiny_gpt().eval()
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in (5, 3, 7, 4)]
+
+    def decode(slot_ids: list[int]) -> list[torch.Tensor]:
+        cache = make_cache(model, slots=4, length=16)
+        outs, tokens = [], [p[-1] for p in prompts]
+        # prefill each prompt but its last token, then decode all four rows together
+        for s, p in zip(slot_ids, prompts):
+            with cache.step(torch.tensor([s]), torch.tensor([0]), torch.tensor([len(p) - 1])):
+                model(torch.tensor([p[:-1]]), torch.arange(len(p) - 1)[None], None)
+        starts = torch.tensor([len(p) - 1 for p in prompts])
+        for _ in range(4):
+            with cache.step(torch.tensor(slot_ids), starts, torch.ones(4, dtype=torch.long)):
+                out = model(torch.tensor(tokens)[:, None], starts[:, None], None)[:, 0]  # (B, V)
+            outs.append(out)
+            tokens = out[:, :VOCAB].argmax(-1).tolist()
+            starts = starts + 1
+        return outs
+
+    reference = decode([0, 1, 2, 3])
+    for got, ref in zip(decode(slots), reference):
+        assert torch.equal(got, ref)
+
+
+def test_no_grad_forward_is_bitwise_the_autograd_forward(single_rank_world):
+    """Linear layers skip megatron-core's autograd functions under no_grad: same values."""
+    model = tiny_gpt().eval()
+    ids = torch.randint(2, VOCAB, (3, 6), generator=torch.Generator().manual_seed(4))
+    positions = torch.arange(6)[None].expand(3, 6)
+    with torch.enable_grad():
+        with_grad = model(ids, positions, None)
+    assert with_grad.requires_grad
+    without = model(ids, positions, None)
+    assert not without.requires_grad
+    assert torch.equal(with_grad.detach(), without)

@@ -1,0 +1,494 @@
+"""Engine decode throughput and matmul efficiency on Llama-style Hugging Face checkpoints.
+
+    python tools/benchmarks/hf_shapes.py [--shapes 1m 25m] [--batch 64 --new-tokens 32]
+
+For each shape in ``SHAPES`` a random Llama checkpoint (model + BPE tokenizer) is written with
+``megatron.rl.models.hf.tiny.make_tiny_checkpoint`` (no download), then in one process:
+
+* the trainer's model is built from it exactly as ``pretrain_grpo.py --hf-checkpoint DIR`` does
+  (``config.json`` -> architecture, weights mapped by ``load_hf_checkpoint``);
+* Hugging Face's ``LlamaForCausalLM`` is loaded from the same directory with ``from_pretrained``.
+
+Interleaved (rotating order, ``--repeats`` times) it times generated tokens/s with the same
+prompts and sampling settings (temperature 1, no top-k/top-p, every request runs to
+``--new-tokens``: EOS never ends a request; ids past the tokenizer's vocabulary never sampled):
+
+* ``engine, batch B``: the trainer's ``ContinuousBatchingScheduler`` + ``KVCacheRowRunner``;
+* ``engine, one at a time``: the same engine, requests awaited one after another;
+* ``HF generate, batch B``: ``generate`` (sampling, KV cache) on all prompts in one call.
+
+Matmul efficiency (``--matmul``): the machine's fp32 matmul rate on the model's own GEMM shapes
+(every linear layer's weight against the rows a decode step or a training micro-batch feeds it,
+timed with ``torch.mm`` in the same process) against the FLOP rate the engine's decode steps and
+a training step (forward + backward of the GRPO loss's model part, plus the optimizer) reach:
+achieved FLOP/s = 2 x (matmul parameters) x tokens (x3 for forward + backward) / seconds.
+Attention score FLOPs are not counted on either side (they are < 2% at these lengths).
+
+Matmul rates, training step times and profiles are in CPU time of the (only) working thread.
+
+Profiles: ``torch.profiler`` over 10 engine decode steps (``KVCacheRowRunner.run`` on ``--batch``
+one-token rows at position 20 of every slot: forward with the KV cache and sampling) and over one
+training step (as above); the operators with the most self CPU time, their share of all
+operators' time, and the share of the step's wall time spent outside any operator (Python and
+dispatch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from megatron.rl.inference.kv_cache_runner import KVCacheRowRunner  # noqa: E402
+from megatron.rl.inference.protocol import RowWork  # noqa: E402
+from megatron.rl.inference.scheduler import (  # noqa: E402
+    ContinuousBatchingScheduler,
+    SchedulerConfig,
+)
+from megatron.rl.inference.step_group import StepGroup  # noqa: E402
+from megatron.rl.models.hf.tiny import make_tiny_checkpoint  # noqa: E402
+from megatron.rl.models.kv_cache import KVCache  # noqa: E402
+from megatron.rl.wire import SamplingParams  # noqa: E402
+from megatron.trainer import config as trainer_config  # noqa: E402
+from megatron.trainer.arguments import build_parser, validate_args  # noqa: E402
+from megatron.trainer.hf_io import weight_loader  # noqa: E402
+from megatron.trainer.initialize import initialize_distributed  # noqa: E402
+from megatron.trainer.model_provider import build_model  # noqa: E402
+from tools.benchmarks.common import Stopwatch  # noqa: E402
+
+SHAPES: dict[str, dict[str, int]] = {
+    "1m": dict(hidden_size=128, num_layers=5, num_attention_heads=4, intermediate_size=352),
+    "25m": dict(hidden_size=512, num_layers=8, num_attention_heads=8, intermediate_size=1408),
+}
+"""Llama (multi-head attention, SwiGLU, RMSNorm, RoPE, untied output) shapes; ~1.1M and ~26M
+parameters with the tools' 300-token BPE tokenizer."""
+
+NAMES = ["engine, batch {b}", "engine, one at a time", "HF generate, batch {b}"]
+
+
+def write_checkpoint(shape: str, out: Path) -> Path:
+    """The random Llama checkpoint of ``shape`` (model + tokenizer) in ``out``."""
+    return make_tiny_checkpoint("llama", out, max_position_embeddings=512, **SHAPES[shape])
+
+
+def trainer_args(checkpoint: Path, seq_length: int, extra: list[str] = ()) -> argparse.Namespace:
+    """``pretrain_grpo.py``'s parsed and validated flags for ``--hf-checkpoint checkpoint``."""
+    flags = ["--hf-checkpoint", str(checkpoint), "--seq-length", str(seq_length), *extra]
+    args = build_parser().parse_args(flags)
+    errors = validate_args(args, world_size=1, cuda=False)
+    if errors:
+        raise SystemExit("\n".join(errors))
+    return args
+
+
+def load_ours(args: argparse.Namespace, vocab_size: int) -> torch.nn.Module:
+    """The trainer's CPU model with the checkpoint's weights, in eval mode."""
+    model = build_model(args, vocab_size, torch.device("cpu"))
+    weight_loader(args)(model)
+    return model.eval()
+
+
+def time_engine(
+    model, prompts: list[list[int]], new_tokens: int, vocab: int, concurrent: bool
+) -> Stopwatch:
+    """Time for the engine to generate ``new_tokens`` for every prompt (all at once or serially)."""
+    c = model.config
+    seq = max(len(p) for p in prompts) + new_tokens
+    slots = len(prompts) if concurrent else 1
+    cache = KVCache(c.num_layers, slots, seq, c.num_query_groups, c.kv_channels,
+                    torch.float32, torch.device("cpu"))  # fmt: skip
+    runner = KVCacheRowRunner(model, cache, vocab)
+    # eos_id=-1: no token ends a request, so each runs exactly to its budget
+    engine = ContinuousBatchingScheduler(
+        StepGroup(runner), SchedulerConfig(slots, seq, -1), lambda: 0
+    )
+    sampling = SamplingParams(max_tokens=new_tokens)
+
+    async def generate() -> Stopwatch:
+        engine.start()
+        engine.resume()
+        with Stopwatch() as watch:
+            if concurrent:
+                outs = await asyncio.gather(
+                    *(engine.generate(p, sampling, seed=i) for i, p in enumerate(prompts))
+                )
+            else:
+                outs = [await engine.generate(p, sampling, seed=i) for i, p in enumerate(prompts)]
+        await engine.aclose()
+        assert all(len(o.tokens) == new_tokens for o in outs)
+        return watch
+
+    return asyncio.run(generate())
+
+
+@torch.no_grad()
+def time_hf(model, prompts: list[list[int]], new_tokens: int, vocab: int, pad: int) -> Stopwatch:
+    """Time for HF ``generate`` (sampling, KV cache) on all prompts in one call (left-padded)."""
+    rows = model.config.vocab_size
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    kwargs = dict(
+        do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens, suppress_tokens=list(range(vocab, rows)), pad_token_id=pad,
+        use_cache=True,
+    )  # fmt: skip
+    with Stopwatch() as watch:
+        out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    assert out.shape[1] == width + new_tokens
+    return watch
+
+
+def prompts_for(tokenizer, count: int) -> list[list[int]]:
+    """``count`` short arithmetic prompts (4-8 tokens with the tools' tokenizer)."""
+    return [tokenizer.encode(f"{i % 97}+{(7 * i) % 53}=") for i in range(count)]
+
+
+# ---------------------------------------------------------------------------- matmul efficiency
+
+
+def linear_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
+    """(out, in) of every weight a token passes through as a matmul (linear layers + output)."""
+    shapes = []
+    for name, p in model.named_parameters():
+        if p.dim() == 2 and "embedding" not in name:
+            shapes.append(tuple(p.shape))
+    # the output layer (tied or not) is a matmul with the embedding's shape
+    out = getattr(model, "output_layer", None)
+    if out is None or getattr(out, "weight", None) is None:
+        shapes.append(tuple(model.embedding.word_embeddings.weight.shape))
+    return shapes
+
+
+def matmul_params(model: torch.nn.Module) -> int:
+    """Multiply-accumulates per token through the model's linear layers."""
+    return sum(o * i for o, i in linear_shapes(model))
+
+
+def matmul_rate(shapes: list[tuple[int, int]], rows: int, backward: bool, seconds: float) -> float:
+    """Measured FLOP/s of ``torch.mm`` on the model's GEMMs with ``rows`` tokens.
+
+    Forward: (rows, in) @ (in, out); with ``backward`` also the two backward GEMMs
+    (grad input (rows, out) @ (out, in), grad weight (out, rows) @ (rows, in)).
+    """
+    g = torch.Generator().manual_seed(0)
+    ops = []
+    for o, i in shapes:
+        x, w, dy = (torch.randn(s, generator=g) for s in ((rows, i), (i, o), (rows, o)))
+        ops.append(lambda x=x, w=w: torch.mm(x, w))
+        if backward:
+            ops.append(lambda dy=dy, w=w: torch.mm(dy, w.t()))
+            ops.append(lambda dy=dy, x=x: torch.mm(dy.t(), x))
+    flops_per_pass = 2 * rows * sum(o * i for o, i in shapes) * (3 if backward else 1)
+    for op in ops:
+        op()
+    passes, t0 = 0, time.thread_time()
+    while passes < 3 or time.thread_time() - t0 < seconds:
+        for op in ops:
+            op()
+        passes += 1
+    return passes * flops_per_pass / (time.thread_time() - t0)
+
+
+def train_step_fn(model, tokens: torch.Tensor) -> Callable[[], None]:
+    """One training step on ``tokens`` (B, T): forward, token log-probs, a policy-gradient loss,
+    backward and an Adam update (the work of the trainer's micro-batch step). The model must be
+    in train mode while it runs. The optimizer state is real: the weights change."""
+    opt = torch.optim.Adam(model.parameters(), lr=1e-6)
+    b, t = tokens.shape
+    positions = torch.arange(t)[None].expand(b, t)
+    adv = torch.randn(b, 1)
+
+    def step() -> None:
+        logits = model(tokens, positions, None)  # (B, T, V)
+        logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, tokens[:, 1:, None])
+        loss = -(logp.squeeze(-1) * adv).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def time_train_step(model, tokens: torch.Tensor, steps: int) -> float:
+    """CPU seconds (this thread) per training step, after one warm-up step."""
+    step = train_step_fn(model, tokens)
+    model.train()
+    step()
+    t0 = time.thread_time()
+    for _ in range(steps):
+        step()
+    model.eval()
+    return (time.thread_time() - t0) / steps
+
+
+# ---------------------------------------------------------------------------------- measuring
+
+
+def run_shape(shape: str, opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """Every measurement of one shape (interleaved), as a dict."""
+    from transformers import AutoModelForCausalLM
+
+    ckpt = write_checkpoint(shape, workdir / f"llama-{shape}")
+    args = trainer_args(ckpt, 64)
+    tokenizer = trainer_config.tokenizer(args)
+    vocab = tokenizer.vocab_size
+    ours = load_ours(args, vocab)
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    params = {
+        "ours": sum(p.numel() for p in ours.parameters()),
+        "HF": sum(p.numel() for p in hf.parameters()),
+    }
+    prompts = prompts_for(tokenizer, opts.batch)
+    serial = prompts[: opts.serial_requests]
+    pad = tokenizer.pad_id
+    names = [n.format(b=opts.batch) for n in NAMES]
+    runs: list[tuple[str, Callable[[], Stopwatch], int]] = [
+        (names[0], lambda: time_engine(ours, prompts, opts.new_tokens, vocab, True), len(prompts)),
+        (names[1], lambda: time_engine(ours, serial, opts.new_tokens, vocab, False), len(serial)),
+        (names[2], lambda: time_hf(hf, prompts, opts.new_tokens, vocab, pad), len(prompts)),
+    ]
+    for _, fn, _ in runs:  # warm-up
+        fn()
+    rates: dict[str, list[float]] = {n: [] for n, _, _ in runs}
+    unc: dict[str, list[float]] = {n: [] for n, _, _ in runs}
+    cpu: dict[str, list[float]] = {n: [] for n, _, _ in runs}
+    wall = runq = 0.0
+    for rep in range(opts.repeats):
+        shift = rep % len(runs)
+        for name, fn, requests in runs[shift:] + runs[:shift]:
+            watch = fn()
+            rates[name].append(requests * opts.new_tokens / watch.wall)
+            cpu[name].append(requests * opts.new_tokens / watch.cpu)
+            if watch.runq is not None:
+                unc[name].append(requests * opts.new_tokens / (watch.wall - watch.runq))
+                wall, runq = wall + watch.wall, runq + watch.runq
+
+    def ratio(per: dict[str, list[float]], name: str) -> float | None:
+        pairs = list(zip(per[names[0]], per[name]))
+        return statistics.median(e / r for e, r in pairs) if pairs else None
+
+    results = [
+        {
+            "name": name,
+            "requests": requests,
+            "tokens_per_s": statistics.median(rates[name]),
+            "engine_batch_over_this": ratio(rates, name),
+            "engine_batch_over_this_rounds": [e / r for e, r in zip(rates[names[0]], rates[name])],
+            "uncontended_engine_batch_over_this": ratio(unc, name),
+            "cpu_engine_batch_over_this": ratio(cpu, name),
+        }
+        for name, _, requests in runs
+    ]
+    res: dict[str, Any] = {
+        "shape": shape,
+        "architecture": {**SHAPES[shape], "vocab_rows": int(hf.config.vocab_size)},
+        "parameters": params,
+        "prompt_tokens_mean": statistics.fmean(len(p) for p in prompts),
+        "runq_fraction": runq / wall if wall else None,
+        "results": results,
+    }
+    if opts.matmul:
+        res["matmul"] = matmul_efficiency(ours, opts, cpu[names[0]])
+    if opts.profile:
+        res["profiles"] = profiles(ours, vocab, opts)
+    return res
+
+
+def _top_ops(prof, cpu: float, wall: float, top: int, steps: int) -> dict[str, Any]:
+    """The ``top`` operators by self time (shares of all operators' self time), per step;
+    ``cpu``/``wall``: the thread's CPU / wall seconds over the ``steps`` profiled steps (the
+    profiler's operator times are wall times)."""
+    events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    total = sum(e.self_cpu_time_total for e in events) / 1e6  # seconds inside operators
+    events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    return {
+        "cpu_ms": cpu * 1e3 / steps,
+        "wall_ms": wall * 1e3 / steps,
+        "operators_ms": total * 1e3 / steps,
+        "top": [
+            {"op": e.key, "calls": e.count / steps, "ms": e.self_cpu_time_total / 1e3 / steps,
+             "share": e.self_cpu_time_total / 1e6 / total}
+            for e in events[:top]
+        ],  # fmt: skip
+    }
+
+
+def profiles(model, vocab: int, opts, decode_steps: int = 10) -> dict[str, Any]:
+    """torch.profiler of engine decode steps and a training step (times per step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    c = model.config
+    cache = KVCache(c.num_layers, opts.batch, 64, c.num_query_groups, c.kv_channels,
+                    torch.float32, torch.device("cpu"))  # fmt: skip
+    runner = KVCacheRowRunner(model, cache, vocab)
+    rows = [RowWork(slot=i, tokens=(5,), start=20, temperature=1.0, top_p=1.0, top_k=0, seed=i)
+            for i in range(opts.batch)]  # fmt: skip
+    runner.run(rows)  # warm-up
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0, w0 = time.thread_time(), time.perf_counter()
+        for _ in range(decode_steps):
+            runner.run(rows)
+        decode = (time.thread_time() - t0, time.perf_counter() - w0)
+    out = {"decode": _top_ops(prof, *decode, 8, decode_steps)}
+    tokens = torch.randint(0, vocab, (opts.train_micro_batch, opts.train_seq))
+    step = train_step_fn(model, tokens)
+    model.train()
+    step()  # warm-up
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0, w0 = time.thread_time(), time.perf_counter()
+        step()
+        train = (time.thread_time() - t0, time.perf_counter() - w0)
+    model.eval()
+    out["train"] = _top_ops(prof, *train, 8, 1)
+    return out
+
+
+def matmul_efficiency(model, opts, engine_rates: list[float]) -> dict[str, Any]:
+    """Achieved vs measured matmul FLOP/s for decode (batch ``opts.batch``) and a train step, all
+    in CPU time of this thread (``engine_rates``: tokens per CPU second), so that waiting for a
+    core while other jobs run counts on neither side."""
+    shapes = linear_shapes(model)
+    macs = matmul_params(model)
+    decode_peak = matmul_rate(shapes, opts.batch, False, 1.0)
+    decode_achieved = 2 * macs * statistics.median(engine_rates)
+    g = torch.Generator().manual_seed(0)
+    b, t = opts.train_micro_batch, opts.train_seq
+    tokens = torch.randint(0, 300, (b, t), generator=g)
+    train_peak = matmul_rate(shapes, b * t, True, 1.0)
+    seconds = time_train_step(model, tokens, opts.train_steps)
+    train_achieved = 3 * 2 * macs * b * t / seconds
+    return {
+        "matmul_macs_per_token": macs,
+        "decode_rows": opts.batch,
+        "decode_matmul_flops": decode_peak,
+        "decode_achieved_flops": decode_achieved,
+        "decode_fraction": decode_achieved / decode_peak,
+        "train_tokens": b * t,
+        "train_micro_batch": [b, t],
+        "train_matmul_flops": train_peak,
+        "train_step_seconds": seconds,
+        "train_achieved_flops": train_achieved,
+        "train_fraction": train_achieved / train_peak,
+    }
+
+
+def run(opts: argparse.Namespace) -> dict[str, Any]:
+    """Every shape, one after another, in this process."""
+    initialize_distributed(_plain_args())
+    torch.set_num_threads(opts.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        shapes = [run_shape(s, opts, Path(tmp)) for s in opts.shapes]
+    return {
+        "batch": opts.batch,
+        "new_tokens": opts.new_tokens,
+        "repeats": opts.repeats,
+        "threads": torch.get_num_threads(),
+        "shapes": shapes,
+    }
+
+
+def _plain_args() -> argparse.Namespace:
+    args = build_parser().parse_args([])
+    assert not validate_args(args, world_size=1, cuda=False)
+    return args
+
+
+def markdown(res: dict[str, Any]) -> str:
+    """Tables of the throughput and matmul efficiency per shape."""
+    lines = [
+        "| shape | parameters | generator | requests | tokens/s (median) |"
+        " engine batch ÷ this (per repeat) | without run-queue wait | in CPU time |"
+        " run-queue wait |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in res["shapes"]:
+        for r in s["results"]:
+            rounds = r["engine_batch_over_this_rounds"]
+            unc = r["uncontended_engine_batch_over_this"]
+            lines.append(
+                f"| {s['shape']} | {s['parameters']['ours']:,} | {r['name']} | {r['requests']} | "
+                f"{r['tokens_per_s']:.0f} | **{r['engine_batch_over_this']:.2f}x** "
+                f"({min(rounds):.2f}-{max(rounds):.2f}) | "
+                + ("n/a" if unc is None else f"{unc:.2f}x")
+                + f" | {r['cpu_engine_batch_over_this']:.2f}x | {s['runq_fraction'] or 0:.0%} |"
+            )
+    mm = [s for s in res["shapes"] if "matmul" in s]
+    if mm:
+        lines += [
+            "",
+            "| shape | work | measured torch.mm rate (model's GEMMs) | achieved | fraction |",
+            "|---|---|---|---|---|",
+        ]
+        for s in mm:
+            m = s["matmul"]
+            lines.append(
+                f"| {s['shape']} | decode, {m['decode_rows']} rows/step | "
+                f"{m['decode_matmul_flops'] / 1e9:.1f} GFLOP/s | "
+                f"{m['decode_achieved_flops'] / 1e9:.1f} GFLOP/s | **{m['decode_fraction']:.0%}** |"
+            )
+            b, t = m["train_micro_batch"]
+            lines.append(
+                f"| {s['shape']} | training step, {b}x{t} tokens (fwd+bwd+Adam) | "
+                f"{m['train_matmul_flops'] / 1e9:.1f} GFLOP/s | "
+                f"{m['train_achieved_flops'] / 1e9:.1f} GFLOP/s | **{m['train_fraction']:.0%}** |"
+            )
+    prof = [s for s in res["shapes"] if "profiles" in s]
+    for s in prof:
+        for kind, label in (("decode", f"engine decode step ({res['batch']} rows)"),
+                            ("train", "training step")):  # fmt: skip
+            p = s["profiles"][kind]
+            outside = max(0.0, 1 - p["operators_ms"] / p["wall_ms"])
+            ops = ", ".join(
+                f"`{t['op']}` {t['share']:.0%} ({t['calls']:.0f} calls)" for t in p["top"][:6]
+            )
+            lines.append(
+                f"\n*Profile, {s['shape']}, {label}*: {p['cpu_ms']:.1f} ms CPU, "
+                f"{p['wall_ms']:.1f} ms wall per step (profiler on), {p['operators_ms']:.1f} ms "
+                f"inside operators (outside: {outside:.0%} of wall, Python and dispatch); by "
+                f"self time: {ops}."
+            )
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's options (shared with ``run_all.py``)."""
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["1m", "25m"])
+    parser.add_argument("--batch", type=int, default=64, help="Concurrent requests.")
+    parser.add_argument("--new-tokens", type=int, default=32, help="Tokens per request.")
+    parser.add_argument("--serial-requests", type=int, default=8, help="One-at-a-time runs.")
+    parser.add_argument("--repeats", type=int, default=5, help="Interleaved repetitions.")
+    parser.add_argument("--threads", type=int, default=1, help="Torch threads.")
+    parser.add_argument("--no-matmul", dest="matmul", action="store_false",
+                        help="Skip the matmul efficiency measurement.")  # fmt: skip
+    parser.add_argument("--train-micro-batch", type=int, default=32, help="Training rows.")
+    parser.add_argument("--train-seq", type=int, default=64, help="Training sequence length.")
+    parser.add_argument("--train-steps", type=int, default=3, help="Timed training steps.")
+    parser.add_argument("--no-profile", dest="profile", action="store_false",
+                        help="Skip the torch.profiler tables.")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    parser.add_argument("--json", type=Path, default=None, help="Also write the results here.")
+    opts = parser.parse_args()
+    res = run(opts)
+    print(markdown(res))
+    if opts.json:
+        opts.json.write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
