@@ -3,12 +3,15 @@
 
 Every import statement of every module is read (``ast``), including imports inside functions and
 ``TYPE_CHECKING`` blocks: a module of ``megatron/rl`` that imports the trainer, an example or the
-entry script fails here, and so does an example that imports the trainer.
+entry script fails here, and so does an example that imports the trainer. The trainer's modules
+also import no Hugging Face package until a checkpoint or tokenizer of theirs is used.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -73,3 +76,18 @@ def test_the_check_sees_imports_inside_functions(tmp_path, monkeypatch):
         "megatron/rl/_layering_probe.py:2 imports megatron.trainer.config",
         "megatron/rl/_layering_probe.py:2 imports megatron.trainer.config.loss_config",
     ]
+
+
+def test_the_default_run_imports_no_hugging_face_package():
+    """``pip install -e .`` (no ``hf`` extra) runs the default job: the trainer's modules import
+    safetensors, transformers and tokenizers only when a Hugging Face checkpoint or tokenizer is
+    used."""
+    code = (
+        "import sys\n"
+        "import megatron.trainer.arguments, megatron.trainer.grpo\n"
+        "print(sorted({'safetensors', 'transformers', 'tokenizers'} & set(sys.modules)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split("\n")[-2] == "[]", out.stdout

@@ -26,8 +26,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from megatron.rl.models.architecture import GPTArchitecture
 from megatron.rl.models.hf.config import HFModelConfig, hf_config_dict
@@ -53,6 +51,18 @@ TOKENIZER_FILES = (
 _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
 
+def _safetensors():
+    """The ``safetensors`` package (the ``hf`` extra), imported when a checkpoint is read or
+    written, so runs without Hugging Face checkpoints do not need it."""
+    try:
+        import safetensors.torch
+    except ImportError as err:
+        raise HFCheckpointError(
+            "Hugging Face checkpoints need the safetensors package: pip install -e '.[hf]'"
+        ) from err
+    return safetensors
+
+
 class SafetensorsSource:
     """The tensors of an HF checkpoint directory, read lazily and in slices."""
 
@@ -66,7 +76,7 @@ class SafetensorsSource:
                 raise HFCheckpointError(f"{index}: no readable weight_map ({err})") from err
             self.files = {name: self.directory / file for name, file in weight_map.items()}
         elif single.is_file():
-            with safe_open(single, framework="pt") as f:
+            with _safetensors().safe_open(single, framework="pt") as f:
                 self.files = {name: single for name in f.keys()}
         else:
             raise HFCheckpointError(
@@ -81,7 +91,7 @@ class SafetensorsSource:
     def _slice(self, name: str):
         path = self.files[name]
         if path not in self._handles:
-            self._handles[path] = safe_open(path, framework="pt")
+            self._handles[path] = _safetensors().safe_open(path, framework="pt")
         return self._handles[path].get_slice(name)
 
     def names(self) -> list[str]:
@@ -272,6 +282,7 @@ def _write_weights(out: Path, tensors: dict[str, torch.Tensor], max_shard_bytes:
         size += nbytes
     for stale in [out / SINGLE_FILE, out / INDEX_FILE, *out.glob("model-*-of-*.safetensors")]:
         stale.unlink(missing_ok=True)
+    save_file = _safetensors().torch.save_file
     if len(files) == 1:
         save_file(tensors, out / SINGLE_FILE, metadata={"format": "pt"})
         return
