@@ -12,7 +12,7 @@ No communication here: ``keyed.KeyedDataPlane`` serves this store to the other r
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -94,33 +94,17 @@ class SampleStore:
         attrs: Mapping[str, int] | None = None,
     ) -> BatchMeta:
         """Write new samples ``keys`` of ``step`` with their ``fields`` (each key once)."""
-        part = self._partitions.get(partition)
-        if part is not None and part.step != step:
-            raise ValueError(
-                f"partition {partition!r} holds step {part.step}; clear it before writing step "
-                f"{step}"
-            )
-        part = part or _Partition(step)
-        check_keys(keys)
-        taken = [k for k in keys if k in part.samples]
-        if taken:
-            raise KeyError(f"partition {partition!r}: keys already written: {taken[:4]}")
-        specs = field_specs(fields, len(keys), part.specs)
-        tags = dict(tags or {})
-        if part.samples and set(tags) != set(part.tags):
-            raise ValueError(
-                f"partition {partition!r}: new samples need the tags {list(part.tags)}"
-            )
-        for name, values in tags.items():
-            if len(values) != len(keys):
-                raise ValueError(f"tag {name!r} has {len(values)} values for {len(keys)} keys")
+        part = self._partitions.get(partition) or _Partition(step)
+        specs, tags = check_new_samples(
+            partition, step, part.step, part.samples, part.specs, part.tags, keys, fields, tags
+        )
         self._partitions[partition] = part
         part.specs.update(specs)
         part.attrs.update(attrs or {})
         for i, key in enumerate(keys):
             part.samples[key] = {name: values[i] for name, values in fields.items()}
         for name, values in tags.items():
-            part.tags.setdefault(name, []).extend(int(v) for v in values)
+            part.tags.setdefault(name, []).extend(values)
         return self.meta(partition)
 
     def update(self, partition: str, keys: Sequence[str], fields: Fields) -> None:
@@ -189,6 +173,39 @@ def check_keys(keys: Sequence[str]) -> None:
     bad = [k for k in keys if not isinstance(k, str) or not k]
     if bad:
         raise ValueError(f"keys must be non-empty strings, got {bad[:4]}")
+
+
+def check_new_samples(
+    partition: str,
+    step: int,
+    held_step: int,
+    held_keys: Collection[str],
+    held_specs: Mapping[str, FieldSpec],
+    held_tags: Mapping[str, Sequence[int]],
+    keys: Sequence[str],
+    fields: Fields,
+    tags: Mapping[str, Sequence[int]] | None,
+) -> tuple[dict[str, FieldSpec], dict[str, list[int]]]:
+    """The checks of a ``put`` into a partition that holds ``held_keys`` of ``held_step`` (new
+    partitions hold none, of ``step``): one step per partition, distinct new keys, fields
+    consistent with ``held_specs``, the same tag names as before with one value per key. Returns
+    the fields' specs and the tags as integer lists."""
+    if held_step != step:
+        raise ValueError(
+            f"partition {partition!r} holds step {held_step}; clear it before writing step {step}"
+        )
+    check_keys(keys)
+    taken = [k for k in keys if k in held_keys]
+    if taken:
+        raise KeyError(f"partition {partition!r}: keys already written: {taken[:4]}")
+    specs = field_specs(fields, len(keys), held_specs)
+    int_tags = {name: [int(v) for v in values] for name, values in (tags or {}).items()}
+    if held_keys and set(int_tags) != set(held_tags):
+        raise ValueError(f"partition {partition!r}: new samples need the tags {list(held_tags)}")
+    for name, values in int_tags.items():
+        if len(values) != len(keys):
+            raise ValueError(f"tag {name!r} has {len(values)} values for {len(keys)} keys")
+    return specs, int_tags
 
 
 def field_specs(

@@ -27,7 +27,13 @@ import torch.distributed as dist
 
 from megatron.rl.dataplane.base import DataPlane
 from megatron.rl.dataplane.keyed import DataPlaneError
-from megatron.rl.dataplane.store import BatchMeta, Fields, FieldSpec, check_keys, field_specs
+from megatron.rl.dataplane.store import (
+    BatchMeta,
+    Fields,
+    FieldSpec,
+    check_keys,
+    check_new_samples,
+)
 
 TQ_CONFIG: dict[str, Any] = {
     "controller": {"polling_mode": True},
@@ -119,26 +125,11 @@ class TransferQueueDataPlane(DataPlane):
         """Write new samples ``keys`` of ``step`` (owner only), each key with its tags."""
         self._require_owner()
         with self.stats.timed():
-            ledger = self._ledgers.get(partition)
-            if ledger is not None and ledger.step != step:
-                raise ValueError(
-                    f"partition {partition!r} holds step {ledger.step}; clear it before writing "
-                    f"step {step}"
-                )
-            ledger = ledger or _Ledger(step)
-            check_keys(keys)
-            taken = [k for k in keys if k in ledger.keys]
-            if taken:
-                raise KeyError(f"partition {partition!r}: keys already written: {taken[:4]}")
-            specs = field_specs(fields, len(keys), ledger.specs)
-            tags = {name: [int(v) for v in values] for name, values in (tags or {}).items()}
-            if ledger.keys and set(tags) != set(ledger.tags):
-                raise ValueError(
-                    f"partition {partition!r}: new samples need the tags {list(ledger.tags)}"
-                )
-            for name, values in tags.items():
-                if len(values) != len(keys):
-                    raise ValueError(f"tag {name!r} has {len(values)} values for {len(keys)} keys")
+            ledger = self._ledgers.get(partition) or _Ledger(step)
+            specs, tags = check_new_samples(
+                partition, step, ledger.step, ledger.keys, ledger.specs, ledger.tags, keys, fields,
+                tags,
+            )  # fmt: skip
             per_key = [
                 {"step": step, **{name: values[i] for name, values in tags.items()}}
                 for i in range(len(keys))
