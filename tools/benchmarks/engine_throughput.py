@@ -64,14 +64,19 @@ NAMES = [
 ]
 
 
-def time_engine(model, prompts: list[list[int]], new_tokens: int, concurrent: bool) -> Stopwatch:
-    """Time for the engine (scheduler + KV-cache runner) to generate ``new_tokens`` for every prompt."""
+def time_engine(
+    model, prompts: list[list[int]], new_tokens: int, concurrent: bool, vocab: int | None = None
+) -> Stopwatch:
+    """Time for the engine (scheduler + KV-cache runner) to generate ``new_tokens`` for every
+    prompt, all at once (``concurrent``) or one at a time; ``vocab``: the tokenizer's size
+    (default: the character tokenizer's)."""
     c = model.config
-    seq = len(prompts[0]) + new_tokens
+    seq = max(len(p) for p in prompts) + new_tokens
     slots = len(prompts) if concurrent else 1
     cache = KVCache(c.num_layers, slots, seq, c.num_query_groups, c.kv_channels,
                     torch.float32, torch.device("cpu"))  # fmt: skip
-    runner = KVCacheRowRunner(model, cache, CharTokenizer().vocab_size)
+    vocab = CharTokenizer().vocab_size if vocab is None else vocab
+    runner = KVCacheRowRunner(model, cache, vocab)
     # eos_id=-1: no token ends a request, so each runs exactly to its budget
     engine = ContinuousBatchingScheduler(
         StepGroup(runner), SchedulerConfig(slots, seq, -1), lambda: 0

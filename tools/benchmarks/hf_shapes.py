@@ -36,7 +36,6 @@ dispatch).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import sys
@@ -52,20 +51,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron.rl.inference.kv_cache_runner import KVCacheRowRunner  # noqa: E402
 from megatron.rl.inference.protocol import RowWork  # noqa: E402
-from megatron.rl.inference.scheduler import (  # noqa: E402
-    ContinuousBatchingScheduler,
-    SchedulerConfig,
-)
-from megatron.rl.inference.step_group import StepGroup  # noqa: E402
 from megatron.rl.models.hf.tiny import make_tiny_checkpoint  # noqa: E402
 from megatron.rl.models.kv_cache import KVCache  # noqa: E402
-from megatron.rl.wire import SamplingParams  # noqa: E402
 from megatron.trainer import config as trainer_config  # noqa: E402
 from megatron.trainer.arguments import build_parser, validate_args  # noqa: E402
 from megatron.trainer.hf_io import weight_loader  # noqa: E402
 from megatron.trainer.initialize import initialize_distributed  # noqa: E402
 from megatron.trainer.model_provider import build_model  # noqa: E402
 from tools.benchmarks.common import Stopwatch  # noqa: E402
+from tools.benchmarks.engine_throughput import time_engine  # noqa: E402
 
 SHAPES: dict[str, dict[str, int]] = {
     "1m": dict(hidden_size=128, num_layers=5, num_attention_heads=4, intermediate_size=352),
@@ -97,39 +91,6 @@ def load_ours(args: argparse.Namespace, vocab_size: int) -> torch.nn.Module:
     model = build_model(args, vocab_size, torch.device("cpu"))
     weight_loader(args)(model)
     return model.eval()
-
-
-def time_engine(
-    model, prompts: list[list[int]], new_tokens: int, vocab: int, concurrent: bool
-) -> Stopwatch:
-    """Time for the engine to generate ``new_tokens`` for every prompt (all at once or serially)."""
-    c = model.config
-    seq = max(len(p) for p in prompts) + new_tokens
-    slots = len(prompts) if concurrent else 1
-    cache = KVCache(c.num_layers, slots, seq, c.num_query_groups, c.kv_channels,
-                    torch.float32, torch.device("cpu"))  # fmt: skip
-    runner = KVCacheRowRunner(model, cache, vocab)
-    # eos_id=-1: no token ends a request, so each runs exactly to its budget
-    engine = ContinuousBatchingScheduler(
-        StepGroup(runner), SchedulerConfig(slots, seq, -1), lambda: 0
-    )
-    sampling = SamplingParams(max_tokens=new_tokens)
-
-    async def generate() -> Stopwatch:
-        engine.start()
-        engine.resume()
-        with Stopwatch() as watch:
-            if concurrent:
-                outs = await asyncio.gather(
-                    *(engine.generate(p, sampling, seed=i) for i, p in enumerate(prompts))
-                )
-            else:
-                outs = [await engine.generate(p, sampling, seed=i) for i, p in enumerate(prompts)]
-        await engine.aclose()
-        assert all(len(o.tokens) == new_tokens for o in outs)
-        return watch
-
-    return asyncio.run(generate())
 
 
 @torch.no_grad()
@@ -255,8 +216,8 @@ def run_shape(shape: str, opts: argparse.Namespace, workdir: Path) -> dict[str, 
     pad = tokenizer.pad_id
     names = [n.format(b=opts.batch) for n in NAMES]
     runs: list[tuple[str, Callable[[], Stopwatch], int]] = [
-        (names[0], lambda: time_engine(ours, prompts, opts.new_tokens, vocab, True), len(prompts)),
-        (names[1], lambda: time_engine(ours, serial, opts.new_tokens, vocab, False), len(serial)),
+        (names[0], lambda: time_engine(ours, prompts, opts.new_tokens, True, vocab), len(prompts)),
+        (names[1], lambda: time_engine(ours, serial, opts.new_tokens, False, vocab), len(serial)),
         (names[2], lambda: time_hf(hf, prompts, opts.new_tokens, vocab, pad), len(prompts)),
     ]
     for _, fn, _ in runs:  # warm-up
