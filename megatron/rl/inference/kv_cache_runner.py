@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from megatron.rl.inference.protocol import RowResult, RowWork
 from megatron.rl.inference.sampling import sample_tokens, token_uniform
+from megatron.rl.models.cached_forward import CachedForward
 from megatron.rl.models.kv_cache import KVCache
 
 
@@ -35,6 +36,9 @@ class KVCacheRowRunner:
         self.tp_group = tp_group
         self.tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
         self.device = cache.keys.device
+        # The model's computation as one plain program (same values, a fraction of the Python
+        # overhead); None for models it does not reproduce, which run their own forward.
+        self.cached_forward = CachedForward.of(model, tp_group)
 
     @torch.no_grad()
     def run(self, rows: list[RowWork]) -> list[RowResult]:
@@ -57,7 +61,10 @@ class KVCacheRowRunner:
         return self._sample(rows, logits)
 
     def end_window(self) -> None:
-        """Nothing to release: the KV cache stays allocated (and valid) across windows."""
+        """The KV cache stays allocated (and valid) across windows; the weights may change
+        before the next one, so the forward's copies of them are dropped."""
+        if self.cached_forward is not None:
+            self.cached_forward.transposed.clear()
 
     def _forward_last_logits(self, rows: list[RowWork]) -> torch.Tensor:
         """Full-vocabulary logits at each row's last new token: (B, V_padded) float32."""
@@ -69,10 +76,14 @@ class KVCacheRowRunner:
         positions = positions.clamp(max=self.cache.max_seq_len - 1)  # padding stays in range
         slots = torch.tensor([r.slot for r in rows])
         dev = self.device
-        with self.cache.step(slots.to(dev), starts.to(dev), lengths.to(dev)):
-            out = self.model(ids.to(dev), positions.to(dev), None)  # (B, T, V/tp)
-        last = out[torch.arange(len(rows), device=dev), (lengths - 1).to(dev)].float()
-        return self._gather_vocab(last)
+        last = (lengths - 1).to(dev)
+        with self.cache.step(slots.to(dev), starts.to(dev), lengths.to(dev)) as step:
+            if self.cached_forward is not None:
+                logits = self.cached_forward(ids.to(dev), positions.to(dev), step, last)
+            else:
+                out = self.model(ids.to(dev), positions.to(dev), None)  # (B, T, V/tp)
+                logits = out[torch.arange(len(rows), device=dev), last]  # (B, V/tp)
+        return self._gather_vocab(logits.float())
 
     def _gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """(B, V/tp) vocab-parallel logits -> (B, V_padded), padding ids masked to -inf."""

@@ -1,7 +1,7 @@
 """Per-slot KV cache of the CPU tier's row runner (``KVCacheRowRunner``).
 
 The cache holds, for every attention layer, keys and values of shape
-``(num_slots, max_seq_len, num_kv_heads, head_dim)``. A request owns one slot for its lifetime and
+``(num_slots, num_kv_heads, max_seq_len, head_dim)``. A request owns one slot for its lifetime and
 each slot keeps its own length, so requests at different offsets share one forward pass: that is
 what megatron-core's static inference context (one offset per batch) cannot do.
 
@@ -42,7 +42,9 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        shape = (num_layers, num_slots, max_seq_len, num_kv_heads, head_dim)
+        # Head-major per slot: the keys a step reads, (slots, heads, :length, D), are a view that
+        # batched matmuls and SDPA take as they are (no gather, no transpose copy).
+        shape = (num_layers, num_slots, num_kv_heads, max_seq_len, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.num_slots = num_slots
@@ -93,6 +95,7 @@ class KVCacheStep:
         first = int(slots[0])
         span = torch.arange(first, first + len(slots), device=slots.device)
         self.slot_range = (first, first + len(slots)) if torch.equal(slots, span) else None
+        self._decode_bias: torch.Tensor | None = None  # built by the first layer, shared
 
     def attend(
         self,
@@ -109,23 +112,28 @@ class KVCacheStep:
         """
         seq, batch, num_heads, head_dim = query.shape
         rows, cols = self.write_rows, self.write_cols  # (N,), (N,)
-        cache_k = self.cache.keys[layer_index]
+        cache_k = self.cache.keys[layer_index]  # (slots, Hkv, S, D)
         cache_v = self.cache.values[layer_index]
         if self.all_valid:  # (T, B, H, D) -> (B * T, H, D), the order of rows/cols
             new_k = key.transpose(0, 1).reshape(-1, *key.shape[2:])
             new_v = value.transpose(0, 1).reshape(-1, *value.shape[2:])
         else:
             new_k, new_v = key.transpose(0, 1)[self.valid], value.transpose(0, 1)[self.valid]
-        cache_k[rows, cols] = new_k.to(cache_k.dtype)
-        cache_v[rows, cols] = new_v.to(cache_v.dtype)
+        cache_k[rows, :, cols] = new_k.to(cache_k.dtype)
+        cache_v[rows, :, cols] = new_v.to(cache_v.dtype)
 
         if self.slot_range is not None:
             first, end = self.slot_range
-            k = cache_k[first:end, : self.context_len].transpose(1, 2)  # (B, Hkv, L, D)
-            v = cache_v[first:end, : self.context_len].transpose(1, 2)  # (B, Hkv, L, D)
+            k = cache_k[first:end, :, : self.context_len]  # (B, Hkv, L, D), a view
+            v = cache_v[first:end, :, : self.context_len]
         else:
-            k = cache_k[self.slots, : self.context_len].transpose(1, 2)  # (B, Hkv, L, D)
-            v = cache_v[self.slots, : self.context_len].transpose(1, 2)  # (B, Hkv, L, D)
+            k = cache_k[self.slots, :, : self.context_len]  # (B, Hkv, L, D)
+            v = cache_v[self.slots, :, : self.context_len]
+        if scale is None:
+            scale = head_dim**-0.5
+        if seq == 1:
+            out = _decode_attention(query[0], k.to(query.dtype), v.to(query.dtype), self, scale)
+            return out.view(1, batch, num_heads * head_dim)
         groups = num_heads // k.shape[1]
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
@@ -135,3 +143,36 @@ class KVCacheStep:
             q, k.to(q.dtype), v.to(q.dtype), attn_mask=self.mask[:, None], scale=scale
         )
         return out.permute(2, 0, 1, 3).reshape(seq, batch, num_heads * head_dim)
+
+    @property
+    def decode_bias(self) -> torch.Tensor:
+        """Additive mask of a one-token step: 0 where a row may attend, -inf past its end (B, L)."""
+        if self._decode_bias is None:
+            allowed = self.mask[:, 0]  # (B, L)
+            bias = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device)
+            self._decode_bias = bias.masked_fill_(~allowed, float("-inf"))
+        return self._decode_bias
+
+
+def _decode_attention(
+    query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: KVCacheStep, scale: float
+) -> torch.Tensor:
+    """One new token per row: softmax(q k^T * scale + mask) v as two batched matmuls.
+
+    query (B, Hq, D); k/v (B, Hkv, L, D), views of the cache; returns (B, Hq, D). The query heads
+    of a key/value group (megatron-core keeps them adjacent) form the rows of one matmul, so
+    grouped-query attention needs no copy of the keys. For a single query row this is several
+    times faster than ``scaled_dot_product_attention``'s CPU kernel (profile of a 25M-parameter
+    decode step: 15% of the step in that kernel).
+    """
+    batch, num_heads, head_dim = query.shape
+    kv_heads, length = k.shape[1], k.shape[2]
+    groups = num_heads // kv_heads
+    q = query.reshape(batch * kv_heads, groups, head_dim)  # (B*Hkv, G, D)
+    keys = k.reshape(batch * kv_heads, length, head_dim)  # (B*Hkv, L, D)
+    values = v.reshape(batch * kv_heads, length, head_dim)
+    bias = step.decode_bias.to(query.dtype)[:, None, None, :]  # (B, 1, 1, L)
+    bias = bias.expand(batch, kv_heads, groups, length).reshape(batch * kv_heads, groups, length)
+    scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scale)  # (B*Hkv, G, L)
+    probs = torch.softmax(scores, dim=-1)
+    return torch.bmm(probs, values).view(batch, num_heads, head_dim)

@@ -25,6 +25,7 @@ def generate_on_rank(rank: int, world_size: int) -> list[tuple[int, int, float]]
         torch.device("cpu"),
     )
     runner = KVCacheRowRunner(model, cache, VOCAB, parallel_state.get_tensor_model_parallel_group())
+    assert runner.cached_forward is not None  # the plain program, all-reducing over TP
     rows = [
         RowWork(0, (2, 3, 4), 0, 1.0, 1.0, 0, seed=11),
         RowWork(1, (5,), 0, 0.7, 0.9, 0, seed=12),

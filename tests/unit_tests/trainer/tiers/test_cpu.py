@@ -77,7 +77,7 @@ def test_the_engine_is_the_scheduler_over_kv_cache_runners(tier):
     config = SchedulerConfig(max_requests=2, max_seq_len=32, eos_id=1)
     steps = tier.build_step_group(model, config, VOCAB)
     assert isinstance(steps.runner, KVCacheRowRunner) and isinstance(steps.runner, RowRunner)
-    assert steps.runner.cache.keys.shape[1:3] == (2, 32)  # slots x sequence length
+    assert steps.runner.cache.keys.shape[1:4:2] == (2, 32)  # slots x sequence length
     engine = tier.build_engine(steps, config, lambda: 0)
     assert isinstance(engine, ContinuousBatchingScheduler) and isinstance(engine, InferenceEngine)
 

@@ -1,0 +1,308 @@
+"""The CPU engine's forward pass: the trained GPT's own parameters, read by one plain-torch program.
+
+An engine step feeds a few tokens per request through the model. At the shapes a CPU runs (1M to
+25M parameters, batch 64, one token per row) megatron-core's module stack costs more than its
+arithmetic: every layer passes through ~15 ``nn.Module`` calls, autograd-function wrappers of the
+tensor-parallel regions, the inference-context checks of ``SelfAttention`` and a rotary table
+recomputed (``cos``/``sin``) in each layer for queries and keys alike (profile of a 1M-parameter
+decode step: 34% of its time outside any operator).
+
+``CachedForward`` runs the same computation over the same ``nn.Parameter`` objects with the
+same operators in the same order: megatron-core's fused QKV layout split per query group, its
+unfused rotary embedding (``t * cos + rotate_half(t) * sin``; the table computed once per step
+instead of twice per layer), ``KVCacheStep.attend`` as the core attention, bias then residual
+additions as its bias-dropout-add does them, its unfused (Swi)GLU or GELU MLP, the final norm and
+the output layer. The embedding stays megatron-core's module (one call: vocab-parallel lookup and
+position table). Tensor parallelism is an all-reduce after each row-parallel projection, as
+megatron-core's ``reduce_from_tensor_model_parallel_region`` does it. One difference: the
+matrix products read contiguous transposed copies of the weights (``TransposedWeights``: ~1.3x
+faster GEMMs on this CPU), whose kernel may round the last bit differently; the tests hold the
+sampled tokens equal and logprobs within 1e-5 of the modules' forward for every architecture.
+
+Only the rows' last new tokens go through the final norm and the output layer (prefill rows need
+no logits at their prompt positions); rows are independent in both, so each selected row's logits
+are the ones the full pass computes.
+
+``CachedForward.of(model)`` returns None for what it does not reproduce (pipeline parallelism,
+sequence parallelism, fused or Transformer Engine modules, MoE, fewer query groups than TP ranks,
+mixed-dtype residuals, multi-latent attention...): the caller then runs the model's own forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.transformer.identity_op import IdentityOp
+
+from megatron.rl.models.gpt_spec import SDPAColumnParallelLinear, SDPARowParallelLinear
+from megatron.rl.models.kv_cache import KVCacheStep
+
+_NORMS = (torch.nn.LayerNorm, torch.nn.RMSNorm)
+
+_CONFIG_REQUIREMENTS = {
+    "sequence_parallel": False,
+    "fp32_residual_connection": False,
+    "apply_rope_fusion": False,
+    "rotary_interleaved": False,
+    "multi_latent_attention": False,
+    "bias_activation_fusion": False,
+    "use_te_activation_func": False,
+    "attention_output_gate": False,
+    "activation_func_clamp_value": None,
+    "num_moe_experts": None,
+    "context_parallel_size": 1,
+    "pipeline_model_parallel_size": 1,
+    "hidden_dropout": 0.0,
+    "attention_dropout": 0.0,
+}
+"""TransformerConfig values the plain program assumes (anything else: the model's own forward)."""
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """The modules of one transformer layer that hold parameters (None: absent)."""
+
+    input_norm: torch.nn.Module
+    qkv: torch.nn.Module
+    q_norm: torch.nn.Module | None
+    k_norm: torch.nn.Module | None
+    proj: torch.nn.Module
+    pre_mlp_norm: torch.nn.Module
+    fc1: torch.nn.Module
+    fc2: torch.nn.Module
+
+
+class TransposedWeights:
+    """Contiguous copies of weights' transposes, for ``x @ W^T`` as a row-major GEMM.
+
+    On this CPU a (64, k) x (k, n) product with the weight stored (n, k) and transposed runs at
+    ~75% of the speed of the same product with a contiguous (k, n) copy (``tools/benchmarks``
+    decode profile); a copy per weight costs the linear layers' memory once more.
+
+    A copy is valid until the weight changes: ``clear`` drops them all (the runner calls it when
+    a generation window ends, the only time the trainer updates weights), and each lookup also
+    checks the parameter's identity, storage and in-place version counter, so a weight changed
+    in place (an optimizer step, ``load_state_dict``) is copied again even inside a window.
+    """
+
+    def __init__(self) -> None:
+        self._copies: dict[int, tuple[torch.Tensor, int, int, torch.Tensor]] = {}
+
+    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight.t()`` as a contiguous tensor (the same values)."""
+        hit = self._copies.get(id(weight))
+        if hit is not None:
+            owner, version, address, copy = hit
+            if owner is weight and version == weight._version and address == weight.data_ptr():
+                return copy
+        copy = weight.detach().t().contiguous()
+        self._copies[id(weight)] = (weight, weight._version, weight.data_ptr(), copy)
+        return copy
+
+    def clear(self) -> None:
+        """Forget every copy (the weights may change)."""
+        self._copies.clear()
+
+
+class CachedForward:
+    """The model's forward for engine steps over a ``KVCacheStep`` (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, layers: list[_Layer], tp_group) -> None:
+        self.model = model
+        self.layers = layers
+        self.tp_group = tp_group
+        self.tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+        c = model.config
+        self.activation = c.activation_func
+        self.glu = c.gated_linear_unit
+        self.glu_offset = c.glu_linear_offset
+        self.head_dim = c.kv_channels
+        self.heads = c.num_attention_heads // self.tp_size  # query heads of this rank
+        self.groups = c.num_query_groups // self.tp_size  # key/value heads of this rank
+        self.softmax_scale = c.softmax_scale
+        self.rope = getattr(model, "position_embedding_type", None) == "rope"
+        self.transposed = TransposedWeights()
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, tp_group=None) -> "CachedForward | None":
+        """The plain program of ``model``, or None where it would not compute the same values."""
+        c = getattr(model, "config", None)
+        if c is None or not all(hasattr(model, a) for a in ("embedding", "decoder")):
+            return None
+        for name, value in _CONFIG_REQUIREMENTS.items():
+            if getattr(c, name, value) != value:
+                return None
+        if getattr(model, "mtp_process", False) or not getattr(model, "post_process", True):
+            return None
+        kind = getattr(model, "position_embedding_type", None)
+        if kind not in ("rope", "learned_absolute"):
+            return None
+        if kind == "rope" and not hasattr(model.rotary_pos_emb, "at_positions"):
+            return None  # megatron-core's own GPTModel ignores per-row positions
+        tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+        if c.num_query_groups is None or c.num_query_groups < tp:
+            return None
+        if c.activation_func not in (F.gelu, F.silu) or c.num_layers_in_first_pipeline_stage:
+            return None
+        final_norm = getattr(model.decoder, "final_layernorm", None)
+        if not isinstance(final_norm, _NORMS) or not _plain_column(model.output_layer):
+            return None
+        layers = [_layer_modules(layer) for layer in model.decoder.layers]
+        if any(layer is None for layer in layers):
+            return None
+        return cls(model, layers, tp_group)
+
+    def __call__(
+        self, ids: torch.Tensor, positions: torch.Tensor, step: KVCacheStep, last: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits at token ``last[b]`` of each row b: (B, V/tp), float as the model's.
+
+        ``ids``/``positions`` (B, T); ``step`` the active ``KVCacheStep`` of the pass.
+        """
+        model = self.model
+        hidden = model.embedding(input_ids=ids, position_ids=positions)  # (T, B, H)
+        rotary = None
+        if self.rope:
+            table = model.rotary_pos_emb.at_positions(positions)  # (T, B, 1, d)
+            rotary = (torch.cos(table), torch.sin(table), table.shape[-1])
+        for index, layer in enumerate(self.layers):
+            hidden = self._layer(index, layer, hidden, step, rotary)
+        rows = torch.arange(ids.shape[0], device=hidden.device)
+        hidden = hidden[last, rows][None]  # (1, B, H): each row's last new token
+        hidden = model.decoder.final_layernorm(hidden)
+        if model.share_embeddings_and_output_weights:
+            weight = model.shared_embedding_or_output_weight()
+        else:
+            weight = model.output_layer.weight
+        return torch.matmul(hidden, self.transposed(weight))[0]  # (B, V/tp)
+
+    def _layer(self, index, layer: _Layer, hidden, step: KVCacheStep, rotary) -> torch.Tensor:
+        """One pre-norm transformer layer: hidden (T, B, H) -> (T, B, H)."""
+        x = layer.input_norm(hidden)
+        query, key, value = self._qkv(layer, x)  # (T, B, heads|groups, d)
+        if rotary is not None:
+            query, key = _rotate(query, rotary), _rotate(key, rotary)
+        context = step.attend(index, query, key, value, scale=self.softmax_scale)  # (T, B, h*d)
+        hidden = self._residual(self._row_parallel(layer.proj, context), hidden)
+        x = layer.pre_mlp_norm(hidden)
+        up = torch.matmul(x, self.transposed(layer.fc1.weight))  # (T, B, F/tp) or (T, B, 2F/tp)
+        if layer.fc1.bias is not None:
+            up = up + layer.fc1.bias
+        if self.glu:
+            gate, linear = torch.chunk(up, 2, dim=-1)
+            if self.glu_offset:
+                linear = linear + self.glu_offset
+            up = self.activation(gate) * linear
+        else:
+            up = self.activation(up)
+        return self._residual(self._row_parallel(layer.fc2, up), hidden)
+
+    def _qkv(self, layer: _Layer, x: torch.Tensor):
+        """megatron-core's fused QKV projection split per query group, then the q/k norms."""
+        mixed = torch.matmul(
+            x, self.transposed(layer.qkv.weight)
+        )  # (T, B, groups*(heads/groups+2)*d)
+        if layer.qkv.bias is not None:
+            mixed = mixed + layer.qkv.bias
+        d, per_group = self.head_dim, self.heads // self.groups
+        mixed = mixed.view(*mixed.shape[:2], self.groups, (per_group + 2) * d)
+        query, key, value = torch.split(mixed, [per_group * d, d, d], dim=3)
+        query = query.reshape(query.size(0), query.size(1), -1, d)  # (T, B, heads, d)
+        if layer.q_norm is not None:
+            query = layer.q_norm(query)
+        if layer.k_norm is not None:
+            key = layer.k_norm(key)
+        return query, key, value
+
+    def _row_parallel(self, module: torch.nn.Module, x: torch.Tensor):
+        """A row-parallel projection without its bias: (output summed over TP, bias)."""
+        out = torch.matmul(x, self.transposed(module.weight))
+        if self.tp_size > 1:
+            out = out.contiguous()
+            dist.all_reduce(out, group=self.tp_group)
+        return out, module.bias
+
+    @staticmethod
+    def _residual(out_bias, residual: torch.Tensor) -> torch.Tensor:
+        """megatron-core's bias-dropout-add at dropout 0: residual + (out + bias)."""
+        out, bias = out_bias
+        if bias is not None:
+            out = out + bias
+        return residual + out
+
+
+def _rotate(t: torch.Tensor, rotary) -> torch.Tensor:
+    """megatron-core's unfused RoPE (``_apply_rotary_pos_emb_bshd``) with a precomputed table."""
+    cos, sin, dim = rotary
+    if dim < t.shape[-1]:
+        t, t_pass = t[..., :dim], t[..., dim:]
+    else:
+        t_pass = None
+    cos, sin = cos.to(t.dtype), sin.to(t.dtype)
+    x1, x2 = torch.chunk(t, 2, dim=-1)
+    out = (t * cos) + (torch.cat((-x2, x1), dim=-1) * sin)
+    return out if t_pass is None else torch.cat((out, t_pass), dim=-1)
+
+
+def _plain_column(module) -> bool:
+    """A local column-parallel linear layer whose forward is ``input @ weight.T`` (+ bias).
+
+    megatron-core's own ``ColumnParallelLinear`` computes that too (GPTModel's output layer is
+    one); its subclasses from other backends (Transformer Engine) do not qualify.
+    """
+    return (
+        type(module) in (SDPAColumnParallelLinear, ColumnParallelLinear)
+        and not module.gather_output
+        and not getattr(module, "sequence_parallel", False)
+    )
+
+
+def _plain_row(module) -> bool:
+    """A local row-parallel linear layer: ``input @ weight.T`` summed over TP (+ bias)."""
+    return isinstance(module, SDPARowParallelLinear) and not getattr(
+        module, "sequence_parallel", False
+    )
+
+
+def _norm_or_none(module) -> torch.nn.Module | None | bool:
+    """A norm module, None for megatron-core's identity, False for anything else."""
+    if isinstance(module, IdentityOp) or module is None:
+        return None
+    return module if isinstance(module, _NORMS) else False
+
+
+def _layer_modules(layer: torch.nn.Module) -> _Layer | None:
+    """The parameter-holding modules of a layer this program reproduces, or None."""
+    attention, mlp = getattr(layer, "self_attention", None), getattr(layer, "mlp", None)
+    if attention is None or mlp is None or not hasattr(mlp, "linear_fc1"):
+        return None
+    from megatron.rl.models.attention import SDPACoreAttention
+
+    if not isinstance(attention.core_attention, SDPACoreAttention):
+        return None
+    norms = [_norm_or_none(getattr(attention, n, None)) for n in ("q_layernorm", "k_layernorm")]
+    main = [
+        _norm_or_none(getattr(layer, n, None)) for n in ("input_layernorm", "pre_mlp_layernorm")
+    ]
+    if any(n is False for n in norms) or any(not isinstance(n, _NORMS) for n in main):
+        return None
+    column = (attention.linear_qkv, mlp.linear_fc1)
+    row = (attention.linear_proj, mlp.linear_fc2)
+    if not all(_plain_column(m) for m in column):
+        return None
+    if not all(_plain_row(m) for m in row):
+        return None
+    return _Layer(
+        input_norm=main[0],
+        qkv=attention.linear_qkv,
+        q_norm=norms[0],
+        k_norm=norms[1],
+        proj=attention.linear_proj,
+        pre_mlp_norm=main[1],
+        fc1=mlp.linear_fc1,
+        fc2=mlp.linear_fc2,
+    )
