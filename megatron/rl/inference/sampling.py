@@ -6,6 +6,7 @@ only on its own logits and RNG, never on which other requests share the batch.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from megatron.rl.seeding import derive_seed
@@ -37,7 +38,7 @@ def sample_tokens(
     scale = torch.where(greedy, torch.ones_like(temperature), temperature).float()
     logprobs_all = torch.log_softmax(logits / scale[:, None], dim=-1)  # (B, V)
 
-    sorted_logp, order = torch.sort(logprobs_all, dim=-1, descending=True, stable=True)  # (B, V)
+    sorted_logp, order = sort_descending_stable(logprobs_all)  # (B, V)
     probs = sorted_logp.exp()
     rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]  # (1, V)
     keep = torch.ones_like(probs, dtype=torch.bool)
@@ -53,6 +54,29 @@ def sample_tokens(
     sampled = order.gather(-1, pick).squeeze(-1)  # (B,)
     tokens = torch.where(greedy, order[:, 0], sampled)
     return tokens, logprobs_all.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def sort_descending_stable(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.sort(values, dim=-1, descending=True, stable=True)`` of a (B, V) float32 CPU
+    tensor, ~5x faster on this CPU at V in the hundreds (where sampling's sort took ~10% of a
+    1M-parameter decode step).
+
+    Each entry becomes one int64 key: its float bits mapped to an integer of the same order
+    (negatives flipped, so -0.0 and 0.0 tie as they compare), negated for descending order,
+    shifted left and joined with the entry's index. The keys are distinct, so any sort of them
+    (numpy's vectorized one) gives the stable order; the index comes back from the low bits.
+    Other dtypes, devices or shapes take ``torch.sort``.
+    """
+    batch_dims, width = values.shape[:-1], values.shape[-1]
+    if values.dtype != torch.float32 or values.device.type != "cpu" or width >= 1 << 30:
+        return torch.sort(values, dim=-1, descending=True, stable=True)
+    shift = max(1, (width - 1).bit_length())
+    bits = values.contiguous().view(torch.int32).to(torch.int64)  # (..., V)
+    ordered = torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits)  # float order as integers
+    keys = (-ordered << shift) | torch.arange(width, dtype=torch.int64)
+    order = torch.from_numpy(np.sort(keys.numpy(), axis=-1)) & ((1 << shift) - 1)
+    order = order.reshape(*batch_dims, width)
+    return values.gather(-1, order), order
 
 
 def token_uniform(seed: int, position: int) -> float:

@@ -86,8 +86,14 @@ class KVCacheStep:
         keys = torch.arange(self.context_len, device=slots.device)
         self.mask = keys[None, None, :] <= self.positions[:, :, None]  # (B, T, L)
         # Where this step's new keys/values go, shared by every layer: (N,) rows and columns.
-        self.write_rows = slots[:, None].expand_as(self.positions)[self.valid]
-        self.write_cols = self.positions[self.valid]
+        write_rows = slots[:, None].expand_as(self.positions)[self.valid]  # (N,)
+        write_cols = self.positions[self.valid]  # (N,)
+        # ... as rows of a layer's cache viewed as (slots * Hkv * S, D): (N * Hkv,), n-major
+        _, _, heads, length, _ = cache.keys.shape
+        head = torch.arange(heads, device=slots.device)
+        self.write_index = (
+            (write_rows[:, None] * heads + head) * length + write_cols[:, None]
+        ).view(-1)
         # Fast paths (same values, fewer copies): every row full (decode steps: no boolean
         # selection of the new keys), and rows on consecutive slots (a view of the cache instead
         # of gathering each layer's keys/values).
@@ -111,7 +117,6 @@ class KVCacheStep:
         returns the context (T, B, Hq * D).
         """
         seq, batch, num_heads, head_dim = query.shape
-        rows, cols = self.write_rows, self.write_cols  # (N,), (N,)
         cache_k = self.cache.keys[layer_index]  # (slots, Hkv, S, D)
         cache_v = self.cache.values[layer_index]
         if self.all_valid:  # (T, B, H, D) -> (B * T, H, D), the order of rows/cols
@@ -119,8 +124,10 @@ class KVCacheStep:
             new_v = value.transpose(0, 1).reshape(-1, *value.shape[2:])
         else:
             new_k, new_v = key.transpose(0, 1)[self.valid], value.transpose(0, 1)[self.valid]
-        cache_k[rows, :, cols] = new_k.to(cache_k.dtype)
-        cache_v[rows, :, cols] = new_v.to(cache_v.dtype)
+        rows = cache_k.view(-1, head_dim)  # (slots * Hkv * S, D)
+        rows.index_copy_(0, self.write_index, new_k.reshape(-1, head_dim).to(cache_k.dtype))
+        rows = cache_v.view(-1, head_dim)
+        rows.index_copy_(0, self.write_index, new_v.reshape(-1, head_dim).to(cache_v.dtype))
 
         if self.slot_range is not None:
             first, end = self.slot_range

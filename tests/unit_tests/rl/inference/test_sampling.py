@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.rl.inference.sampling import sample_tokens
+from megatron.rl.inference.sampling import sample_tokens, sort_descending_stable
 
 N = 20_000
 GRID = (torch.arange(N, dtype=torch.float64) + 0.5) / N
@@ -217,3 +217,26 @@ def test_uniform_intervals_are_half_open_over_equally_likely_tokens():
     )
     assert tokens.tolist() == [0, 0, 1, 1, 2, 3, 3]
     torch.testing.assert_close(logprobs, torch.full((7,), -torch.log(torch.tensor(4.0)).item()))
+
+
+@pytest.mark.parametrize(
+    "width",
+    [
+        pytest.param(7, id="tiny"),
+        pytest.param(320, id="toy-vocab"),
+        pytest.param(4097, id="odd-width"),
+        pytest.param(151936, id="qwen-vocab"),
+    ],
+)
+def test_fast_descending_sort_is_torchs_stable_sort(width):
+    """Ties keep index order, -0.0 ties with 0.0, -inf sorts last: the same values and order."""
+    g = torch.Generator().manual_seed(width)
+    x = torch.log_softmax(torch.randn(6, width, generator=g) * 4, -1)
+    x[:, width // 2 :] = float("-inf")
+    x[:, 1] = x[:, 3]  # an exact tie
+    x[:, 0], x[:, 2] = 0.0, -0.0
+    x[0, 5] = 1.5
+    want_values, want_order = torch.sort(x, dim=-1, descending=True, stable=True)
+    values, order = sort_descending_stable(x)
+    assert torch.equal(order, want_order)
+    assert torch.equal(values, want_values)
