@@ -49,6 +49,8 @@ class KVCacheRowRunner:
         """
         if not rows:
             return []
+        if self.cached_forward is not None:  # packed tokens: one pass for every kind of row
+            return self._sample(rows, self._forward_last_logits(rows))
         # Decode rows (one token) and prefill rows (many) go in separate forwards so that
         # single-token rows are not padded to the longest prompt.
         decode = [i for i, r in enumerate(rows) if len(r.tokens) == 1]
@@ -76,13 +78,12 @@ class KVCacheRowRunner:
         positions = positions.clamp(max=self.cache.max_seq_len - 1)  # padding stays in range
         slots = torch.tensor([r.slot for r in rows])
         dev = self.device
-        last = (lengths - 1).to(dev)
         with self.cache.step(slots.to(dev), starts.to(dev), lengths.to(dev)) as step:
             if self.cached_forward is not None:
-                logits = self.cached_forward(ids.to(dev), positions.to(dev), step, last)
+                logits = self.cached_forward(ids.to(dev), positions.to(dev), step)  # (B, V/tp)
             else:
                 out = self.model(ids.to(dev), positions.to(dev), None)  # (B, T, V/tp)
-                logits = out[torch.arange(len(rows), device=dev), last]  # (B, V/tp)
+                logits = out[torch.arange(len(rows), device=dev), (lengths - 1).to(dev)]
         return self._gather_vocab(logits.float())
 
     def _gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:

@@ -19,9 +19,10 @@ matrix products read contiguous transposed copies of the weights (``TransposedWe
 faster GEMMs on this CPU), whose kernel may round the last bit differently; the tests hold the
 sampled tokens equal and logprobs within 1e-5 of the modules' forward for every architecture.
 
-Only the rows' last new tokens go through the final norm and the output layer (prefill rows need
-no logits at their prompt positions); rows are independent in both, so each selected row's logits
-are the ones the full pass computes.
+The step's tokens run packed, without the padding of the (B, T) input: one pass serves prefill rows
+of any lengths and one-token rows together, and no matmul row is spent on padding; only attention
+unpacks them (``KVCacheStep.attend_packed``). Only each row's last new token goes through the final
+norm and the output layer (prefill rows need no logits at their prompt positions).
 
 ``CachedForward.of(model)`` returns None for what it does not reproduce (pipeline parallelism,
 sequence parallelism, fused or Transformer Engine modules, MoE, fewer query groups than TP ranks,
@@ -157,39 +158,43 @@ class CachedForward:
         return cls(model, layers, tp_group)
 
     def __call__(
-        self, ids: torch.Tensor, positions: torch.Tensor, step: KVCacheStep, last: torch.Tensor
+        self, ids: torch.Tensor, positions: torch.Tensor, step: KVCacheStep
     ) -> torch.Tensor:
-        """Logits at token ``last[b]`` of each row b: (B, V/tp), float as the model's.
+        """Logits at each row's last new token: (B, V/tp), float as the model's.
 
-        ``ids``/``positions`` (B, T); ``step`` the active ``KVCacheStep`` of the pass.
+        ``ids``/``positions`` (B, T) hold ``step.lengths[b]`` new tokens per row (then padding).
+        The step's tokens run packed, (N, 1, H), without the padding: prefill rows of different
+        lengths and one-token rows share one pass and no matmul row is wasted.
         """
         model = self.model
-        hidden = model.embedding(input_ids=ids, position_ids=positions)  # (T, B, H)
+        valid = step.valid  # (B, T)
+        ids, positions = ids[valid][None], positions[valid][None]  # (1, N)
+        hidden = model.embedding(input_ids=ids, position_ids=positions)  # (N, 1, H)
         rotary = None
         if self.rope:
-            table = model.rotary_pos_emb.at_positions(positions)  # (T, B, 1, d)
+            table = model.rotary_pos_emb.at_positions(positions)  # (N, 1, 1, d)
             rotary = (torch.cos(table), torch.sin(table), table.shape[-1])
         for index, layer in enumerate(self.layers):
             hidden = self._layer(index, layer, hidden, step, rotary)
-        rows = torch.arange(ids.shape[0], device=hidden.device)
-        hidden = hidden[last, rows][None]  # (1, B, H): each row's last new token
+        hidden = hidden[step.lengths.cumsum(0) - 1]  # (B, 1, H): each row's last new token
         hidden = model.decoder.final_layernorm(hidden)
         if model.share_embeddings_and_output_weights:
             weight = model.shared_embedding_or_output_weight()
         else:
             weight = model.output_layer.weight
-        return torch.matmul(hidden, self.transposed(weight))[0]  # (B, V/tp)
+        return torch.matmul(hidden, self.transposed(weight))[:, 0]  # (B, V/tp)
 
     def _layer(self, index, layer: _Layer, hidden, step: KVCacheStep, rotary) -> torch.Tensor:
-        """One pre-norm transformer layer: hidden (T, B, H) -> (T, B, H)."""
+        """One pre-norm transformer layer over the packed tokens: hidden (N, 1, H) -> (N, 1, H)."""
         x = layer.input_norm(hidden)
-        query, key, value = self._qkv(layer, x)  # (T, B, heads|groups, d)
+        query, key, value = self._qkv(layer, x)  # (N, 1, heads|groups, d)
         if rotary is not None:
             query, key = _rotate(query, rotary), _rotate(key, rotary)
-        context = step.attend(index, query, key, value, scale=self.softmax_scale)  # (T, B, h*d)
+        context = step.attend_packed(index, query[:, 0], key[:, 0], value[:, 0], self.softmax_scale)
+        context = context[:, None]  # (N, 1, heads * d)
         hidden = self._residual(self._row_parallel(layer.proj, context), hidden)
         x = layer.pre_mlp_norm(hidden)
-        up = torch.matmul(x, self.transposed(layer.fc1.weight))  # (T, B, F/tp) or (T, B, 2F/tp)
+        up = torch.matmul(x, self.transposed(layer.fc1.weight))  # (N, 1, F/tp) or (N, 1, 2F/tp)
         if layer.fc1.bias is not None:
             up = up + layer.fc1.bias
         if self.glu:

@@ -151,6 +151,50 @@ class KVCacheStep:
         )
         return out.permute(2, 0, 1, 3).reshape(seq, batch, num_heads * head_dim)
 
+    def attend_packed(
+        self,
+        layer_index: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """``attend`` for a forward over this step's tokens packed without padding.
+
+        query (N, Hq, D), key/value (N, Hkv, D): the new tokens of row 0, then row 1, ... (the
+        order of ``valid``); returns the context (N, Hq * D).
+        """
+        count, num_heads, head_dim = query.shape
+        cache_k = self.cache.keys[layer_index]  # (slots, Hkv, S, D)
+        cache_v = self.cache.values[layer_index]
+        rows = cache_k.view(-1, head_dim)  # (slots * Hkv * S, D)
+        rows.index_copy_(0, self.write_index, key.reshape(-1, head_dim).to(cache_k.dtype))
+        rows = cache_v.view(-1, head_dim)
+        rows.index_copy_(0, self.write_index, value.reshape(-1, head_dim).to(cache_v.dtype))
+        if self.slot_range is not None:
+            first, end = self.slot_range
+            k = cache_k[first:end, :, : self.context_len]  # (B, Hkv, L, D), a view
+            v = cache_v[first:end, :, : self.context_len]
+        else:
+            k = cache_k[self.slots, :, : self.context_len]  # (B, Hkv, L, D)
+            v = cache_v[self.slots, :, : self.context_len]
+        k, v = k.to(query.dtype), v.to(query.dtype)
+        if scale is None:
+            scale = head_dim**-0.5
+        if self.valid.shape[1] == 1:  # one token per row: N == B
+            return _decode_attention(query, k, v, self, scale).view(count, num_heads * head_dim)
+        batch, width = self.valid.shape
+        q = query.new_zeros(batch, width, num_heads, head_dim)
+        q[self.valid] = query  # (B, T, Hq, D), rows padded to the longest
+        groups = num_heads // k.shape[1]
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k, v, attn_mask=self.mask[:, None], scale=scale
+        )  # (B, Hq, T, D)
+        return out.transpose(1, 2)[self.valid].reshape(count, num_heads * head_dim)
+
     @property
     def decode_bias(self) -> torch.Tensor:
         """Additive mask of a one-token step: 0 where a row may attend, -inf past its end (B, L)."""

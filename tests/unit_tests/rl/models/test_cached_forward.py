@@ -107,7 +107,7 @@ def test_engine_logits_match_a_full_forward_without_cache(single_rank_world, ove
     for t, start, n in ((tokens[:6], 0, 6), (tokens[6:7], 6, 1), (tokens[7:8], 7, 1)):
         with cache.step(torch.tensor([0]), torch.tensor([start]), torch.tensor([n])) as step:
             ids, positions = torch.tensor([t]), torch.arange(start, start + n)[None]
-            got.append(forward(ids, positions, step, torch.tensor([n - 1]))[0])
+            got.append(forward(ids, positions, step)[0])
     full = model(torch.tensor([tokens[:8]]), torch.arange(8)[None], None)[0]  # (T, V)
     for logits, position in zip(got, (5, 6, 7)):
         torch.testing.assert_close(logits, full[position], atol=1e-5, rtol=1e-5)
@@ -184,3 +184,34 @@ def test_one_token_steps_attend_like_softmax_attention_over_the_cache(heads, kv_
         scores = torch.einsum("hd,lhd->hl", q[0, b], k) / math.sqrt(d)
         ref = torch.einsum("hl,lhd->hd", scores.softmax(-1), v).reshape(heads * d)
         torch.testing.assert_close(out[0, b], ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("overrides", ARCHITECTURES[:2])
+def test_a_step_mixing_prefill_and_decode_rows_is_one_packed_pass(single_rank_world, overrides):
+    """Continuous batching: requests join while others decode; one packed pass gives what the
+    modules give running the one-token rows and the prompt rows as two padded forwards."""
+    model = randomized(tiny_gpt(**overrides))
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in (4, 7, 1, 3)]
+    joins = [0, 0, 2, 3]  # the step at which each request arrives
+
+    def run(runner: KVCacheRowRunner) -> list:
+        fed, last, out = [0] * 4, [None] * 4, []
+        for step in range(7):
+            rows = []
+            for i, p in enumerate(prompts):
+                if step < joins[i]:
+                    continue
+                tokens = tuple(p) if fed[i] == 0 else (last[i],)
+                rows.append(RowWork(i, tokens, fed[i], 1.0, 1.0, 0, seed=i))
+            results = runner.run(rows)
+            for row, r in zip(rows, results):
+                fed[row.slot] += len(row.tokens)
+                last[row.slot] = r.token
+            out.append([(r.token, r.logprob) for r in results])
+        return out
+
+    fast = KVCacheRowRunner(model, make_cache(model), VOCAB)
+    modules = KVCacheRowRunner(model, make_cache(model), VOCAB)
+    modules.cached_forward = None
+    assert_same_generation(run(fast), run(modules))
