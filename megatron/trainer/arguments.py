@@ -140,8 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="CPU memory: give every allocation of at least this many KiB its own mapping, "
         "returned to the OS when freed (glibc mallopt M_MMAP_THRESHOLD, set at start-up; "
         "ignored by other C libraries). Peak memory follows what is live instead of what the "
-        "heap once held (25M-parameter model: -270 MiB with 1024) but freed blocks are mapped "
-        "again (+25%% step time). Default: glibc's own threshold, which rises to 32 MiB.",
+        "heap once held (25M-parameter model: -280 MiB with 1024) but freed blocks are mapped "
+        "again (+20-30%% step time; README 'CPU memory'). Default: glibc's own threshold, which "
+        "rises to 32 MiB.",
     )
     g.add_argument("--seed", type=int, default=1234, help="Seed of init, prompts and sampling.")
     g.add_argument("--log-interval", type=int, default=1, help="Print a log line every N steps.")
