@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron.trainer.allocator import set_mmap_threshold
+
 
 @dataclass(frozen=True)
 class ParallelContext:
@@ -58,6 +60,8 @@ def initialize_distributed(args: argparse.Namespace) -> ParallelContext:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
         if "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        if args.malloc_mmap_threshold_kib is not None:
+            set_mmap_threshold(args.malloc_mmap_threshold_kib)
     if not dist.is_initialized():
         dist.init_process_group(
             backend="nccl" if cuda else "gloo",

@@ -45,10 +45,23 @@ class KVCache:
         # Head-major per slot: the keys a step reads, (slots, heads, :length, D), are a view that
         # batched matmuls and SDPA take as they are (no gather, no transpose copy).
         shape = (num_layers, num_slots, num_kv_heads, max_seq_len, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        # Reserved, not written: a slot is zeroed on its first use (``step``), so on the CPU only
+        # the pages of slots in use become resident (the OS maps a large allocation's pages on
+        # first touch) and the memory held follows the requests in flight, not ``num_slots``.
+        self.keys = torch.empty(shape, dtype=dtype, device=device)
+        self.values = torch.empty(shape, dtype=dtype, device=device)
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
+        self.zeroed_slots = 0
+        """Slots ``0 .. zeroed_slots - 1`` have been zeroed (the rest were never read)."""
+
+    def zero_slots_below(self, end: int) -> None:
+        """Zero slots ``zeroed_slots .. end - 1`` on their first use: the cache then reads as if
+        it had been allocated with zeros."""
+        if end > self.zeroed_slots:
+            self.keys[:, self.zeroed_slots : end].zero_()
+            self.values[:, self.zeroed_slots : end].zero_()
+            self.zeroed_slots = end
 
     @contextlib.contextmanager
     def step(
@@ -62,6 +75,7 @@ class KVCache:
         """
         if int((starts + lengths).max()) > self.max_seq_len:
             raise ValueError(f"a request would exceed the KV cache length {self.max_seq_len}")
+        self.zero_slots_below(int(slots.max()) + 1)
         token = _ACTIVE_STEP.set(KVCacheStep(self, slots, starts, lengths))
         try:
             yield _ACTIVE_STEP.get()

@@ -92,6 +92,15 @@ def test_defaults_are_valid_and_derived_values_are_filled():
         ),
         pytest.param(["--load", "/nonexistent-dir"], 1, "--load", id="missing-load-dir"),
         pytest.param(["--train-iters", "0"], 1, "--train-iters", id="zero-iters"),
+        pytest.param(
+            ["--malloc-mmap-threshold-kib", "0"], 1, "--malloc-mmap-threshold-kib", id="zero-mmap"
+        ),
+        pytest.param(
+            ["--malloc-mmap-threshold-kib", "32769"],
+            1,
+            "--malloc-mmap-threshold-kib",
+            id="mmap-above-glibc-max",
+        ),
     ],
 )
 def test_bad_flags_are_reported_by_name(argv, world_size, flag):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import sys
 
 import pytest
 import torch
@@ -202,3 +204,40 @@ def test_no_grad_forward_is_bitwise_the_autograd_forward(single_rank_world):
     without = model(ids, positions, None)
     assert not without.requires_grad
     assert torch.equal(with_grad.detach(), without)
+
+
+def test_slots_read_as_zeros_from_their_first_use():
+    cache = KVCache(2, 8, 4, 1, 2, torch.float32, torch.device("cpu"))
+    cache.keys.fill_(float("nan"))  # what an unwritten allocation may hold
+    cache.values.fill_(float("nan"))
+    one = torch.tensor([1])
+    with cache.step(torch.tensor([2]), one, one):  # slot 2: slots 0..2 as torch.zeros made them
+        pass
+    assert cache.zeroed_slots == 3
+    assert torch.equal(cache.keys[:, :3], torch.zeros(2, 3, 1, 4, 2))  # (layers, slots, H, S, D)
+    assert torch.equal(cache.values[:, :3], torch.zeros(2, 3, 1, 4, 2))
+    assert cache.keys[:, 3:].isnan().all()  # never zeroed again, never read
+    cache.keys[:, 0] = 1.0  # a used slot keeps its contents when a later step zeroes new slots
+    with cache.step(torch.tensor([0, 5]), torch.tensor([0, 0]), torch.tensor([1, 1])):
+        pass
+    assert cache.zeroed_slots == 6
+    assert (cache.keys[:, 0] == 1.0).all() and torch.equal(
+        cache.keys[:, 3:6], torch.zeros(2, 3, 1, 4, 2)
+    )
+
+
+def resident_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_cpu_memory_follows_the_slots_in_use_not_the_slots_reserved():
+    before = resident_mib()
+    # 2 x 256 MiB reserved for 512 slots; one slot of 128 KiB per layer is used.
+    cache = KVCache(2, 512, 128, 8, 64, torch.float32, torch.device("cpu"))
+    one = torch.tensor([1])
+    with cache.step(torch.tensor([0]), torch.tensor([0]), one):
+        pass
+    assert resident_mib() - before < 64
+    del cache
