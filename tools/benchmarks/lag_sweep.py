@@ -65,7 +65,11 @@ def trainer_flags(
         "--micro-batch-size", str(opts.micro_batch_size),
         "--log-interval", str(opts.steps),
         *(["--rl-use-sequence-packing"] if opts.sequence_packing else []),
-        *([] if deterministic else ["--no-rl-deterministic-schedule"]),
+        *(
+            ["--rl-reward-wait-steps", str(opts.reward_wait_steps)]
+            if deterministic
+            else ["--no-rl-deterministic-schedule"]
+        ),
     ]  # fmt: skip
 
 
@@ -178,6 +182,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="*",
         default=[2],
         help="Extra runs with --no-rl-deterministic-schedule.",
+    )
+    parser.add_argument(
+        "--reward-wait-steps",
+        type=int,
+        default=32,
+        help="--rl-reward-wait-steps of the deterministic runs (0: no reward-wait budget).",
     )
     parser.add_argument("--steps", type=int, default=40, help="Training steps per run.")
     parser.add_argument("--skip", type=int, default=15, help="Leading steps not measured.")

@@ -92,6 +92,15 @@ def test_defaults_are_valid_and_derived_values_are_filled():
         ),
         pytest.param(["--load", "/nonexistent-dir"], 1, "--load", id="missing-load-dir"),
         pytest.param(["--train-iters", "0"], 1, "--train-iters", id="zero-iters"),
+        pytest.param(
+            ["--rl-reward-wait-steps", "-1"], 1, "--rl-reward-wait-steps", id="negative-budget"
+        ),
+        pytest.param(
+            ["--rl-reward-wait-steps", "8", "--no-rl-deterministic-schedule"],
+            1,
+            "--no-rl-deterministic-schedule",
+            id="budget-without-deterministic-schedule",
+        ),
     ],
 )
 def test_bad_flags_are_reported_by_name(argv, world_size, flag):
