@@ -255,7 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="Step the requests of later batches only while the batch the trainer waits for "
         "still generates, so which policy version generates each token, and the whole run, is "
         "reproducible. --no-rl-deterministic-schedule keeps every batch in flight generating "
-        "for the whole window, also while the awaited batch's rewards are computed: faster "
+        "for the whole window, also while the awaited batch's rewards are computed or a new "
+        "batch's requests are being sent: faster "
         "with slow rewards, but tokens then depend on timing (submission staleness stays "
         "exact).",
     )

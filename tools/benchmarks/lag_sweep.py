@@ -16,10 +16,14 @@ rollout), with the trainer's default tiny model (2 layers, hidden 64), 8 prompts
 * each ratio to L=0.
 
 The trainer runs its deterministic schedule (``--rl-deterministic-schedule``, the default: a
-window steps later batches only while the awaited batch has unfinished generations). One extra
-configuration per ``--throughput-lags`` entry (default: L=2) runs ``--no-rl-deterministic-schedule``
-(every batch in flight steps whenever a window is open, also while the awaited batch's rewards are
-computed): it shows what the deterministic schedule costs. Every run trains with
+window steps later batches only while the awaited batch has unfinished generations) with a
+reward-wait budget (``--rl-reward-wait-steps``, ``--reward-wait-steps`` here, default 32: about
+the engine steps that fit in the awaited batch's last reward wait): once the awaited batch has
+finished generating, later batches step for that many more engine steps before the trainer takes
+the batch, whatever the reward timing. One extra configuration per ``--throughput-lags`` entry
+(default: L=2) runs ``--no-rl-deterministic-schedule`` (every batch in flight steps whenever a
+window is open, also while the awaited batch's rewards are computed): it shows what the
+deterministic schedule still costs. Every run trains with
 ``--rl-use-sequence-packing`` (``--no-sequence-packing``: padded micro-batches), the setting for
 long-tailed lengths: a padded micro-batch costs its longest rollout in every row.
 

@@ -24,8 +24,9 @@ independent of network or task timing:
   the turns its group still owed. So a later turn joins the batch at a fixed step too.
 * ``await_batch(b)`` sets the window target: keyed requests are stepped only while batch ``b``
   still has an announced, waiting or active request (``b=None``: always). Unkeyed requests always
-  step. ``SchedulerConfig.window_target=False`` turns the target off (a throughput mode: batches
-  ahead of the trainer keep generating while it waits for rewards, at timing-dependent versions).
+  step. ``SchedulerConfig.window_target=False`` turns the target and the barrier off (a
+  throughput mode: batches ahead of the trainer keep generating while it waits for rewards, and
+  while a new batch's requests arrive, at timing-dependent versions).
 * The reward-wait budget (``SchedulerConfig.reward_wait_steps = K``): once batch ``b`` has
   finished generating, keyed requests of later batches go on stepping for exactly K more engine
   steps, or fewer if, past the barrier, no keyed request is left to step; ``window_spent(b)``
@@ -80,8 +81,9 @@ class SchedulerConfig:
     barrier_timeout_s: float = 60.0
     """Longest wait for announced requests before stepping without them."""
     window_target: bool = True
-    """Step keyed requests only while the awaited batch is unfinished (``await_batch``). False:
-    keyed requests step whenever the engine is resumed, like unkeyed ones (faster, but which
+    """The deterministic schedule: step keyed requests only while the awaited batch is unfinished
+    (``await_batch``), and only past the barrier. False: keyed requests step whenever the engine
+    is resumed, like unkeyed ones, without waiting for announced requests (faster, but which
     window generates a token then depends on timing)."""
     reward_wait_steps: int = 0
     """With ``window_target``: engine steps of later batches' keyed work after the awaited batch
@@ -285,7 +287,7 @@ class ContinuousBatchingScheduler:
             while True:
                 await self._resumed.wait()
                 self._release_cancelled()
-                if self._expected or self._continuations:
+                if self.config.window_target and (self._expected or self._continuations):
                     barrier_since = barrier_since or time.monotonic()
                     waited = time.monotonic() - barrier_since
                     if waited < self.config.barrier_timeout_s:

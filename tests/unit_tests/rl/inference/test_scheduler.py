@@ -218,6 +218,20 @@ def test_without_the_window_target_later_batches_step_while_the_awaited_one_has_
     assert [[(r.seed, r.start) for r in p.rows[0]] for p in steps.plans] == [[(1, 0)], [(1, 1)]]
 
 
+def test_without_the_window_target_announced_requests_do_not_hold_the_others():
+    steps = FakeSteps()
+
+    async def run():
+        engine = await running(make_engine(steps, window_target=False))
+        engine.expect_group(2, 0, 3)  # a new batch whose requests are still being built
+        engine.await_batch(0)
+        out = await asyncio.wait_for(engine.generate([2], sampling(2), seed=1, key=(1, 0, 0)), 1)
+        await engine.aclose()
+        return out
+
+    assert asyncio.run(run()).tokens == [2 + (1 + p) % 7 for p in (1, 2)]
+
+
 def test_step_failure_fails_pending_and_later_requests():
     steps = FakeSteps()
     steps.fail_on_step = 1
