@@ -62,7 +62,7 @@ class EngineAgent(Agent):
         )
 
 
-def run_training(budget: int, timing_seed: int | None) -> tuple[list, list]:
+def run_training(budget: int, timing_seed: int | None, lag: int = LAG) -> tuple[list, list]:
     """Train ``STEPS`` steps; returns every rollout's (key, tokens, versions) per step and the
     engine's steps as (seed, start) rows. ``timing_seed=None``: everything is instant."""
     rng = random.Random(timing_seed)
@@ -82,7 +82,7 @@ def run_training(budget: int, timing_seed: int | None) -> tuple[list, list]:
     config = SchedulerConfig(max_requests=32, max_seq_len=32, reward_wait_steps=budget)
     engine = ContinuousBatchingScheduler(steps, config, lambda: version[0])
     rollout_config = RolloutConfig(
-        forced_lag=LAG, groups_per_batch=GROUPS, group_size=GROUP_SIZE, seed=1
+        forced_lag=lag, groups_per_batch=GROUPS, group_size=GROUP_SIZE, seed=1
     )
 
     async def train():
@@ -138,3 +138,8 @@ def test_the_budget_generates_later_batches_during_reward_waits():
     for step, rollouts in enumerate(with_budget):  # exact submission staleness holds
         submitted = max(0, step - LAG)
         assert all(min(vs) >= submitted and max(vs) <= step for *_, vs in rollouts)
+
+
+def test_at_lag_0_the_budget_changes_nothing():
+    """One batch in flight: no later batch to step, so the window closes as without a budget."""
+    assert run_training(4, timing_seed=1, lag=0) == run_training(0, timing_seed=None, lag=0)
