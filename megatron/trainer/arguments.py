@@ -267,9 +267,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="Step the requests of later batches only while the batch the trainer waits for "
         "still generates, so which policy version generates each token, and the whole run, is "
         "reproducible. --no-rl-deterministic-schedule keeps every batch in flight generating "
-        "for the whole window, also while the awaited batch's rewards are computed: faster "
+        "for the whole window, also while the awaited batch's rewards are computed or a new "
+        "batch's requests are being sent: faster "
         "with slow rewards, but tokens then depend on timing (submission staleness stays "
         "exact).",
+    )
+    g.add_argument(
+        "--rl-reward-wait-steps",
+        type=int,
+        default=0,
+        help="With --rl-deterministic-schedule: once the batch the trainer waits for has "
+        "finished generating, the engine steps the later batches in flight for this many more "
+        "engine steps (fewer if they have nothing left to generate), and the trainer takes the "
+        "batch only after them, whatever the rewards' timing. Fills the wait for slow rewards "
+        "with generation and keeps the run reproducible; tokens of later batches then come from "
+        "earlier policy versions. 0: later batches step only while the awaited batch generates.",
     )
     g.add_argument(
         "--rl-inference-logprobs-is-correction",
@@ -513,6 +525,15 @@ def validate_args(
             f"--{flag.replace('_', '-')} must be >= 1, got " f"{getattr(args, flag)}",
         )
     check(args.rl_forced_lag >= 0, f"--rl-forced-lag must be >= 0, got {args.rl_forced_lag}")
+    check(
+        args.rl_reward_wait_steps >= 0,
+        f"--rl-reward-wait-steps must be >= 0, got {args.rl_reward_wait_steps}",
+    )
+    check(
+        args.rl_reward_wait_steps == 0 or args.rl_deterministic_schedule,
+        "--rl-reward-wait-steps is a budget of the deterministic schedule: it has no effect with "
+        "--no-rl-deterministic-schedule (every batch in flight already steps the whole window)",
+    )
     check(
         args.grpo_group_size >= 2,
         f"--grpo-group-size must be >= 2 (GRPO normalizes within a group), got "

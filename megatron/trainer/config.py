@@ -135,7 +135,7 @@ def scheduler_config(
     args: argparse.Namespace, dp_size: int, tokenizer: Tokenizer, training: bool = True
 ) -> SchedulerConfig:
     """Slots per data-parallel replica, sequence length and stop tokens of an engine; the
-    training engine also takes ``--rl-deterministic-schedule``."""
+    training engine also takes ``--rl-deterministic-schedule`` and ``--rl-reward-wait-steps``."""
     config = SchedulerConfig(
         max_requests=args.inference_max_requests // dp_size,
         max_seq_len=args.seq_length,
@@ -143,7 +143,11 @@ def scheduler_config(
         extra_stop_ids=tuple(tokenizer.extra_stop_ids),
     )
     if training:
-        config = dataclasses.replace(config, window_target=args.rl_deterministic_schedule)
+        config = dataclasses.replace(
+            config,
+            window_target=args.rl_deterministic_schedule,
+            reward_wait_steps=args.rl_reward_wait_steps,
+        )
     return config
 
 

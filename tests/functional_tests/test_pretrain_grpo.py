@@ -20,9 +20,11 @@ from golden_values import (
     TOLERANCES,
     case_names,
     compare,
+    env_server,
     format_table,
     load_case,
     missing_modules,
+    remote_env_config,
     run_case,
     run_training,
 )
@@ -189,6 +191,25 @@ def test_resume_after_kill_9_continues_the_uninterrupted_run_exactly(runs, tmp_p
     for metric in [*DETERMINISTIC, "in_flight_batches", "queue_depth"]:
         assert [m[metric] for m in resumed] == [m[metric] for m in uninterrupted], metric
     assert all(m["staleness_min"] == m["staleness_max"] == 2 for m in resumed[2:])
+
+
+def test_reward_wait_budget_keeps_the_run_independent_of_timing(runs, tmp_path):
+    """--rl-reward-wait-steps: with the environment behind the env server (HTTP timing), the run
+    equals the in-process one bitwise, submission staleness stays exact, and the budget does
+    change the schedule: later batches generate tokens earlier (older policy versions)."""
+    case = load_case("lag2_remote_env")
+    nproc, args = case["nproc_per_node"], {**case["args"], "rl-reward-wait-steps": 8}
+    local = run_training(nproc, args)
+    with env_server(tmp_path, case["env_server"]) as (url, _):
+        env_config = remote_env_config(tmp_path, url, ["copy"])
+        remote = run_training(nproc, {**args, "env-config": env_config})
+    for metric in DETERMINISTIC:
+        assert [m[metric] for m in remote] == [m[metric] for m in local], metric
+    assert all(m["staleness_min"] == m["staleness_max"] == min(m["step"], 2) for m in local)
+    without = runs("lag2")
+    assert sum(m["token_staleness_mean"] for m in local) > sum(
+        m["token_staleness_mean"] for m in without
+    )
 
 
 def test_throughput_schedule_keeps_submission_staleness_exact():

@@ -16,12 +16,18 @@ rollout), with the trainer's default tiny model (2 layers, hidden 64), 8 prompts
 * each ratio to L=0.
 
 The trainer runs its deterministic schedule (``--rl-deterministic-schedule``, the default: a
-window steps later batches only while the awaited batch has unfinished generations). One extra
-configuration per ``--throughput-lags`` entry (default: L=2) runs ``--no-rl-deterministic-schedule``
-(every batch in flight steps whenever a window is open, also while the awaited batch's rewards are
-computed): it shows what the deterministic schedule costs. Every run trains with
-``--rl-use-sequence-packing`` (``--no-sequence-packing``: padded micro-batches), the setting for
-long-tailed lengths: a padded micro-batch costs its longest rollout in every row.
+window steps later batches only while the awaited batch has unfinished generations) with a
+reward-wait budget (``--rl-reward-wait-steps``, ``--reward-wait-steps`` here, default 32: about
+the engine steps that fit in the awaited batch's last reward wait): once the awaited batch has
+finished generating, later batches step for that many more engine steps before the trainer takes
+the batch, whatever the reward timing. One extra configuration per ``--throughput-lags`` entry
+(default: L=2) runs ``--no-rl-deterministic-schedule`` (every batch in flight steps whenever a
+window is open, also while the awaited batch's rewards are computed): it shows what the
+deterministic schedule still costs. ``--compare-reward-wait-steps K ...`` adds deterministic
+runs of those lags with other budgets (``0``: the schedule without a budget), interleaved with the
+rest. Every run trains with ``--rl-use-sequence-packing`` (``--no-sequence-packing``: padded
+micro-batches), the setting for long-tailed lengths: a padded micro-batch costs its longest
+rollout in every row.
 
 Every configuration runs ``rounds`` times as separate ``torchrun`` processes, interleaved (order
 reversed every other round), so all see the same machine conditions; numbers pool the rounds and
@@ -51,9 +57,15 @@ ENV_CONFIG = """\
 
 
 def trainer_flags(
-    lag: int, opts: argparse.Namespace, env_config: Path, deterministic: bool = True
+    lag: int,
+    opts: argparse.Namespace,
+    env_config: Path,
+    deterministic: bool = True,
+    reward_wait_steps: int | None = None,
 ) -> list[str]:
-    """``pretrain_grpo.py`` flags of one sweep run (model and batch: the trainer's defaults)."""
+    """``pretrain_grpo.py`` flags of one sweep run (model and batch: the trainer's defaults);
+    ``reward_wait_steps`` overrides ``--reward-wait-steps``."""
+    budget = opts.reward_wait_steps if reward_wait_steps is None else reward_wait_steps
     return [
         "--rl-forced-lag", str(lag),
         "--train-iters", str(opts.steps),
@@ -65,7 +77,11 @@ def trainer_flags(
         "--micro-batch-size", str(opts.micro_batch_size),
         "--log-interval", str(opts.steps),
         *(["--rl-use-sequence-packing"] if opts.sequence_packing else []),
-        *([] if deterministic else ["--no-rl-deterministic-schedule"]),
+        *(
+            ["--rl-reward-wait-steps", str(budget)]
+            if deterministic
+            else ["--no-rl-deterministic-schedule"]
+        ),
     ]  # fmt: skip
 
 
@@ -90,10 +106,17 @@ def describe(w: Window) -> dict[str, float | None]:
     }
 
 
-def configurations(opts: argparse.Namespace) -> list[tuple[str, int, bool]]:
-    """(name, forced lag, deterministic schedule) of every run; the first is the reference."""
-    deterministic = [(f"L={lag}", lag, True) for lag in opts.lags]
-    return deterministic + [(f"L={lag}, throughput", lag, False) for lag in opts.throughput_lags]
+def configurations(opts: argparse.Namespace) -> list[tuple[str, int, bool, int | None]]:
+    """(name, forced lag, deterministic schedule, reward-wait budget override) of every run; the
+    first is the reference."""
+    deterministic = [(f"L={lag}", lag, True, None) for lag in opts.lags]
+    budgets = [
+        (f"L={lag}, reward wait {k}", lag, True, k)
+        for k in opts.compare_reward_wait_steps
+        for lag in opts.throughput_lags
+    ]
+    throughput = [(f"L={lag}, throughput", lag, False, None) for lag in opts.throughput_lags]
+    return deterministic + budgets + throughput
 
 
 def run(opts: argparse.Namespace, logs: Path) -> dict[str, Any]:
@@ -102,17 +125,17 @@ def run(opts: argparse.Namespace, logs: Path) -> dict[str, Any]:
     env_config = logs / "longtail_env.yaml"
     env_config.write_text(ENV_CONFIG.format(alpha=opts.budget_alpha, cap=opts.budget_max))
     configs = configurations(opts)
-    windows: dict[str, list[Window]] = {name: [] for name, _, _ in configs}
+    windows: dict[str, list[Window]] = {name: [] for name, *_ in configs}
     for r in range(opts.rounds):
-        for name, lag, deterministic in configs if r % 2 == 0 else list(reversed(configs)):
-            flags = trainer_flags(lag, opts, env_config, deterministic)
+        for name, lag, deterministic, budget in configs if r % 2 == 0 else configs[::-1]:
+            flags = trainer_flags(lag, opts, env_config, deterministic, budget)
             log = logs / f"{name.replace('=', '').replace(', ', '_')}_round{r}.log"
             print(f"  lag sweep: round {r + 1}/{opts.rounds}, {name}", flush=True)
             summary = run_trainer(flags, opts.threads, log)
             windows[name].append(window(summary, opts.skip))
     base = windows[configs[0][0]]
     results = []
-    for name, lag, deterministic in configs:
+    for name, lag, deterministic, _ in configs:
         row = {"name": name, "lag": lag, "deterministic": deterministic}
         row.update(describe(pooled(windows[name])))
         row["steps_per_s_ratio_per_round"] = [
@@ -178,6 +201,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="*",
         default=[2],
         help="Extra runs with --no-rl-deterministic-schedule.",
+    )
+    parser.add_argument(
+        "--reward-wait-steps",
+        type=int,
+        default=32,
+        help="--rl-reward-wait-steps of the deterministic runs (0: no reward-wait budget).",
+    )
+    parser.add_argument(
+        "--compare-reward-wait-steps",
+        type=int,
+        nargs="*",
+        default=[],
+        help="Extra deterministic runs of each --throughput-lags entry with these budgets.",
     )
     parser.add_argument("--steps", type=int, default=40, help="Training steps per run.")
     parser.add_argument("--skip", type=int, default=15, help="Leading steps not measured.")

@@ -382,13 +382,15 @@ Flags besides `--rl-forced-lag L`: `{' '.join(lag['flags'])}`.
 
 {lag_sweep.markdown(lag)}
 
+The deterministic rows run with a reward-wait budget (`--rl-reward-wait-steps`, in the flags
+above): once the awaited batch has finished generating, the window steps later batches for that
+many more engine steps and the trainer takes the batch only after them, so the wait for its last
+rewards is filled with generation while every token's policy version stays independent of timing.
 *L=2, throughput* runs the same workload with `--no-rl-deterministic-schedule`: the engine steps
-every batch in flight whenever a generation window is open, instead of stepping later batches
-only while the awaited batch has unfinished generations. The gap to *L=2* is what the
-deterministic schedule costs here: windows that wait for the awaited batch's last rewards with
-the engine idle, because generating later batches during that wait would make the policy version
-of their tokens depend on reward timing (the run would no longer be reproducible). The L=0 row is
-the same under either schedule (one batch in flight).
+every batch in flight whenever a generation window is open (no window target, no wait for
+announced requests), so the policy version of a token depends on reward timing. The gap to *L=2*
+is what determinism still costs here. The L=0 row is the same under either schedule (one batch
+in flight).
 
 *Mean active requests*: requests decoded per engine step, counted in-process by wrapping
 `StepGroup.step` (all active requests step together in a generation window); *engine steps per

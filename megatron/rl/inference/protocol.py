@@ -98,6 +98,10 @@ class BatchScheduler(Protocol):
     def await_batch(self, batch_id: int | None) -> None:
         """The trainer waits for ``batch_id`` (None: for every submitted batch)."""
 
+    async def window_spent(self, batch_id: int) -> None:
+        """Wait until the window of ``batch_id`` has taken every engine step the schedule gives
+        it (the reward-wait budget of later batches' steps, if any)."""
+
 
 @runtime_checkable
 class InferenceEngine(BatchScheduler, Protocol):

@@ -24,8 +24,19 @@ independent of network or task timing:
   the turns its group still owed. So a later turn joins the batch at a fixed step too.
 * ``await_batch(b)`` sets the window target: keyed requests are stepped only while batch ``b``
   still has an announced, waiting or active request (``b=None``: always). Unkeyed requests always
-  step. ``SchedulerConfig.window_target=False`` turns the target off (a throughput mode: batches
-  ahead of the trainer keep generating while it waits for rewards, at timing-dependent versions).
+  step. ``SchedulerConfig.window_target=False`` turns the target and the barrier off (a
+  throughput mode: batches ahead of the trainer keep generating while it waits for rewards, and
+  while a new batch's requests arrive, at timing-dependent versions).
+* The reward-wait budget (``SchedulerConfig.reward_wait_steps = K``): once batch ``b`` has
+  finished generating, keyed requests of later batches go on stepping for exactly K more engine
+  steps, or fewer if, past the barrier, no keyed request is left to step; ``window_spent(b)``
+  returns only then, and the trainer takes its weight update only after it. So the engine fills
+  the wait for ``b``'s rewards with generation, yet every step of the window is still a function
+  of the schedule alone: the steps while ``b`` generates (as without the budget), then K steps
+  counted by the engine itself (a step counts when it carries keyed rows, so unkeyed traffic
+  spends none of it), or up to the point where the keyed work, which past the barrier is the
+  same whatever the timing, runs out. Slow rewards make the trainer wait longer after the
+  budget, never step more; fast rewards make it wait for the budget, never step less.
 
 A barrier that waits longer than ``barrier_timeout_s`` is lifted with a warning (an agent that
 announced requests it never sent): the run goes on, without the determinism guarantee.
@@ -70,9 +81,17 @@ class SchedulerConfig:
     barrier_timeout_s: float = 60.0
     """Longest wait for announced requests before stepping without them."""
     window_target: bool = True
-    """Step keyed requests only while the awaited batch is unfinished (``await_batch``). False:
-    keyed requests step whenever the engine is resumed, like unkeyed ones (faster, but which
+    """The deterministic schedule: step keyed requests only while the awaited batch is unfinished
+    (``await_batch``), and only past the barrier. False: keyed requests step whenever the engine
+    is resumed, like unkeyed ones, without waiting for announced requests (faster, but which
     window generates a token then depends on timing)."""
+    reward_wait_steps: int = 0
+    """With ``window_target``: engine steps of later batches' keyed work after the awaited batch
+    has finished generating, which ``window_spent`` waits for (the reward-wait budget)."""
+
+    def __post_init__(self) -> None:
+        if self.reward_wait_steps < 0:
+            raise ValueError(f"reward_wait_steps must be >= 0, got {self.reward_wait_steps}")
 
 
 @dataclass
@@ -133,6 +152,8 @@ class ContinuousBatchingScheduler:
         self._expected: dict[tuple[int, int], int] = {}
         self._continuations: set[Key] = set()  # finished turns whose next turn is awaited
         self._awaited_batch: int | None = None
+        self._budget_left = 0  # reward-wait steps the awaited batch's window still owes
+        self._budget_spent = asyncio.Event()  # set when the budget of the awaited batch runs out
         self._resumed = asyncio.Event()
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -208,8 +229,30 @@ class ContinuousBatchingScheduler:
 
         ``None`` lets every keyed request step (a drain before a checkpoint).
         """
+        if batch_id != self._awaited_batch:
+            self._budget_spent.set()  # wakes whoever waited for the previous window
+            self._budget_spent = asyncio.Event()
+            self._budget_left = self.config.reward_wait_steps
         self._awaited_batch = batch_id
         self._wakeup.set()
+
+    async def window_spent(self, batch_id: int) -> None:
+        """Wait until the window of ``batch_id`` has taken every engine step the schedule gives
+        it: its reward-wait budget is spent or, past the barrier, no keyed work is left.
+
+        Returns at once without a budget (``reward_wait_steps=0`` or no ``window_target``), or if
+        the trainer no longer waits for ``batch_id``. Raises ``EngineError`` if the engine fails.
+        """
+        if not (self.config.window_target and self.config.reward_wait_steps):
+            return
+        while self._awaited_batch == batch_id and not self._budget_spent.is_set():
+            if self._error is not None:
+                break
+            await self._budget_spent.wait()
+        if self._error is not None:
+            raise EngineError(
+                f"the inference engine is unavailable: {self._error}"
+            ) from self._error
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -244,7 +287,7 @@ class ContinuousBatchingScheduler:
             while True:
                 await self._resumed.wait()
                 self._release_cancelled()
-                if self._expected or self._continuations:
+                if self.config.window_target and (self._expected or self._continuations):
                     barrier_since = barrier_since or time.monotonic()
                     waited = time.monotonic() - barrier_since
                     if waited < self.config.barrier_timeout_s:
@@ -262,11 +305,19 @@ class ContinuousBatchingScheduler:
                     self._continuations.clear()
                 barrier_since = None
                 self._admit()
+                budget = self._in_budget()
+                if budget and not any(r.key is not None for r in self._queued()):
+                    self._spend_budget()  # no keyed work left: the window has nothing more to give
+                    budget = False
                 rows = self._plan()
                 if not any(rows):
                     await self._sleep_until_woken()
                     continue
-                self._step(rows)
+                keyed = self._step(rows)
+                if budget and keyed:
+                    self._budget_left -= 1
+                    if self._budget_left == 0:
+                        self._spend_budget()
                 await asyncio.sleep(0)  # let agents queue new requests between steps
         except asyncio.CancelledError:
             raise
@@ -285,13 +336,36 @@ class ContinuousBatchingScheduler:
         except TimeoutError:
             pass
 
+    def _queued(self) -> itertools.chain[_Request]:
+        return itertools.chain(self._waiting, self._active.values())
+
+    def _awaited_unfinished(self, b: int) -> bool:
+        return any(k[0] == b for k in itertools.chain(self._expected, self._continuations)) or any(
+            r.key is not None and r.key[0] == b for r in self._queued()
+        )
+
+    def _in_budget(self) -> bool:
+        """The awaited batch has finished generating and its reward-wait budget is not spent."""
+        b = self._awaited_batch
+        if b is None or not self.config.window_target or self._budget_spent.is_set():
+            return False
+        if self._awaited_unfinished(b):
+            return False
+        if self._budget_left == 0:  # no budget: spent as soon as the batch is finished
+            self._spend_budget()
+            return False
+        return True
+
+    def _spend_budget(self) -> None:
+        self._budget_left = 0
+        self._budget_spent.set()
+
     def _keyed_work_allowed(self) -> bool:
         b = self._awaited_batch
         if b is None or not self.config.window_target:
             return True
-        return any(k[0] == b for k in itertools.chain(self._expected, self._continuations)) or any(
-            r.key is not None and r.key[0] == b
-            for r in itertools.chain(self._waiting, self._active.values())
+        return self._awaited_unfinished(b) or (
+            self._budget_left > 0 and not self._budget_spent.is_set()
         )
 
     def _plan(self) -> list[list[RowWork]]:
@@ -302,12 +376,17 @@ class ContinuousBatchingScheduler:
                 rows[replica].append(req.next_row())
         return rows
 
-    def _step(self, rows: list[list[RowWork]]) -> None:
+    def _step(self, rows: list[list[RowWork]]) -> bool:
+        """Run one engine step; True if it carried keyed rows."""
+        keyed = any(
+            self._active[(rep, w.slot)].key is not None for rep, r in enumerate(rows) for w in r
+        )
         results = self.steps.step(StepPlan(tuple(tuple(r) for r in rows)))
         version = self.policy_version()
         for replica, replica_results in enumerate(results):
             for res in replica_results:
                 self._record(self._active[(replica, res.slot)], res, version)
+        return keyed
 
     def _record(self, req: _Request, res: RowResult, version: int) -> None:
         req.tokens.append(res.token)
@@ -360,6 +439,7 @@ class ContinuousBatchingScheduler:
         One instance per future: an exception object shared by several tasks would collect every
         task's frames in its traceback as each of them re-raises it.
         """
+        self._budget_spent.set()  # window_spent raises the error
         for req in [*self._waiting, *self._active.values()]:
             if not req.future.done():
                 error = EngineError(message)

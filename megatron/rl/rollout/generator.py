@@ -28,6 +28,10 @@ optimizer updates applied so far):
    between a batch's submission and its hand-over. The round's requests are those the eager
    rounds would send (same ids, same seeds), and the choice depends only on rewards, so a
    resumed run reproduces it.
+6. A batch is handed over only once the scheduler says its window is spent
+   (``BatchScheduler.window_spent``): with a reward-wait budget the engine first takes a fixed
+   number of steps of later batches after the batch finished generating, so the trainer's
+   weight update never lands at a timing-dependent step.
 """
 
 from __future__ import annotations
@@ -272,6 +276,8 @@ class GroupedRolloutGenerator:
             groups = await self._lazy_rounds(self._next_batch_id)
         else:
             groups = await self._reassembly.pop(self._next_batch_id)
+        if self.scheduler is not None:  # the window's reward-wait budget, if any (point 6)
+            await self.scheduler.window_spent(self._next_batch_id)
         batch = RolloutBatch(self._next_batch_id, groups, self.in_flight, self._reassembly.depth)
         self._next_batch_id += 1
         return batch

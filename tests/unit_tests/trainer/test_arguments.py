@@ -101,6 +101,15 @@ def test_defaults_are_valid_and_derived_values_are_filled():
             "--malloc-mmap-threshold-kib",
             id="mmap-above-glibc-max",
         ),
+        pytest.param(
+            ["--rl-reward-wait-steps", "-1"], 1, "--rl-reward-wait-steps", id="negative-budget"
+        ),
+        pytest.param(
+            ["--rl-reward-wait-steps", "8", "--no-rl-deterministic-schedule"],
+            1,
+            "--no-rl-deterministic-schedule",
+            id="budget-without-deterministic-schedule",
+        ),
     ],
 )
 def test_bad_flags_are_reported_by_name(argv, world_size, flag):

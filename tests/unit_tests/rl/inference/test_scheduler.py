@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import pytest
 from grpo_testing.fakes import FakeSteps
@@ -217,6 +218,20 @@ def test_without_the_window_target_later_batches_step_while_the_awaited_one_has_
     assert [[(r.seed, r.start) for r in p.rows[0]] for p in steps.plans] == [[(1, 0)], [(1, 1)]]
 
 
+def test_without_the_window_target_announced_requests_do_not_hold_the_others():
+    steps = FakeSteps()
+
+    async def run():
+        engine = await running(make_engine(steps, window_target=False))
+        engine.expect_group(2, 0, 3)  # a new batch whose requests are still being built
+        engine.await_batch(0)
+        out = await asyncio.wait_for(engine.generate([2], sampling(2), seed=1, key=(1, 0, 0)), 1)
+        await engine.aclose()
+        return out
+
+    assert asyncio.run(run()).tokens == [2 + (1 + p) % 7 for p in (1, 2)]
+
+
 def test_step_failure_fails_pending_and_later_requests():
     steps = FakeSteps()
     steps.fail_on_step = 1
@@ -338,3 +353,169 @@ def test_aclose_completes_when_a_wakeup_races_the_cancellation():
             await asyncio.wait_for(engine.aclose(), timeout=2)
 
     asyncio.run(run())
+
+
+def keyed_plans(steps: FakeSteps) -> list[list[tuple[int, int]]]:
+    """Each step's rows as (seed, start)."""
+    return [[(r.seed, r.start) for r in p.rows[0]] for p in steps.plans]
+
+
+async def queued(engine: ContinuousBatchingScheduler, *requests) -> list[asyncio.Future]:
+    """Announce and send (max_tokens, seed, key) requests, one per group, as agents do."""
+    for _, _, key in requests:
+        engine.expect_group(key[0], key[1], 1)
+    futures = [
+        asyncio.ensure_future(engine.generate([2], sampling(n), seed=seed, key=key))
+        for n, seed, key in requests
+    ]
+    await asyncio.sleep(0)
+    return futures
+
+
+def test_reward_wait_budget_steps_later_batches_while_rewards_are_pending():
+    steps = FakeSteps()
+
+    async def run():
+        engine = await running(make_engine(steps, reward_wait_steps=3))
+        engine.await_batch(0)
+        awaited, later = await queued(engine, (1, 0, (0, 0, 0)), (10, 1, (1, 0, 0)))
+        await awaited
+        await asyncio.sleep(0.05)  # batch 0's rewards are computed: the budget is taken meanwhile
+        plans = keyed_plans(steps)
+        await asyncio.wait_for(engine.window_spent(0), 1)
+        assert not later.done()
+        engine.await_batch(1)
+        await asyncio.wait_for(later, 1)
+        await engine.aclose()
+        return plans
+
+    # One step with batch 0 (which finishes), then exactly 3 steps of batch 1, then nothing.
+    assert asyncio.run(run()) == [[(0, 0), (1, 0)], [(1, 1)], [(1, 2)], [(1, 3)]]
+    assert len(steps.plans) == 10  # batch 1's other 6 tokens, once it is awaited
+
+
+def test_window_spent_waits_for_the_budget_when_rewards_are_instant():
+    steps = FakeSteps()
+    original = steps.step
+
+    def slow_step(plan):
+        time.sleep(0.01)
+        return original(plan)
+
+    steps.step = slow_step
+
+    async def run():
+        engine = await running(make_engine(steps, reward_wait_steps=4))
+        engine.await_batch(0)
+        awaited, later = await queued(engine, (1, 0, (0, 0, 0)), (10, 1, (1, 0, 0)))
+        await awaited  # the rewards are instant: the trainer asks at once
+        await asyncio.wait_for(engine.window_spent(0), 1)
+        spent_at = len(steps.plans)
+        await asyncio.sleep(0.05)
+        assert len(steps.plans) == spent_at and not later.done()
+        later.cancel()
+        await engine.aclose()
+
+    asyncio.run(run())
+    assert keyed_plans(steps) == [[(0, 0), (1, 0)], [(1, 1)], [(1, 2)], [(1, 3)], [(1, 4)]]
+
+
+def test_the_budget_ends_when_later_batches_have_nothing_left_to_step():
+    steps = FakeSteps()
+
+    async def run():
+        engine = await running(make_engine(steps, reward_wait_steps=10))
+        engine.await_batch(0)
+        awaited, later = await queued(engine, (1, 0, (0, 0, 0)), (2, 1, (1, 0, 0)))
+        await asyncio.wait_for(engine.window_spent(0), 1)
+        assert awaited.done() and later.done()
+        # The budget is over: a request of batch 2 sent afterwards does not step in this window.
+        (late,) = await queued(engine, (2, 2, (2, 0, 0)))
+        await asyncio.sleep(0.05)
+        assert not late.done()
+        engine.await_batch(2)
+        await asyncio.wait_for(late, 1)
+        await engine.aclose()
+
+    asyncio.run(run())
+    assert keyed_plans(steps) == [[(0, 0), (1, 0)], [(1, 1)], [(2, 0)], [(2, 1)]]
+
+
+@pytest.mark.parametrize("env_s", [0.0, 0.05], ids=["instant-env", "slow-env"])
+def test_a_later_turn_of_a_later_batch_takes_the_same_budget_steps_however_late(env_s):
+    """The budget waits at the barrier for a later batch's next turn: the environment's timing
+    moves no step."""
+    steps = FakeSteps()
+
+    async def later_rollout(engine):
+        first = await engine.generate([2], sampling(2), seed=1, key=(1, 0, 0), continued=True)
+        await asyncio.sleep(env_s)
+        return await engine.generate([2, *first.tokens, 4], sampling(5), seed=11, key=(1, 0, 0))
+
+    async def run():
+        engine = await running(make_engine(steps, reward_wait_steps=4))
+        engine.expect_group(0, 0, 1)
+        engine.expect_group(1, 0, 1)
+        engine.await_batch(0)
+        later = asyncio.ensure_future(later_rollout(engine))
+        await asyncio.sleep(0)
+        await engine.generate([2], sampling(1), seed=0, key=(0, 0, 0))
+        await asyncio.wait_for(engine.window_spent(0), 1)
+        assert not later.done()
+        later.cancel()
+        await engine.aclose()
+
+    asyncio.run(run())
+    assert keyed_plans(steps) == [[(0, 0), (1, 0)], [(1, 1)], [(11, 0)], [(11, 4)], [(11, 5)]]
+
+
+def test_steps_without_keyed_rows_do_not_spend_the_budget():
+    steps = FakeSteps()
+
+    async def run():
+        engine = await running(make_engine(steps, max_requests=1, reward_wait_steps=2))
+        unkeyed = asyncio.ensure_future(engine.generate([2], sampling(6), seed=5))
+        while not steps.plans:
+            await asyncio.sleep(0)
+        (later,) = await queued(engine, (5, 1, (1, 0, 0)))  # waits for the unkeyed slot
+        engine.await_batch(0)  # batch 0 finished generating in an earlier window
+        await asyncio.wait_for(engine.window_spent(0), 1)
+        assert unkeyed.done() and not later.done()
+        later.cancel()
+        await engine.aclose()
+
+    asyncio.run(run())
+    # The unkeyed request's 6 steps, then the budget: 2 steps of batch 1.
+    assert keyed_plans(steps) == [[(5, s)] for s in range(6)] + [[(1, 0)], [(1, 1)]]
+
+
+def test_window_spent_raises_when_the_engine_fails_instead_of_hanging():
+    steps = FakeSteps()
+    steps.fail_on_step = 2
+
+    async def run():
+        engine = await running(make_engine(steps, reward_wait_steps=5))
+        engine.await_batch(0)
+        awaited, later = await queued(engine, (1, 0, (0, 0, 0)), (9, 1, (1, 0, 0)))
+        try:
+            await asyncio.wait_for(engine.window_spent(0), 1)
+        finally:
+            await asyncio.gather(awaited, later, return_exceptions=True)
+            await engine.aclose()
+
+    with pytest.raises(EngineError, match="boom in forward"):
+        asyncio.run(run())
+
+
+def test_without_a_budget_window_spent_returns_at_once():
+    async def run():
+        engine = make_engine()  # not even started: nothing to wait for
+        engine.await_batch(0)
+        await asyncio.wait_for(engine.window_spent(0), 0.01)
+
+    asyncio.run(run())
+
+
+def test_a_negative_budget_is_rejected():
+    with pytest.raises(ValueError, match="reward_wait_steps"):
+        SchedulerConfig(reward_wait_steps=-1)

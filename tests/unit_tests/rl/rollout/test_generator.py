@@ -308,6 +308,9 @@ def test_schedule_hints_reach_the_scheduler_in_order():
         def await_batch(self, batch_id):
             self.calls.append(("await", batch_id))
 
+        async def window_spent(self, batch_id):
+            self.calls.append(("spent", batch_id))
+
     class AnnouncingAgent(RandomDelayAgent):
         def expected_requests(self, request):
             return request.group_size
@@ -328,6 +331,12 @@ def test_schedule_hints_reach_the_scheduler_in_order():
             assert expect < calls.index(("run", b, i)) < calls.index(("done", b, i))
     awaits = [c for c in calls if c[0] == "await"]
     assert awaits == [("await", 0), ("await", 1), ("await", 2)]
+    # A batch is handed over only after its window is spent, asked once all its groups are in.
+    assert [c for c in calls if c[0] == "spent"] == [("spent", 0), ("spent", 1), ("spent", 2)]
+    for b in range(3):
+        last_done = max(calls.index(("done", b, i)) for i in range(GROUPS))
+        assert calls.index(("await", b)) < calls.index(("spent", b))
+        assert last_done < calls.index(("spent", b))
     # Batch b+1 is announced (submitted) only once the trainer asks for batch b (lag 1), after
     # batch b-1 was consumed, and before the engine is told to work on batch b.
     expect_2 = calls.index(("expect", 2, 0, GROUP_SIZE))

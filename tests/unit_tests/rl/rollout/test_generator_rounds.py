@@ -68,6 +68,9 @@ class Recorder:
     def await_batch(self, batch_id):
         self.calls.append(("await", batch_id))
 
+    async def window_spent(self, batch_id):
+        self.calls.append(("spent", batch_id))
+
 
 def generator(agent: Agent, lag: int, lazy: bool, version: list[int], **kwargs):
     config = RolloutConfig(
