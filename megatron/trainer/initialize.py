@@ -60,8 +60,10 @@ def initialize_distributed(args: argparse.Namespace) -> ParallelContext:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
         if "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-        if args.malloc_mmap_threshold_kib is not None:
-            set_mmap_threshold(args.malloc_mmap_threshold_kib)
+        # the trainer's flag; tools and tests that start a world with fewer flags have no policy
+        threshold = getattr(args, "malloc_mmap_threshold_kib", None)
+        if threshold is not None:
+            set_mmap_threshold(threshold)
     if not dist.is_initialized():
         dist.init_process_group(
             backend="nccl" if cuda else "gloo",
