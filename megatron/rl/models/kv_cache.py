@@ -131,25 +131,12 @@ class KVCacheStep:
         returns the context (T, B, Hq * D).
         """
         seq, batch, num_heads, head_dim = query.shape
-        cache_k = self.cache.keys[layer_index]  # (slots, Hkv, S, D)
-        cache_v = self.cache.values[layer_index]
         if self.all_valid:  # (T, B, H, D) -> (B * T, H, D), the order of rows/cols
             new_k = key.transpose(0, 1).reshape(-1, *key.shape[2:])
             new_v = value.transpose(0, 1).reshape(-1, *value.shape[2:])
         else:
             new_k, new_v = key.transpose(0, 1)[self.valid], value.transpose(0, 1)[self.valid]
-        rows = cache_k.view(-1, head_dim)  # (slots * Hkv * S, D)
-        rows.index_copy_(0, self.write_index, new_k.reshape(-1, head_dim).to(cache_k.dtype))
-        rows = cache_v.view(-1, head_dim)
-        rows.index_copy_(0, self.write_index, new_v.reshape(-1, head_dim).to(cache_v.dtype))
-
-        if self.slot_range is not None:
-            first, end = self.slot_range
-            k = cache_k[first:end, :, : self.context_len]  # (B, Hkv, L, D), a view
-            v = cache_v[first:end, :, : self.context_len]
-        else:
-            k = cache_k[self.slots, :, : self.context_len]  # (B, Hkv, L, D)
-            v = cache_v[self.slots, :, : self.context_len]
+        k, v = self._store_and_read(layer_index, new_k, new_v)  # (B, Hkv, L, D)
         if scale is None:
             scale = head_dim**-0.5
         if seq == 1:
@@ -179,19 +166,7 @@ class KVCacheStep:
         order of ``valid``); returns the context (N, Hq * D).
         """
         count, num_heads, head_dim = query.shape
-        cache_k = self.cache.keys[layer_index]  # (slots, Hkv, S, D)
-        cache_v = self.cache.values[layer_index]
-        rows = cache_k.view(-1, head_dim)  # (slots * Hkv * S, D)
-        rows.index_copy_(0, self.write_index, key.reshape(-1, head_dim).to(cache_k.dtype))
-        rows = cache_v.view(-1, head_dim)
-        rows.index_copy_(0, self.write_index, value.reshape(-1, head_dim).to(cache_v.dtype))
-        if self.slot_range is not None:
-            first, end = self.slot_range
-            k = cache_k[first:end, :, : self.context_len]  # (B, Hkv, L, D), a view
-            v = cache_v[first:end, :, : self.context_len]
-        else:
-            k = cache_k[self.slots, :, : self.context_len]  # (B, Hkv, L, D)
-            v = cache_v[self.slots, :, : self.context_len]
+        k, v = self._store_and_read(layer_index, key, value)  # (B, Hkv, L, D)
         k, v = k.to(query.dtype), v.to(query.dtype)
         if scale is None:
             scale = head_dim**-0.5
@@ -208,6 +183,30 @@ class KVCacheStep:
             q.transpose(1, 2), k, v, attn_mask=self.mask[:, None], scale=scale
         )  # (B, Hq, T, D)
         return out.transpose(1, 2)[self.valid].reshape(count, num_heads * head_dim)
+
+    def _store_and_read(
+        self, layer_index: int, new_k: torch.Tensor, new_v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the step's new keys/values (N, Hkv, D), in ``valid`` order, to layer
+        ``layer_index``; return the rows' keys/values up to ``context_len``: (B, Hkv, L, D), a view
+        of the cache when the rows sit on consecutive slots."""
+        cache_k = self.cache.keys[layer_index]  # (slots, Hkv, S, D)
+        cache_v = self.cache.values[layer_index]
+        head_dim = cache_k.shape[-1]
+        rows = cache_k.view(-1, head_dim)  # (slots * Hkv * S, D)
+        rows.index_copy_(0, self.write_index, new_k.reshape(-1, head_dim).to(cache_k.dtype))
+        rows = cache_v.view(-1, head_dim)
+        rows.index_copy_(0, self.write_index, new_v.reshape(-1, head_dim).to(cache_v.dtype))
+        if self.slot_range is not None:
+            first, end = self.slot_range
+            return (
+                cache_k[first:end, :, : self.context_len],
+                cache_v[first:end, :, : self.context_len],
+            )
+        return (
+            cache_k[self.slots, :, : self.context_len],
+            cache_v[self.slots, :, : self.context_len],
+        )
 
     @property
     def decode_bias(self) -> torch.Tensor:
