@@ -167,8 +167,10 @@ class CachedForward:
         lengths and one-token rows share one pass and no matmul row is wasted.
         """
         model = self.model
-        valid = step.valid  # (B, T)
-        ids, positions = ids[valid][None], positions[valid][None]  # (1, N)
+        if step.all_valid:  # every row has T new tokens: the packed order is row-major
+            ids, positions = ids.reshape(1, -1), positions.reshape(1, -1)  # (1, N)
+        else:
+            ids, positions = ids[step.valid][None], positions[step.valid][None]  # (1, N)
         hidden = model.embedding(input_ids=ids, position_ids=positions)  # (N, 1, H)
         # The embedding's (N, 1, H) is a transpose whose size-1 dimension keeps the stride N*H;
         # torch.matmul does not fold such a tensor into one GEMM (it broadcasts the weight into a
@@ -176,11 +178,12 @@ class CachedForward:
         hidden = hidden.squeeze(1).unsqueeze(1)
         rotary = None
         if self.rope:
-            table = model.rotary_pos_emb.at_positions(positions)  # (N, 1, 1, d)
-            rotary = (torch.cos(table), torch.sin(table), table.shape[-1])
+            table = model.rotary_pos_emb.at_positions(positions)[:, 0, 0]  # (N, d_rot)
+            rotary = _Rotary.of(table, hidden.dtype)
         for index, layer in enumerate(self.layers):
             hidden = self._layer(index, layer, hidden, step, rotary)
-        hidden = hidden[step.lengths.cumsum(0) - 1]  # (B, 1, H): each row's last new token
+        if hidden.shape[0] != step.lengths.shape[0]:  # (B, 1, H): each row's last new token
+            hidden = hidden[step.lengths.cumsum(0) - 1]
         hidden = model.decoder.final_layernorm(hidden)
         if model.share_embeddings_and_output_weights:
             weight = model.shared_embedding_or_output_weight()
@@ -191,9 +194,7 @@ class CachedForward:
     def _layer(self, index, layer: _Layer, hidden, step: KVCacheStep, rotary) -> torch.Tensor:
         """One pre-norm transformer layer over the packed tokens: hidden (N, 1, H) -> (N, 1, H)."""
         x = layer.input_norm(hidden)
-        query, key, value = self._qkv(layer, x)  # (N, 1, heads|groups, d)
-        if rotary is not None:
-            query, key = _rotate(query, rotary), _rotate(key, rotary)
+        query, key, value = self._qkv(layer, x, rotary)  # (N, 1, heads|groups, d)
         context = step.attend_packed(index, query[:, 0], key[:, 0], value[:, 0], self.softmax_scale)
         context = context[:, None]  # (N, 1, heads * d)
         hidden = self._residual(self._row_parallel(layer.proj, context), hidden)
@@ -210,21 +211,33 @@ class CachedForward:
             up = self.activation(up)
         return self._residual(self._row_parallel(layer.fc2, up), hidden)
 
-    def _qkv(self, layer: _Layer, x: torch.Tensor):
-        """megatron-core's fused QKV projection split per query group, then the q/k norms."""
-        mixed = torch.matmul(
-            x, self.transposed(layer.qkv.weight)
-        )  # (T, B, groups*(heads/groups+2)*d)
+    def _qkv(self, layer: _Layer, x: torch.Tensor, rotary: "_Rotary | None"):
+        """megatron-core's fused QKV projection split per query group, then the q/k norms and
+        the rotary embedding: (N, 1, heads, d), (N, 1, groups, d) twice.
+
+        Without q/k norms, each group's query heads and key are adjacent in the projection's
+        output, so one rotation covers them all (the same elementwise products as rotating the
+        query and the key apart).
+        """
+        mixed = torch.matmul(x, self.transposed(layer.qkv.weight))  # (N, 1, groups*(P+2)*d)
         if layer.qkv.bias is not None:
             mixed = mixed + layer.qkv.bias
         d, per_group = self.head_dim, self.heads // self.groups
-        mixed = mixed.view(*mixed.shape[:2], self.groups, (per_group + 2) * d)
-        query, key, value = torch.split(mixed, [per_group * d, d, d], dim=3)
-        query = query.reshape(query.size(0), query.size(1), -1, d)  # (T, B, heads, d)
+        count = mixed.shape[0]
+        mixed = mixed.view(count, 1, self.groups, per_group + 2, d)  # P query heads, key, value
+        value = mixed[:, :, :, per_group + 1]  # (N, 1, groups, d)
+        if rotary is not None and layer.q_norm is None and layer.k_norm is None:
+            query_key = rotary.apply(mixed[:, :, :, : per_group + 1])  # (N, 1, groups, P+1, d)
+            query = query_key[:, :, :, :per_group].reshape(count, 1, self.heads, d)
+            return query, query_key[:, :, :, per_group], value
+        query = mixed[:, :, :, :per_group].reshape(count, 1, self.heads, d)
+        key = mixed[:, :, :, per_group]
         if layer.q_norm is not None:
             query = layer.q_norm(query)
         if layer.k_norm is not None:
             key = layer.k_norm(key)
+        if rotary is not None:
+            query, key = rotary.apply(query), rotary.apply(key)
         return query, key, value
 
     def _row_parallel(self, module: torch.nn.Module, x: torch.Tensor):
@@ -244,17 +257,36 @@ class CachedForward:
         return residual + out
 
 
-def _rotate(t: torch.Tensor, rotary) -> torch.Tensor:
-    """megatron-core's unfused RoPE (``_apply_rotary_pos_emb_bshd``) with a precomputed table."""
-    cos, sin, dim = rotary
-    if dim < t.shape[-1]:
-        t, t_pass = t[..., :dim], t[..., dim:]
-    else:
-        t_pass = None
-    cos, sin = cos.to(t.dtype), sin.to(t.dtype)
-    x1, x2 = torch.chunk(t, 2, dim=-1)
-    out = (t * cos) + (torch.cat((-x2, x1), dim=-1) * sin)
-    return out if t_pass is None else torch.cat((out, t_pass), dim=-1)
+@dataclass(frozen=True)
+class _Rotary:
+    """One step's RoPE table in the form ``apply`` uses, computed once for every layer."""
+
+    cos: torch.Tensor  # (N, d_rot)
+    sin_signed: torch.Tensor  # (N, d_rot): sin with its first half negated
+
+    @classmethod
+    def of(cls, angles: torch.Tensor, dtype: torch.dtype) -> "_Rotary":
+        """The table for angles (N, d_rot), in the activations' dtype."""
+        sin = torch.sin(angles)
+        half = angles.shape[-1] // 2
+        sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        return cls(torch.cos(angles).to(dtype), sin_signed.to(dtype))
+
+    def apply(self, t: torch.Tensor) -> torch.Tensor:
+        """megatron-core's unfused RoPE (``_apply_rotary_pos_emb_bshd``) on t (N, 1, ..., d).
+
+        ``rotate_half(t) * sin`` is ``cat(-x2, x1) * sin``; here the half swap is a roll and the
+        sign sits in the table: ``roll(t) * sin_signed`` has the same values (negation is exact).
+        """
+        count, dim = self.cos.shape
+        shape = (count,) + (1,) * (t.dim() - 2) + (dim,)
+        cos, sin_signed = self.cos.view(shape), self.sin_signed.view(shape)
+        if dim < t.shape[-1]:
+            rotated, passed = t[..., :dim], t[..., dim:]
+        else:
+            rotated, passed = t, None
+        out = rotated * cos + torch.roll(rotated, dim // 2, dims=-1) * sin_signed
+        return out if passed is None else torch.cat((out, passed), dim=-1)
 
 
 def _plain_column(module) -> bool:

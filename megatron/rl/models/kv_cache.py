@@ -99,23 +99,28 @@ class KVCacheStep:
         self.context_len = int((starts + lengths).max())
         keys = torch.arange(self.context_len, device=slots.device)
         self.mask = keys[None, None, :] <= self.positions[:, :, None]  # (B, T, L)
+        # Fast paths (same values, fewer copies): every row full (decode steps: no boolean
+        # selection of the new keys), and rows on consecutive slots (a view of the cache instead
+        # of gathering each layer's keys/values).
+        self.all_valid = bool((lengths == width).all())
         # Where this step's new keys/values go, shared by every layer: (N,) rows and columns.
-        write_rows = slots[:, None].expand_as(self.positions)[self.valid]  # (N,)
-        write_cols = self.positions[self.valid]  # (N,)
+        if self.all_valid:
+            write_rows = slots[:, None].expand_as(self.positions).reshape(-1)  # (N,)
+            write_cols = self.positions.reshape(-1)  # (N,)
+        else:
+            write_rows = slots[:, None].expand_as(self.positions)[self.valid]  # (N,)
+            write_cols = self.positions[self.valid]  # (N,)
         # ... as rows of a layer's cache viewed as (slots * Hkv * S, D): (N * Hkv,), n-major
         _, _, heads, length, _ = cache.keys.shape
         head = torch.arange(heads, device=slots.device)
         self.write_index = (
             (write_rows[:, None] * heads + head) * length + write_cols[:, None]
         ).view(-1)
-        # Fast paths (same values, fewer copies): every row full (decode steps: no boolean
-        # selection of the new keys), and rows on consecutive slots (a view of the cache instead
-        # of gathering each layer's keys/values).
-        self.all_valid = bool(self.valid.all())
         first = int(slots[0])
         span = torch.arange(first, first + len(slots), device=slots.device)
         self.slot_range = (first, first + len(slots)) if torch.equal(slots, span) else None
         self._decode_bias: torch.Tensor | None = None  # built by the first layer, shared
+        self._expanded_bias: tuple[tuple, torch.Tensor] | None = None
 
     def attend(
         self,
@@ -217,6 +222,17 @@ class KVCacheStep:
             self._decode_bias = bias.masked_fill_(~allowed, float("-inf"))
         return self._decode_bias
 
+    def decode_bias_for(self, kv_heads: int, groups: int, dtype: torch.dtype) -> torch.Tensor:
+        """``decode_bias`` repeated for each key/value head's ``groups`` query rows, in
+        ``dtype``: (B * kv_heads, groups, L), made by the first layer and reused by the others."""
+        key = (kv_heads, groups, dtype)
+        if self._expanded_bias is None or self._expanded_bias[0] != key:
+            batch, length = self.decode_bias.shape
+            bias = self.decode_bias.to(dtype)[:, None, None, :]  # (B, 1, 1, L)
+            bias = bias.expand(batch, kv_heads, groups, length)
+            self._expanded_bias = (key, bias.reshape(batch * kv_heads, groups, length))
+        return self._expanded_bias[1]
+
 
 def _decode_attention(
     query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: KVCacheStep, scale: float
@@ -235,8 +251,7 @@ def _decode_attention(
     q = query.reshape(batch * kv_heads, groups, head_dim)  # (B*Hkv, G, D)
     keys = k.reshape(batch * kv_heads, length, head_dim)  # (B*Hkv, L, D)
     values = v.reshape(batch * kv_heads, length, head_dim)
-    bias = step.decode_bias.to(query.dtype)[:, None, None, :]  # (B, 1, 1, L)
-    bias = bias.expand(batch, kv_heads, groups, length).reshape(batch * kv_heads, groups, length)
+    bias = step.decode_bias_for(kv_heads, groups, query.dtype)  # (B*Hkv, G, L)
     scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scale)  # (B*Hkv, G, L)
     probs = torch.softmax(scores, dim=-1)
     return torch.bmm(probs, values).view(batch, num_heads, head_dim)
