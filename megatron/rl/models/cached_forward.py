@@ -9,10 +9,11 @@ decode step: 34% of its time outside any operator).
 
 ``CachedForward`` runs the same computation over the same ``nn.Parameter`` objects with the
 same operators in the same order: megatron-core's fused QKV layout split per query group, its
-unfused rotary embedding (``t * cos + rotate_half(t) * sin``; the table computed once per step
-instead of twice per layer), ``KVCacheStep.attend`` as the core attention, bias then residual
-additions as its bias-dropout-add does them, its unfused (Swi)GLU or GELU MLP, the final norm and
-the output layer. The embedding stays megatron-core's module (one call: vocab-parallel lookup and
+unfused rotary embedding (``t * cos + rotate_half(t) * sin``, the same products: the table made
+once per step instead of twice per layer, one rotation per layer for the queries and keys of all
+groups, the half swap a roll with the sign in the table), ``KVCacheStep.attend`` as the core
+attention, bias then residual additions as its bias-dropout-add does them, its unfused (Swi)GLU or
+GELU MLP, the final norm and the output layer (norms as torch's functional calls). The embedding stays megatron-core's module (one call: vocab-parallel lookup and
 position table). Tensor parallelism is an all-reduce after each row-parallel projection, as
 megatron-core's ``reduce_from_tensor_model_parallel_region`` does it. One difference: the
 matrix products read contiguous transposed copies of the weights (``TransposedWeights``: ~1.3x
@@ -184,7 +185,7 @@ class CachedForward:
             hidden = self._layer(index, layer, hidden, step, rotary)
         if hidden.shape[0] != step.lengths.shape[0]:  # (B, 1, H): each row's last new token
             hidden = hidden[step.lengths.cumsum(0) - 1]
-        hidden = model.decoder.final_layernorm(hidden)
+        hidden = _norm(model.decoder.final_layernorm, hidden)
         if model.share_embeddings_and_output_weights:
             weight = model.shared_embedding_or_output_weight()
         else:
@@ -193,12 +194,12 @@ class CachedForward:
 
     def _layer(self, index, layer: _Layer, hidden, step: KVCacheStep, rotary) -> torch.Tensor:
         """One pre-norm transformer layer over the packed tokens: hidden (N, 1, H) -> (N, 1, H)."""
-        x = layer.input_norm(hidden)
+        x = _norm(layer.input_norm, hidden)
         query, key, value = self._qkv(layer, x, rotary)  # (N, 1, heads|groups, d)
         context = step.attend_packed(index, query[:, 0], key[:, 0], value[:, 0], self.softmax_scale)
         context = context[:, None]  # (N, 1, heads * d)
         hidden = self._residual(self._row_parallel(layer.proj, context), hidden)
-        x = layer.pre_mlp_norm(hidden)
+        x = _norm(layer.pre_mlp_norm, hidden)
         up = torch.matmul(x, self.transposed(layer.fc1.weight))  # (N, 1, F/tp) or (N, 1, 2F/tp)
         if layer.fc1.bias is not None:
             up = up + layer.fc1.bias
@@ -233,9 +234,9 @@ class CachedForward:
         query = mixed[:, :, :, :per_group].reshape(count, 1, self.heads, d)
         key = mixed[:, :, :, per_group]
         if layer.q_norm is not None:
-            query = layer.q_norm(query)
+            query = _norm(layer.q_norm, query)
         if layer.k_norm is not None:
-            key = layer.k_norm(key)
+            key = _norm(layer.k_norm, key)
         if rotary is not None:
             query, key = rotary.apply(query), rotary.apply(key)
         return query, key, value
@@ -287,6 +288,17 @@ class _Rotary:
             rotated, passed = t, None
         out = rotated * cos + torch.roll(rotated, dim // 2, dims=-1) * sin_signed
         return out if passed is None else torch.cat((out, passed), dim=-1)
+
+
+def _norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` for torch's own LayerNorm/RMSNorm as the functional call their ``forward``
+    makes (without ``nn.Module.__call__``: ~10 norms per decode step); subclasses: ``module(x)``."""
+    kind = type(module)
+    if kind is torch.nn.RMSNorm:
+        return F.rms_norm(x, module.normalized_shape, module.weight, module.eps)
+    if kind is torch.nn.LayerNorm:
+        return F.layer_norm(x, module.normalized_shape, module.weight, module.bias, module.eps)
+    return module(x)
 
 
 def _plain_column(module) -> bool:
