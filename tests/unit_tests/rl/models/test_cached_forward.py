@@ -7,10 +7,11 @@ import math
 import pytest
 import torch
 from grpo_testing.models import VOCAB, tiny_gpt
+from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
 from megatron.rl.inference.kv_cache_runner import KVCacheRowRunner
 from megatron.rl.inference.protocol import RowWork
-from megatron.rl.models.cached_forward import CachedForward, TransposedWeights
+from megatron.rl.models.cached_forward import CachedForward, TransposedWeights, _Rotary
 from megatron.rl.models.kv_cache import KVCache
 
 ROPE = dict(position_embedding_type="rope", normalization="RMSNorm")
@@ -215,3 +216,21 @@ def test_a_step_mixing_prefill_and_decode_rows_is_one_packed_pass(single_rank_wo
     modules = KVCacheRowRunner(model, make_cache(model), VOCAB)
     modules.cached_forward = None
     assert_same_generation(run(fast), run(modules))
+
+
+@pytest.mark.parametrize("rot_dim", [pytest.param(16, id="full"), pytest.param(8, id="partial")])
+def test_one_rotation_of_a_groups_queries_and_key_equals_megatron_cores_rope_bitwise(rot_dim):
+    """The engine rotates each group's query heads and key in one pass, the half swap a roll with
+    the sign folded into the table: the same values as megatron-core's unfused RoPE applied to the
+    queries and the keys apart."""
+    torch.manual_seed(0)
+    count, groups, per_group, d = 5, 2, 3, 16
+    angles = torch.randn(count, rot_dim) * 10  # (N, d_rot)
+    mixed = torch.randn(count, 1, groups, per_group + 2, d)  # per group: queries, key, value
+    both = _Rotary.of(angles, torch.float32).apply(mixed[:, :, :, : per_group + 1])
+    freqs = angles[:, None, None, :]  # (N, 1, 1, d_rot): megatron-core's [s, b, h, d] table
+    query = mixed[:, :, :, :per_group].reshape(count, 1, groups * per_group, d)
+    expected_query = _apply_rotary_pos_emb_bshd(query, freqs)
+    expected_key = _apply_rotary_pos_emb_bshd(mixed[:, :, :, per_group], freqs)
+    assert torch.equal(both[:, :, :, :per_group].reshape(count, 1, -1, d), expected_query)
+    assert torch.equal(both[:, :, :, per_group], expected_key)
