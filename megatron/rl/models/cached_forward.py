@@ -13,9 +13,10 @@ unfused rotary embedding (``t * cos + rotate_half(t) * sin``, the same products:
 once per step instead of twice per layer, one rotation per layer for the queries and keys of all
 groups, the half swap a roll with the sign in the table), ``KVCacheStep.attend`` as the core
 attention, bias then residual additions as its bias-dropout-add does them, its unfused (Swi)GLU or
-GELU MLP, the final norm and the output layer (norms as torch's functional calls). The embedding stays megatron-core's module (one call: vocab-parallel lookup and
-position table). Tensor parallelism is an all-reduce after each row-parallel projection, as
-megatron-core's ``reduce_from_tensor_model_parallel_region`` does it. One difference: the
+GELU MLP, the final norm and the output layer (norms as torch's functional calls). The embedding
+stays megatron-core's module (one call: vocab-parallel lookup and position table). Tensor
+parallelism is an all-reduce after each row-parallel projection, as megatron-core's
+``reduce_from_tensor_model_parallel_region`` does it. One difference: the
 matrix products read contiguous transposed copies of the weights (``TransposedWeights``: ~1.3x
 faster GEMMs on this CPU), whose kernel may round the last bit differently; the tests hold the
 sampled tokens equal and logprobs within 1e-5 of the modules' forward for every architecture.

@@ -119,8 +119,7 @@ class KVCacheStep:
         first = int(slots[0])
         span = torch.arange(first, first + len(slots), device=slots.device)
         self.slot_range = (first, first + len(slots)) if torch.equal(slots, span) else None
-        self._decode_bias: torch.Tensor | None = None  # built by the first layer, shared
-        self._expanded_bias: tuple[tuple, torch.Tensor] | None = None
+        self._expanded_bias: tuple[tuple, torch.Tensor] | None = None  # decode_bias's
 
     def attend(
         self,
@@ -213,23 +212,17 @@ class KVCacheStep:
             cache_v[self.slots, :, : self.context_len],
         )
 
-    @property
-    def decode_bias(self) -> torch.Tensor:
-        """Additive mask of a one-token step: 0 where a row may attend, -inf past its end (B, L)."""
-        if self._decode_bias is None:
-            allowed = self.mask[:, 0]  # (B, L)
-            bias = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device)
-            self._decode_bias = bias.masked_fill_(~allowed, float("-inf"))
-        return self._decode_bias
-
-    def decode_bias_for(self, kv_heads: int, groups: int, dtype: torch.dtype) -> torch.Tensor:
-        """``decode_bias`` repeated for each key/value head's ``groups`` query rows, in
-        ``dtype``: (B * kv_heads, groups, L), made by the first layer and reused by the others."""
+    def decode_bias(self, kv_heads: int, groups: int, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask of a one-token step, 0 where a row may attend and -inf past its end,
+        repeated for each key/value head's ``groups`` query rows: (B * kv_heads, groups, L) in
+        ``dtype``, made by the first layer and reused by the others."""
         key = (kv_heads, groups, dtype)
         if self._expanded_bias is None or self._expanded_bias[0] != key:
-            batch, length = self.decode_bias.shape
-            bias = self.decode_bias.to(dtype)[:, None, None, :]  # (B, 1, 1, L)
-            bias = bias.expand(batch, kv_heads, groups, length)
+            allowed = self.mask[:, 0]  # (B, L)
+            batch, length = allowed.shape
+            bias = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device)
+            bias = bias.masked_fill_(~allowed, float("-inf")).to(dtype)[:, None, None, :]
+            bias = bias.expand(batch, kv_heads, groups, length)  # (B, Hkv, G, L)
             self._expanded_bias = (key, bias.reshape(batch * kv_heads, groups, length))
         return self._expanded_bias[1]
 
@@ -251,7 +244,7 @@ def _decode_attention(
     q = query.reshape(batch * kv_heads, groups, head_dim)  # (B*Hkv, G, D)
     keys = k.reshape(batch * kv_heads, length, head_dim)  # (B*Hkv, L, D)
     values = v.reshape(batch * kv_heads, length, head_dim)
-    bias = step.decode_bias_for(kv_heads, groups, query.dtype)  # (B*Hkv, G, L)
+    bias = step.decode_bias(kv_heads, groups, query.dtype)  # (B*Hkv, G, L)
     scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scale)  # (B*Hkv, G, L)
     probs = torch.softmax(scores, dim=-1)
     return torch.bmm(probs, values).view(batch, num_heads, head_dim)
