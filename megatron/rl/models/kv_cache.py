@@ -207,9 +207,11 @@ class KVCacheStep:
                 cache_k[first:end, :, : self.context_len],
                 cache_v[first:end, :, : self.context_len],
             )
+        # index_select of the narrowed cache: the same copy as cache_k[self.slots, :, :L], 1.5-2.6x
+        # faster on this CPU (14-64 scattered rows of 16-64 wide heads)
         return (
-            cache_k[self.slots, :, : self.context_len],
-            cache_v[self.slots, :, : self.context_len],
+            cache_k[:, :, : self.context_len].index_select(0, self.slots),
+            cache_v[:, :, : self.context_len].index_select(0, self.slots),
         )
 
     def decode_bias(self, kv_heads: int, groups: int, dtype: torch.dtype) -> torch.Tensor:
