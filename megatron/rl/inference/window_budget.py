@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 
 class WindowBudget:
-    """Reward-wait budget of the window of the awaited batch (one per scheduler).
+    """The window target of the awaited batch and its reward-wait budget (one per scheduler).
 
     Owned by the scheduler's loop: ``await_batch`` opens a window (and wakes whoever waited for
     the previous one), the loop asks ``keyed_work_allowed`` and ``counts_next_step`` before each
@@ -54,7 +54,7 @@ class WindowBudget:
 
     @property
     def enabled(self) -> bool:
-        """Whether ``wait_spent`` ever waits: a budget under the deterministic window target."""
+        """Whether ``window_spent`` waits at all: a budget under the deterministic window target."""
         return self.window_target and self.reward_wait_steps > 0
 
     @property
