@@ -22,21 +22,10 @@ independent of network or task timing:
   the next turn under the same key (the environment answers in between). The barrier holds until
   that request arrives or ``end_rollout(key)`` says the rollout is over; ``group_done`` withdraws
   the turns its group still owed. So a later turn joins the batch at a fixed step too.
-* ``await_batch(b)`` sets the window target: keyed requests are stepped only while batch ``b``
-  still has an announced, waiting or active request (``b=None``: always). Unkeyed requests always
-  step. ``SchedulerConfig.window_target=False`` turns the target and the barrier off (a
-  throughput mode: batches ahead of the trainer keep generating while it waits for rewards, and
-  while a new batch's requests arrive, at timing-dependent versions).
-* The reward-wait budget (``SchedulerConfig.reward_wait_steps = K``): once batch ``b`` has
-  finished generating, keyed requests of later batches go on stepping for exactly K more engine
-  steps, or fewer if, past the barrier, no keyed request is left to step; ``window_spent(b)``
-  returns only then, and the trainer takes its weight update only after it. So the engine fills
-  the wait for ``b``'s rewards with generation, yet every step of the window is still a function
-  of the schedule alone: the steps while ``b`` generates (as without the budget), then K steps
-  counted by the engine itself (a step counts when it carries keyed rows, so unkeyed traffic
-  spends none of it), or up to the point where the keyed work, which past the barrier is the
-  same whatever the timing, runs out. Slow rewards make the trainer wait longer after the
-  budget, never step more; fast rewards make it wait for the budget, never step less.
+* ``await_batch(b)`` sets the window target: keyed requests step while batch ``b`` is unfinished
+  and then for the reward-wait budget of K steps (``SchedulerConfig.reward_wait_steps``), which
+  ``window_spent(b)`` waits for; unkeyed requests always step (``window_budget.py`` decides
+  this). ``SchedulerConfig.window_target=False`` turns the target and the barrier off.
 
 A barrier that waits longer than ``barrier_timeout_s`` is lifted with a warning (an agent that
 announced requests it never sent): the run goes on, without the determinism guarantee.
@@ -61,6 +50,7 @@ from megatron.rl.inference.protocol import (
     RowWork,
 )
 from megatron.rl.inference.step_group import StepGroup, StepPlan
+from megatron.rl.inference.window_budget import WindowBudget
 from megatron.rl.wire import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -151,9 +141,7 @@ class ContinuousBatchingScheduler:
         self._arrivals = itertools.count()
         self._expected: dict[tuple[int, int], int] = {}
         self._continuations: set[Key] = set()  # finished turns whose next turn is awaited
-        self._awaited_batch: int | None = None
-        self._budget_left = 0  # reward-wait steps the awaited batch's window still owes
-        self._budget_spent = asyncio.Event()  # set when the budget of the awaited batch runs out
+        self._window = WindowBudget(config.reward_wait_steps, config.window_target)
         self._resumed = asyncio.Event()
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -179,10 +167,7 @@ class ContinuousBatchingScheduler:
         if key is not None and key in self._continuations:  # the awaited turn, valid or not
             self._continuations.discard(key)
             self._wakeup.set()
-        if self._error is not None:
-            raise EngineError(
-                f"the inference engine is unavailable: {self._error}"
-            ) from self._error
+        self._raise_if_failed()
         if self._task is None:
             raise RuntimeError("the inference engine is not running: call start() first")
         total = len(prompt_tokens) + sampling.max_tokens
@@ -229,26 +214,18 @@ class ContinuousBatchingScheduler:
 
         ``None`` lets every keyed request step (a drain before a checkpoint).
         """
-        if batch_id != self._awaited_batch:
-            self._budget_spent.set()  # wakes whoever waited for the previous window
-            self._budget_spent = asyncio.Event()
-            self._budget_left = self.config.reward_wait_steps
-        self._awaited_batch = batch_id
+        self._window.await_batch(batch_id)
         self._wakeup.set()
 
     async def window_spent(self, batch_id: int) -> None:
         """Wait until the window of ``batch_id`` has taken every engine step the schedule gives
-        it: its reward-wait budget is spent or, past the barrier, no keyed work is left.
+        it (``WindowBudget.wait_spent``); at once without a budget (``reward_wait_steps=0`` or no
+        ``window_target``). Raises ``EngineError`` if the engine fails."""
+        if self._window.enabled:
+            await self._window.wait_spent(batch_id, failed=lambda: self._error is not None)
+            self._raise_if_failed()
 
-        Returns at once without a budget (``reward_wait_steps=0`` or no ``window_target``), or if
-        the trainer no longer waits for ``batch_id``. Raises ``EngineError`` if the engine fails.
-        """
-        if not (self.config.window_target and self.config.reward_wait_steps):
-            return
-        while self._awaited_batch == batch_id and not self._budget_spent.is_set():
-            if self._error is not None:
-                break
-            await self._budget_spent.wait()
+    def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise EngineError(
                 f"the inference engine is unavailable: {self._error}"
@@ -305,19 +282,16 @@ class ContinuousBatchingScheduler:
                     self._continuations.clear()
                 barrier_since = None
                 self._admit()
-                budget = self._in_budget()
-                if budget and not any(r.key is not None for r in self._queued()):
-                    self._spend_budget()  # no keyed work left: the window has nothing more to give
-                    budget = False
+                budget = self._window.counts_next_step(
+                    self._awaited_unfinished, lambda: any(r.key is not None for r in self._queued())
+                )
                 rows = self._plan()
                 if not any(rows):
                     await self._sleep_until_woken()
                     continue
                 keyed = self._step(rows)
                 if budget and keyed:
-                    self._budget_left -= 1
-                    if self._budget_left == 0:
-                        self._spend_budget()
+                    self._window.count_step()
                 await asyncio.sleep(0)  # let agents queue new requests between steps
         except asyncio.CancelledError:
             raise
@@ -344,32 +318,8 @@ class ContinuousBatchingScheduler:
             r.key is not None and r.key[0] == b for r in self._queued()
         )
 
-    def _in_budget(self) -> bool:
-        """The awaited batch has finished generating and its reward-wait budget is not spent."""
-        b = self._awaited_batch
-        if b is None or not self.config.window_target or self._budget_spent.is_set():
-            return False
-        if self._awaited_unfinished(b):
-            return False
-        if self._budget_left == 0:  # no budget: spent as soon as the batch is finished
-            self._spend_budget()
-            return False
-        return True
-
-    def _spend_budget(self) -> None:
-        self._budget_left = 0
-        self._budget_spent.set()
-
-    def _keyed_work_allowed(self) -> bool:
-        b = self._awaited_batch
-        if b is None or not self.config.window_target:
-            return True
-        return self._awaited_unfinished(b) or (
-            self._budget_left > 0 and not self._budget_spent.is_set()
-        )
-
     def _plan(self) -> list[list[RowWork]]:
-        keyed = self._keyed_work_allowed()
+        keyed = self._window.keyed_work_allowed(self._awaited_unfinished)
         rows: list[list[RowWork]] = [[] for _ in range(self.steps.num_replicas)]
         for (replica, _), req in sorted(self._active.items(), key=lambda kv: kv[1].order):
             if keyed or req.key is None:
@@ -439,7 +389,7 @@ class ContinuousBatchingScheduler:
         One instance per future: an exception object shared by several tasks would collect every
         task's frames in its traceback as each of them re-raises it.
         """
-        self._budget_spent.set()  # window_spent raises the error
+        self._window.wake_waiters()  # window_spent raises the error
         for req in [*self._waiting, *self._active.values()]:
             if not req.future.done():
                 error = EngineError(message)

@@ -100,18 +100,12 @@ def create_inference_app(
                     policy_versions=out.policy_versions,
                 )
             )
-        prompt_tokens = len(outs[0].prompt_tokens)
-        completion_tokens = sum(len(out.tokens) for out in outs)
         return CompletionResponse(
             id=f"cmpl-{next(ids)}",
             created=int(time.time()),
             model=body.model or model_name,
             choices=choices,
-            usage=CompletionUsage(
-                prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens,
-                total_tokens=prompt_tokens + completion_tokens,
-            ),
+            usage=completion_usage(outs),
         )
 
     @app.post(
@@ -134,18 +128,12 @@ def create_inference_app(
             )
             for index, out in enumerate(outs)
         ]
-        prompt_tokens = len(outs[0].prompt_tokens)
-        completion_tokens = sum(len(out.tokens) for out in outs)
         return ChatCompletionResponse(
             id=f"chatcmpl-{next(ids)}",
             created=int(time.time()),
             model=body.model or model_name,
             choices=choices,
-            usage=CompletionUsage(
-                prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens,
-                total_tokens=prompt_tokens + completion_tokens,
-            ),
+            usage=completion_usage(outs),
         )
 
     @app.post("/v1/rollouts/end", response_model=EndRolloutResponse, responses=ERROR_RESPONSES)
@@ -154,6 +142,18 @@ def create_inference_app(
         return EndRolloutResponse(awaited=await inference.end_rollout(body.rollout_key))
 
     return app
+
+
+def completion_usage(outs: list[InferenceResponse]) -> CompletionUsage:
+    """OpenAI's ``usage`` of the ``n`` samples of one prompt: the prompt counted once, the
+    completions summed."""
+    prompt_tokens = len(outs[0].prompt_tokens)
+    completion_tokens = sum(len(out.tokens) for out in outs)
+    return CompletionUsage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
 
 
 def chat_logprobs(tokenizer: Tokenizer, out: InferenceResponse) -> ChatChoiceLogprobs:

@@ -11,9 +11,9 @@ from grpo_testing.fakes import FakeSteps, SeededInference
 from megatron.rl.inference.interface import LocalInferenceInterface
 from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig
 from megatron.rl.seeding import derive_seed
-from megatron.rl.server.inference_server import create_inference_app
+from megatron.rl.server.inference_server import completion_usage, create_inference_app
 from megatron.rl.tokenizer import CharTokenizer
-from megatron.rl.wire import CompletionResponse
+from megatron.rl.wire import CompletionResponse, InferenceResponse
 
 
 def post_completions(bodies: list, steps: FakeSteps | None = None, fail: bool = False):
@@ -70,6 +70,21 @@ def test_n_samples_are_seeded_and_keyed_like_separate_requests():
     seeds = [derive_seed(4, i) for i in range(3)]
     assert [c["token_ids"] for c in choices] == [[2 + (s + p) % 7 for p in (3, 4)] for s in seeds]
     assert r.json()["usage"]["completion_tokens"] == 6
+
+
+def test_usage_counts_the_shared_prompt_once_and_every_sample():
+    def sample(n_tokens: int) -> InferenceResponse:
+        return InferenceResponse(
+            prompt_tokens=[5, 6, 7],
+            tokens=[2] * n_tokens,
+            text="x" * n_tokens,
+            logprobs=[-0.1] * n_tokens,
+            policy_versions=[0] * n_tokens,
+            finish_reason="length",
+        )
+
+    usage = completion_usage([sample(2), sample(4), sample(1)])
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (3, 7, 10)
 
 
 def test_token_prompt_and_logprobs_only_when_asked():
