@@ -28,7 +28,6 @@ from megatron.rl.wire import (
     MAX_CHAT_MESSAGES,
     MAX_TOKENS,
     ChatMessage,
-    CompletionUsage,
     InferenceRequest,
     InferenceResponse,
     RolloutKey,
@@ -37,6 +36,7 @@ from megatron.rl.wire import (
     WireModel,
     check_chat_messages,
 )
+from megatron.rl.wire_completions import CompletionUsage
 
 DEFAULT_MAX_TOKENS = 16
 """Generation budget when neither ``max_tokens`` nor ``max_completion_tokens`` is given (the

@@ -1,6 +1,7 @@
 """Flags to typed configs: the one place that reads the parsed flags for the RL library.
 
-``arguments.py`` declares every flag (with its one default) and validates them;
+``arguments.py`` builds the parser of every flag (each declared once, with its one default, in
+its group's ``*_flags.py``) and ``flag_validation.py`` validates them;
 ``megatron.rl`` takes only the typed configs built here. The model and optimizer flags are mapped
 to megatron-core's configs by ``model_provider.py`` and ``optimizer.py``.
 """

@@ -32,7 +32,6 @@ from megatron.rl.grpo.filtering import select_groups
 from megatron.rl.tokenizer import Tokenizer
 from megatron.rl.wire import RolloutGroup
 from megatron.trainer import config, report
-from megatron.trainer.arguments import evaluation_requested
 from megatron.trainer.checkpointing import (
     Checkpoint,
     LoadOptions,
@@ -41,6 +40,7 @@ from megatron.trainer.checkpointing import (
     save_checkpoint,
 )
 from megatron.trainer.collection import KeyedCollection
+from megatron.trainer.eval_flags import evaluation_requested
 from megatron.trainer.evaluation import Evaluator, eval_agents, hold_out_validation
 from megatron.trainer.exits import PeerFailed
 from megatron.trainer.hf_io import save_hf, weight_loader
@@ -280,7 +280,7 @@ def raise_stop(run: Run, iteration: int, signum: int) -> None:
 
 
 def evaluation_on(args: argparse.Namespace) -> bool:
-    """Whether the run evaluates (``arguments.evaluation_requested``)."""
+    """Whether the run evaluates (``eval_flags.evaluation_requested``)."""
     return evaluation_requested(args)
 
 

@@ -1,7 +1,7 @@
 """The model's flags: architecture (Megatron-LM's names), Hugging Face checkpoint and tokenizer.
 
 Declared here once, with their help (``add_model_arguments``); checked in ``validate_model_args``,
-which ``arguments.validate_args`` calls. With ``--hf-checkpoint DIR`` the architecture comes from
+which ``flag_validation.validate_args`` calls. With ``--hf-checkpoint DIR`` the architecture comes from
 ``DIR/config.json`` (``megatron.rl.models.hf.read_hf_config``): every architecture flag is set
 from it, and one given on the command line with another value is refused, naming both.
 """

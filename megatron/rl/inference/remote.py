@@ -8,17 +8,14 @@ from megatron.rl.auth import bearer_headers
 from megatron.rl.http_client import ClientPool, RemoteCallError, RetryPolicy, call_json
 from megatron.rl.inference.interface import InferenceInterface
 from megatron.rl.inference.protocol import InvalidInferenceRequest
-from megatron.rl.wire import (
+from megatron.rl.wire import InferenceRequest, InferenceResponse, RolloutKey, WireModel
+from megatron.rl.wire_chat import ChatCompletionRequest, ChatCompletionResponse
+from megatron.rl.wire_completions import (
     CompletionRequest,
     CompletionResponse,
     EndRolloutRequest,
     EndRolloutResponse,
-    InferenceRequest,
-    InferenceResponse,
-    RolloutKey,
-    WireModel,
 )
-from megatron.rl.wire_chat import ChatCompletionRequest, ChatCompletionResponse
 
 REFUSED = frozenset({401, 403, 429})
 """4xx answers about the caller (its key, its rate), not the request: the server is unavailable."""

@@ -2,7 +2,7 @@
 
 ``create_inference_app(inference, tokenizer)`` exposes an ``InferenceInterface`` (in the trainer:
 the ``LocalInferenceInterface`` over the engine that serves local agents too) as a subset of the
-OpenAI completions API: ``POST /v1/completions`` (``wire.CompletionRequest``) and
+OpenAI completions API: ``POST /v1/completions`` (``wire_completions.CompletionRequest``) and
 ``POST /v1/chat/completions`` (``wire_chat.ChatCompletionRequest``; the messages are rendered by
 the tokenizer's chat template, and a tokenizer without one answers 422 naming it). Requests go
 into the same engine queue as local ones, so they belong to the same batches, follow the same
@@ -24,17 +24,7 @@ from megatron.rl.inference.interface import InferenceInterface
 from megatron.rl.inference.protocol import EngineError, InvalidInferenceRequest
 from megatron.rl.server.http import ERROR_RESPONSES, install_error_handlers
 from megatron.rl.tokenizer import Tokenizer
-from megatron.rl.wire import (
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionRequest,
-    CompletionResponse,
-    CompletionUsage,
-    EndRolloutRequest,
-    EndRolloutResponse,
-    InferenceRequest,
-    InferenceResponse,
-)
+from megatron.rl.wire import InferenceRequest, InferenceResponse
 from megatron.rl.wire_chat import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -42,6 +32,15 @@ from megatron.rl.wire_chat import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatTokenLogprob,
+)
+from megatron.rl.wire_completions import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionUsage,
+    EndRolloutRequest,
+    EndRolloutResponse,
 )
 
 

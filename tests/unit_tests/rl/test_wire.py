@@ -9,7 +9,6 @@ from megatron.rl.wire import (
     MAX_CHAT_MESSAGES,
     MAX_TOKENS,
     ChatMessage,
-    CompletionRequest,
     GroupedRolloutRequest,
     InferenceRequest,
     InferenceResponse,
@@ -20,7 +19,6 @@ from megatron.rl.wire import (
 )
 
 USER = {"role": "user", "content": "What is 1+1?"}
-KEY = {"batch_id": 0, "index_in_batch": 0, "sample_index": 0}
 
 
 def error_locs(err: ValidationError) -> list[tuple]:
@@ -132,11 +130,6 @@ def test_inference_response_prompt_text_is_optional():
     assert InferenceResponse(**fields, finish_reason="length").prompt_text is None
     rendered = InferenceResponse(**fields, finish_reason="length", prompt_text="<|user|>1=")
     assert InferenceResponse.model_validate_json(rendered.model_dump_json()) == rendered
-
-
-def test_a_chat_request_is_not_a_completion_request():
-    with pytest.raises(ValueError, match="chat completion"):
-        CompletionRequest.from_inference_request(InferenceRequest(messages=[USER]))
 
 
 @pytest.mark.parametrize(
@@ -325,32 +318,6 @@ def test_non_finite_reward_is_rejected_or_survives_json(reward):
 def test_multi_turn_fields_are_checked(kwargs, needle):
     with pytest.raises(ValidationError, match=needle):
         InferenceRequest(**kwargs)
-
-
-def test_a_later_turn_round_trips_through_a_completion_request():
-    key = RolloutKey(batch_id=1, index_in_batch=2, sample_index=3)
-    turn = InferenceRequest(prompt_tokens=[3, 4], prompt_suffix="+", rollout_key=key, seed=5)
-    turn = turn.model_copy(update={"continued": True})
-    body = CompletionRequest.from_inference_request(turn)
-    assert (body.prompt, body.prompt_suffix, body.continued) == ([3, 4], "+", True)
-    assert CompletionRequest.model_validate_json(body.model_dump_json()).to_inference_request() == (
-        turn
-    )
-
-
-@pytest.mark.parametrize(
-    "body, needle",
-    [
-        pytest.param({"prompt": "1=", "prompt_suffix": "+"}, "token ids", id="suffix-on-text"),
-        pytest.param({"prompt": [3], "continued": True}, "'rollout_key'", id="unkeyed"),
-        pytest.param(
-            {"prompt": [3], "n": 2, "continued": True, "rollout_key": KEY}, "n=1", id="n>1"
-        ),
-    ],
-)
-def test_completion_extensions_are_checked(body, needle):
-    with pytest.raises(ValidationError, match=needle):
-        CompletionRequest.model_validate(body)
 
 
 def test_eval_prompts_is_bounded():

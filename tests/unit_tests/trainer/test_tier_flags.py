@@ -51,12 +51,12 @@ def test_entry_script_refuses_bf16_on_cpu_with_status_2():
 
 
 def test_packing_is_refused_on_cuda_only_with_the_transformer_engine_spec(monkeypatch):
-    import megatron.trainer.arguments as arguments
+    import megatron.trainer.flag_validation as flag_validation
 
     argv = ["--rl-use-sequence-packing"]
-    monkeypatch.setattr(arguments, "transformer_engine_importable", lambda: False)
+    monkeypatch.setattr(flag_validation, "transformer_engine_importable", lambda: False)
     assert errors_for(argv, cuda=True) == []  # the SDPA layer spec honours the packed mask
-    monkeypatch.setattr(arguments, "transformer_engine_importable", lambda: True)
+    monkeypatch.setattr(flag_validation, "transformer_engine_importable", lambda: True)
     assert errors_for(argv, cuda=False) == []
     (error,) = errors_for(argv, cuda=True)
     assert error.startswith(argv[0]) and "Transformer Engine" in error

@@ -13,7 +13,8 @@ from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, Schedul
 from megatron.rl.seeding import derive_seed
 from megatron.rl.server.inference_server import completion_usage, create_inference_app
 from megatron.rl.tokenizer import CharTokenizer
-from megatron.rl.wire import CompletionResponse, InferenceResponse
+from megatron.rl.wire import InferenceResponse
+from megatron.rl.wire_completions import CompletionResponse
 
 
 def post_completions(bodies: list, steps: FakeSteps | None = None, fail: bool = False):

@@ -1,0 +1,171 @@
+"""Wire types of ``POST /v1/completions`` and ``POST /v1/rollouts/end``, the trainer's inference
+server's text endpoints.
+
+A subset of OpenAI's completions API, shared by the server (``megatron.rl.server.inference_server``)
+and its client (``megatron.rl.inference.remote``), plus the fields RL needs: token ids, policy
+versions, the rollout key and the multi-turn extensions ``prompt_suffix`` and ``continued``.
+Unsupported OpenAI parameters are rejected by name (422), never ignored. ``POST /v1/rollouts/end``
+tells the engine that a rollout sends no more turns. The chat endpoint's types are in
+``megatron.rl.wire_chat``; the engine-level request and response in ``megatron.rl.wire``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from megatron.rl.wire import (
+    MAX_TOKENS,
+    InferenceRequest,
+    InferenceResponse,
+    RolloutKey,
+    SamplingParams,
+    Seed,
+    TokenId,
+    WireModel,
+)
+
+
+class CompletionRequest(WireModel):
+    """``POST /v1/completions`` of the trainer's inference server."""
+
+    model: str | None = Field(None, max_length=256, description="Ignored: the trainer's policy.")
+    prompt: str | list[TokenId] = Field(max_length=MAX_TOKENS, description="Text, or token ids.")
+    max_tokens: int = Field(16, ge=1, le=MAX_TOKENS)
+    temperature: float = Field(1.0, ge=0.0, le=1e4)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="Extension: top-k filtering (0 = off).")
+    seed: Seed = 0
+    logprobs: int | None = Field(
+        None, ge=0, le=1, description="Return the sampled tokens' logprobs (top-1 only)."
+    )
+    n: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Samples of the prompt; sample i is seeded "
+        "with derive_seed(seed, i) and keyed with sample_index + i.",
+    )
+    stream: Literal[False] = False
+    rollout_key: RolloutKey | None = Field(None, description="Extension: see InferenceRequest.")
+    prompt_suffix: str | None = Field(
+        None, max_length=MAX_TOKENS, description="Extension: see InferenceRequest (token 'prompt')."
+    )
+    continued: bool = Field(False, description="Extension: see InferenceRequest (n=1).")
+
+    @model_validator(mode="after")
+    def _extensions_consistent(self) -> "CompletionRequest":
+        if self.prompt_suffix is not None and isinstance(self.prompt, str):
+            raise ValueError("'prompt_suffix' needs 'prompt' as token ids")
+        if self.continued and (self.rollout_key is None or self.n != 1):
+            raise ValueError("'continued' needs 'rollout_key' and n=1")
+        return self
+
+    def to_inference_request(self) -> InferenceRequest:
+        """The engine-level request this completion asks for."""
+        text = self.prompt if isinstance(self.prompt, str) else None
+        return InferenceRequest(
+            prompt=text,
+            prompt_tokens=None if text is not None else self.prompt,
+            prompt_suffix=self.prompt_suffix,
+            sampling=SamplingParams(
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                max_tokens=self.max_tokens,
+            ),
+            seed=self.seed,
+            rollout_key=self.rollout_key,
+            continued=self.continued,
+        )
+
+    @classmethod
+    def from_inference_request(cls, request: InferenceRequest, n: int = 1) -> "CompletionRequest":
+        """The completion call that serves ``request`` (``n`` samples) remotely, with logprobs.
+
+        A request of chat messages is served by ``ChatCompletionRequest`` (``wire_chat``)."""
+        if request.messages is not None:
+            raise ValueError("a request with 'messages' is a chat completion, not a completion")
+        s = request.sampling
+        return cls(
+            n=n,
+            prompt=request.prompt if request.prompt is not None else request.prompt_tokens,
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            seed=request.seed,
+            logprobs=1,
+            rollout_key=request.rollout_key,
+            prompt_suffix=request.prompt_suffix,
+            continued=request.continued,
+        )
+
+
+class EndRolloutRequest(WireModel):
+    """``POST /v1/rollouts/end``: the rollout sends no more turns (see InferenceRequest)."""
+
+    rollout_key: RolloutKey
+
+
+class EndRolloutResponse(WireModel):
+    """Answer of ``POST /v1/rollouts/end``."""
+
+    awaited: bool = Field(description="Whether the engine was waiting for another turn of it.")
+
+
+class CompletionLogprobs(WireModel):
+    """OpenAI-style logprobs of the generated tokens."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+
+
+class CompletionChoice(WireModel):
+    """The single choice of a completion."""
+
+    index: int = 0
+    text: str
+    finish_reason: Literal["stop", "length"]
+    logprobs: CompletionLogprobs | None = None
+    token_ids: list[int] = Field(description="Extension: generated token ids (EOS included).")
+    prompt_token_ids: list[int] = Field(description="Extension: the tokenized prompt.")
+    policy_versions: list[int] = Field(description="Extension: policy version of each token.")
+
+
+class CompletionUsage(WireModel):
+    """Token counts."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionResponse(WireModel):
+    """Answer of ``POST /v1/completions``."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice] = Field(min_length=1)
+    usage: CompletionUsage
+
+    def to_inference_responses(self) -> list[InferenceResponse]:
+        """The engine-level responses, by choice index (requires ``logprobs``)."""
+        responses = []
+        for choice in sorted(self.choices, key=lambda c: c.index):
+            if choice.logprobs is None:
+                raise ValueError("the completion carries no logprobs; request them with logprobs=1")
+            responses.append(
+                InferenceResponse(
+                    prompt_tokens=choice.prompt_token_ids,
+                    tokens=choice.token_ids,
+                    text=choice.text,
+                    logprobs=choice.logprobs.token_logprobs,
+                    policy_versions=choice.policy_versions,
+                    finish_reason=choice.finish_reason,
+                )
+            )
+        return responses

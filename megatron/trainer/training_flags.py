@@ -1,0 +1,114 @@
+"""The parallelism and training flags of ``pretrain_grpo.py``: each declared once, with its help.
+
+Their cross-field checks are in ``flag_validation.validate_args``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parallelism_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the parallelism flags (TP, PP, distributed optimizer, timeouts)."""
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP degree.")
+    g.add_argument(
+        "--pipeline-model-parallel-size", type=int, default=1, help="PP degree (must be 1 on CPU)."
+    )
+    g.add_argument(
+        "--use-distributed-optimizer",
+        action="store_true",
+        help="Shard the optimizer state over the data-parallel ranks (megatron-core's "
+        "distributed optimizer; CUDA only).",
+    )
+    g.add_argument(
+        "--distributed-timeout-minutes",
+        type=int,
+        default=10,
+        help="Timeout of collective operations.",
+    )
+
+
+def add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the training flags: batch sizes, precision, learning-rate schedule, AdamW, run
+    length, memory and seed."""
+    g = parser.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=32, help="Rollouts per micro-batch.")
+    g.add_argument(
+        "--bf16",
+        action="store_true",
+        help="Train and generate in bfloat16 with float32 main weights and gradient reduction "
+        "(CUDA only; the CPU tier trains in float32).",
+    )
+    g.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="Rollouts per optimizer step (one training iteration). At most --grpo-prompts-per-"
+        "step x --grpo-group-size (the default): a smaller one trains each collection in "
+        "several iterations, and --grpo-prompts-per-step x --grpo-group-size x "
+        "--grpo-iterations must be a multiple of it (as in Megatron-LM).",
+    )
+    g.add_argument("--lr", type=float, default=3e-3, help="Peak learning rate.")
+    g.add_argument("--min-lr", type=float, default=3e-4, help="Learning rate at the end of decay.")
+    g.add_argument(
+        "--lr-warmup-iters",
+        type=int,
+        default=10,
+        help="Linear warmup iterations (more than the run lasts is allowed: the LR then only "
+        "warms up).",
+    )
+    g.add_argument(
+        "--lr-decay-iters",
+        type=int,
+        default=None,
+        help="Iterations over which the LR decays to --min-lr (default: --train-iters).",
+    )
+    g.add_argument(
+        "--lr-decay-style",
+        choices=["constant", "linear", "cosine"],
+        default="cosine",
+        help="Decay after warmup, down to --min-lr at --lr-decay-iters.",
+    )
+    g.add_argument(
+        "--weight-decay",
+        type=float,
+        default=0.0,
+        help="AdamW weight decay (not applied to biases and norms).",
+    )
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="AdamW beta1.")
+    g.add_argument("--adam-beta2", type=float, default=0.999, help="AdamW beta2.")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon.")
+    g.add_argument(
+        "--clip-grad",
+        type=float,
+        default=1.0,
+        help="Clip the global gradient norm to this (0 disables).",
+    )
+    g.add_argument(
+        "--train-iters",
+        type=int,
+        default=1000,
+        help="Training iterations (optimizer steps); a multiple of the iterations per "
+        "collection (--grpo-iterations x prompts x group size / --global-batch-size).",
+    )
+    g.add_argument(
+        "--exit-interval",
+        type=int,
+        default=None,
+        help="Exit (status 0) after this many iterations, saving a checkpoint first when --save "
+        "is set; a multiple of the iterations per collection.",
+    )
+    g.add_argument(
+        "--malloc-mmap-threshold-kib",
+        type=int,
+        default=None,
+        help="CPU memory: give every allocation of at least this many KiB its own mapping, "
+        "returned to the OS when freed (glibc mallopt M_MMAP_THRESHOLD, set at start-up; "
+        "ignored by other C libraries). Peak memory follows what is live instead of what the "
+        "heap once held (25M-parameter model: -280 MiB with 1024) but freed blocks are mapped "
+        "again (+20-30%% step time; README 'CPU memory'). Default: glibc's own threshold, which "
+        "rises to 32 MiB.",
+    )
+    g.add_argument("--seed", type=int, default=1234, help="Seed of init, prompts and sampling.")
+    g.add_argument("--log-interval", type=int, default=1, help="Print a log line every N steps.")

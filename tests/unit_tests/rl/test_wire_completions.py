@@ -1,0 +1,44 @@
+"""Wire types of ``POST /v1/completions``: the RL extensions are checked, and a request round
+trips between its engine-level form and its completion body."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from megatron.rl.wire import InferenceRequest, RolloutKey
+from megatron.rl.wire_completions import CompletionRequest
+
+USER = {"role": "user", "content": "What is 1+1?"}
+KEY = {"batch_id": 0, "index_in_batch": 0, "sample_index": 0}
+
+
+def test_a_chat_request_is_not_a_completion_request():
+    with pytest.raises(ValueError, match="chat completion"):
+        CompletionRequest.from_inference_request(InferenceRequest(messages=[USER]))
+
+
+def test_a_later_turn_round_trips_through_a_completion_request():
+    key = RolloutKey(batch_id=1, index_in_batch=2, sample_index=3)
+    turn = InferenceRequest(prompt_tokens=[3, 4], prompt_suffix="+", rollout_key=key, seed=5)
+    turn = turn.model_copy(update={"continued": True})
+    body = CompletionRequest.from_inference_request(turn)
+    assert (body.prompt, body.prompt_suffix, body.continued) == ([3, 4], "+", True)
+    assert CompletionRequest.model_validate_json(body.model_dump_json()).to_inference_request() == (
+        turn
+    )
+
+
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        pytest.param({"prompt": "1=", "prompt_suffix": "+"}, "token ids", id="suffix-on-text"),
+        pytest.param({"prompt": [3], "continued": True}, "'rollout_key'", id="unkeyed"),
+        pytest.param(
+            {"prompt": [3], "n": 2, "continued": True, "rollout_key": KEY}, "n=1", id="n>1"
+        ),
+    ],
+)
+def test_completion_extensions_are_checked(body, needle):
+    with pytest.raises(ValidationError, match=needle):
+        CompletionRequest.model_validate(body)
