@@ -127,7 +127,8 @@ def main() -> None:
         common = ["--rounds", "1", "--threads", str(opts.threads), "--steps", "12", "--skip", "6"]
         opts.engine_repeats = opts.hf_repeats = 2
     lag_sweep.add_arguments(p := argparse.ArgumentParser())
-    sweep_opts = p.parse_args([*common, "--compare-reward-wait-steps", "0"])  # + a no-budget row
+    # + rows without a budget and with a smaller and a larger one than the default
+    sweep_opts = p.parse_args([*common, "--compare-reward-wait-steps", "0", "32", "128"])
     trl_side_by_side.add_arguments(p := argparse.ArgumentParser())
     trl_opts = p.parse_args(common)
 
