@@ -157,9 +157,10 @@ Absolute times are not comparable with section 3 (other shape, other time of the
 
 
 def separate(res: dict[str, Any]) -> str:
-    """A note when section 4 was measured by a later ``--only hf_shapes`` run."""
+    """A note when section 4 was measured by a later ``--only hf_shapes`` run (its
+    ``run_started``, the start of the invocation that measured it, is not the report's)."""
     hfs = res.get("hf_shapes")
-    if not hfs or hfs["started"] == res["started"]:
+    if not hfs or hfs.get("run_started", hfs["started"]) == res["started"]:
         return ""
     return (
         f"\n\nSections 4 and 5 (and the issue-17 targets) were measured by a later "
@@ -243,9 +244,13 @@ def notes(res: dict[str, Any]) -> list[str]:
         cost = k["seconds_per_step"] / u["seconds_per_step"]
         out.append(
             f"- The deterministic schedule costs {cost:.2f}x in step time at L=2: the throughput "
-            f"schedule keeps later batches generating while the awaited batch's rewards are "
-            f"pending (idle share {u['waiting_fraction']:.0%} instead of "
-            f"{k['waiting_fraction']:.0%}), reaching {u['steps_per_s_ratio']:.2f}x L=0."
+            f"schedule keeps every batch in flight generating whenever a window is open (idle "
+            f"share {u['waiting_fraction']:.0%}, {u['engine_steps_per_step']:.0f} engine steps of "
+            f"{u['mean_active_requests']:.1f} requests per training step), the deterministic one "
+            f"steps later batches only while the awaited batch generates and for its reward-wait "
+            f"budget after (idle share {k['waiting_fraction']:.0%}, "
+            f"{k['engine_steps_per_step']:.0f} steps of {k['mean_active_requests']:.1f} requests); "
+            f"the throughput schedule reaches {u['steps_per_s_ratio']:.2f}x L=0."
         )
     eng = {r["name"]: r for r in res["engine"]["results"]}
     b = res["engine"]["batch"]

@@ -141,6 +141,7 @@ def main() -> None:
         "threads": opts.threads,
         "load_average_at_start": os.getloadavg(),
     }
+    invocation = res["started"]  # stamped on hf_shapes: report.separate tells the runs apart
     if opts.only:  # keep the other benchmarks' numbers (and their run's date) from --out
         res = {**json.loads((opts.out / "results.json").read_text()), "machine": res["machine"]}
     with tempfile.TemporaryDirectory() as tmp:
@@ -172,7 +173,7 @@ def main() -> None:
                 print(trl_side_by_side.markdown(out), flush=True)
         if "hf_shapes" in only:
             print("Llama HF checkpoints: engine vs HF generate, matmul efficiency ...", flush=True)
-            res["hf_shapes"] = run_hf_shapes(opts, Path(tmp))
+            res["hf_shapes"] = {**run_hf_shapes(opts, Path(tmp)), "run_started": invocation}
             print(hf_shapes.markdown(res["hf_shapes"]), flush=True)
     if not opts.only:
         res["seconds"] = time.time() - started

@@ -158,3 +158,13 @@ def test_plot_writes_the_five_panel_png(committed, tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
     width, height = struct.unpack(">II", data[16:24])
     assert (width, height) == (2970, 572)  # figsize (27, 5.2) at 110 dpi
+
+
+def test_report_names_a_later_hf_shapes_run_only_when_there_was_one(res):
+    """A full ``run_all.py`` stamps section 4 with its own start (no note, however long the
+    earlier benchmarks took); ``--only hf_shapes`` keeps the old report's start (a note)."""
+    res["hf_shapes"]["started"] = "2026-01-01 00:09 UTC"  # the sub-run began later
+    res["hf_shapes"]["run_started"] = res["started"]
+    assert "measured by a later" not in report.report(res)
+    res["hf_shapes"]["run_started"] = "2026-01-02 00:00 UTC"
+    assert f"run, started {res['hf_shapes']['started']}" in report.report(res)
