@@ -57,6 +57,24 @@ def rollout_metrics(batch: RolloutBatch, step: int) -> dict[str, Any]:
     }
 
 
+def engine_metrics(collected: CollectedBatch) -> dict[str, Any]:
+    """What the engine did in the collection window: ``generated_tokens`` (every batch in
+    flight) and their rate, ``engine_steps``, ``engine_rows_per_step`` (mean requests decoded per
+    step), ``engine_seconds`` (inside steps) and ``engine_idle_seconds``: the rest of the window,
+    spent waiting for rewards, announced requests or agents. At a reward-wait budget K, about
+    ``engine_idle_seconds / (engine_seconds / engine_steps)`` more steps would fit in the wait."""
+    e, seconds = collected.engine, collected.seconds
+    assert e is not None, "only rank 0 collects, and only rank 0 logs"
+    return {
+        "generated_tokens": e.generated_tokens,
+        "generated_tokens_per_s": e.generated_tokens / max(seconds, 1e-9),
+        "engine_steps": e.steps,
+        "engine_rows_per_step": e.rows / max(e.steps, 1),
+        "engine_seconds": e.step_seconds,
+        "engine_idle_seconds": max(seconds - e.step_seconds, 0.0),
+    }
+
+
 def step_metrics(
     step: int,
     lag: int,
@@ -90,8 +108,7 @@ def step_metrics(
         "grad_norm": result.grad_norm,
         "lr": result.lr,
         "lag": lag,
-        "generated_tokens": collected.generated_tokens,
-        "generated_tokens_per_s": collected.generated_tokens / max(collected.seconds, 1e-9),
+        **engine_metrics(collected),
         "trained_tokens_per_s": result.trained_tokens / max(result.seconds, 1e-9),
         "collect_seconds": collected.seconds,
         "train_seconds": result.seconds,

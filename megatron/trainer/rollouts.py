@@ -12,6 +12,7 @@ submitted batch is finished and returns the pipeline state to save.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from megatron.rl.agent.api import Agent
 from megatron.rl.auth import API_KEY_ENV, is_loopback
 from megatron.rl.inference.interface import LocalInferenceInterface
+from megatron.rl.inference.protocol import EngineCounters
 from megatron.rl.inference.scheduler import SchedulerConfig
 from megatron.rl.inference.step_group import GenerationAborted
 from megatron.rl.rollout.faults import FailureBudget
@@ -62,8 +64,9 @@ class CollectedBatch:
     """The batch on rank 0; None on the other ranks (they fetch their rows from the data
     plane)."""
     seconds: float
-    generated_tokens: int | None
-    """Tokens the engine sampled during this collection window (all batches in flight; rank 0)."""
+    engine: EngineCounters | None
+    """What the engine did during this collection window (tokens sampled for all batches in
+    flight, steps, rows, seconds inside steps); rank 0 only."""
 
 
 class RolloutSource:
@@ -165,10 +168,10 @@ class RolloutSource:
         if not self.ctx.is_main:
             self._window(None)
             return CollectedBatch(None, time.perf_counter() - start, None)
-        tokens_before = self.engine.generated_tokens
+        before = copy.copy(self.engine.counters)
         batch = self._window(self._next_checked_batch)
-        generated = self.engine.generated_tokens - tokens_before
-        return CollectedBatch(batch, time.perf_counter() - start, generated)
+        spent = self.engine.counters - before
+        return CollectedBatch(batch, time.perf_counter() - start, spent)
 
     async def _next_checked_batch(self) -> RolloutBatch:
         """The next batch, after the failure budget's check (inside the window, so that a

@@ -103,12 +103,41 @@ class BatchScheduler(Protocol):
         it (the reward-wait budget of later batches' steps, if any)."""
 
 
+@dataclass
+class EngineCounters:
+    """What the engine has done since start: cumulative counters for the step metrics (the
+    trainer logs the difference over each collection window)."""
+
+    generated_tokens: int = 0
+    """Tokens sampled."""
+    steps: int = 0
+    """Engine steps (one forward over every row planned for it)."""
+    rows: int = 0
+    """Rows over all steps: rows / steps is the mean number of requests decoded per step."""
+    step_seconds: float = 0.0
+    """Wall-clock seconds inside those steps; a window's time outside them is the engine idle
+    (waiting for rewards, announced requests or agents)."""
+
+    def count_step(self, rows: int, seconds: float) -> None:
+        """One more engine step, of ``rows`` rows, that took ``seconds``."""
+        self.steps, self.rows = self.steps + 1, self.rows + rows
+        self.step_seconds += seconds
+
+    def __sub__(self, earlier: "EngineCounters") -> "EngineCounters":
+        return EngineCounters(
+            self.generated_tokens - earlier.generated_tokens,
+            self.steps - earlier.steps,
+            self.rows - earlier.rows,
+            self.step_seconds - earlier.step_seconds,
+        )
+
+
 @runtime_checkable
 class InferenceEngine(BatchScheduler, Protocol):
     """Generates completions on the trainer's own model, stepped only inside generation windows."""
 
-    generated_tokens: int
-    """Tokens sampled since start (a counter for throughput metrics)."""
+    counters: EngineCounters
+    """Tokens, steps, rows and step time since start (for the step metrics)."""
 
     async def generate(
         self,

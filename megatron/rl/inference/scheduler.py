@@ -42,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from megatron.rl.inference.protocol import (
+    EngineCounters,
     EngineError,
     GenerationOutput,
     InvalidInferenceRequest,
@@ -107,15 +108,11 @@ class _Request:
         first = not self.tokens
         s = self.sampling
         return RowWork(
-            slot=self.slot,
-            tokens=tuple(self.prompt if first else self.tokens[-1:]),
+            slot=self.slot, tokens=tuple(self.prompt if first else self.tokens[-1:]),
             start=0 if first else len(self.prompt) + len(self.tokens) - 1,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            seed=self.seed,
+            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=self.seed,
             max_tokens=s.max_tokens,
-        )
+        )  # fmt: skip
 
 
 class ContinuousBatchingScheduler:
@@ -146,8 +143,8 @@ class ContinuousBatchingScheduler:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._error: BaseException | None = None
-        self.generated_tokens = 0
-        """Tokens sampled since start (a counter for throughput metrics)."""
+        self.counters = EngineCounters()
+        """Tokens, steps, rows and step time since start (for the step metrics)."""
 
     # ----------------------------------------------------------------- requests
 
@@ -331,7 +328,9 @@ class ContinuousBatchingScheduler:
         keyed = any(
             self._active[(rep, w.slot)].key is not None for rep, r in enumerate(rows) for w in r
         )
+        start = time.perf_counter()
         results = self.steps.step(StepPlan(tuple(tuple(r) for r in rows)))
+        self.counters.count_step(sum(len(r) for r in rows), time.perf_counter() - start)
         version = self.policy_version()
         for replica, replica_results in enumerate(results):
             for res in replica_results:
@@ -342,7 +341,7 @@ class ContinuousBatchingScheduler:
         req.tokens.append(res.token)
         req.logprobs.append(res.logprob)
         req.versions.append(version)
-        self.generated_tokens += 1
+        self.counters.generated_tokens += 1
         if res.token == self.config.eos_id or res.token in self.config.extra_stop_ids:
             self._finish(req, "stop")
         elif len(req.tokens) >= req.sampling.max_tokens:

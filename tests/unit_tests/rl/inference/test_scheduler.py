@@ -57,6 +57,28 @@ def test_generates_until_max_tokens_or_eos():
     assert full.logprobs == pytest.approx([-0.2, -0.3, -0.4, -0.5])
 
 
+def test_counters_add_up_the_steps_rows_and_tokens_of_the_run():
+    """Two requests admitted together, one stopping at its third token: steps of 2, 2, 2, 1 rows
+    (the trainer logs these per window: engine_steps, engine_rows_per_step, ...)."""
+    steps = FakeSteps(eos_at={5: 4})
+
+    async def run():
+        engine = await running(make_engine(steps))
+        try:
+            await asyncio.gather(
+                engine.generate([2, 3], sampling(4), seed=5),
+                engine.generate([2, 3], sampling(4), seed=6),
+            )
+            return engine.counters
+        finally:
+            await engine.aclose()
+
+    counters = asyncio.run(run())
+    assert (counters.steps, counters.rows, counters.generated_tokens) == (4, 7, 7)
+    assert [len(plan.rows[0]) for plan in steps.plans] == [2, 2, 2, 1]
+    assert counters.step_seconds > 0
+
+
 def test_prompt_is_fed_once_then_one_token_per_step():
     steps = FakeSteps()
 
