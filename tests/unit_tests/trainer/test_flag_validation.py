@@ -244,3 +244,28 @@ def test_each_evaluation_flag_allows_a_validation_split(flag):
 )
 def test_fault_flags_are_validated(argv, message):
     assert any(message in e for e in errors_for(argv))
+
+
+@pytest.mark.parametrize(
+    "argv, world_size, message",
+    [
+        pytest.param(
+            ["--tensor-model-parallel-size", "2", "--ffn-hidden-size", "33"],
+            2,
+            "--ffn-hidden-size (33) must be divisible by --tensor-model-parallel-size (2)",
+            id="ffn-not-divisible-by-tp",
+        ),
+        pytest.param(
+            ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "3"],
+            2,
+            "--make-vocab-size-divisible-by (3) must be divisible by --tensor-model-parallel-size"
+            " (2)",
+            id="vocab-padding-not-divisible-by-tp",
+        ),
+        pytest.param(["--no-load-optim"], 1, "--no-load-optim needs --load", id="no-load-optim"),
+        pytest.param(["--no-load-rng"], 1, "--no-load-rng needs --load", id="no-load-rng"),
+        pytest.param(["--finetune"], 1, "--finetune needs --load", id="finetune"),
+    ],
+)
+def test_conflicting_flags_are_reported_naming_both(argv, world_size, message):
+    assert errors_for(argv, world_size) == [message]
