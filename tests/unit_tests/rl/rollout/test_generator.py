@@ -1,8 +1,9 @@
 """The forced-lag contract of ``GroupedRolloutGenerator`` (docs/architecture.md, points 1-4).
 
-The fake agent finishes groups after random delays, so later groups and later batches often
-finish first; the trainer side is simulated by a loop that bumps the policy version after each
-consumed batch, exactly as the training loop does.
+The fake agent (``grpo_testing.generator``) finishes groups after random delays, so later groups
+and later batches often finish first; the trainer side is simulated by a loop that bumps the
+policy version after each consumed batch, exactly as the training loop does. Draining and
+resuming across a checkpoint: ``test_generator_resume.py``.
 """
 
 from __future__ import annotations
@@ -13,81 +14,22 @@ import time
 import traceback
 
 import pytest
+from grpo_testing.generator import (
+    GROUP_SIZE,
+    GROUPS,
+    FailingAgent,
+    RandomDelayAgent,
+    make_generator,
+    make_group,
+    train_loop,
+)
 
 from megatron.rl.agent.api import Agent
 from megatron.rl.inference.protocol import EngineError
 from megatron.rl.rollout.generator import (
-    GroupedRolloutGenerator,
-    PipelineState,
-    RolloutBatch,
     RolloutConfig,
 )
-from megatron.rl.wire import GroupedRolloutRequest, RolloutGroup, TokenRollout
-
-GROUPS, GROUP_SIZE = 4, 3
-
-
-def make_group(request: GroupedRolloutRequest, salt: int = 0) -> RolloutGroup:
-    """A group whose content is a deterministic function of the request."""
-    rollouts = [
-        TokenRollout(
-            env_id="fake",
-            problem_id=f"{request.batch_id}/{request.index_in_batch}",
-            prompt="p",
-            completion="c",
-            reward=float((request.batch_id * 7 + request.index_in_batch * 3 + k + salt) % 5),
-            tokens=[2, 3 + k],
-            generation_mask=[False, True],
-            logprobs=[-0.5],
-            policy_versions=[request.submission_policy_version],
-            submission_policy_version=request.submission_policy_version,
-        )
-        for k in range(request.group_size)
-    ]
-    return RolloutGroup(
-        batch_id=request.batch_id, index_in_batch=request.index_in_batch, rollouts=rollouts
-    )
-
-
-class RandomDelayAgent(Agent):
-    """Finishes each group after a random delay; records requests and completion order."""
-
-    def __init__(self, seed: int = 0, max_delay: float = 0.01) -> None:
-        super().__init__("fake")
-        self.rng = random.Random(seed)
-        self.max_delay = max_delay
-        self.requests: list[GroupedRolloutRequest] = []
-        self.finished: list[tuple[int, int]] = []
-        self.cancelled = 0
-
-    async def group_rollout(self, request, inference):
-        self.requests.append(request)
-        try:
-            await asyncio.sleep(self.rng.uniform(0, self.max_delay))
-        except asyncio.CancelledError:
-            self.cancelled += 1
-            raise
-        self.finished.append((request.batch_id, request.index_in_batch))
-        return make_group(request)
-
-
-def make_generator(agent: Agent, lag: int, version: list[int], **kwargs) -> GroupedRolloutGenerator:
-    config = RolloutConfig(forced_lag=lag, groups_per_batch=GROUPS, group_size=GROUP_SIZE, seed=1)
-    return GroupedRolloutGenerator(agent, None, config, lambda: version[0], **kwargs)
-
-
-async def train_loop(gen: GroupedRolloutGenerator, version: list[int], steps: int) -> list:
-    """What the trainer does: take batch s, train (bump the version), repeat."""
-    batches = []
-    gen.start()
-    try:
-        for step in range(steps):
-            batches.append(await gen.next_batch())
-            await asyncio.sleep(0.002)  # the "training step": generation keeps running
-            version[0] = step + 1
-    finally:
-        await gen.aclose()
-    return batches
+from megatron.rl.wire import GroupedRolloutRequest
 
 
 @pytest.mark.parametrize("lag", [0, 1, 2, 3])
@@ -177,38 +119,6 @@ def test_lag_zero_equals_a_synchronous_reference_exactly():
         return batches
 
     assert [b.groups for b in streamed] == asyncio.run(synchronous_reference())
-
-
-class FailingAgent(RandomDelayAgent):
-    """Fails group ``fail_at``: its inference fails (``EngineError``, which ends the run) or, with
-    ``environment_bug``, its own code raises (which masks the group)."""
-
-    def __init__(
-        self,
-        fail_at: tuple[int, int],
-        hang_before: int | None = None,
-        environment_bug: bool = False,
-    ) -> None:
-        super().__init__(max_delay=0.002)
-        self.fail_at = fail_at
-        self.hang_before = hang_before
-        self.environment_bug = environment_bug
-
-    async def group_rollout(self, request, inference):
-        if (request.batch_id, request.index_in_batch) == self.fail_at:
-            await asyncio.sleep(0.01)
-            raise_environment_bug() if self.environment_bug else raise_engine_failure()
-        if self.hang_before is not None and request.batch_id < self.hang_before:
-            await asyncio.Event().wait()  # never finishes
-        return await super().group_rollout(request, inference)
-
-
-def raise_environment_bug():
-    raise ZeroDivisionError("bug in the agent")
-
-
-def raise_engine_failure():
-    raise EngineError("the engine failed")
 
 
 def test_inference_failure_reaches_the_trainer_with_its_traceback():
@@ -347,98 +257,3 @@ def test_schedule_hints_reach_the_scheduler_in_order():
 def test_invalid_lag_is_rejected():
     with pytest.raises(ValueError, match="forced_lag"):
         RolloutConfig(forced_lag=-1)
-
-
-async def train_with_checkpoint(
-    lag: int, steps: int, save_at: int, seed: int
-) -> tuple[list[RolloutBatch], PipelineState, list[GroupedRolloutRequest]]:
-    """Train ``steps`` steps, draining (as a checkpoint does) after ``save_at`` steps."""
-    agent, version = RandomDelayAgent(seed=seed), [0]
-    gen = make_generator(agent, lag, version)
-    batches, state = [], None
-    gen.start()
-    try:
-        for step in range(steps):
-            batches.append(await gen.next_batch())
-            version[0] = step + 1
-            if step + 1 == save_at:
-                state = await gen.drain()
-    finally:
-        await gen.aclose()
-    return batches, state, agent.requests
-
-
-async def resume_and_train(
-    lag: int, state: PipelineState, steps: int, seed: int
-) -> tuple[list[RolloutBatch], list[GroupedRolloutRequest]]:
-    """A new generator (a new process) restored from ``state``, trained up to ``steps``."""
-    agent, version = RandomDelayAgent(seed=seed + 100), [state.next_batch_id]
-    gen = make_generator(agent, lag, version, first_batch_id=state.next_batch_id, resume_from=state)
-    batches = []
-    gen.start()
-    try:
-        for step in range(state.next_batch_id, steps):
-            batches.append(await gen.next_batch())
-            version[0] = step + 1
-    finally:
-        await gen.aclose()
-    return batches, agent.requests
-
-
-@pytest.mark.parametrize("lag", [0, 1, 2, 4])
-def test_drain_finishes_every_submitted_batch_and_keeps_them_unconsumed(lag):
-    _, state, requests = asyncio.run(train_with_checkpoint(lag, steps=5, save_at=5, seed=lag))
-    assert state.next_batch_id == 5 and state.submitted == 5 + lag
-    assert [(g.batch_id, g.index_in_batch) for g in state.groups] == [
-        (b, i) for b in range(5, 5 + lag) for i in range(GROUPS)
-    ]
-    for g in state.groups:  # submitted at version batch - lag, as the contract says
-        assert {r.submission_policy_version for r in g.rollouts} == {g.batch_id - lag}
-    assert state == PipelineState.model_validate_json(state.model_dump_json())  # lossless
-
-
-@pytest.mark.parametrize("lag", [0, 1, 2, 3])
-def test_resumed_generator_continues_the_uninterrupted_one_exactly(lag):
-    """Same batches, same submissions, same permits: the lag contract survives a restart."""
-    full, state, full_requests = asyncio.run(train_with_checkpoint(lag, 12, save_at=6, seed=lag))
-    resumed, resumed_requests = asyncio.run(resume_and_train(lag, state, 12, seed=lag))
-
-    assert [b.batch_id for b in resumed] == list(range(6, 12))
-    assert [b.groups for b in resumed] == [b.groups for b in full[6:]]
-    for step, batch in zip(range(6, 12), resumed):
-        versions = {r.submission_policy_version for g in batch.groups for r in g.rollouts}
-        assert versions == {step - lag}
-
-    # The resumed process sends exactly the requests the uninterrupted one sent after the drain
-    # (for the batches both consumed: later ones may be cancelled before their agent starts).
-    def sent(requests):
-        return sorted(
-            (r for r in requests if 6 + lag <= r.batch_id < 12),
-            key=lambda r: (r.batch_id, r.index_in_batch),
-        )
-
-    assert sent(resumed_requests) == sent(full_requests)
-    assert len(sent(resumed_requests)) == max(0, 6 - lag) * GROUPS
-
-
-def test_resume_rejects_a_state_that_was_not_drained_or_another_lag():
-    _, state, _ = asyncio.run(train_with_checkpoint(2, steps=4, save_at=4, seed=0))
-    agent, version = RandomDelayAgent(), [4]
-    with pytest.raises(ValueError, match="forced_lag"):
-        make_generator(agent, 3, version, first_batch_id=4, resume_from=state)
-    partial = state.model_copy(update={"groups": state.groups[:-1]})
-    with pytest.raises(ValueError, match="must be complete"):
-        make_generator(agent, 2, version, first_batch_id=4, resume_from=partial)
-
-
-def test_drain_raises_a_worker_failure():
-    async def run():
-        gen = make_generator(FailingAgent(fail_at=(2, 1)), 2, [0])
-        gen.start()
-        try:
-            with pytest.raises(EngineError, match="the engine failed"):
-                await asyncio.wait_for(gen.drain(), timeout=5)
-        finally:
-            await gen.aclose()
-
-    asyncio.run(run())
