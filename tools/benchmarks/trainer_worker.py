@@ -6,9 +6,9 @@
 It is ``train(parse_args(flags))``, exactly what ``pretrain_grpo.py`` runs, with two read-only
 probes added in this process (nothing under ``megatron/`` is changed):
 
-* ``StepGroup.step`` is wrapped to count, per training step, the engine steps, the requests
-  decoded in each (the engine's active requests: every active request steps in a window) and the
-  seconds spent in them;
+* ``StepGroup.step`` is wrapped to count, per training step, the engine steps that also
+  prefill a newly admitted prompt and the most requests one step decoded (the step metrics
+  already carry the engine steps, their rows and seconds: ``engine_metrics``);
 * ``MetricsWriter.write`` is wrapped to keep each step's metrics with the wall clock, the main
   thread's CPU time and its run-queue wait (``common.thread_clocks``) at the end of the step.
 
@@ -41,36 +41,28 @@ class Probes:
     def __init__(self) -> None:
         self.start = time.perf_counter()
         self.records: list[dict[str, Any]] = []
-        self._engine_steps = 0
-        self._engine_rows = 0
-        self._engine_seconds = 0.0
         self._max_rows = 0
         self._prefill_steps = 0
 
-    def on_engine_step(self, rows: int, prefill: bool, seconds: float) -> None:
+    def on_engine_step(self, rows: int, prefill: bool) -> None:
         """Count one engine step of ``rows`` requests (``prefill``: some feed their prompt)."""
-        self._engine_steps += 1
-        self._engine_rows += rows
-        self._engine_seconds += seconds
         self._max_rows = max(self._max_rows, rows)
         self._prefill_steps += prefill
 
     def on_metrics(self, metrics: dict[str, Any]) -> None:
         """Close the current step: keep its metrics, its engine counters and the time."""
+        rows = round(metrics["engine_rows_per_step"] * metrics["engine_steps"])
         self.records.append(
             {
                 "t": time.perf_counter() - self.start,
                 **thread_clocks(),
-                "engine_steps": self._engine_steps,
-                "engine_rows": self._engine_rows,
-                "engine_seconds": self._engine_seconds,
+                "engine_rows": rows,
                 "engine_max_rows": self._max_rows,
                 "engine_prefill_steps": self._prefill_steps,
                 **metrics,
             }
         )
-        self._engine_steps = self._engine_rows = self._max_rows = self._prefill_steps = 0
-        self._engine_seconds = 0.0
+        self._max_rows = self._prefill_steps = 0
 
 
 def install(probes: Probes) -> None:
@@ -78,19 +70,16 @@ def install(probes: Probes) -> None:
     step = StepGroup.step
     write = metrics_module.MetricsWriter.write
 
-    def timed_step(self: StepGroup, plan):
-        t0 = time.perf_counter()
-        out = step(self, plan)
+    def counted_step(self: StepGroup, plan):
         rows = [row for replica in plan.rows for row in replica]
-        prefill = any(len(row.tokens) > 1 for row in rows)
-        probes.on_engine_step(len(rows), prefill, time.perf_counter() - t0)
-        return out
+        probes.on_engine_step(len(rows), any(len(row.tokens) > 1 for row in rows))
+        return step(self, plan)
 
     def recorded_write(self, metrics: dict[str, Any]) -> None:
         write(self, metrics)
         probes.on_metrics(metrics)
 
-    StepGroup.step = timed_step
+    StepGroup.step = counted_step
     metrics_module.MetricsWriter.write = recorded_write
 
 
