@@ -31,7 +31,8 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        shown = action.default not in (None, False, argparse.SUPPRESS) and action.nargs != 0
+        unset = action.default is None or action.default is False  # 0 and 0.0 are shown
+        shown = not unset and action.default != argparse.SUPPRESS and action.nargs != 0
         if shown and "%(default)" not in text:
             text += " (default: %(default)s)"
         return text

@@ -1,14 +1,21 @@
 """``pretrain_grpo.py``'s command line end to end (``arguments.parse_args``): bad flags exit
 with status 2 and one message naming the flag, without a traceback. The cross-field checks
-themselves are tested in ``test_flag_validation.py``."""
+themselves are tested in ``test_flag_validation.py``. Below: the parser itself (every listed
+flag has its help and default once; ``--help`` exits 0; ``parse_explicit`` names exactly what the
+command line set, which the ``--hf-checkpoint`` conflicts depend on)."""
 
 from __future__ import annotations
 
+import argparse
+import re
 import subprocess
 import sys
 import time
 
 import pytest
+
+from megatron.trainer.arguments import build_parser, parse_args, parse_explicit
+from megatron.trainer.exits import UsageError
 
 
 @pytest.mark.parametrize(
@@ -40,3 +47,56 @@ def test_bad_output_path_exits_within_seconds_with_one_message(tmp_path):
     assert proc.returncode == 2 and time.monotonic() - start < 30
     assert proc.stderr.splitlines()[-1].strip().startswith("--metrics-file")
     assert "Traceback" not in proc.stderr and "Warning" not in proc.stderr
+
+
+# ----------------------------------------------------------------------------- the parser
+
+
+def _options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [a for a in parser._actions if a.option_strings and a.dest != "help"]
+
+
+def test_every_shown_flag_has_help_and_its_default_once():
+    parser = build_parser()
+    text = parser.format_help()
+    for action in _options(parser):
+        if action.help == argparse.SUPPRESS:  # refused Megatron-LM flags: not listed
+            assert all(f"  {o} " not in text for o in action.option_strings), action.dest
+            continue
+        assert action.help and action.help.strip(), f"{action.option_strings} has no help"
+        assert action.help.count("(default") <= 1, action.option_strings
+    for name in ("--rl-forced-lag", "--hf-checkpoint", "--grpo-group-size", "--save"):
+        assert len(re.findall(rf"^  {name}(?=[ ,\n])", text, re.M)) == 1, name  # listed once
+    assert "--rl-forced-lag RL_FORCED_LAG" in text and "(default: 0)" in text
+
+
+def test_help_exits_zero_instead_of_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--help"])
+    assert exc.value.code == 0 and not isinstance(exc.value, UsageError)
+    assert "--rl-forced-lag" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, explicit",
+    [
+        pytest.param([], set(), id="nothing"),
+        pytest.param(["--rl-forced-lag", "2"], {"rl_forced_lag"}, id="value"),
+        pytest.param(["--grpo-group-size", "8"], {"grpo_group_size"}, id="the-default-value"),
+        pytest.param(
+            ["--no-rl-deterministic-schedule", "--seed", "7"],
+            {"rl_deterministic_schedule", "seed"},
+            id="negated-bool-and-int",
+        ),
+        pytest.param(["--rl-deterministic-schedule"], {"rl_deterministic_schedule"}, id="bool"),
+    ],
+)
+def test_parse_explicit_names_what_the_command_line_set(argv, explicit):
+    parser = build_parser()
+    args, given = parse_explicit(parser, argv)
+    assert given == explicit
+    defaults = parser.parse_args([])
+    for action in _options(parser):
+        if action.dest not in explicit and action.default != argparse.SUPPRESS:
+            assert getattr(args, action.dest) == getattr(defaults, action.dest), action.dest
+    assert args.grpo_group_size == 8 and (args.rl_forced_lag == 2) == ("rl_forced_lag" in given)
