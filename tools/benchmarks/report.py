@@ -150,7 +150,9 @@ temperature 1, micro-batches of 32, lr 3e-3 constant, clip 0.2/0.28, no KL term;
 `--inference-max-requests 192`. *Generated tokens/step*: mean completion length x 64, the work
 of each step's generation; the targets also give the ratio per generated token. *Peak RSS*: the
 process's `ru_maxrss` (ours: the training process under `torchrun`), the largest over rounds.
-Absolute times are not comparable with section 3 (other shape, other time of the day).
+*Training s/step*: our step's optimizer update alone (forward, backward, optimizer; wall clock);
+TRL's s/step divided by it is the speedup ours would reach if generation cost nothing, a ceiling
+that no lag or engine change can pass. Absolute times are not comparable with section 3 (other shape, other time of the day).
 
 {body}
 """

@@ -58,6 +58,16 @@ def hf_targets(hfs: dict[str, Any]) -> list[str]:
     return lines
 
 
+def ceiling(row: dict[str, Any]) -> str:
+    """What the training step alone allows: TRL's s/step over ours without generation."""
+    if "training_ceiling_vs_trl" not in row:
+        return ""
+    return (
+        f" Ceiling with free generation: TRL ÷ our training step alone "
+        f"({row['train_seconds_per_step']:.3f} s) = {row['training_ceiling_vs_trl']:.2f}x."
+    )
+
+
 def trl_hf_targets(trl_hf: dict[str, Any]) -> list[str]:
     """Issue 17's whole-step and memory targets against TRL on each HF checkpoint."""
     lines = []
@@ -77,7 +87,7 @@ def trl_hf_targets(trl_hf: dict[str, Any]) -> list[str]:
                 + ("" if unc is None else f"; {unc:.2f}x without run-queue wait")
                 + f"; {r['completion_tokens_mean'] * per_step:.0f} vs "
                 f"{trl['completion_tokens_mean'] * per_step:.0f} generated tokens per step, "
-                f"{per_token:.2f}x per generated token in CPU time)."
+                f"{per_token:.2f}x per generated token in CPU time)." + ceiling(r)
             )
         worst = max(rows[n]["peak_rss_mib"] for n in ("ours L=0", "ours L=2"))
         lines.append(

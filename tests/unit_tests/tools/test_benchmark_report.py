@@ -138,6 +138,21 @@ def test_whole_step_targets_against_trl(res, name, target, factor, expected):
     assert verdict(line(targets.trl_hf_targets(res["trl_hf"]), start)) == expected
 
 
+def test_training_ceiling_is_said_beside_the_whole_step_ratio(res):
+    from tools.benchmarks import trl_side_by_side
+
+    shape = res["trl_hf"]["1m"]
+    r = by_name(shape["results"], "ours L=2")
+    r["train_seconds_per_step"], r["training_ceiling_vs_trl"] = 0.125, 1.9
+    text = line(targets.trl_hf_targets(res["trl_hf"]), "- Llama 1M: ours L=2 whole GRPO step")
+    assert text.endswith("TRL ÷ our training step alone (0.125 s) = 1.90x.")
+    rows = trl_side_by_side.markdown(shape).splitlines()
+    assert rows[0].count("|") == rows[1].count("|") == rows[2].count("|")  # one cell per column
+    ours = next(x for x in rows if x.startswith("| ours L=2 |"))
+    assert ours.endswith("| 0.125 (1.90x) |")
+    assert next(x for x in rows if x.startswith("| trl |")).endswith("| n/a |")
+
+
 @pytest.mark.parametrize("ours_mib, expected", [(500.0, "met"), (591.0, "met"), (592.0, "not met")])
 def test_peak_rss_target(res, ours_mib, expected):
     rows = res["trl_hf"]["1m"]["results"]
