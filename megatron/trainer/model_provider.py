@@ -76,9 +76,12 @@ def parallel_overrides(args: argparse.Namespace) -> dict:
     )
 
 
-def build_model(args: argparse.Namespace, vocab_size: int, device: torch.device) -> GPTModel:
+def build_model(
+    args: argparse.Namespace, vocab_size: int, device: torch.device, initialize: bool = True
+) -> GPTModel:
     """The CPU tier's GPT (SDPA core attention, float32, one pipeline stage) of the flags, for a
-    tokenizer of ``vocab_size`` ids."""
+    tokenizer of ``vocab_size`` ids. ``initialize=False`` skips megatron-core's random init
+    (``perform_initialization``): for a model whose every tensor a checkpoint load overwrites."""
     arch = architecture(args, vocab_size)
-    config = transformer_config(arch, **parallel_overrides(args))
+    config = transformer_config(arch, **parallel_overrides(args), perform_initialization=initialize)
     return build_gpt_model(arch, config, layer_spec(arch, SDPASpecProvider())).to(device)

@@ -38,7 +38,7 @@ def build_reference_model(
     if not needs_reference:
         return None
     devices = [ctx.device] if ctx.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):  # initialization draws from the global RNG
+    with torch.random.fork_rng(devices=devices):  # a guard: building draws nothing (no init)
         reference = tier.build_reference(vocab_size)
     if args.ref_load is not None:
         iteration = latest_iteration(args.ref_load, "--ref-load")

@@ -65,7 +65,8 @@ class Tier(ABC):
     @abstractmethod
     def build_reference(self, vocab_size: int) -> torch.nn.Module:
         """A second model of ``build_model``'s architecture on this rank (its shard and stage),
-        for forward passes only (no DDP); ``reference.py`` sets its weights and freezes it."""
+        for forward passes only (no DDP), without random initialization: ``reference.py`` sets
+        all its weights (a strict ``load_state_dict``) and freezes it."""
 
     @abstractmethod
     def build_optimizer(self, model: torch.nn.Module) -> tuple[Any, Any]:

@@ -76,15 +76,16 @@ class CPUTier(Tier):
 
     def build_model(self, vocab_size, load=None):
         """Float32 GPT with the SDPA core attention on ``ctx.device``; ``load`` fills its
-        weights."""
-        model = model_provider.build_model(self.args, vocab_size, self.ctx.device)
+        weights (every tensor, so the random initialization is skipped then)."""
+        device = self.ctx.device
+        model = model_provider.build_model(self.args, vocab_size, device, initialize=load is None)
         if load is not None:
             load(model)
         return model
 
     def build_reference(self, vocab_size):
-        """The same GPT as ``build_model``."""
-        return model_provider.build_model(self.args, vocab_size, self.ctx.device)
+        """The same GPT as ``build_model``, not initialized (``reference.py`` loads it)."""
+        return model_provider.build_model(self.args, vocab_size, self.ctx.device, initialize=False)
 
     def build_optimizer(self, model: torch.nn.Module) -> tuple[Any, Any]:
         """torch AdamW and the shared LR schedule."""

@@ -64,8 +64,11 @@ def apex_fused_wgrad_importable() -> bool:
     return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
 
 
-def cuda_transformer_config(args, arch: GPTArchitecture, transformer_engine: bool):
-    """The model config of ``arch`` with the CUDA tier's layout, precision and fusions."""
+def cuda_transformer_config(
+    args, arch: GPTArchitecture, transformer_engine: bool, initialize: bool = True
+):
+    """The model config of ``arch`` with the CUDA tier's layout, precision and fusions;
+    ``initialize=False``: no random init (a checkpoint load fills every tensor)."""
     dtype = torch.bfloat16 if getattr(args, "bf16", False) else torch.float32
     return transformer_config(
         arch,
@@ -74,6 +77,7 @@ def cuda_transformer_config(args, arch: GPTArchitecture, transformer_engine: boo
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         calculate_per_token_loss=True,
+        perform_initialization=initialize,
         bias_dropout_fusion=True,
         gradient_accumulation_fusion=transformer_engine or apex_fused_wgrad_importable(),
     )
@@ -120,12 +124,14 @@ class CUDATier(Tier):
 
     # ----------------------------------------------------------------- model, optimizer
 
-    def _stage_model(self, vocab_size, load=None) -> torch.nn.Module:
+    def _stage_model(self, vocab_size, load=None, initialize=True) -> torch.nn.Module:
         """This stage's GPT on the current CUDA device (``load`` fills its weights before it is
-        cast), in bf16 if asked (``Float16Module``)."""
+        cast, so the random initialization is skipped then, as with ``initialize=False``), in
+        bf16 if asked (``Float16Module``)."""
         args = self.args
         arch = architecture(args, vocab_size)
-        config = cuda_transformer_config(args, arch, self.transformer_engine)
+        initialize = initialize and load is None
+        config = cuda_transformer_config(args, arch, self.transformer_engine, initialize)
         model = build_gpt_model(
             arch,
             config,
@@ -160,8 +166,9 @@ class CUDATier(Tier):
         return ddp
 
     def build_reference(self, vocab_size):
-        """This stage's GPT (``_stage_model``, its own config) without DDP: forward only."""
-        return self._stage_model(vocab_size)
+        """This stage's GPT (``_stage_model``, its own config) without DDP: forward only, not
+        initialized (``reference.py`` loads it)."""
+        return self._stage_model(vocab_size, initialize=False)
 
     def build_optimizer(self, model: torch.nn.Module) -> tuple[Any, Any]:
         """megatron-core's Adam(W) for the DDP model and the shared LR schedule."""

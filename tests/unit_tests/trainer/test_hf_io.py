@@ -121,6 +121,26 @@ def test_missing_weights_are_named_at_load(tiny_hf_checkpoints, tmp_path, cpu_ct
         CPUTier(args, cpu_ctx).build_model(args.hf_config.vocab_size, weight_loader(args))
 
 
+@pytest.mark.parametrize("with_checkpoint", [True, False], ids=["checkpoint", "random-init"])
+def test_a_model_the_checkpoint_fills_is_not_randomly_initialized_first(
+    tiny_hf_checkpoints, cpu_ctx, with_checkpoint
+):
+    """megatron-core's random init of a model that ``--hf-checkpoint`` then overwrites whole is
+    wasted (minutes for billions of parameters): it is skipped, so no random number is drawn."""
+    args = hf_run_args(tiny_hf_checkpoints["llama"])
+    before = torch.get_rng_state()
+    model = CPUTier(args, cpu_ctx).build_model(
+        args.hf_config.vocab_size, weight_loader(args) if with_checkpoint else None
+    )
+    assert torch.equal(torch.get_rng_state(), before) == with_checkpoint
+    if with_checkpoint:  # and every tensor is the checkpoint's
+        weights = load_file(tiny_hf_checkpoints["llama"] / "model.safetensors")
+        embedding, hf = model.embedding.word_embeddings.weight, weights["model.embed_tokens.weight"]
+        assert torch.equal(embedding[: len(hf)], hf.to(embedding.dtype))
+        assert not embedding[len(hf) :].any()  # the padding rows are written as zeros
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
 def test_round_trip_is_bitwise_and_trained_weights_export_to_transformers(
     tiny_hf_checkpoints, tmp_path, cpu_ctx
 ):
