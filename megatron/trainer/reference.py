@@ -39,7 +39,7 @@ def build_reference_model(
         return None
     devices = [ctx.device] if ctx.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):  # a guard: building draws nothing (no init)
-        reference = tier.build_reference(vocab_size)
+        reference = tier.build_reference(vocab_size, initialize=False)  # every tensor loaded below
     if args.ref_load is not None:
         iteration = latest_iteration(args.ref_load, "--ref-load")
         directory, shards = iteration_dir(args.ref_load, iteration), tier.checkpoint_shards()

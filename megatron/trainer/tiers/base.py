@@ -63,10 +63,11 @@ class Tier(ABC):
         ``GPTModel``'s weights (a Hugging Face checkpoint) before any wrapping."""
 
     @abstractmethod
-    def build_reference(self, vocab_size: int) -> torch.nn.Module:
+    def build_reference(self, vocab_size: int, initialize: bool = True) -> torch.nn.Module:
         """A second model of ``build_model``'s architecture on this rank (its shard and stage),
-        for forward passes only (no DDP), without random initialization: ``reference.py`` sets
-        all its weights (a strict ``load_state_dict``) and freezes it."""
+        for forward passes only (no DDP); ``reference.py`` sets its weights and freezes it.
+        ``initialize=False`` skips the random initialization (for a caller that overwrites every
+        tensor: its values are then uninitialized memory)."""
 
     @abstractmethod
     def build_optimizer(self, model: torch.nn.Module) -> tuple[Any, Any]:

@@ -83,9 +83,9 @@ class CPUTier(Tier):
             load(model)
         return model
 
-    def build_reference(self, vocab_size):
-        """The same GPT as ``build_model``, not initialized (``reference.py`` loads it)."""
-        return model_provider.build_model(self.args, vocab_size, self.ctx.device, initialize=False)
+    def build_reference(self, vocab_size, initialize=True):
+        """The same GPT as ``build_model``."""
+        return model_provider.build_model(self.args, vocab_size, self.ctx.device, initialize)
 
     def build_optimizer(self, model: torch.nn.Module) -> tuple[Any, Any]:
         """torch AdamW and the shared LR schedule."""

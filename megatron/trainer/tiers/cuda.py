@@ -165,10 +165,9 @@ class CUDATier(Tier):
         config.finalize_model_grads_func = finalize_model_grads
         return ddp
 
-    def build_reference(self, vocab_size):
-        """This stage's GPT (``_stage_model``, its own config) without DDP: forward only, not
-        initialized (``reference.py`` loads it)."""
-        return self._stage_model(vocab_size, initialize=False)
+    def build_reference(self, vocab_size, initialize=True):
+        """This stage's GPT (``_stage_model``, its own config) without DDP: forward only."""
+        return self._stage_model(vocab_size, initialize=initialize)
 
     def build_optimizer(self, model: torch.nn.Module) -> tuple[Any, Any]:
         """megatron-core's Adam(W) for the DDP model and the shared LR schedule."""

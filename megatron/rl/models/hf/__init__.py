@@ -17,7 +17,11 @@ from megatron.rl.models.hf.checkpoint import (
 )
 from megatron.rl.models.hf.config import FAMILIES, HFModelConfig, hf_config_dict, read_hf_config
 from megatron.rl.models.hf.errors import HFCheckpointError
-from megatron.rl.models.hf.mapping import hf_from_megatron, megatron_shard_from_hf
+from megatron.rl.models.hf.mapping import (
+    hf_from_megatron,
+    megatron_shard_from_hf,
+    megatron_shard_readers,
+)
 
 __all__ = [
     "FAMILIES",
@@ -30,5 +34,6 @@ __all__ = [
     "load_hf_checkpoint",
     "load_hf_tokenizer",
     "megatron_shard_from_hf",
+    "megatron_shard_readers",
     "read_hf_config",
 ]

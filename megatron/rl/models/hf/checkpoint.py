@@ -5,7 +5,10 @@ shard file) with its shards. Every tensor that ``config.json`` implies must be t
 implied shape (``mapping.hf_tensor_shapes``); any other tensor is an error, except the rotary
 ``inv_freq`` buffers old Llama checkpoints carry and ``lm_head.weight`` of a tied model (which,
 like transformers, is ignored in favour of the embedding). Each TP rank reads only its slices
-(``safetensors`` ``get_slice``). Errors are ``HFCheckpointError`` naming the file and tensor.
+(``safetensors`` ``get_slice``), one tensor at a time (``mapping.megatron_shard_readers``), each
+file mapped only while a tensor of it is read: loading holds the model plus one converted tensor
+(Qwen2.5-0.5B shape on CPU: peak RSS 2.3 GiB, 5.0 GiB when the whole shard was converted first
+with the files mapped throughout). Errors are ``HFCheckpointError`` naming the file and tensor.
 
 Writing (``export_hf``): ``config.json`` (``architectures``, ``model_type``, ``torch_dtype``),
 ``generation_config.json`` (BOS/EOS/PAD ids), the weights as ``model.safetensors`` or, above
@@ -30,7 +33,11 @@ from megatron.core import parallel_state
 from megatron.rl.models.architecture import GPTArchitecture
 from megatron.rl.models.hf.config import HFModelConfig, hf_config_dict
 from megatron.rl.models.hf.errors import HFCheckpointError
-from megatron.rl.models.hf.mapping import hf_from_megatron, hf_tensor_shapes, megatron_shard_from_hf
+from megatron.rl.models.hf.mapping import (
+    hf_from_megatron,
+    hf_tensor_shapes,
+    megatron_shard_readers,
+)
 
 if TYPE_CHECKING:
     from megatron.rl.tokenizer import HuggingFaceTokenizer
@@ -86,13 +93,13 @@ class SafetensorsSource:
         for path in sorted(set(self.files.values())):
             if not path.is_file():
                 raise HFCheckpointError(f"{path}: weight shard listed in {INDEX_FILE} is missing")
-        self._handles: dict[Path, object] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
 
-    def _slice(self, name: str):
-        path = self.files[name]
-        if path not in self._handles:
-            self._handles[path] = _safetensors().safe_open(path, framework="pt")
-        return self._handles[path].get_slice(name)
+    def _open(self, name: str):
+        """The file of ``name``, memory-mapped until the ``with`` block ends: a file is mapped
+        only while one of its tensors is read, so the pages read do not stay in this process's
+        resident memory for the whole load."""
+        return _safetensors().safe_open(self.files[name], framework="pt")
 
     def names(self) -> list[str]:
         """Every tensor name of the checkpoint."""
@@ -106,16 +113,18 @@ class SafetensorsSource:
         """Full shape of ``name``; None if the checkpoint has no such tensor."""
         if name not in self.files:
             return None
-        return tuple(self._slice(name).get_shape())
+        if name not in self._shapes:
+            with self._open(name) as f:
+                self._shapes.update((n, tuple(f.get_slice(n).get_shape())) for n in f.keys())
+        return self._shapes[name]
 
     def read(
         self, name: str, dim: int = 0, start: int = 0, stop: int | None = None
     ) -> torch.Tensor:
         """``name[start:stop]`` along ``dim`` (0 or 1), reading only that slice."""
-        sl = self._slice(name)
-        if dim == 0:
-            return sl[start:stop]
-        return sl[:, start:stop]
+        with self._open(name) as f:
+            sl = f.get_slice(name)
+            return sl[start:stop] if dim == 0 else sl[:, start:stop]
 
 
 def check_hf_tensors(source: SafetensorsSource, arch: GPTArchitecture, vocab_size: int) -> None:
@@ -170,7 +179,7 @@ def load_hf_checkpoint(
         k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")
     }
     fused = any(k.endswith("linear_qkv.layer_norm_weight") for k in targets)
-    shard = megatron_shard_from_hf(hf.arch, source, hf.vocab_size, tp_rank, tp_size, fused)
+    shard = megatron_shard_readers(hf.arch, source, hf.vocab_size, tp_rank, tp_size, fused)
     if set(shard) != set(targets):
         raise ValueError(
             f"model does not match {directory}/config.json: model-only tensors "
@@ -178,7 +187,8 @@ def load_hf_checkpoint(
             f"checkpoint-only {sorted(set(shard) - set(targets))}"
         )
     with torch.no_grad():
-        for name, value in shard.items():
+        for name, read in shard.items():  # one converted tensor alive at a time
+            value = read()
             if tuple(targets[name].shape) != tuple(value.shape):
                 raise ValueError(
                     f"model tensor {name!r} has shape {list(targets[name].shape)}, the checkpoint "

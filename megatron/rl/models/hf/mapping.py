@@ -38,7 +38,8 @@ slices). Mapping never changes values: HF -> megatron -> HF is bitwise.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -136,7 +137,22 @@ def megatron_shard_from_hf(
     tp_size: int = 1,
     fused_norms: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """TP rank ``tp_rank``'s megatron-core tensors of an HF checkpoint (values unchanged).
+    """TP rank ``tp_rank``'s megatron-core tensors of an HF checkpoint (values unchanged): every
+    reader of ``megatron_shard_readers`` called."""
+    readers = megatron_shard_readers(arch, source, vocab_size, tp_rank, tp_size, fused_norms)
+    return {name: read() for name, read in readers.items()}
+
+
+def megatron_shard_readers(
+    arch: GPTArchitecture,
+    source: TensorSource,
+    vocab_size: int,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    fused_norms: bool = False,
+) -> dict[str, Callable[[], torch.Tensor]]:
+    """For each megatron-core tensor of TP rank ``tp_rank``, what reads it from an HF checkpoint
+    when called: a loader that copies them one at a time holds one converted tensor at a time.
 
     ``vocab_size``: rows of the HF embedding; rows up to ``arch.vocab_size`` are zeros.
     ``fused_norms``: name the input norms as Transformer Engine's fused layers do.
@@ -163,39 +179,44 @@ def megatron_shard_from_hf(
         parts = [t.reshape(groups, -1, *tail) for t in (q, k, v)]
         return torch.cat(parts, dim=1).reshape(-1, *tail)  # (groups * (q/g + 2) * d, ...)
 
+    def gate_up(mlp: str, kind: str) -> torch.Tensor:
+        """This rank's ``[gate_r; up_r]`` rows (megatron-core's SwiGLU ``linear_fc1``)."""
+        return torch.cat(
+            [rows(mlp + f"gate_proj.{kind}", f_rows), rows(mlp + f"up_proj.{kind}", f_rows)]
+        )
+
+    read = source.read
     vocab_rows = arch.vocab_size // tp_size
-    out = {
-        "embedding.word_embeddings.weight": _vocab_rows(
-            source, "model.embed_tokens.weight", vocab_size, r * vocab_rows, vocab_rows
+    out: dict[str, Callable[[], torch.Tensor]] = {
+        "embedding.word_embeddings.weight": partial(
+            _vocab_rows, source, "model.embed_tokens.weight", vocab_size, r * vocab_rows, vocab_rows
         ),
-        "decoder.final_layernorm.weight": source.read("model.norm.weight"),
+        "decoder.final_layernorm.weight": partial(read, "model.norm.weight"),
     }
     if arch.untie_embeddings_and_output_weights:
-        out["output_layer.weight"] = _vocab_rows(
-            source, "lm_head.weight", vocab_size, r * vocab_rows, vocab_rows
+        out["output_layer.weight"] = partial(
+            _vocab_rows, source, "lm_head.weight", vocab_size, r * vocab_rows, vocab_rows
         )
     biases = ("weight", "bias") if arch.add_bias_linear else ("weight",)
     for i in range(arch.num_layers):
         hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
         hf_attn, attn = hf + "self_attn.", mc + "self_attention."
         in_norm, mlp_norm = _norm_names(i, fused_norms)
-        out[in_norm] = source.read(hf + "input_layernorm.weight")
-        out[mlp_norm] = source.read(hf + "post_attention_layernorm.weight")
-        out[attn + "linear_qkv.weight"] = qkv(hf_attn, "weight")
+        out[in_norm] = partial(read, hf + "input_layernorm.weight")
+        out[mlp_norm] = partial(read, hf + "post_attention_layernorm.weight")
+        out[attn + "linear_qkv.weight"] = partial(qkv, hf_attn, "weight")
         if arch.add_bias_linear or arch.add_qkv_bias:
-            out[attn + "linear_qkv.bias"] = qkv(hf_attn, "bias")
-        out[attn + "linear_proj.weight"] = cols(hf_attn + "o_proj.weight", q_rows)
+            out[attn + "linear_qkv.bias"] = partial(qkv, hf_attn, "bias")
+        out[attn + "linear_proj.weight"] = partial(cols, hf_attn + "o_proj.weight", q_rows)
         if arch.qk_layernorm:
-            out[attn + "q_layernorm.weight"] = source.read(hf_attn + "q_norm.weight")
-            out[attn + "k_layernorm.weight"] = source.read(hf_attn + "k_norm.weight")
+            out[attn + "q_layernorm.weight"] = partial(read, hf_attn + "q_norm.weight")
+            out[attn + "k_layernorm.weight"] = partial(read, hf_attn + "k_norm.weight")
         for kind in biases:
-            gate = rows(hf + f"mlp.gate_proj.{kind}", f_rows)
-            up = rows(hf + f"mlp.up_proj.{kind}", f_rows)
-            out[mc + f"mlp.linear_fc1.{kind}"] = torch.cat([gate, up])  # [gate_r; up_r]
-        out[mc + "mlp.linear_fc2.weight"] = cols(hf + "mlp.down_proj.weight", f_rows)
+            out[mc + f"mlp.linear_fc1.{kind}"] = partial(gate_up, hf + "mlp.", kind)
+        out[mc + "mlp.linear_fc2.weight"] = partial(cols, hf + "mlp.down_proj.weight", f_rows)
         if arch.add_bias_linear:
-            out[attn + "linear_proj.bias"] = source.read(hf_attn + "o_proj.bias")
-            out[mc + "mlp.linear_fc2.bias"] = source.read(hf + "mlp.down_proj.bias")
+            out[attn + "linear_proj.bias"] = partial(read, hf_attn + "o_proj.bias")
+            out[mc + "mlp.linear_fc2.bias"] = partial(read, hf + "mlp.down_proj.bias")
     return out
 
 

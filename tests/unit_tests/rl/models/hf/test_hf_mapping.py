@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from megatron.rl.models.architecture import GPTArchitecture
-from megatron.rl.models.hf import HFCheckpointError, hf_from_megatron, megatron_shard_from_hf
+from megatron.rl.models.hf import (
+    HFCheckpointError,
+    hf_from_megatron,
+    megatron_shard_from_hf,
+    megatron_shard_readers,
+)
 from megatron.rl.models.hf.mapping import DictSource, hf_tensor_shapes
 
 HF_VOCAB = 10
@@ -143,3 +148,33 @@ def test_tp_must_divide_the_query_groups():
         ValueError, match=r"num_query_groups: 2 is not divisible by tensor_model_parallel_size=4"
     ):
         megatron_shard_from_hf(ARCH, DictSource(hf_tensors()), HF_VOCAB, 0, 4)
+
+
+class RecordingSource(DictSource):
+    """A ``DictSource`` that records the tensor names it is asked for."""
+
+    def __init__(self, tensors) -> None:
+        super().__init__(tensors)
+        self.reads: list[str] = []
+
+    def read(self, name, dim=0, start=0, stop=None):
+        self.reads.append(name)
+        return super().read(name, dim, start, stop)
+
+
+def test_readers_read_nothing_until_called_and_then_only_their_tensors():
+    """The loader copies one converted tensor at a time: building the readers reads nothing, and
+    each reader reads only the HF tensors of its megatron-core tensor."""
+    hf = hf_tensors()
+    source = RecordingSource(hf)
+    readers = megatron_shard_readers(ARCH, source, HF_VOCAB, tp_rank=1, tp_size=2)
+    assert source.reads == []
+    qkv = readers["decoder.layers.1.self_attention.linear_qkv.bias"]()
+    attn = "model.layers.1.self_attn."
+    assert source.reads == [attn + f"{p}_proj.bias" for p in "qkv"]
+    source.reads.clear()
+    readers["decoder.layers.0.mlp.linear_fc1.weight"]()
+    assert source.reads == [f"model.layers.0.mlp.{p}_proj.weight" for p in ("gate", "up")]
+    whole = megatron_shard_from_hf(ARCH, DictSource(hf), HF_VOCAB, tp_rank=1, tp_size=2)
+    assert whole.keys() == readers.keys()
+    assert torch.equal(qkv, whole["decoder.layers.1.self_attention.linear_qkv.bias"])
