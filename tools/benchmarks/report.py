@@ -152,7 +152,8 @@ of each step's generation; the targets also give the ratio per generated token. 
 process's `ru_maxrss` (ours: the training process under `torchrun`), the largest over rounds.
 *Training s/step*: our step's optimizer update alone (forward, backward, optimizer; wall clock);
 TRL's s/step divided by it is the speedup ours would reach if generation cost nothing, a ceiling
-that no lag or engine change can pass. Absolute times are not comparable with section 3 (other shape, other time of the day).
+that no lag or engine change can pass. Absolute times are not comparable with section 3 (other
+shape, other time of the day).
 
 {body}
 """

@@ -126,11 +126,9 @@ class CUDATier(Tier):
 
     def _stage_model(self, vocab_size, load=None, initialize=True) -> torch.nn.Module:
         """This stage's GPT on the current CUDA device (``load`` fills its weights before it is
-        cast, so the random initialization is skipped then, as with ``initialize=False``), in
-        bf16 if asked (``Float16Module``)."""
+        cast), in bf16 if asked (``Float16Module``); ``initialize=False``: no random init."""
         args = self.args
         arch = architecture(args, vocab_size)
-        initialize = initialize and load is None
         config = cuda_transformer_config(args, arch, self.transformer_engine, initialize)
         model = build_gpt_model(
             arch,
@@ -149,7 +147,7 @@ class CUDATier(Tier):
     def build_model(self, vocab_size, load=None):
         """This stage's GPT (``_stage_model``) wrapped in DDP."""
         args = self.args
-        model = self._stage_model(vocab_size, load)
+        model = self._stage_model(vocab_size, load, initialize=load is None)  # load fills all
         config = model.config
         ddp = DistributedDataParallel(
             config=config,
