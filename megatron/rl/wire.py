@@ -38,6 +38,11 @@ class SamplingParams(WireModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1 disables.")
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 disables.")
     max_tokens: int = Field(16, ge=1, le=MAX_TOKENS, description="Most tokens to generate.")
+    ignore_eos: bool = Field(
+        False,
+        description="Generate exactly max_tokens: EOS and the other stop tokens do not end the "
+        "generation (the same work for every request).",
+    )
 
 
 class ChatMessage(WireModel):

@@ -71,6 +71,7 @@ class ChatCompletionRequest(WireModel):
     )
     stream: Literal[False] = False
     rollout_key: RolloutKey | None = Field(None, description="Extension: see InferenceRequest.")
+    ignore_eos: bool = Field(False, description="Extension: see SamplingParams.")
 
     @field_validator("top_logprobs")
     @classmethod
@@ -105,6 +106,7 @@ class ChatCompletionRequest(WireModel):
                 top_p=self.top_p,
                 top_k=self.top_k,
                 max_tokens=self.budget,
+                ignore_eos=self.ignore_eos,
             ),
             seed=self.seed,
             rollout_key=self.rollout_key,
@@ -122,6 +124,7 @@ class ChatCompletionRequest(WireModel):
             n=n,
             messages=request.messages,
             max_completion_tokens=s.max_tokens,
+            ignore_eos=s.ignore_eos,
             temperature=s.temperature,
             top_p=s.top_p,
             top_k=s.top_k,

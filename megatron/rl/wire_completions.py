@@ -53,6 +53,7 @@ class CompletionRequest(WireModel):
         None, max_length=MAX_TOKENS, description="Extension: see InferenceRequest (token 'prompt')."
     )
     continued: bool = Field(False, description="Extension: see InferenceRequest (n=1).")
+    ignore_eos: bool = Field(False, description="Extension: see SamplingParams.")
 
     @model_validator(mode="after")
     def _extensions_consistent(self) -> "CompletionRequest":
@@ -74,6 +75,7 @@ class CompletionRequest(WireModel):
                 top_p=self.top_p,
                 top_k=self.top_k,
                 max_tokens=self.max_tokens,
+                ignore_eos=self.ignore_eos,
             ),
             seed=self.seed,
             rollout_key=self.rollout_key,
@@ -92,6 +94,7 @@ class CompletionRequest(WireModel):
             n=n,
             prompt=request.prompt if request.prompt is not None else request.prompt_tokens,
             max_tokens=s.max_tokens,
+            ignore_eos=s.ignore_eos,
             temperature=s.temperature,
             top_p=s.top_p,
             top_k=s.top_k,

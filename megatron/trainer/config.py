@@ -96,6 +96,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
         top_p=args.rl_default_top_p if args.rl_default_top_p > 0 else 1.0,
         top_k=max(args.rl_default_top_k, 0),
         max_tokens=args.rl_default_max_tokens,
+        ignore_eos=args.rl_ignore_eos,
     )
 
 
@@ -153,14 +154,15 @@ def scheduler_config(
 
 
 def eval_config(args: argparse.Namespace, tokenizer: Tokenizer | None = None) -> EvalConfig:
-    """The evaluation described by the flags (sampled pass at the training sampling params);
-    the tokenizer's EOS and extra stop ids tell a finished response from a truncated one."""
+    """The evaluation described by the flags (sampled pass at the training sampling params, but
+    always ending at EOS: ``--rl-ignore-eos`` is for training rollouts); the tokenizer's EOS and
+    extra stop ids tell a finished response from a truncated one."""
     stops = () if tokenizer is None else (tokenizer.eos_id, *tokenizer.extra_stop_ids)
     return EvalConfig(
         num_prompts=args.eval_prompts,
         samples_per_prompt=args.eval_samples,
         pass_k=tuple(sorted(set(args.eval_pass_k))),
-        sampling=sampling_params(args),
+        sampling=sampling_params(args).model_copy(update={"ignore_eos": False}),
         correct_threshold=args.eval_correct_threshold,
         seed=args.seed,
         stop_token_ids=tuple(stops),

@@ -46,6 +46,13 @@ def add_rl_arguments(parser: argparse.ArgumentParser) -> None:
         help="Generation budget when the environment sets none.",
     )
     g.add_argument(
+        "--rl-ignore-eos",
+        action="store_true",
+        help="Generate every rollout to its full token budget: EOS and the tokenizer's other "
+        "stop tokens do not end a generation (the same work per rollout, e.g. to compare "
+        "throughput with another trainer).",
+    )
+    g.add_argument(
         "--env-config",
         *aliases_of("--env-config"),
         type=str,

@@ -68,7 +68,7 @@ class FakeDynamicEngine:
             sampling_params.termination_id,
         )  # fmt: skip
         self.requests[request_id] = request
-        self.log.append(("add", request_id, tuple(prompt), request.budget))
+        self.log.append(("add", request_id, tuple(prompt), request.budget, request.termination_id))
         if len(prompt) + request.budget > self.max_sequence_length:
             request.status = Status.FAILED
             self.failed.append(request_id)

@@ -107,17 +107,18 @@ and parameter count ({params}); median of {eng['repeats']} interleaved repeats, 
 
 ## 3. TRL GRPOTrainer side by side
 
-Same model shape (random init), digit-copy prompts and reward, 8 prompts x 8 samples, at most 16
-new tokens, temperature 1, micro-batches of 32, lr 3e-3 constant, clip 0.2/0.28, no KL term;
+Same model shape (random init), digit-copy prompts and reward, 8 prompts x 8 samples, exactly 16
+new tokens per completion, temperature 1, micro-batches of 32, lr 3e-3 constant, clip 0.2/0.28,
+no KL term;
 {trl['steps']} steps per run of which the first {trl['skip']} are not measured;
 interleaved rounds: {trl['rounds']}. Our flags besides `--rl-forced-lag` and
 `--inference-max-requests`: `{' '.join(trl['flags'])}`.
 
 {trl_side_by_side.markdown(trl)}
 
-The trainers' policies learn at different speeds, and EOS ends a completion early on both
-sides, so the mean tokens per completion (last column) differ; fewer tokens per step means less
-work per step.
+EOS ends no completion on either side (ours: `--rl-ignore-eos`; TRL: `generate`'s
+`min_new_tokens`, which keeps EOS from being sampled before the budget), so both generate and
+train the same tokens per step (last column) whatever their policies learn.
 
 {hf_section(res["hf_shapes"]) if "hf_shapes" in res else ""}
 {trl_hf_section(res["trl_hf"]) if "trl_hf" in res else ""}
@@ -145,10 +146,11 @@ def trl_hf_section(trl_hf: dict[str, Any]) -> str:
 
 Both trainers load the same random Llama checkpoint and its tokenizer (TRL with
 `from_pretrained`, ours with `--hf-checkpoint`), on the digit-copy prompts and reward, 8
-prompts x 8 samples, at most 16 new tokens (EOS may end a completion earlier on either side),
-temperature 1, micro-batches of 32, lr 3e-3 constant, clip 0.2/0.28, no KL term; ours with
-`--inference-max-requests 192`. *Generated tokens/step*: mean completion length x 64, the work
-of each step's generation; the targets also give the ratio per generated token. *Peak RSS*: the
+prompts x 8 samples, exactly 16 new tokens per completion (EOS ends none: ours with
+`--rl-ignore-eos`, TRL with `generate`'s `min_new_tokens`), temperature 1, micro-batches of 32,
+lr 3e-3 constant, clip 0.2/0.28, no KL term; ours with `--inference-max-requests 192`.
+*Generated tokens/step*: mean completion length x 64, the work of each step's generation (the
+same on both sides); the targets also give the ratio per generated token. *Peak RSS*: the
 process's `ru_maxrss` (ours: the training process under `torchrun`), the largest over rounds.
 *Training s/step*: our step's optimizer update alone (forward, backward, optimizer; wall clock);
 TRL's s/step divided by it is the speedup ours would reach if generation cost nothing, a ceiling

@@ -6,9 +6,10 @@ Measures wall-clock seconds per GRPO step (one optimizer update on prompts x gro
 completions) of each trainer on the same problem: the same model shape and parameter count
 (the trainer's default 2 layers, hidden 64, 4 heads, MLP 256, padded vocabulary 128, 32
 positions; random init), the digit-copy prompts and partial-credit reward, 8 prompts x 8
-samples per step, at most 16 new tokens (EOS may stop a completion earlier on both sides),
-temperature 1, micro-batches of 32, learning rate 3e-3 (constant), clip 0.2/0.28, no KL term,
-and the same number of steps. Seconds per step are measured between the end of step ``skip - 1``
+samples per step, exactly 16 new tokens per completion (equal work: EOS ends no completion, ours
+with ``--rl-ignore-eos``, TRL with ``generate``'s ``min_new_tokens``), temperature 1,
+micro-batches of 32, learning rate 3e-3 (constant), clip 0.2/0.28, no KL term, and the same
+number of steps. Seconds per step are measured between the end of step ``skip - 1``
 and the end of the last step (start-up and warm-up excluded) from timestamps taken inside each
 process (TRL: a ``TrainerCallback.on_step_end``; ours: ``MetricsWriter.write``).
 
@@ -80,6 +81,7 @@ def shared_flags(opts: argparse.Namespace, env_config: Path) -> list[str]:
         "--grpo-prompts-per-step", str(opts.prompts),
         "--grpo-group-size", str(opts.group_size),
         "--rl-default-max-tokens", str(opts.max_new_tokens),
+        "--rl-ignore-eos",
         "--micro-batch-size", "32",
         "--lr", "3e-3",
         "--lr-warmup-iters", "0",
@@ -110,6 +112,7 @@ def run_trl(
         sys.executable, str(REPO / "tools" / "benchmarks" / "trl_worker.py"),
         "--summary", str(summary), "--steps", str(opts.steps), "--prompts", str(opts.prompts),
         "--group-size", str(opts.group_size), "--max-new-tokens", str(opts.max_new_tokens),
+        "--ignore-eos",
     ]  # fmt: skip
     if ckpt is not None:
         cmd += ["--hf-checkpoint", str(ckpt)]

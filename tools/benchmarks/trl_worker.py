@@ -27,6 +27,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
+def generation_kwargs(suppressed: list[int], opts: argparse.Namespace) -> dict:
+    """``GRPOConfig.generation_kwargs``: ids never sampled, and the fixed length of
+    ``--ignore-eos``."""
+    kwargs: dict = {"suppress_tokens": suppressed} if suppressed else {}
+    if opts.ignore_eos:
+        kwargs["min_new_tokens"] = opts.max_new_tokens
+    return kwargs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--summary", required=True, help="Write the summary JSON here.")
@@ -45,6 +54,12 @@ def main() -> None:
         "--hf-checkpoint",
         default=None,
         help="Train this Hugging Face checkpoint with its tokenizer instead of the GPT-2 model.",
+    )
+    parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="Every completion is --max-new-tokens long (generate's min_new_tokens: EOS is not "
+        "sampled before), as the trainer's --rl-ignore-eos gives.",
     )
     opts = parser.parse_args()
 
@@ -113,7 +128,7 @@ def main() -> None:
         learning_rate=opts.lr,
         lr_scheduler_type="constant",
         max_grad_norm=1.0,
-        generation_kwargs={"suppress_tokens": suppressed} if suppressed else None,
+        generation_kwargs=generation_kwargs(suppressed, opts) or None,
         logging_steps=1,
         report_to="none",
         save_strategy="no",

@@ -260,7 +260,7 @@ class DynamicEngineRowRunner:
             list(row.tokens),
             MegatronSamplingParams(
                 num_tokens_to_generate=budget,
-                termination_id=self.config.eos_id,
+                termination_id=-1 if row.ignore_eos else self.config.eos_id,  # -1: no token
                 return_log_probs=False,
             ),
         )

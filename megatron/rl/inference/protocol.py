@@ -70,6 +70,9 @@ class RowWork:
     max_tokens: int = 0
     """The request's token budget (0: unknown; runners that need it use the rest of the
     sequence length)."""
+    ignore_eos: bool = False
+    """The request runs to its budget: stop tokens do not end it (``SamplingParams.ignore_eos``;
+    runners that terminate requests themselves must not stop it at EOS)."""
 
 
 @dataclass(frozen=True)

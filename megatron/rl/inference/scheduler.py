@@ -111,7 +111,7 @@ class _Request:
             slot=self.slot, tokens=tuple(self.prompt if first else self.tokens[-1:]),
             start=0 if first else len(self.prompt) + len(self.tokens) - 1,
             temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=self.seed,
-            max_tokens=s.max_tokens,
+            max_tokens=s.max_tokens, ignore_eos=s.ignore_eos,
         )  # fmt: skip
 
 
@@ -342,7 +342,8 @@ class ContinuousBatchingScheduler:
         req.logprobs.append(res.logprob)
         req.versions.append(version)
         self.counters.generated_tokens += 1
-        if res.token == self.config.eos_id or res.token in self.config.extra_stop_ids:
+        stop = res.token == self.config.eos_id or res.token in self.config.extra_stop_ids
+        if stop and not req.sampling.ignore_eos:
             self._finish(req, "stop")
         elif len(req.tokens) >= req.sampling.max_tokens:
             self._finish(req, "length")

@@ -57,12 +57,19 @@ def test_round_trip_through_an_engine_level_request():
     key = RolloutKey(batch_id=2, index_in_batch=1, sample_index=0)
     request = InferenceRequest(
         messages=[{"role": "system", "content": "Be brief."}, USER],
-        sampling=SamplingParams(temperature=0.7, top_p=0.9, top_k=5, max_tokens=12),
+        sampling=SamplingParams(
+            temperature=0.7, top_p=0.9, top_k=5, max_tokens=12, ignore_eos=True
+        ),
         seed=99,
         rollout_key=key,
     )
     chat = ChatCompletionRequest.from_inference_request(request, n=4)
-    assert (chat.n, chat.logprobs, chat.max_completion_tokens) == (4, True, 12)
+    assert (chat.n, chat.logprobs, chat.max_completion_tokens, chat.ignore_eos) == (
+        4,
+        True,
+        12,
+        True,
+    )
     wire = ChatCompletionRequest.model_validate_json(chat.model_dump_json())
     assert wire.to_inference_request() == request
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from megatron.rl.wire import InferenceRequest, RolloutKey
+from megatron.rl.wire import InferenceRequest, RolloutKey, SamplingParams
 from megatron.rl.wire_completions import CompletionRequest
 
 USER = {"role": "user", "content": "What is 1+1?"}
@@ -20,10 +20,14 @@ def test_a_chat_request_is_not_a_completion_request():
 
 def test_a_later_turn_round_trips_through_a_completion_request():
     key = RolloutKey(batch_id=1, index_in_batch=2, sample_index=3)
-    turn = InferenceRequest(prompt_tokens=[3, 4], prompt_suffix="+", rollout_key=key, seed=5)
+    sampling = SamplingParams(max_tokens=7, ignore_eos=True)
+    turn = InferenceRequest(
+        prompt_tokens=[3, 4], prompt_suffix="+", rollout_key=key, seed=5, sampling=sampling
+    )
     turn = turn.model_copy(update={"continued": True})
     body = CompletionRequest.from_inference_request(turn)
     assert (body.prompt, body.prompt_suffix, body.continued) == ([3, 4], "+", True)
+    assert (body.max_tokens, body.ignore_eos) == (7, True)
     assert CompletionRequest.model_validate_json(body.model_dump_json()).to_inference_request() == (
         turn
     )

@@ -76,6 +76,14 @@ def test_top_p_zero_and_top_k_minus_one_mean_off():
     assert (config.sampling_params(args).top_p, config.sampling_params(args).top_k) == (0.9, 5)
 
 
+def test_rl_ignore_eos_reaches_training_rollouts_but_not_evaluation():
+    args, errors = parsed("--rl-ignore-eos")
+    assert errors == [] and config.sampling_params(args).ignore_eos
+    assert not config.eval_config(args).sampling.ignore_eos  # evaluation ends responses at EOS
+    defaults, _ = parsed()
+    assert not config.sampling_params(defaults).ignore_eos
+
+
 def test_truncation_coef_none_means_no_truncation_and_the_default_is_said():
     args, errors = parsed(
         "--rl-inference-logprobs-is-correction", "--rl-importance-sampling-truncation-coef", "none"

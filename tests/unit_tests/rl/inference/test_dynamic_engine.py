@@ -57,34 +57,38 @@ def logits_fn(model):
     return full
 
 
-def local_engine(model, max_requests=3) -> ContinuousBatchingScheduler:
+def local_engine(model, max_requests=3, eos=EOS) -> ContinuousBatchingScheduler:
     c = model.config
     cache = KVCache(
         c.num_layers, max_requests, SEQ, c.num_query_groups, c.kv_channels, torch.float32, "cpu"
     )
     steps = StepGroup(KVCacheRowRunner(model, cache, VOCAB))
-    return ContinuousBatchingScheduler(steps, SchedulerConfig(max_requests, SEQ, EOS), lambda: 0)
+    return ContinuousBatchingScheduler(steps, SchedulerConfig(max_requests, SEQ, eos), lambda: 0)
 
 
-def dynamic_engine(model, max_requests=3, fake_max_requests=None, fake_seq=SEQ, version=None):
+def dynamic_engine(
+    model, max_requests=3, fake_max_requests=None, fake_seq=SEQ, version=None, eos=EOS
+):
     sampler = SeededSampler(VOCAB)
     fake_max = max_requests if fake_max_requests is None else fake_max_requests
     fake = FakeDynamicEngine(sampler, logits_fn(model), fake_max, fake_seq)
-    runner = DynamicEngineRowRunner(fake, sampler, DynamicEngineConfig(max_requests, SEQ, EOS))
+    runner = DynamicEngineRowRunner(fake, sampler, DynamicEngineConfig(max_requests, SEQ, eos))
     steps = StepGroup(runner)
     engine = ContinuousBatchingScheduler(
-        steps, SchedulerConfig(max_requests, SEQ, EOS), version or (lambda: 0)
+        steps, SchedulerConfig(max_requests, SEQ, eos), version or (lambda: 0)
     )
     return engine, fake, runner
 
 
-async def generate_all(engine, requests=REQUESTS):
+async def generate_all(engine, requests=REQUESTS, ignore_eos=False):
     engine.start()
     engine.resume()
     try:
         return await asyncio.gather(
             *(
-                engine.generate(p, SamplingParams(temperature=t, max_tokens=n), seed=s)
+                engine.generate(
+                    p, SamplingParams(temperature=t, max_tokens=n, ignore_eos=ignore_eos), seed=s
+                )
                 for p, t, n, s in requests
             )
         )
@@ -112,9 +116,23 @@ def test_each_request_gets_its_token_budget_and_eos_as_termination(model):
     engine, fake, _ = dynamic_engine(model)
     asyncio.run(generate_all(engine))
     adds = [entry for entry in fake.log if entry[0] == "add"]
-    assert [(prompt, budget) for _, _, prompt, budget in adds] == [
-        (tuple(p), n) for p, _, n, _ in REQUESTS
+    assert [(prompt, budget, stop) for _, _, prompt, budget, stop in adds] == [
+        (tuple(p), n, EOS) for p, _, n, _ in REQUESTS
     ]
+
+
+def test_ignore_eos_runs_megatron_core_requests_past_eos_to_their_budget(model):
+    greedy = [([2, 3, 4], 0.0, 6, 11)]
+    free = asyncio.run(generate_all(local_engine(model, eos=-1), greedy))[0]  # nothing stops it
+    eos = free.tokens[0]  # the stop token of this test: the first token greedy decoding gives
+    engine, _, _ = dynamic_engine(model, eos=eos)
+    stopped = asyncio.run(generate_all(engine, greedy))[0]
+    engine, fake, _ = dynamic_engine(model, eos=eos)
+    full = asyncio.run(generate_all(engine, greedy, ignore_eos=True))[0]
+    assert (stopped.tokens, stopped.finish_reason) == ([eos], "stop")
+    assert (full.tokens, full.finish_reason) == (free.tokens, "length")
+    assert [entry[4] for entry in fake.log if entry[0] == "add"] == [-1]  # no token terminates
+    assert not fake.requests and not fake.active
 
 
 def test_windows_suspend_and_resume_megatron_core_without_changing_outputs(model):

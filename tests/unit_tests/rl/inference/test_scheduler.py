@@ -57,6 +57,25 @@ def test_generates_until_max_tokens_or_eos():
     assert full.logprobs == pytest.approx([-0.2, -0.3, -0.4, -0.5])
 
 
+@pytest.mark.parametrize("extra_stop", [False, True], ids=["eos", "extra-stop-id"])
+def test_ignore_eos_generates_the_whole_budget_past_stop_tokens(extra_stop):
+    steps = FakeSteps(eos_at={5: 4})
+    config = dict(eos_id=0, extra_stop_ids=(EOS,)) if extra_stop else {}
+
+    async def run():
+        engine = await running(make_engine(steps, **config))
+        try:
+            return await engine.generate(
+                [2, 3], SamplingParams(max_tokens=4, ignore_eos=True), seed=5
+            )
+        finally:
+            await engine.aclose()
+
+    out = asyncio.run(run())
+    assert out.tokens == [2 + (5 + 2) % 7, 2 + (5 + 3) % 7, EOS, 2 + (5 + 5) % 7]
+    assert out.finish_reason == "length"
+
+
 def test_counters_add_up_the_steps_rows_and_tokens_of_the_run():
     """Two requests admitted together, one stopping at its third token: steps of 2, 2, 2, 1 rows
     (the trainer logs these per window: engine_steps, engine_rows_per_step, ...)."""

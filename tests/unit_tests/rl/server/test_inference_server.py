@@ -60,6 +60,17 @@ def test_text_prompt_completion_with_logprobs_and_extensions():
     assert body.to_inference_responses()[0].tokens == choice.token_ids
 
 
+@pytest.mark.parametrize("ignore_eos", [False, True], ids=["stops-at-eos", "ignore-eos"])
+def test_ignore_eos_extension_generates_the_whole_budget(ignore_eos):
+    body = {"prompt": [5, 6, 7], "max_tokens": 4, "seed": 4, "ignore_eos": ignore_eos}
+    (r,) = post_completions([body], FakeSteps(eos_at={4: 4}))  # EOS sampled at position 4
+    choice = CompletionResponse.model_validate(r.json()).choices[0]
+    eos = CharTokenizer().eos_id
+    tokens = [2 + (4 + 3) % 7, eos, 2 + (4 + 5) % 7, 2 + (4 + 6) % 7]  # positions 3 to 6
+    want = tokens if ignore_eos else tokens[:2]
+    assert (choice.token_ids, choice.finish_reason) == (want, "length" if ignore_eos else "stop")
+
+
 def test_n_samples_are_seeded_and_keyed_like_separate_requests():
     steps = FakeSteps()
     key = {"batch_id": 1, "index_in_batch": 2, "sample_index": 0}
