@@ -109,8 +109,7 @@ and parameter count ({params}); median of {eng['repeats']} interleaved repeats, 
 
 Same model shape (random init), digit-copy prompts and reward, 8 prompts x 8 samples, exactly 16
 new tokens per completion, temperature 1, micro-batches of 32, lr 3e-3 constant, clip 0.2/0.28,
-no KL term;
-{trl['steps']} steps per run of which the first {trl['skip']} are not measured;
+no KL term; {trl['steps']} steps per run of which the first {trl['skip']} are not measured;
 interleaved rounds: {trl['rounds']}. Our flags besides `--rl-forced-lag` and
 `--inference-max-requests`: `{' '.join(trl['flags'])}`.
 
@@ -118,7 +117,8 @@ interleaved rounds: {trl['rounds']}. Our flags besides `--rl-forced-lag` and
 
 EOS ends no completion on either side (ours: `--rl-ignore-eos`; TRL: `generate`'s
 `min_new_tokens`, which keeps EOS from being sampled before the budget), so both generate and
-train the same tokens per step (last column) whatever their policies learn.
+train the same tokens per step (*completion tokens*, *generated tokens/step*) whatever their
+policies learn.
 
 {hf_section(res["hf_shapes"]) if "hf_shapes" in res else ""}
 {trl_hf_section(res["trl_hf"]) if "trl_hf" in res else ""}
