@@ -2,7 +2,7 @@
 
 * Model: float32 GPT with the SDPA core attention (``model_provider.build_model``); the
   reference policy is a second one (``reference.py``).
-* Optimizer: torch AdamW, a flattened DP gradient all-reduce and a TP-aware gradient clip
+* Optimizer: torch's fused AdamW, a flattened DP gradient all-reduce and a TP-aware gradient clip
   (``megatron/trainer/optimizer.py``): megatron-core's DDP and optimizers hard-code CUDA.
 * Policy (``CPUPolicy``): micro-batches run one after the other; in ``train`` each
   backpropagates its share of the global token-mean loss.
@@ -45,7 +45,12 @@ from megatron.trainer.forward import (
     padded_rows,
 )
 from megatron.trainer.initialize import ParallelContext
-from megatron.trainer.optimizer import allreduce_gradients, build_optimizer, clip_grad_norm
+from megatron.trainer.optimizer import (
+    allreduce_gradients,
+    build_optimizer,
+    clip_grad_norm,
+    load_optimizer_state,
+)
 from megatron.trainer.policy import (
     LossFunction,
     PlannedUpdate,
@@ -257,7 +262,7 @@ class TorchShards(CheckpointShards):
         check_args(payload["args"])
         state.model.load_state_dict(payload["model"])
         if options.optimizer:
-            state.optimizer.load_state_dict(payload["optimizer"])
+            load_optimizer_state(state.optimizer, payload["optimizer"])
             state.scheduler.load_state_dict(payload["scheduler"])
         if options.rng:
             torch.set_rng_state(payload["torch_rng"])

@@ -4,6 +4,7 @@ and refusing an incompatible resume."""
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import random
 
@@ -17,7 +18,7 @@ from megatron.rl.rollout.generator import PipelineState
 from megatron.trainer import checkpointing
 from megatron.trainer.checkpointing import TRACKER, TrainState
 from megatron.trainer.initialize import ParallelContext
-from megatron.trainer.optimizer import build_optimizer
+from megatron.trainer.optimizer import build_optimizer, load_optimizer_state
 from megatron.trainer.tiers.cpu import TorchShards
 
 pytestmark = pytest.mark.usefixtures("single_rank_world")
@@ -271,3 +272,26 @@ def test_ckpt_step_of_a_missing_iteration_is_named(tmp_path):
             str(tmp_path), TorchShards(context()), TrainState(model, optimizer, scheduler),
             run_args(), context(), step=5,
         )  # fmt: skip
+
+
+def test_a_checkpoint_of_the_multi_tensor_adamw_resumes_on_the_fused_one():
+    model, optimizer, _ = fresh_state(seed=1)
+    assert all(g["fused"] for g in optimizer.param_groups)
+    # the optimizer as this trainer built it before: torch's default multi-tensor AdamW
+    old = torch.optim.AdamW([{**g, "fused": None, "foreach": True} for g in optimizer.param_groups])
+    for step in range(2):
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 0.1 * (step + 1))
+        old.step()
+    saved = copy.deepcopy(old.state_dict())  # as torch.save / torch.load hand it back
+    resumed_model, resumed, _ = fresh_state(seed=1)
+    resumed_model.load_state_dict(model.state_dict())
+    load_optimizer_state(resumed, saved)
+    assert all(g["fused"] and not g["foreach"] for g in resumed.param_groups)
+    assert_same_state(resumed.state_dict()["state"], saved["state"])
+    for p, q in zip(model.parameters(), resumed_model.parameters()):
+        p.grad, q.grad = torch.full_like(p, -0.2), torch.full_like(q, -0.2)
+    old.step()
+    resumed.step()  # the same update, by the fused kernel (bitwise the same on this CPU)
+    for p, q in zip(model.parameters(), resumed_model.parameters()):
+        torch.testing.assert_close(q, p)
