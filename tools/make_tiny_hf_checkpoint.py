@@ -1,7 +1,8 @@
 """Write a tiny random Hugging Face checkpoint (model + locally trained BPE tokenizer).
 
     python tools/make_tiny_hf_checkpoint.py --family qwen3 --out /tmp/tiny-qwen3 \
-        [--hidden-size 64] [--num-layers 2] [--vocab-size 320] [--tokenizer-corpus FILE]
+        [--hidden-size 64] [--num-layers 2] [--vocab-size 320] [--tokenizer-corpus FILE] \
+        [--max-position-embeddings 4096]
     python tools/make_tiny_hf_checkpoint.py --shape qwen2.5-0.5b --out /tmp/qwen2.5-0.5b-random
 
 No downloads: the tokenizer is trained with ``tokenizers`` on built-in digit/arithmetic strings
@@ -16,7 +17,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron.rl.models.hf.tiny import SHAPES, TINY_FAMILIES, make_tiny_checkpoint  # noqa: E402
+from megatron.rl.models.hf.tiny import (  # noqa: E402
+    DEFAULT_MAX_POSITIONS,
+    SHAPES,
+    TINY_FAMILIES,
+    make_tiny_checkpoint,
+)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -35,6 +41,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--vocab-size", type=int, default=None, help="embedding rows (default: tokenizer size)"
     )
+    parser.add_argument(
+        "--max-position-embeddings",
+        type=int,
+        default=None,
+        help="longest sequence the model takes, the largest --seq-length it trains with "
+        f"(default: {DEFAULT_MAX_POSITIONS}; with --shape, the shape's)",
+    )
     parser.add_argument("--tokenizer-vocab-size", type=int, default=300)
     parser.add_argument("--tokenizer-corpus", type=Path, default=None, help="text, one per line")
     parser.add_argument("--seed", type=int, default=0)
@@ -49,6 +62,8 @@ def main(argv: list[str] | None = None) -> None:
     sizes = dict(
         hidden_size=args.hidden_size, num_layers=args.num_layers, vocab_size=args.vocab_size
     )
+    if args.max_position_embeddings is not None:
+        shape["max_position_embeddings"] = args.max_position_embeddings
     out = make_tiny_checkpoint(
         family,
         args.out,

@@ -1,11 +1,12 @@
-"""Wire types of ``POST /v1/completions`` and ``POST /v1/rollouts/end``, the trainer's inference
-server's text endpoints.
+"""Wire types of ``POST /v1/completions``, ``POST /v1/rollouts/end`` and ``GET /v1/models``, the
+inference server's text endpoints.
 
 A subset of OpenAI's completions API, shared by the server (``megatron.rl.server.inference_server``)
 and its client (``megatron.rl.inference.remote``), plus the fields RL needs: token ids, policy
 versions, the rollout key and the multi-turn extensions ``prompt_suffix`` and ``continued``.
 Unsupported OpenAI parameters are rejected by name (422), never ignored. ``POST /v1/rollouts/end``
-tells the engine that a rollout sends no more turns. The chat endpoint's types are in
+tells the engine that a rollout sends no more turns; ``GET /v1/models`` lists the one model served
+(OpenAI's list format). The chat endpoint's types are in
 ``megatron.rl.wire_chat``; the engine-level request and response in ``megatron.rl.wire``.
 """
 
@@ -172,3 +173,19 @@ class CompletionResponse(WireModel):
                 )
             )
         return responses
+
+
+class ModelCard(WireModel):
+    """One entry of ``GET /v1/models`` (OpenAI's model object)."""
+
+    id: str = Field(description="The name clients pass as ``model``.")
+    object: Literal["model"] = "model"
+    created: int = Field(description="Unix time the server started.")
+    owned_by: str
+
+
+class ModelList(WireModel):
+    """Answer of ``GET /v1/models``: the model the server generates with."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

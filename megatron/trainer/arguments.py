@@ -71,12 +71,15 @@ def parse_explicit(
     return args, explicit
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(
+    argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None
+) -> argparse.Namespace:
     """Parse and validate; raises ``UsageError`` (status 2, printed once by
-    ``megatron.trainer.exits``) with every message on bad input."""
+    ``megatron.trainer.exits``) with every message on bad input. ``parser``: ``build_parser()``
+    or one that extends it (another command on the same flags)."""
     import torch
 
-    parser = build_parser()
+    parser = parser or build_parser()
     captured = io.StringIO()  # every rank parses; exits.run_main prints on global rank 0
     try:
         with contextlib.redirect_stderr(captured):

@@ -41,14 +41,15 @@ from megatron.trainer.tiers.base import Tier
 
 def eval_agents(agent: Agent) -> list[Agent]:
     """The environments evaluated one by one: every entry of a mixture, evaluation-only ones
-    (``weight: 0`` or ``evaluation_only: true``) included."""
+    (``weight: 0`` or ``evaluation_only: true``) included; remote ones are refused."""
     agents = agent.evaluated if isinstance(agent, MixtureAgent) else [agent]
     remote = [a.env_id for a in agents if a.requires_inference_server]
     if remote:
         raise SystemExit(
-            f"pretrain_grpo.py: error: --eval-interval: environments {remote} generate through "
-            "the trainer's inference server (the training engine); evaluation supports "
-            "in-process environments only"
+            f"pretrain_grpo.py: error: --env-config: environments {remote} generate through "
+            "the trainer's inference server (the training engine); evaluation (--eval-interval, "
+            "--val-at-start, --val-at-end, megatron.trainer.evaluate) supports in-process "
+            "environments only"
         )
     return agents
 
@@ -113,19 +114,33 @@ class Evaluator:
 
     def run(self, policy_version: int) -> dict[str, Any]:
         """Evaluate the current weights; the ``eval/*`` metrics on rank 0, {} elsewhere."""
-        self.policy_version = policy_version
-        if not self.ctx.is_main:
-            self.host.window(None)
-            return {}
         start = time.perf_counter()
-        results = self.host.window(self._evaluate)
-        if self.dump_dir is not None:
-            write_records(self.dump_dir / f"eval-v{policy_version}.jsonl", results, policy_version)
+        results = self.evaluate(policy_version)
+        if not self.ctx.is_main:
+            return {}
         return {
             **eval_metrics(results),
             "eval/policy_version": policy_version,
             "eval/seconds": time.perf_counter() - start,
         }
+
+    def evaluate(self, policy_version: int) -> list[EnvEvaluation]:
+        """Evaluate the current weights and dump the rollouts (``dump_path``); each
+        environment's results on rank 0, [] elsewhere (collective)."""
+        self.policy_version = policy_version
+        if not self.ctx.is_main:
+            self.host.window(None)
+            return []
+        results = self.host.window(self._evaluate)
+        if self.dump_dir is not None:
+            write_records(self.dump_path(policy_version), results, policy_version)
+        return results
+
+    def dump_path(self, policy_version: int) -> Path | None:
+        """Where the evaluation at ``policy_version`` writes its rollouts (None: nowhere)."""
+        if self.dump_dir is None:
+            return None
+        return self.dump_dir / f"eval-v{policy_version}.jsonl"
 
     async def _evaluate(self):
         return await evaluate_agents(self.agents, self.inference, self.config, self.host.engine)

@@ -12,6 +12,9 @@
 * ``PeerFailed``, ``GenerationAborted`` (another rank failed and reports it): nothing, 1;
 * any other exception (a bug): its traceback, 1.
 
+The other commands of the package (``megatron.trainer.serve``, ``megatron.trainer.evaluate``) end
+the same way under their own ``prog``, which replaces ``pretrain_grpo.py`` in the messages.
+
 With ``--debug-tracebacks`` or ``GRPO_DEBUG_TRACEBACKS=1`` expected errors print their traceback
 too. Under torchrun every failing rank also writes the message into torchelastic's error file
 (``TORCHELASTIC_ERROR_FILE``), marked expected; ``megatron.trainer.launch`` reads that mark to end
@@ -28,6 +31,7 @@ import time
 import traceback
 from collections.abc import Callable
 
+TRAINER_PROG = "pretrain_grpo.py"
 DEBUG_ENV = "GRPO_DEBUG_TRACEBACKS"
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 EXPECTED_MARK = "grpo_expected_error"
@@ -80,7 +84,7 @@ def global_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def run_main(main: Callable[[], None], prog: str = "pretrain_grpo.py") -> None:
+def run_main(main: Callable[[], None], prog: str = TRAINER_PROG) -> None:
     """Run ``main()`` and exit as the module docstring says."""
     debug = debug_tracebacks(sys.argv[1:])
     try:
@@ -89,9 +93,10 @@ def run_main(main: Callable[[], None], prog: str = "pretrain_grpo.py") -> None:
         if isinstance(exc, KeyboardInterrupt):
             sys.exit(130)
         if isinstance(exc, UsageError):
+            message = as_prog(exc.message, prog)
             if global_rank() == 0:
-                print(exc.message, file=sys.stderr, flush=True)
-            write_error_file(exc.message, "own")
+                print(message, file=sys.stderr, flush=True)
+            write_error_file(message, "own")
             sys.exit(2)
         if isinstance(exc, quiet_errors()):
             if debug:
@@ -115,11 +120,22 @@ def expected_exit(prog: str, message: str, debug: bool) -> None:
     """Print ``message`` once (global rank 0), record it for the launcher and exit 1."""
     if debug:
         traceback.print_exc()
+    message = as_prog(message, prog)
     if global_rank() == 0:
         prefix = "" if message.startswith(f"{prog}: error:") else f"{prog}: error: "
         print(f"{prefix}{message}", file=sys.stderr, flush=True)
     write_error_file(message, "own")
     sys.exit(1)
+
+
+def as_prog(message: str, prog: str) -> str:
+    """``message`` as program ``prog`` says it: the trainer's modules write their messages as
+    ``pretrain_grpo.py: error: ...``, which the other commands built on them
+    (``megatron.trainer.serve``, ``megatron.trainer.evaluate``) print under their own name."""
+    trainer = f"{TRAINER_PROG}: error:"
+    if prog == TRAINER_PROG or not message.startswith(trainer):
+        return message
+    return f"{prog}: error:{message.removeprefix(trainer)}"
 
 
 def write_error_file(message: str, expected: str | None, trace: bool = False) -> None:

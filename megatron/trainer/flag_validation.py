@@ -2,7 +2,9 @@
 
 ``validate_args`` fills the derived values on the parsed namespace and returns every problem
 found, each message naming the flag(s) at fault; the flags themselves are declared in the
-``*_flags`` modules (``arguments.build_parser`` puts them together).
+``*_flags`` modules (``arguments.build_parser`` puts them together). ``validate_env_config``
+checks the flags against the entries of the loaded ``--env-config`` (naming the file, the entry
+and the flag), once the environments are built.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import importlib.util
 import math
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megatron.rl.auth import read_api_key
 from megatron.rl.grpo.importance import ImportanceConfig
@@ -21,6 +24,9 @@ from megatron.trainer.allocator import MAX_MMAP_THRESHOLD_KIB
 from megatron.trainer.eval_flags import evaluation_requested
 from megatron.trainer.model_flags import validate_model_args
 from megatron.trainer.output_flags import OUTPUT_PATHS, output_path_problem
+
+if TYPE_CHECKING:
+    from megatron.rl.agent.mixture import MixtureAgent
 
 
 def validate_args(
@@ -81,8 +87,7 @@ def validate_args(
     check(args.ffn_hidden_size >= 1, "--ffn-hidden-size must be >= 1")
     check(
         args.seq_length <= args.max_position_embeddings,
-        f"--seq-length ({args.seq_length}) must not exceed --max-position-embeddings "
-        f"({args.max_position_embeddings})",
+        f"--seq-length ({args.seq_length}) must not exceed {_positions_source(args)}",
     )
     if args.num_attention_heads >= 1:
         check(
@@ -162,14 +167,10 @@ def validate_args(
             f"--micro-batch-size x data-parallel size ({args.micro_batch_size} x {dp})",
         )
 
-    tier_flags = (
-        ("--bf16", args.bf16),
-        ("--use-distributed-optimizer", args.use_distributed_optimizer),
-    )
-    for flag in (f for f, on in tier_flags if on and not cuda):
+    if args.use_distributed_optimizer and not cuda:
         errors.append(
-            f"{flag} is not supported on CPU: it needs the CUDA tier (megatron-core's "
-            "mixed-precision and distributed optimizers are CUDA-only)"
+            "--use-distributed-optimizer is not supported on CPU: it needs the CUDA tier "
+            "(megatron-core's distributed optimizer is CUDA-only)"
         )
 
     check(args.lr > 0, f"--lr must be > 0, got {args.lr}")
@@ -344,11 +345,38 @@ def validate_algorithm_args(args: argparse.Namespace, cuda: bool) -> list[str]:
     return errors
 
 
+def validate_env_config(args: argparse.Namespace, agent: MixtureAgent) -> list[str]:
+    """The flags against the env config's entries, each problem naming the file, the entry and
+    the flag: an entry's own generation budget (``agent_args.max_tokens``, where its agent
+    declares one) must leave room in ``--seq-length`` for a prompt of at least one token, as
+    ``--rl-default-max-tokens`` must."""
+    errors = []
+    for entry in agent.evaluated:
+        budget = getattr(entry.args, "max_tokens", None)
+        if budget is not None and budget >= args.seq_length:
+            errors.append(
+                f"--env-config {args.env_config}, entry {entry.env_id!r}: agent_args.max_tokens "
+                f"({budget}) must be smaller than --seq-length ({args.seq_length}) to leave room "
+                "for the prompt"
+            )
+    return errors
+
+
 def iterations_per_collection(args: argparse.Namespace) -> int:
     """Training iterations each collection is trained for: --grpo-iterations passes of
     ``P x G / --global-batch-size`` global batches."""
     rollouts = args.grpo_prompts_per_step * args.grpo_group_size
     return rollouts * args.grpo_iterations // args.global_batch_size
+
+
+def _positions_source(args: argparse.Namespace) -> str:
+    """Where the model's position count comes from, with the value: config.json or the flag."""
+    if getattr(args, "hf_config", None) is not None:
+        return (
+            f"max_position_embeddings ({args.max_position_embeddings}) of --hf-checkpoint's "
+            f"{Path(args.hf_checkpoint) / 'config.json'}"
+        )
+    return f"--max-position-embeddings ({args.max_position_embeddings})"
 
 
 def _dest(flag: str) -> str:

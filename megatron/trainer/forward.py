@@ -18,10 +18,16 @@ import torch
 import torch.distributed as dist
 
 from megatron.rl.grpo.batch import TrainBatch
+from megatron.rl.grpo.chunked_head import DEFAULT_CHUNK_ELEMENTS, chunked_token_outputs
 from megatron.rl.grpo.entropy import token_entropy
 from megatron.rl.grpo.logprobs import token_logprobs
 from megatron.rl.grpo.packing import PackedLayout, pack_sequences
 from megatron.rl.grpo.topk import vocab_parallel_topk
+from megatron.rl.models.hidden_states import (
+    final_hidden_states,
+    output_weight,
+    supports_hidden_states,
+)
 from megatron.trainer.initialize import ParallelContext
 
 
@@ -107,6 +113,54 @@ def micro_outputs(
     )
     logprobs = layout.unpack(logprobs, inputs.width)  # (b, t)
     entropy = None if entropy is None else layout.unpack(entropy, inputs.width)
+    return logprobs, entropy
+
+
+def forward_outputs(
+    model: torch.nn.Module,
+    micro: TrainBatch,
+    inputs: ModelInputs,
+    vocab_size: int,
+    tp_group: dist.ProcessGroup | None,
+    with_entropy: bool = False,
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(b, t) logprobs of ``micro``'s targets (and (b, t) entropies) from one forward of
+    ``model`` on ``inputs``, differentiable when autograd is on.
+
+    Where the micro-batch's logits (rows x width x V/tp) fit in ``chunk_elements`` they are
+    computed whole by the model's output layer (``micro_outputs``); above that the model runs up
+    to its final norm and the output layer is applied chunk by chunk
+    (``megatron/rl/grpo/chunked_head.py``): the same values to float rounding, without holding
+    the (tokens, vocab) logits and their softmax for the backward pass.
+    """
+    rows, width = inputs.ids.shape
+    weight = output_weight(model) if supports_hidden_states(model) else None
+    if weight is None or rows * width * weight.shape[0] <= chunk_elements:
+        logits = model(inputs.ids, inputs.positions, inputs.mask)  # (r, s, V/tp)
+        return micro_outputs(logits, micro, inputs, vocab_size, tp_group, with_entropy)
+    hidden = final_hidden_states(model, inputs.ids, inputs.positions, inputs.mask)  # (r, s, H)
+    dev, layout = hidden.device, inputs.layout
+    per_token_t = micro.temperature[:, None].expand_as(micro.input_ids)  # (b, t)
+    if layout is None:
+        targets, temperature = micro.target_ids, per_token_t
+    else:
+        targets, temperature = layout.pack(micro.target_ids), layout.pack(per_token_t, fill=1.0)
+    logprobs, entropy = chunked_token_outputs(
+        hidden.reshape(rows * width, -1),
+        weight,
+        targets.reshape(-1).to(dev),
+        temperature.reshape(-1).to(dev),
+        vocab_size,
+        tp_group,
+        with_entropy,
+        chunk_elements,
+    )  # (r * s,)
+    logprobs = logprobs.view(rows, width)
+    entropy = None if entropy is None else entropy.view(rows, width)
+    if layout is not None:
+        logprobs = layout.unpack(logprobs, inputs.width)  # (b, t)
+        entropy = None if entropy is None else layout.unpack(entropy, inputs.width)
     return logprobs, entropy
 
 

@@ -84,7 +84,7 @@ class GenerationHost:
         except BaseException as exc:
             self.steps.abort_followers(f"{type(exc).__name__}: {exc}")
             raise
-        self.steps.stop_followers()
+        self.steps.stop_followers(idle=not self.engine.holds_requests())
         return result
 
     def cancel(self) -> None:

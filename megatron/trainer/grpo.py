@@ -42,7 +42,8 @@ from megatron.trainer.checkpointing import (
 from megatron.trainer.collection import KeyedCollection
 from megatron.trainer.eval_flags import evaluation_requested
 from megatron.trainer.evaluation import Evaluator, eval_agents, hold_out_validation
-from megatron.trainer.exits import PeerFailed
+from megatron.trainer.exits import PeerFailed, UsageError
+from megatron.trainer.flag_validation import validate_env_config
 from megatron.trainer.hf_io import save_hf, weight_loader
 from megatron.trainer.initialize import (
     ParallelContext,
@@ -50,7 +51,7 @@ from megatron.trainer.initialize import (
     initialize_distributed,
     shutdown_distributed,
 )
-from megatron.trainer.metrics import MetricsWriter, step_metrics
+from megatron.trainer.metrics import ConstantRewardWarning, MetricsWriter, step_metrics
 from megatron.trainer.model_provider import architecture
 from megatron.trainer.policy import Policy, PolicyConfig
 from megatron.trainer.reference import build_reference_model
@@ -159,6 +160,7 @@ def train(args: argparse.Namespace, missing_kernels: set[str] = frozenset()) -> 
         run = build_run(args, ctx)
         print_header(run, agent, missing_kernels)
         writer = metrics_writer(args, run.resumed.iteration) if ctx.is_main else None
+        constant_rewards = ConstantRewardWarning() if ctx.is_main else None
         evaluator = build_evaluator(run, agent)
         at_start = {}
         if args.val_at_start and run.resumed.iteration < args.train_iters:  # before any update
@@ -170,6 +172,9 @@ def train(args: argparse.Namespace, missing_kernels: set[str] = frozenset()) -> 
                 t0 = time.perf_counter()
                 if iteration % run.k == 0:  # collect (ordered, forced lag) -> advantages, pi_old
                     collected = rollouts.next_batch()
+                    if constant_rewards is not None:  # rank 0: warns in the first batches only
+                        for line in constant_rewards.check(collected.batch):
+                            print(line, flush=True)
                     collection, extra = run.collection(collected)
                 result = run.train_step(collection, iteration)  # one optimizer update
                 rollouts.policy_version = iteration + 1
@@ -314,11 +319,15 @@ def training_groups(
 
 
 def load_agent(args: argparse.Namespace) -> Agent:
-    """The env-config's agents; a bad config exits before anything is built."""
+    """The env-config's agents; a bad config, or one the flags do not fit, exits with status 2
+    (``UsageError``) before anything is built."""
     try:
         agent = load_env_config(args.env_config)
     except EnvConfigError as err:
-        raise SystemExit(f"pretrain_grpo.py: error: --env-config: {err}") from None
+        raise UsageError(f"pretrain_grpo.py: error: --env-config: {err}") from None
+    errors = validate_env_config(args, agent)
+    if errors:
+        raise UsageError("pretrain_grpo.py: error: invalid arguments:\n  " + "\n  ".join(errors))
     if evaluation_on(args):
         eval_agents(agent)  # refuses remote environments on every rank, before any collective
     if args.val_split_fraction > 0:  # the same split on every rank (a pure function of the data)

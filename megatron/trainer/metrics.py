@@ -10,8 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron.rl.grpo.filtering import has_reward_variance
 from megatron.rl.grpo.terms import loss_terms
 from megatron.rl.rollout.generator import RolloutBatch
+from megatron.rl.wire import RolloutGroup
 from megatron.trainer.rollouts import CollectedBatch
 from megatron.trainer.step import StepResult
 
@@ -54,7 +56,74 @@ def rollout_metrics(batch: RolloutBatch, step: int) -> dict[str, Any]:
         "placeholder_rollouts": len(rollouts) - len(real),
         "completion_tokens_mean": statistics.fmean(lengths),
         **{f"reward_mean/{env}": statistics.fmean(v) for env, v in sorted(per_env.items())},
+        **zero_variance_metrics(batch.groups),
     }
+
+
+def zero_variance_metrics(groups: list[RolloutGroup]) -> dict[str, float]:
+    """``zero_variance_group_fraction``: the share of ``groups`` without two non-placeholder
+    rollouts of different rewards (``has_reward_variance``), whose advantages, loss and gradient
+    are therefore 0 (a group with fewer than two non-placeholder rollouts counts); and
+    ``zero_variance_group_fraction/<env_id>`` over each environment's groups."""
+    per_env: dict[str, list[bool]] = {}
+    for group in groups:
+        per_env.setdefault(group.rollouts[0].env_id, []).append(not has_reward_variance(group))
+    flags = [flag for env_flags in per_env.values() for flag in env_flags]
+    return {
+        "zero_variance_group_fraction": statistics.fmean(flags) if flags else 0.0,
+        **{
+            f"zero_variance_group_fraction/{env}": statistics.fmean(env_flags)
+            for env, env_flags in sorted(per_env.items())
+        },
+    }
+
+
+def constant_reward_warnings(groups: list[RolloutGroup], batch_id: int) -> dict[str, str]:
+    """The warning of each environment none of whose groups in ``groups`` has differing rewards
+    (environments without a non-placeholder rollout are left to the failure reports)."""
+    rewards: dict[str, set[float]] = {}
+    counts: dict[str, int] = {}
+    varied: set[str] = set()
+    for group in groups:
+        env = group.rollouts[0].env_id
+        real = [r.reward for r in group.rollouts if not r.is_placeholder]
+        rewards.setdefault(env, set()).update(real)
+        counts[env] = counts.get(env, 0) + 1
+        if has_reward_variance(group):
+            varied.add(env)
+    warnings = {}
+    for env, values in sorted(rewards.items()):
+        if env in varied or not values:
+            continue
+        shown = " or ".join(f"{v:g}" for v in sorted(values))
+        each = "all" if len(values) == 1 else "each all"
+        warnings[env] = (
+            f"warning: environment {env!r}: no group of batch {batch_id} has differing rewards "
+            f"({counts[env]} groups, {each} {shown}): its advantages, policy-gradient loss and "
+            f"gradient are 0 for this batch: the task may be too hard or too easy for the model; "
+            f"see zero_variance_group_fraction/{env}"
+        )
+    return warnings
+
+
+class ConstantRewardWarning:
+    """Warns (rank 0 prints) once per environment when, in one of the first ``batches`` batches
+    this process collects, none of the environment's groups has differing rewards."""
+
+    def __init__(self, batches: int = 4) -> None:
+        self.batches = batches
+        self.checked = 0
+        self.warned: set[str] = set()
+
+    def check(self, batch: RolloutBatch) -> list[str]:
+        """The warnings ``batch`` raises (printed by the caller); none after the first batches."""
+        if self.checked >= self.batches:
+            return []
+        self.checked += 1
+        found = constant_reward_warnings(batch.groups, batch.batch_id)
+        lines = [line for env, line in found.items() if env not in self.warned]
+        self.warned.update(found)
+        return lines
 
 
 def engine_metrics(collected: CollectedBatch) -> dict[str, Any]:
@@ -131,7 +200,13 @@ def format_log_line(m: dict[str, Any], train_iters: int, timing: str = "") -> st
     """One human-readable line per step (``timing``: elapsed and ETA)."""
     return (
         f"step {m['step']:>5}/{train_iters} | loss {m['loss']:+.4e} | "
-        f"reward {m['reward_mean']:.3f} ± {m['reward_std']:.3f} | grad-norm {m['grad_norm']:.3f} | "
+        f"reward {m['reward_mean']:.3f} ± {m['reward_std']:.3f} | "
+        + (
+            f"zero-var groups {m['zero_variance_group_fraction']:.2f} | "
+            if "zero_variance_group_fraction" in m
+            else ""
+        )
+        + f"grad-norm {m['grad_norm']:.3f} | "
         f"lr {m['lr']:.2e} | lag {m['lag']} | staleness {m['staleness_min']}/"
         f"{m['staleness_mean']:.2f}/{m['staleness_max']} | token-staleness "
         f"{m['token_staleness_min']}/{m['token_staleness_mean']:.2f}/{m['token_staleness_max']} | "

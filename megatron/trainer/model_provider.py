@@ -20,7 +20,7 @@ from megatron.rl.models.architecture import (
     layer_spec,
     transformer_config,
 )
-from megatron.rl.models.gpt_spec import SDPASpecProvider
+from megatron.rl.models.gpt_spec import SDPASpecProvider, plain_output_layer
 
 LLAMA3_SCALING = dict(
     low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
@@ -84,4 +84,5 @@ def build_model(
     (``perform_initialization``): for a model whose every tensor a checkpoint load overwrites."""
     arch = architecture(args, vocab_size)
     config = transformer_config(arch, **parallel_overrides(args), perform_initialization=initialize)
-    return build_gpt_model(arch, config, layer_spec(arch, SDPASpecProvider())).to(device)
+    model = build_gpt_model(arch, config, layer_spec(arch, SDPASpecProvider())).to(device)
+    return plain_output_layer(model)

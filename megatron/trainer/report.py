@@ -92,9 +92,14 @@ def header(
         + (f", curves {plot_file}" if plot_file else ""),
     ]
     if missing_kernels:
-        names = " and ".join(sorted(missing_kernels))
-        lines.append(f"kernels      {names} not installed: megatron-core's local implementations")
+        lines.append(kernels_line(missing_kernels))
     return "\n".join(lines)
+
+
+def kernels_line(missing_kernels: set[str]) -> str:
+    """The header line naming the kernel packages megatron-core runs without."""
+    names = " and ".join(sorted(missing_kernels))
+    return f"kernels      {names} not installed: megatron-core's local implementations"
 
 
 def summary(

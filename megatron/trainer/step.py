@@ -40,7 +40,7 @@ import torch.distributed as dist
 from megatron.rl.grpo.batch import TrainBatch
 from megatron.rl.grpo.importance import ImportanceConfig, importance_weights, mismatch_sums
 from megatron.rl.grpo.loss import GRPOLossConfig, LossInputs, LossOutput, grpo_loss
-from megatron.trainer.forward import micro_outputs, model_inputs
+from megatron.trainer.forward import forward_outputs, model_inputs
 from megatron.trainer.initialize import ParallelContext
 
 if TYPE_CHECKING:
@@ -199,10 +199,10 @@ def policy_logprobs(
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(b, t) logprobs of the targets (and (b, t) entropies) under ``model``, unpacked layout
-    (one forward on this stage: the CPU tier's; megatron-core's schedule runs the CUDA tier's)."""
+    (one forward on this stage: the CPU tier's; megatron-core's schedule runs the CUDA tier's;
+    a large vocabulary's output layer runs chunked, ``forward.forward_outputs``)."""
     inputs = model_inputs(micro_batch, ctx.device, packing_capacity)
-    logits = model(inputs.ids, inputs.positions, inputs.mask)  # (r, s, V/tp)
-    return micro_outputs(logits, micro_batch, inputs, vocab_size, ctx.tp_group, with_entropy)
+    return forward_outputs(model, micro_batch, inputs, vocab_size, ctx.tp_group, with_entropy)
 
 
 def micro_batch_loss(

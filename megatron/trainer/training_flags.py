@@ -37,8 +37,21 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--bf16",
         action="store_true",
-        help="Train and generate in bfloat16 with float32 main weights and gradient reduction "
-        "(CUDA only; the CPU tier trains in float32).",
+        help="Train and generate in bfloat16 with float32 main weights and gradients. CUDA: "
+        "megatron-core's mixed precision (bfloat16 parameters, float32 main weights and "
+        "gradient reduction). CPU: float32 parameters, gradients and AdamW; the matrix products "
+        "of training and of the engine run in bfloat16 under torch.autocast, the engine's KV "
+        "cache is bfloat16.",
+    )
+    g.add_argument(
+        "--recompute-granularity",
+        choices=["full"],
+        default=None,
+        help="full: keep only each transformer layer's input during a training forward and "
+        "recompute the layer in the backward pass (Megatron-LM's --recompute-granularity full "
+        "with --recompute-method uniform --recompute-num-layers 1): activation memory of about "
+        "one layer instead of all of them, for one more forward pass per micro-batch. Default: "
+        "keep every activation.",
     )
     g.add_argument(
         "--global-batch-size",

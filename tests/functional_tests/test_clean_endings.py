@@ -149,6 +149,27 @@ def test_unusable_output_path_exits_before_anything_is_built(tmp_path, nproc, fl
     print(f"--{flag} {value} ({'python' if nproc == 0 else 'launcher'}): {seconds:.1f} s")
 
 
+@pytest.mark.parametrize("nproc", [0, 2], ids=["python", "launcher-dp2"])
+def test_env_config_entry_that_leaves_no_room_for_a_prompt_exits_2_naming_it(tmp_path, nproc):
+    config = tmp_path / "envs.yaml"
+    data = ROOT / "examples/rl/environments/math/tiny_arithmetic.jsonl"
+    config.write_text(
+        "- agent_type: examples.rl.environments.math:MathEnvironment\n  env_id: math\n"
+        f"  agent_args: {{path: {data}, max_tokens: 32}}\n"
+    )
+    args = {**TINY, "env-config": config, "seq-length": 32}
+    proc, seconds = run(python_command(args) if nproc == 0 else training_command(nproc, args))
+    lines = error_lines(proc.stderr)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines == [
+        "pretrain_grpo.py: error: invalid arguments:",
+        f"  --env-config {config}, entry 'math': agent_args.max_tokens (32) must be smaller than "
+        "--seq-length (32) to leave room for the prompt",
+    ]
+    assert "tier:" not in proc.stdout  # nothing was built
+    assert seconds < (30 if nproc == 0 else 60)
+
+
 def test_sequence_too_short_for_any_prompt_stops_with_the_engines_reason():
     args = {**TINY, "seq-length": 4, "rl-default-max-tokens": 3}
     proc, seconds = run(python_command(args))

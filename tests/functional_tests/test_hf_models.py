@@ -98,3 +98,40 @@ def test_a_llama_shaped_model_with_a_trained_bpe_tokenizer_learns_the_digit_task
     )
     assert len(metrics) == 1000 and last >= 0.5 and last >= 2 * first
     assert all(m["staleness_min"] == m["staleness_max"] == min(m["step"], 2) for m in metrics)
+
+
+@pytest.mark.slow
+def test_smollm2_trains_on_arithmetic_with_exact_staleness_and_exports(
+    smollm2_checkpoint, tmp_path
+):
+    """The real pretrained model (SmolLM2-135M-Instruct), bfloat16 with layer recompute, on the
+    arithmetic chat task at forced lag 1: exact staleness, rewards from real answers, and an export
+    that transformers loads with the trained (changed) weights."""
+    pytest.importorskip("math_verify")
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+
+    args = {
+        "hf-checkpoint": smollm2_checkpoint,
+        "env-config": "examples/rl/environment_configs/arithmetic.yaml",
+        "seq-length": 256, "bf16": True,
+        "recompute-granularity": "full", "rl-forced-lag": 1, "train-iters": 3,
+        "lr": 1e-5, "lr-warmup-iters": 0, "grpo-prompts-per-step": 2, "grpo-group-size": 4,
+        "micro-batch-size": 4, "save-hf": tmp_path / "out",
+    }  # fmt: skip
+    metrics = run_training(1, args, timeout=900)
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    for m in metrics:
+        assert m["staleness_min"] == m["staleness_max"] == min(m["step"], 1)
+        assert m["token_staleness_max"] <= 1
+        assert m["placeholder_rollouts"] == 0  # every chat prompt rendered and scored
+        assert m["mismatch_kl"] < 0.01  # the bfloat16 engine and trainer agree
+    original = load_file(smollm2_checkpoint / "model.safetensors")
+    trained = load_file(tmp_path / "out" / "model.safetensors")
+    assert set(trained) == set(original)
+    assert any(not torch.equal(trained[k], v) for k, v in original.items())
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([[1, 9690, 198]])).logits
+    assert torch.isfinite(logits).all()

@@ -10,7 +10,11 @@ probes added in this process (nothing under ``megatron/`` is changed):
   prefill a newly admitted prompt and the most requests one step decoded (the step metrics
   already carry the engine steps, their rows and seconds: ``engine_metrics``);
 * ``MetricsWriter.write`` is wrapped to keep each step's metrics with the wall clock, the main
-  thread's CPU time and its run-queue wait (``common.thread_clocks``) at the end of the step.
+  thread's CPU time and its run-queue wait (``common.thread_clocks``) at the end of the step;
+* ``RolloutSource.next_batch`` (the generation window) and ``Policy.train`` of the CPU tier's
+  policy (the training update) are wrapped to record each phase's peak resident memory: the
+  kernel's high-water mark (``VmHWM``) is reset when the phase starts (``/proc/self/clear_refs``)
+  and read when it ends, with the resident memory at both ends (``phase_memory``).
 
 The summary JSON holds one record per step, so the caller measures time between steps (start-up
 and pipeline fill can be excluded), the mean decode batch size and how contended the machine was.
@@ -30,8 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron.rl.inference.step_group import StepGroup  # noqa: E402
 from megatron.trainer import metrics as metrics_module  # noqa: E402
+from megatron.trainer import rollouts as rollouts_module  # noqa: E402
 from megatron.trainer.arguments import parse_args  # noqa: E402
 from megatron.trainer.grpo import train  # noqa: E402
+from megatron.trainer.tiers import cpu as cpu_tier  # noqa: E402
 from tools.benchmarks.common import thread_clocks  # noqa: E402
 
 
@@ -43,11 +49,22 @@ class Probes:
         self.records: list[dict[str, Any]] = []
         self._max_rows = 0
         self._prefill_steps = 0
+        self._phases: dict[str, dict[str, float]] = {}
+        self.peak_mib = 0.0
+        """The process's peak resident memory so far (the phases reset the kernel's)."""
 
     def on_engine_step(self, rows: int, prefill: bool) -> None:
         """Count one engine step of ``rows`` requests (``prefill``: some feed their prompt)."""
         self._max_rows = max(self._max_rows, rows)
         self._prefill_steps += prefill
+
+    def on_phase(self, phase: str, before: dict[str, float], after: dict[str, float]) -> None:
+        """Keep one phase's memory: resident at its start and end, its peak."""
+        self._phases[phase] = {
+            "rss_start_mib": before["rss"],
+            "rss_end_mib": after["rss"],
+            "peak_mib": after["peak"],
+        }
 
     def on_metrics(self, metrics: dict[str, Any]) -> None:
         """Close the current step: keep its metrics, its engine counters and the time."""
@@ -59,10 +76,12 @@ class Probes:
                 "engine_rows": rows,
                 "engine_max_rows": self._max_rows,
                 "engine_prefill_steps": self._prefill_steps,
+                "phase_memory": self._phases,
                 **metrics,
             }
         )
         self._max_rows = self._prefill_steps = 0
+        self._phases = {}
 
 
 def install(probes: Probes) -> None:
@@ -81,6 +100,38 @@ def install(probes: Probes) -> None:
 
     StepGroup.step = counted_step
     metrics_module.MetricsWriter.write = recorded_write
+    rollouts_module.RolloutSource.next_batch = measured(
+        rollouts_module.RolloutSource.next_batch, "generation", probes
+    )
+    cpu_tier.CPUPolicy.train = measured(cpu_tier.CPUPolicy.train, "training", probes)
+
+
+def memory() -> dict[str, float]:
+    """Resident memory and its high-water mark since the last reset (MiB; Linux)."""
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(("VmRSS:", "VmHWM:")):
+            fields[line[:5]] = int(line.split()[1]) / 1024
+    return {"rss": fields.get("VmRSS", float("nan")), "peak": fields.get("VmHWM", float("nan"))}
+
+
+def measured(method, phase: str, probes: Probes):
+    """``method`` with its phase's memory recorded: the high-water mark reset at its start."""
+
+    def wrapper(*args, **kwargs):
+        probes.peak_mib = max(probes.peak_mib, memory()["peak"])  # before the reset loses it
+        try:
+            Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        except OSError:
+            pass
+        before = memory()
+        result = method(*args, **kwargs)
+        after = memory()
+        probes.peak_mib = max(probes.peak_mib, after["peak"])
+        probes.on_phase(phase, before, after)
+        return result
+
+    return wrapper
 
 
 def main() -> None:
@@ -94,7 +145,8 @@ def main() -> None:
     train(parse_args(flags))
     summary = {"flags": flags, "wall_seconds": time.perf_counter() - probes.start}
     summary["steps"] = probes.records
-    summary["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rusage_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    summary["peak_rss_mib"] = max(probes.peak_mib, memory()["peak"], rusage_peak)
     Path(opts.bench_summary).write_text(json.dumps(summary))
 
 

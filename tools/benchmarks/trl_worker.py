@@ -1,6 +1,9 @@
-"""Runs TRL's ``GRPOTrainer`` on the trainer's tiny model and digit task; used by the benchmarks.
+"""Runs TRL's ``GRPOTrainer`` on the trainer's tiny model and digit task, or on a Hugging Face
+checkpoint and the arithmetic task; used by the benchmarks and the recipe comparison.
 
     python tools/benchmarks/trl_worker.py --summary OUT.json [--steps 30 --prompts 8 ...]
+    python tools/benchmarks/trl_worker.py --summary OUT.json --hf-checkpoint DIR \
+        --task arithmetic --bf16 --lr 2e-5 --save-steps 10 --output-dir DIR
 
 The model is ``hf_models.gpt2_like`` (random init, same shape and parameter count as the
 trainer's default model) and the tokenizer has the trainer's character ids, or, with
@@ -11,7 +14,18 @@ completions per optimizer step (generated once, trained as micro-batches of
 ``--micro-batch-size``), ``--max-new-tokens`` per completion, temperature 1, no top-k/top-p, no
 KL term (beta 0), clip 0.2/0.28, learning rate 3e-3, AdamW. The summary JSON records, at the end
 of every optimizer step, the wall clock, the main thread's CPU time and run-queue wait
-(``common.thread_clocks``), TRL's logged mean completion length, and the process's peak RSS.
+(``common.thread_clocks``), TRL's logged mean completion length and reward, and the process's
+peak RSS.
+
+``--task arithmetic``: the prompts and rewards of ``examples/rl/environment_configs/
+arithmetic.yaml`` (``ArithmeticEnvironment``, chat messages rendered by TRL with the tokenizer's
+chat template), the problem of group i of step s drawn exactly as ``pretrain_grpo.py`` draws it
+(from the training partition of ``--val-split-fraction``, with the RNG seeded by ``derive_seed(
+seed, s, i)``), in that order (TRL's dataset shuffling off). ``--bf16``: TRL's (Hugging Face
+``Trainer``'s) bfloat16 mixed precision, float32 weights with autocast, as our CPU tier's
+``--bf16``. ``--save-steps N``: a Hugging Face checkpoint every N steps in ``--output-dir``, for
+evaluation with ``python -m megatron.trainer.evaluate`` (its time is left out of the step clocks:
+the clock of a step ends before the save).
 """
 
 from __future__ import annotations
@@ -24,7 +38,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
 
 
 def generation_kwargs(suppressed: list[int], opts: argparse.Namespace) -> dict:
@@ -49,7 +64,20 @@ def main() -> None:
     parser.add_argument("--num-attention-heads", type=int, default=4)
     parser.add_argument("--seq-length", type=int, default=32)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr-warmup-steps", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--task", choices=("copy", "arithmetic"), default="copy")
+    parser.add_argument(
+        "--env-config",
+        default=str(REPO / "examples" / "rl" / "environment_configs" / "arithmetic.yaml"),
+        help="--task arithmetic: the env config whose (single) arithmetic entry gives prompts, "
+        "budget and reward.",
+    )
+    parser.add_argument("--val-split-fraction", type=float, default=0.1)
+    parser.add_argument("--bf16", action="store_true", help="bfloat16 mixed precision.")
+    parser.add_argument("--save-steps", type=int, default=0, help="Save every N steps (0: never).")
+    parser.add_argument("--output-dir", default=None, help="Where --save-steps writes.")
     parser.add_argument(
         "--hf-checkpoint",
         default=None,
@@ -91,27 +119,50 @@ def main() -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         model = AutoModelForCausalLM.from_pretrained(opts.hf_checkpoint, dtype=torch.float32)
+        model.generation_config.eos_token_id = tokenizer_eos(opts.hf_checkpoint)
         tokenizer = AutoTokenizer.from_pretrained(opts.hf_checkpoint)
         suppressed = list(range(len(tokenizer), model.config.vocab_size))
-    env = FixedBudgetDigits("copy", DigitTaskArgs(task="copy"))
-    problems = [
-        env.make_problem(random.Random(derive_seed(opts.seed, i)))
-        for i in range(opts.steps * opts.prompts)
-    ]
-    dataset = Dataset.from_dict(
-        {"prompt": [p.prompt for p in problems], "answer": [p.answer for p in problems]}
-    )
+    if opts.task == "copy":
+        env = FixedBudgetDigits("copy", DigitTaskArgs(task="copy"))
+        problems = [
+            env.make_problem(random.Random(derive_seed(opts.seed, i)))
+            for i in range(opts.steps * opts.prompts)
+        ]
+        dataset = Dataset.from_dict(
+            {"prompt": [p.prompt for p in problems], "answer": [p.answer for p in problems]}
+        )
 
-    def copy_reward(completions: list[str], answer: list[str], **_) -> list[float]:
-        return [positional_match_reward(a, c) for c, a in zip(completions, answer)]
+        def reward(completions: list[str], answer: list[str], **_) -> list[float]:
+            return [positional_match_reward(a, c) for c, a in zip(completions, answer)]
+
+    else:
+        env = arithmetic_environment(opts.env_config, opts.val_split_fraction)
+        opts.max_new_tokens = env.args.max_tokens or opts.max_new_tokens
+        problems = [  # group i of step s: what pretrain_grpo.py's generator asks for
+            env.make_problem(random.Random(derive_seed(opts.seed, s, i)))
+            for s in range(opts.steps)
+            for i in range(opts.prompts)
+        ]
+        dataset = Dataset.from_dict(
+            {
+                "prompt": [[m.model_dump() for m in p.messages] for p in problems],
+                "answer": [p.answer for p in problems],
+            }
+        )
+
+        def reward(completions: list, answer: list[str], **_) -> list[float]:
+            texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+            return [
+                arithmetic_reward(a, t, env.args.verify_timeout_s) for t, a in zip(texts, answer)
+            ]
 
     rollouts = opts.prompts * opts.group_size
     if rollouts % opts.micro_batch_size:
         raise SystemExit("--prompts x --group-size must be divisible by --micro-batch-size")
     config = GRPOConfig(
-        output_dir=str(Path(opts.summary).with_suffix(".trl_out")),
+        output_dir=opts.output_dir or str(Path(opts.summary).with_suffix(".trl_out")),
         use_cpu=True,
-        bf16=False,
+        bf16=opts.bf16,
         fp16=False,
         seed=opts.seed,
         max_steps=opts.steps,
@@ -119,39 +170,54 @@ def main() -> None:
         gradient_accumulation_steps=rollouts // opts.micro_batch_size,
         num_generations=opts.group_size,
         max_completion_length=opts.max_new_tokens,
-        temperature=1.0,
+        temperature=opts.temperature,
         top_p=1.0,
         top_k=0,
         beta=0.0,
         epsilon=0.2,
         epsilon_high=0.28,
         learning_rate=opts.lr,
-        lr_scheduler_type="constant",
+        lr_scheduler_type="constant_with_warmup" if opts.lr_warmup_steps else "constant",
+        warmup_steps=opts.lr_warmup_steps,
+        shuffle_dataset=False,  # the prompts in the order of the dataset (ours)
         max_grad_norm=1.0,
         generation_kwargs=generation_kwargs(suppressed, opts) or None,
         logging_steps=1,
         report_to="none",
-        save_strategy="no",
+        save_strategy="steps" if opts.save_steps else "no",
+        save_steps=opts.save_steps or 500,
+        save_only_model=True,
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
 
     stamps: list[dict] = []
     lengths: list[float] = []
+    rewards: list[float] = []
+    saves: list[dict] = []
+    began: list[float] = []
 
     class StepClock(TrainerCallback):
         """Clocks at the end of each optimizer step; TRL's mean completion length."""
 
+        def on_train_begin(self, args, state, control, **kwargs):
+            began.append(time.perf_counter() - start)
+
         def on_step_end(self, args, state, control, **kwargs):
             stamps.append({"t": time.perf_counter() - start, **thread_clocks()})
+
+        def on_save(self, args, state, control, **kwargs):
+            saves.append({"step": state.global_step, "t": time.perf_counter() - start})
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "completions/mean_length" in logs:
                 lengths.append(float(logs["completions/mean_length"]))
+            if logs and "reward" in logs:
+                rewards.append(float(logs["reward"]))
 
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=copy_reward,
+        reward_funcs=reward,
         args=config,
         train_dataset=dataset,
         processing_class=tokenizer,
@@ -163,12 +229,46 @@ def main() -> None:
             {
                 "steps": stamps,
                 "completion_tokens_mean": lengths,
+                "reward_mean": rewards,
+                "train_begin": began[0] if began else None,
+                "saves": saves,
                 "threads": torch.get_num_threads(),
                 "wall_seconds": time.perf_counter() - start,
                 "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             }
         )
     )
+
+
+def arithmetic_environment(env_config: str, val_split_fraction: float):
+    """The arithmetic environment of ``env_config`` (its one entry), with the held-out split of
+    ``--val-split-fraction`` taken out of training as the trainer does."""
+    from examples.rl.environments.arithmetic import ArithmeticEnvironment
+    from megatron.rl.agent.env_config import load_env_config
+
+    agent = load_env_config(env_config)
+    entries = getattr(agent, "agents", [agent])
+    envs = [a for a in entries if isinstance(a, ArithmeticEnvironment)]
+    if len(envs) != 1:
+        raise SystemExit(f"{env_config}: needs exactly one arithmetic entry, found {len(envs)}")
+    if val_split_fraction > 0:
+        envs[0].hold_out(val_split_fraction)
+    return envs[0]
+
+
+def arithmetic_reward(answer: str, completion: str, timeout_s: int) -> float:
+    """The arithmetic environment's reward of a completion."""
+    from examples.rl.environments.arithmetic.environment import arithmetic_reward as score
+
+    return score(answer, completion, timeout_s)
+
+
+def tokenizer_eos(directory: str) -> list[int]:
+    """The stop ids our trainer uses for a checkpoint (EOS and ``generation_config.json``'s)."""
+    from megatron.rl.tokenizer import HuggingFaceTokenizer
+
+    tok = HuggingFaceTokenizer(directory)
+    return sorted({tok.eos_id, *getattr(tok, "extra_stop_ids", ())})
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 # ~1.2B-parameter GPT (24 layers x 2048, 16 heads) for GPUs, tensor-parallel over 2 GPUs.
 #   source examples/rl/model_configs/gpt_1b_tp2.sh
-#   torchrun --nproc-per-node 8 pretrain_grpo.py "${MODEL_ARGS[@]}" --rl-forced-lag 2 \
-#       --grpo-prompts-per-step 32 --grpo-group-size 8 \
+#   python -m megatron.trainer.launch --nproc-per-node 8 pretrain_grpo.py "${MODEL_ARGS[@]}" \
+#       --rl-forced-lag 2 --grpo-prompts-per-step 32 --grpo-group-size 8 \
 #       --env-config examples/rl/environment_configs/mixture.yaml
 # On 8 GPUs: TP 2 x DP 4. Parameters: 24 x 12 x 2048^2 (layers) + embeddings ~= 1.21e9.
 # The micro-batch is per data-parallel rank: global batch (prompts x group size) must be a

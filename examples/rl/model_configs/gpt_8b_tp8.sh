@@ -1,7 +1,7 @@
 # ~8B-parameter GPT (40 layers x 4096, 32 heads) for one 8-GPU node, tensor-parallel over 8 GPUs.
 #   source examples/rl/model_configs/gpt_8b_tp8.sh
-#   torchrun --nproc-per-node 8 pretrain_grpo.py "${MODEL_ARGS[@]}" --rl-forced-lag 2 \
-#       --env-config examples/rl/environment_configs/mixture.yaml
+#   python -m megatron.trainer.launch --nproc-per-node 8 pretrain_grpo.py "${MODEL_ARGS[@]}" \
+#       --rl-forced-lag 2 --env-config examples/rl/environment_configs/mixture.yaml
 # Across nodes (data parallel over nodes) use the SLURM launcher in examples/rl/ with this file.
 # Parameters: 40 x (4 x 4096^2 + 2 x 4096 x 16384) (layers) + embeddings ~= 8.06e9.
 # Runs on the CUDA tier (refused on CPU: --bf16, --use-distributed-optimizer). Pipeline

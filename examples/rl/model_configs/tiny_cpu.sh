@@ -1,7 +1,7 @@
 # Tiny GPT for a laptop CPU and CI: the defaults of pretrain_grpo.py, spelled out (~0.1M params).
 #   source examples/rl/model_configs/tiny_cpu.sh
-#   torchrun --nproc-per-node 1 pretrain_grpo.py "${MODEL_ARGS[@]}" --rl-forced-lag 2 \
-#       --env-config examples/rl/environment_configs/countdown.yaml
+#   python -m megatron.trainer.launch --nproc-per-node 1 pretrain_grpo.py "${MODEL_ARGS[@]}" \
+#       --rl-forced-lag 2 --env-config examples/rl/environment_configs/countdown.yaml
 # Prompt + generation budget must fit --seq-length (32 tokens: every example env config fits).
 MODEL_ARGS=(
     # shape: 2 layers x 64 wide, 4 heads, MLP 4x; learned positions; character vocabulary

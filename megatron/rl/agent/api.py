@@ -16,6 +16,7 @@ import math
 import random
 import traceback
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -55,6 +56,10 @@ class Agent(ABC):
     requires_inference_server: ClassVar[bool] = False
     """True when the agent generates out of process and needs the trainer's inference server
     (the ``InferenceInterface`` it is given then has a ``base_url``)."""
+    required_modules: ClassVar[Mapping[str, str]] = {}
+    """Optional packages the agent imports only when it runs (its data reader, its verifier):
+    import name -> how to install it. The env config imports each one when it builds the agent,
+    so a missing package stops the run at start-up instead of failing rollouts."""
 
     def __init__(self, env_id: str, args: AgentArgs | None = None) -> None:
         self.env_id = env_id

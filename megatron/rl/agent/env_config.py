@@ -16,12 +16,15 @@ Example::
 
 As in Megatron-LM, an entry with ``weight: 0`` or ``evaluation_only: true`` gets no training
 groups but is evaluated; at least one entry must train. Every problem is reported at start-up as
-an ``EnvConfigError`` naming the file, the entry and the field, before any model is built.
+an ``EnvConfigError`` naming the file, the entry and the field, before any model is built; so is
+an optional package the agent declares in ``Agent.required_modules`` that does not import.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +84,17 @@ def resolve_agent_type(agent_type: str) -> type[Agent]:
     return cls
 
 
+def missing_module(cls: type[Agent]) -> str | None:
+    """Why one of ``cls.required_modules`` cannot be imported, with its install command (None
+    when all of them import)."""
+    for module, install in cls.required_modules.items():
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            return f"needs the {module!r} package, which cannot be imported ({err}): {install}"
+    return None
+
+
 def build_agents(entries: list[dict[str, Any]], source: str = "<default>") -> MixtureAgent:
     """Validate ``entries`` and instantiate the weighted mixture of their agents."""
     if not isinstance(entries, list) or not entries:
@@ -96,13 +110,16 @@ def build_agents(entries: list[dict[str, Any]], source: str = "<default>") -> Mi
             cls = resolve_agent_type(entry.agent_type)
         except ValueError as err:
             raise EnvConfigError(f"{where}, field 'agent_type': {err}") from None
-        try:
-            args = cls.Args.model_validate(entry.agent_args)
-        except ValidationError as err:
-            raise EnvConfigError(
-                f"{where} (agent_type {entry.agent_type!r}): {_describe(err, 'agent_args')}"
-            ) from None
-        agents.append(cls(entry.env_id or f"{entry.agent_type}{index}", args))
+        where = f"{where} (agent_type {entry.agent_type!r})"
+        missing = missing_module(cls)
+        if missing is not None:
+            raise EnvConfigError(f"{where}: {missing}")
+        with _imports_reported(where):  # a package the class does not declare
+            try:
+                args = cls.Args.model_validate(entry.agent_args)
+            except ValidationError as err:
+                raise EnvConfigError(f"{where}: {_describe(err, 'agent_args')}") from None
+            agents.append(cls(entry.env_id or f"{entry.agent_type}{index}", args))
         trains.append(entry.trains)
         weights.append(entry.weight)
     ids = [a.env_id for a in agents]
@@ -132,6 +149,16 @@ def load_env_config(path: str | Path | None) -> MixtureAgent:
     except yaml.YAMLError as err:
         raise EnvConfigError(f"env config {path}: invalid YAML: {err}") from None
     return build_agents(entries, str(path))
+
+
+@contextlib.contextmanager
+def _imports_reported(where: str) -> Iterator[None]:
+    """An ``ImportError`` raised while an entry is built, as an ``EnvConfigError`` naming it."""
+    try:
+        yield
+    except ImportError as err:
+        name = repr(err.name) if err.name else "a package"
+        raise EnvConfigError(f"{where}: needs {name}, which cannot be imported ({err})") from None
 
 
 def _describe(err: ValidationError, prefix: str = "") -> str:

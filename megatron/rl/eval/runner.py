@@ -29,6 +29,7 @@ count as incorrect with reward 0 and are reported in ``failed``.
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass, field
 
 from megatron.rl.agent.api import Agent
@@ -97,6 +98,9 @@ class EnvEvaluation:
     sample_lengths: ResponseLengths = ResponseLengths(0.0, 0, 0.0)
     records: list[dict] = field(default_factory=list)
     """One per rollout, both passes: ``eval_record``."""
+    seconds: float = field(default=0.0, compare=False)
+    """Wall time of this environment's two passes (environments are evaluated in turn); not
+    part of the result's equality."""
 
 
 def truncated(rollout: TokenRollout, stop_token_ids: tuple[int, ...]) -> bool:
@@ -184,6 +188,7 @@ async def _evaluate_one(
     config: EvalConfig,
     scheduler: BatchScheduler | None,
 ) -> EnvEvaluation:
+    start = time.perf_counter()
     greedy_sampling = config.sampling.model_copy(update={"temperature": 0.0})
     prompts = held_out_prompts(agent, config)
     greedy = await _run_pass(agent, inference, config, greedy_sampling, 1, scheduler, prompts)
@@ -214,6 +219,7 @@ async def _evaluate_one(
             for g in groups
             for k in range(len(g.rollouts))
         ],
+        seconds=time.perf_counter() - start,
     )
 
 

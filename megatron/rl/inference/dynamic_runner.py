@@ -217,8 +217,9 @@ class DynamicEngineRowRunner:
         self._forget_finished()
         return results
 
-    def end_window(self) -> None:
-        """The generation window closed on this rank: release megatron-core's KV memory."""
+    def end_window(self, idle: bool = False) -> None:
+        """The generation window closed on this rank: release megatron-core's KV memory (it
+        re-prefills the requests in flight, so ``idle`` changes nothing here)."""
         if self.config.release_memory_between_windows and not self._suspended:
             self.engine.suspend()
             self._suspended = True

@@ -29,6 +29,7 @@ class KVCacheRowRunner:
         cache: KVCache,
         vocab_size: int,
         tp_group: dist.ProcessGroup | None = None,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -36,9 +37,12 @@ class KVCacheRowRunner:
         self.tp_group = tp_group
         self.tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
         self.device = cache.keys.device
+        self.compute_dtype = compute_dtype
+        """bfloat16: the forward runs under ``torch.autocast`` as training does with ``--bf16``
+        (None: in the weights' dtype)."""
         # The model's computation as one plain program (same values, a fraction of the Python
         # overhead); None for models it does not reproduce, which run their own forward.
-        self.cached_forward = CachedForward.of(model, tp_group)
+        self.cached_forward = CachedForward.of(model, tp_group, compute_dtype)
 
     @torch.no_grad()
     def run(self, rows: list[RowWork]) -> list[RowResult]:
@@ -62,11 +66,14 @@ class KVCacheRowRunner:
             logits = torch.cat(parts)[torch.argsort(torch.tensor(decode + prefill))]  # (B, V)
         return self._sample(rows, logits)
 
-    def end_window(self) -> None:
-        """The KV cache stays allocated (and valid) across windows; the weights may change
-        before the next one, so the forward's copies of them are dropped."""
+    def end_window(self, idle: bool = False) -> None:
+        """The weights may change before the next window, so the forward's copies of them are
+        dropped. The KV cache stays valid across windows for the requests in flight; when none
+        is (``idle``: always at forced lag 0) its memory is released until the next window."""
         if self.cached_forward is not None:
             self.cached_forward.transposed.clear()
+        if idle:
+            self.cache.release()
 
     def _forward_last_logits(self, rows: list[RowWork]) -> torch.Tensor:
         """Full-vocabulary logits at each row's last new token: (B, V_padded) float32."""
@@ -78,7 +85,9 @@ class KVCacheRowRunner:
         positions = positions.clamp(max=self.cache.max_seq_len - 1)  # padding stays in range
         slots = torch.tensor([r.slot for r in rows])
         dev = self.device
-        with self.cache.step(slots.to(dev), starts.to(dev), lengths.to(dev)) as step:
+        autocast = torch.autocast(dev.type, self.compute_dtype or torch.bfloat16,
+                                  enabled=self.compute_dtype is not None)  # fmt: skip
+        with self.cache.step(slots.to(dev), starts.to(dev), lengths.to(dev)) as step, autocast:
             if self.cached_forward is not None:
                 logits = self.cached_forward(ids.to(dev), positions.to(dev), step)  # (B, V/tp)
             else:

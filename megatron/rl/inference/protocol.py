@@ -176,6 +176,10 @@ class InferenceEngine(BatchScheduler, Protocol):
         """End the generation window: no step runs until ``resume`` (weights may change)."""
         ...
 
+    def holds_requests(self) -> bool:
+        """Whether a request is queued or in flight (else no KV-cache slot holds anything)."""
+        ...
+
     def resume(self) -> None:
         """Open a generation window."""
         ...
@@ -190,6 +194,7 @@ class RowRunner(Protocol):
         """Feed ``rows`` and sample one token for each row that produced one, in row order."""
         ...
 
-    def end_window(self) -> None:
-        """The generation window closed on this rank (the weights are about to change)."""
+    def end_window(self, idle: bool = False) -> None:
+        """The generation window closed on this rank (the weights are about to change);
+        ``idle``: no request holds a slot, so the runner may release its KV memory."""
         ...

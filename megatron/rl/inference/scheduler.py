@@ -248,6 +248,10 @@ class ContinuousBatchingScheduler:
         """Stop stepping after the current step (the trainer is about to update the weights)."""
         self._resumed.clear()
 
+    def holds_requests(self) -> bool:
+        """Whether a request waits for a slot or holds one."""
+        return bool(self._waiting or self._active)
+
     def resume(self) -> None:
         """Let the loop step again."""
         self._resumed.set()

@@ -5,11 +5,12 @@ Protocol (all messages are broadcast from global rank 0 over the world group):
 * ``("step", plan)``: every rank runs ``plan.rows[its data-parallel replica]`` on its
   ``RowRunner`` (collective inside the replica's tensor-parallel group); each replica leader
   (TP rank 0) sends its results back with ``gather_object``.
-* ``("stop", None)``: the generation window is over; followers return from ``follow()``.
+* ``("stop", idle)``: the generation window is over; followers return from ``follow()``
+  (``idle``: the engine holds no request, so no KV-cache slot needs its contents).
 * ``("abort", reason)``: rank 0 failed; followers raise instead of waiting forever.
 
 When a window ends (stop or abort) every rank calls its runner's ``end_window`` (megatron-core's
-engine releases its KV memory there). With one process there is no communication at all.
+engine releases its KV memory there; the CPU runner too when the window ends idle). With one process there is no communication at all.
 """
 
 from __future__ import annotations
@@ -66,22 +67,25 @@ class StepGroup:
 
     def follow(self) -> None:
         """Execute rank 0's plans until it stops the window, then end it here (other ranks)."""
+        idle = False
         try:
             while True:
                 kind, payload = self._broadcast(None)
                 if kind == "stop":
+                    idle = bool(payload)
                     return
                 if kind == "abort":
                     raise GenerationAborted(f"rank 0 aborted generation: {payload}")
                 self._run_and_gather(payload)
         finally:
-            self.runner.end_window()
+            self.runner.end_window(idle)
 
-    def stop_followers(self) -> None:
-        """End the generation window on every rank (rank 0 only)."""
+    def stop_followers(self, idle: bool = False) -> None:
+        """End the generation window on every rank (rank 0 only); ``idle``: the engine holds no
+        request (runners may release their KV memory)."""
         if self.distributed:
-            self._broadcast(("stop", None))
-        self.runner.end_window()
+            self._broadcast(("stop", idle))
+        self.runner.end_window(idle)
 
     def abort_followers(self, reason: str) -> None:
         """Make followers raise ``GenerationAborted`` and end the window here (rank 0, on

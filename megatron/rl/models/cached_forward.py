@@ -92,17 +92,22 @@ class TransposedWeights:
     in place (an optimizer step, ``load_state_dict``) is copied again even inside a window.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: torch.dtype | None = None) -> None:
         self._copies: dict[int, tuple[torch.Tensor, int, int, torch.Tensor]] = {}
+        self.dtype = dtype
+        """The copies' dtype (None: the weight's); bfloat16 for a bfloat16 engine: the cast
+        autocast would make at every product, made once per window."""
 
     def __call__(self, weight: torch.Tensor) -> torch.Tensor:
-        """``weight.t()`` as a contiguous tensor (the same values)."""
+        """``weight.t()`` as a contiguous tensor (the same values, in ``dtype``)."""
         hit = self._copies.get(id(weight))
         if hit is not None:
             owner, version, address, copy = hit
             if owner is weight and version == weight._version and address == weight.data_ptr():
                 return copy
-        copy = weight.detach().t().contiguous()
+        dtype = self.dtype or weight.dtype
+        source = weight.detach().t()
+        copy = torch.empty(source.shape, dtype=dtype, device=source.device).copy_(source)
         self._copies[id(weight)] = (weight, weight._version, weight.data_ptr(), copy)
         return copy
 
@@ -114,7 +119,13 @@ class TransposedWeights:
 class CachedForward:
     """The model's forward for engine steps over a ``KVCacheStep`` (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, layers: list[_Layer], tp_group) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        layers: list[_Layer],
+        tp_group,
+        compute_dtype: torch.dtype | None = None,
+    ) -> None:
         self.model = model
         self.layers = layers
         self.tp_group = tp_group
@@ -128,11 +139,20 @@ class CachedForward:
         self.groups = c.num_query_groups // self.tp_size  # key/value heads of this rank
         self.softmax_scale = c.softmax_scale
         self.rope = getattr(model, "position_embedding_type", None) == "rope"
-        self.transposed = TransposedWeights()
+        self.compute_dtype = compute_dtype
+        """The autocast dtype the caller runs it under (None: the weights' own)."""
+        self.transposed = TransposedWeights(compute_dtype)
 
     @classmethod
-    def of(cls, model: torch.nn.Module, tp_group=None) -> "CachedForward | None":
-        """The plain program of ``model``, or None where it would not compute the same values."""
+    def of(
+        cls, model: torch.nn.Module, tp_group=None, compute_dtype: torch.dtype | None = None
+    ) -> "CachedForward | None":
+        """The plain program of ``model``, or None where it would not compute the same values.
+
+        ``compute_dtype`` (bfloat16 for ``--bf16``): the products run in it under
+        ``torch.autocast``, which the caller enters, as the trained model's layers do then: the
+        weights' transposed copies are made in it, and so is the RoPE table (megatron-core casts
+        its cos/sin to the queries' dtype)."""
         c = getattr(model, "config", None)
         if c is None or not all(hasattr(model, a) for a in ("embedding", "decoder")):
             return None
@@ -157,7 +177,7 @@ class CachedForward:
         layers = [_layer_modules(layer) for layer in model.decoder.layers]
         if any(layer is None for layer in layers):
             return None
-        return cls(model, layers, tp_group)
+        return cls(model, layers, tp_group, compute_dtype)
 
     def __call__(
         self, ids: torch.Tensor, positions: torch.Tensor, step: KVCacheStep
@@ -181,7 +201,7 @@ class CachedForward:
         rotary = None
         if self.rope:
             table = model.rotary_pos_emb.at_positions(positions)[:, 0, 0]  # (N, d_rot)
-            rotary = _Rotary.of(table, hidden.dtype)
+            rotary = _Rotary.of(table, self.compute_dtype or hidden.dtype)
         for index, layer in enumerate(self.layers):
             hidden = self._layer(index, layer, hidden, step, rotary)
         if hidden.shape[0] != step.lengths.shape[0]:  # (B, 1, H): each row's last new token
@@ -252,11 +272,12 @@ class CachedForward:
 
     @staticmethod
     def _residual(out_bias, residual: torch.Tensor) -> torch.Tensor:
-        """megatron-core's bias-dropout-add at dropout 0: residual + (out + bias)."""
+        """megatron-core's bias-dropout-add at dropout 0: residual + (out + bias), the residual
+        cast to the output's dtype first (bfloat16 under autocast, as megatron-core does)."""
         out, bias = out_bias
         if bias is not None:
             out = out + bias
-        return residual + out
+        return residual.to(out.dtype) + out
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,11 @@ import importlib
 import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    copy_to_tensor_model_parallel_region,
+)
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
@@ -34,18 +38,28 @@ from megatron.rl.models.attention import SDPACoreAttention
 
 
 class _NoGradMatmul:
-    """Inference fast path of megatron-core's local linear layers.
+    """Inference fast path and mixed-precision path of megatron-core's local linear layers.
 
     Without autograd (engine steps, ``torch.no_grad``) the layer's matrix multiply runs as the
     same ``torch.matmul(input, weight.t())`` (+ bias) that megatron-core's autograd functions
     compute in their forward, without entering those functions: their ``apply`` costs more than
     the matmul itself at small shapes (profile of an engine step: ~30% of a 1M-parameter decode
     step). The values are identical; with autograd on (training) nothing changes.
+
+    Under CPU ``torch.autocast`` with autograd on (the CPU tier's ``--bf16``) the product also
+    runs as plain differentiable ops, so autocast's casts are part of the graph and the float32
+    weights receive float32 gradients: megatron-core's autograd function saves the float32
+    weight and multiplies it by the bfloat16 output gradient in its backward, which fails. The
+    column-parallel input gradient is all-reduced by megatron-core's own
+    ``copy_to_tensor_model_parallel_region`` (what its function does when ``allreduce_dgrad``).
     """
 
     def _forward_impl(self, input, weight, *args, **kwargs):
-        if torch.is_grad_enabled() or kwargs.get("sequence_parallel") or args:
+        plain = not torch.is_grad_enabled() or torch.is_autocast_enabled(input.device.type)
+        if not plain or kwargs.get("sequence_parallel") or args:
             return super()._forward_impl(input, weight, *args, **kwargs)
+        if torch.is_grad_enabled() and kwargs.get("allreduce_dgrad"):
+            input = copy_to_tensor_model_parallel_region(input, group=kwargs.get("tp_group"))
         output = torch.matmul(input, weight.t())
         bias = kwargs.get("bias")
         return output if bias is None else output + bias
@@ -57,6 +71,20 @@ class SDPAColumnParallelLinear(_NoGradMatmul, ColumnParallelLinear):
 
 class SDPARowParallelLinear(_NoGradMatmul, RowParallelLinear):
     """megatron-core's ``RowParallelLinear`` with the no-autograd fast path."""
+
+
+def plain_output_layer(model: torch.nn.Module) -> torch.nn.Module:
+    """Give ``model``'s output layer the SDPA backend's linear behaviour; returns ``model``.
+
+    ``GPTModel`` builds its output layer as megatron-core's own ``ColumnParallelLinear``, not from
+    the layer spec; ``SDPAColumnParallelLinear`` is that class with a different
+    ``_forward_impl`` only (no state of its own), so the instance takes its class. Without it the
+    output layer would be the one product that fails under CPU autocast with autograd.
+    """
+    layer = getattr(model, "output_layer", None)
+    if type(layer) is ColumnParallelLinear:
+        layer.__class__ = SDPAColumnParallelLinear
+    return model
 
 
 class SDPASpecProvider(LocalSpecProvider):

@@ -55,6 +55,14 @@ class KVCache:
         self.zeroed_slots = 0
         """Slots ``0 .. zeroed_slots - 1`` have been zeroed (the rest were never read)."""
 
+    def release(self) -> None:
+        """Forget every slot (no request may hold one): the keys and values are allocated anew
+        and untouched, so the pages of the slots used so far go back to the OS, and each slot is
+        zeroed again on its next first use."""
+        self.keys = torch.empty_like(self.keys)
+        self.values = torch.empty_like(self.values)
+        self.zeroed_slots = 0
+
     def zero_slots_below(self, end: int) -> None:
         """Zero slots ``zeroed_slots .. end - 1`` on their first use: the cache then reads as if
         it had been allocated with zeros."""
@@ -248,5 +256,5 @@ def _decode_attention(
     values = v.reshape(batch * kv_heads, length, head_dim)
     bias = step.decode_bias(kv_heads, groups, query.dtype)  # (B*Hkv, G, L)
     scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scale)  # (B*Hkv, G, L)
-    probs = torch.softmax(scores, dim=-1)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)  # float32 sums
     return torch.bmm(probs, values).view(batch, num_heads, head_dim)

@@ -4,7 +4,8 @@
 the ``LocalInferenceInterface`` over the engine that serves local agents too) as a subset of the
 OpenAI completions API: ``POST /v1/completions`` (``wire_completions.CompletionRequest``) and
 ``POST /v1/chat/completions`` (``wire_chat.ChatCompletionRequest``; the messages are rendered by
-the tokenizer's chat template, and a tokenizer without one answers 422 naming it). Requests go
+the tokenizer's chat template, and a tokenizer without one answers 422 naming it), plus
+``GET /v1/models`` (the one model served, ``model_name``, in OpenAI's list format). Requests go
 into the same engine queue as local ones, so they belong to the same batches, follow the same
 forced-lag schedule and return the same per-token logprobs and policy versions.
 
@@ -41,6 +42,8 @@ from megatron.rl.wire_completions import (
     CompletionUsage,
     EndRolloutRequest,
     EndRolloutResponse,
+    ModelCard,
+    ModelList,
 )
 
 
@@ -50,13 +53,14 @@ def create_inference_app(
     model_name: str = "policy",
     api_key: str | None = None,
 ) -> FastAPI:
-    """A FastAPI app with ``GET /health``, ``POST /v1/completions``,
+    """A FastAPI app with ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
     ``POST /v1/chat/completions`` and ``POST /v1/rollouts/end`` over ``inference``; with
     ``api_key`` every request needs it as a bearer token (401 otherwise)."""
     app = FastAPI(title="megatron-rl inference server", version="1")
     install_error_handlers(app)
     require_api_key(app, api_key)
     ids = itertools.count()
+    served = ModelCard(id=model_name, created=int(time.time()), owned_by="megatron-rl")
 
     async def generate(request: InferenceRequest, n: int) -> list[InferenceResponse]:
         """``n`` samples of ``request``; the caller's faults are 422, the engine's 503."""
@@ -73,6 +77,11 @@ def create_inference_app(
     async def health() -> dict[str, str]:
         """Liveness."""
         return {"status": "ok"}
+
+    @app.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
+    async def models() -> ModelList:
+        """The model this server generates with (requests may name any ``model``)."""
+        return ModelList(data=[served])
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
     async def completions(body: CompletionRequest) -> CompletionResponse:

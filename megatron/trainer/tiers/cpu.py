@@ -1,7 +1,11 @@
 """The CPU tier: what the trainer runs on CPU (development, CI); it also runs on one GPU.
 
 * Model: float32 GPT with the SDPA core attention (``model_provider.build_model``); the
-  reference policy is a second one (``reference.py``).
+  reference policy is a second one (``reference.py``). ``--bf16``: the matrix products of
+  training and of the engine run in bfloat16 under ``torch.autocast`` (float32 weights,
+  gradients and AdamW state; the engine's KV cache and transposed weight copies in bfloat16);
+  ``--recompute-granularity full``: every layer recomputed in the backward pass
+  (``megatron/rl/models/recompute.py``).
 * Optimizer: torch's fused AdamW, a flattened DP gradient all-reduce and a TP-aware gradient clip
   (``megatron/trainer/optimizer.py``): megatron-core's DDP and optimizers hard-code CUDA.
 * Policy (``CPUPolicy``): micro-batches run one after the other; in ``train`` each
@@ -10,13 +14,13 @@
 * Checkpoints: one ``torch.save`` file per tensor-parallel rank, written by data-parallel rank 0:
   ``iter_XXXXXXX/mp_rank_XX/model_optim_rng.pt`` (model, optimizer, LR schedule, RNG, flags).
 
-TP and DP run over gloo; PP, bf16 and the distributed optimizer are refused at argument
-validation.
+TP and DP run over gloo; PP and the distributed optimizer are refused at argument validation.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import random
 import time
 from collections.abc import Callable
@@ -29,6 +33,7 @@ from megatron.rl.grpo.batch import TrainBatch
 from megatron.rl.inference.kv_cache_runner import KVCacheRowRunner
 from megatron.rl.inference.step_group import StepGroup
 from megatron.rl.models.kv_cache import KVCache
+from megatron.rl.models.recompute import recompute_layers
 from megatron.trainer import model_provider
 from megatron.trainer.checkpointing import (
     CheckpointShards,
@@ -38,8 +43,8 @@ from megatron.trainer.checkpointing import (
 )
 from megatron.trainer.forward import (
     ModelInputs,
+    forward_outputs,
     gather_data_parallel,
-    micro_outputs,
     micro_topk,
     model_inputs,
     padded_rows,
@@ -70,14 +75,23 @@ from megatron.trainer.step import (
 )
 from megatron.trainer.tiers.base import Tier, no_reference_error
 
-PerMicro = Callable[[torch.Tensor, TrainBatch, ModelInputs], tuple[torch.Tensor, ...]]
-"""(logits, micro-batch, its model inputs) -> per-token outputs (b, t, ...) of a forward."""
+PerMicro = Callable[[TrainBatch, ModelInputs], tuple[torch.Tensor, ...]]
+"""(micro-batch, its model inputs) -> per-token outputs (b, t, ...) of a forward."""
 
 
 class CPUTier(Tier):
     """torch AdamW, the KV-cache row runner and per-rank ``torch.save`` shards."""
 
     name = "cpu"
+
+    def describe(self) -> str:
+        """Tier, and the precision and activation recompute when they are not the defaults."""
+        parts = ["tier: cpu"]
+        if getattr(self.args, "bf16", False):
+            parts.append("bf16 autocast (fp32 weights, gradients and AdamW)")
+        if getattr(self.args, "recompute_granularity", None) == "full":
+            parts.append("recompute: full")
+        return " | ".join(parts)
 
     def build_model(self, vocab_size, load=None):
         """Float32 GPT with the SDPA core attention on ``ctx.device``; ``load`` fills its
@@ -86,6 +100,8 @@ class CPUTier(Tier):
         model = model_provider.build_model(self.args, vocab_size, device, initialize=load is None)
         if load is not None:
             load(model)
+        if getattr(self.args, "recompute_granularity", None) == "full":
+            recompute_layers(model)
         return model
 
     def build_reference(self, vocab_size, initialize=True):
@@ -98,21 +114,22 @@ class CPUTier(Tier):
 
     def build_policy(self, state, config, reference=None):
         """A ``CPUPolicy``."""
-        return CPUPolicy(state, config, self.ctx, reference)
+        return CPUPolicy(state, config, self.ctx, reference, getattr(self.args, "bf16", False))
 
     def build_step_group(self, model, config, vocab_size):
         """A ``KVCacheRowRunner`` with its own per-slot KV cache under a ``StepGroup``."""
         mc = model.config
+        compute = torch.bfloat16 if getattr(self.args, "bf16", False) else None  # as training
         cache = KVCache(
             num_layers=mc.num_layers,
             num_slots=config.max_requests,
             max_seq_len=config.max_seq_len,
             num_kv_heads=mc.num_query_groups // self.ctx.tp_size,
             head_dim=mc.kv_channels,
-            dtype=mc.params_dtype,
+            dtype=compute or mc.params_dtype,
             device=self.ctx.device,
         )
-        runner = KVCacheRowRunner(model, cache, vocab_size, self.ctx.tp_group)
+        runner = KVCacheRowRunner(model, cache, vocab_size, self.ctx.tp_group, compute)
         return StepGroup(runner, self.ctx.dp_rank, self.ctx.dp_size, self.ctx.is_replica_leader)
 
     def checkpoint_shards(self) -> CheckpointShards:
@@ -129,31 +146,48 @@ class CPUPolicy(Policy):
         config: PolicyConfig,
         ctx: ParallelContext,
         reference: torch.nn.Module | None = None,
+        bf16: bool = False,
     ) -> None:
         self.state = state
         self.config = config
         self.ctx = ctx
         self.reference = reference
+        self.bf16 = bf16
+
+    def _precision(self) -> contextlib.AbstractContextManager:
+        """bfloat16 compute on float32 weights (``--bf16``: ``torch.autocast``), else nothing.
+
+        Without autocast's cast cache: each bfloat16 copy of a weight lives only as long as the
+        backward pass needs it (with ``--recompute-granularity full``, only while its layer is
+        recomputed) instead of for the whole forward and backward (135M parameters: 270 MB)."""
+        device = self.ctx.device.type
+        return torch.autocast(device, torch.bfloat16, enabled=self.bf16, cache_enabled=False)
 
     def get_logprobs(self, data, micro_batch_size=None):
         """Forward only, micro-batch by micro-batch, gathered over DP."""
-        (logprobs,) = self._forward_only(self.state.model, data, micro_batch_size, self._logprobs)
+        model = self.state.model
+        (logprobs,) = self._forward_only(model, data, micro_batch_size, self._logprobs(model))
         return logprobs
 
     def get_reference_policy_logprobs(self, data, micro_batch_size=None):
         """``get_logprobs`` of the reference model."""
         if self.reference is None:
             raise no_reference_error()
-        (logprobs,) = self._forward_only(self.reference, data, micro_batch_size, self._logprobs)
+        reference = self.reference
+        outputs = self._logprobs(reference)
+        (logprobs,) = self._forward_only(reference, data, micro_batch_size, outputs)
         return logprobs
 
     def get_topk_logits(self, data, k, micro_batch_size=None):
         """Each micro-batch's vocab-parallel top-k, gathered over DP."""
 
-        def topk(logits: torch.Tensor, micro: TrainBatch, inputs: ModelInputs):
+        model = self.state.model
+
+        def topk(micro: TrainBatch, inputs: ModelInputs):
+            logits = model(inputs.ids, inputs.positions, inputs.mask)  # (r, s, V/tp)
             return micro_topk(logits, inputs, k, self.config.vocab_size, self.ctx.tp_group)
 
-        values, indices = self._forward_only(self.state.model, data, micro_batch_size, topk)
+        values, indices = self._forward_only(model, data, micro_batch_size, topk)
         return TopKLogits(values, indices)
 
     def train(self, data, loss_fn, eval_mode=False, *, gbs=None, mbs=None, caches=None):
@@ -162,9 +196,14 @@ class CPUPolicy(Policy):
         plan = plan_updates(data, self.ctx, gbs, mbs, caches)
         return [self._update(update, loss_fn, eval_mode) for update in plan]
 
-    def _logprobs(self, logits: torch.Tensor, micro: TrainBatch, inputs: ModelInputs):
+    def _logprobs(self, model: torch.nn.Module) -> PerMicro:
+        """The (b, t) logprobs of a micro-batch under ``model`` (``forward.forward_outputs``)."""
         config, tp = self.config, self.ctx.tp_group
-        return micro_outputs(logits, micro, inputs, config.vocab_size, tp)[:1]
+
+        def outputs(micro: TrainBatch, inputs: ModelInputs) -> tuple[torch.Tensor]:
+            return forward_outputs(model, micro, inputs, config.vocab_size, tp)[:1]
+
+        return outputs
 
     def _forward_only(
         self, model: torch.nn.Module, data: TrainBatch, mbs: int | None, outputs: PerMicro
@@ -174,11 +213,10 @@ class CPUPolicy(Policy):
         mbs = self.config.micro_batch_size if mbs is None else mbs
         model.eval()
         parts = []
-        with torch.no_grad():
+        with torch.no_grad(), self._precision():
             for micro in data_parallel_micro_batches(data, self.ctx, mbs):
                 inputs = model_inputs(micro, self.ctx.device, self.config.packing_capacity)
-                logits = model(inputs.ids, inputs.positions, inputs.mask)  # (r, s, V/tp)
-                parts.append(outputs(logits, micro, inputs))
+                parts.append(outputs(micro, inputs))
         width = data.input_ids.shape[1]
         local = [padded_rows(list(p), width) for p in zip(*parts)]
         if data.is_shard:  # this rank's rows only
@@ -198,10 +236,11 @@ class CPUPolicy(Policy):
         denom = max(loss_fn.num_tokens(update.batch), 1)
         with torch.set_grad_enabled(not eval_mode):
             for micro in update.micro_batches:
-                logprobs, entropy = policy_logprobs(
-                    model, micro.data, config.vocab_size, ctx, config.packing_capacity,
-                    loss_fn.needs_entropy,
-                )  # fmt: skip
+                with self._precision():  # the forward; its backward runs as autograd recorded it
+                    logprobs, entropy = policy_logprobs(
+                        model, micro.data, config.vocab_size, ctx, config.packing_capacity,
+                        loss_fn.needs_entropy,
+                    )  # fmt: skip
                 out = loss_fn(micro, logprobs, entropy)  # (b, t) -> sums
                 if not eval_mode:
                     (out.loss_sum / denom).backward()
@@ -215,6 +254,7 @@ class CPUPolicy(Policy):
             scheduler.step(increment=1)  # update k uses the schedule's value at k + 1
             lr = optimizer.param_groups[0]["lr"]
             optimizer.step()
+            optimizer.zero_grad(set_to_none=True)  # generation windows need no gradients
             result = Update(sums, grad_norm, lr)
         groups = [ctx.dp_group] if ctx.dp_size > 1 else []
         caches = [m.cache for m in update.micro_batches]

@@ -80,7 +80,15 @@ def cuda_transformer_config(
         perform_initialization=initialize,
         bias_dropout_fusion=True,
         gradient_accumulation_fusion=transformer_engine or apex_fused_wgrad_importable(),
+        **recompute_overrides(args),
     )
+
+
+def recompute_overrides(args) -> dict:
+    """megatron-core's full, uniform, one-layer recompute for ``--recompute-granularity full``."""
+    if getattr(args, "recompute_granularity", None) != "full":
+        return {}
+    return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 
 
 def optimizer_config(args, model_config) -> OptimizerConfig:

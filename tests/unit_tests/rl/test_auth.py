@@ -88,6 +88,7 @@ def test_inference_server_refuses_requests_without_the_key(headers):
     body = {"prompt": "12=", "max_tokens": 4}
     assert call(app, "POST", "/v1/completions", headers, body).status_code == 401
     assert call(app, "GET", "/health", headers).status_code == 401
+    assert call(app, "GET", "/v1/models", headers).status_code == 401
     ok = call(app, "POST", "/v1/completions", {"authorization": f"Bearer {KEY}"}, body)
     assert ok.status_code == 200 and inference.requests
 

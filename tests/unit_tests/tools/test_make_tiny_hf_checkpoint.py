@@ -40,6 +40,19 @@ def test_flags_and_corpus(tmp_path):
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [2, 3]
 
 
+@pytest.mark.parametrize(
+    "argv, positions",
+    [
+        pytest.param([], 4096, id="default-fits-the-readme-seq-length"),
+        pytest.param(["--max-position-embeddings", "1024"], 1024, id="flag"),
+    ],
+)
+def test_max_position_embeddings(tmp_path, argv, positions):
+    out = tmp_path / "ckpt"
+    tool.main(["--family", "qwen2", "--out", str(out), "--num-layers", "1", *argv])
+    assert read_hf_config(out).arch.max_position_embeddings == positions
+
+
 def test_unknown_family_is_refused(tmp_path):
     with pytest.raises(SystemExit):
         tool.main(["--family", "gpt2", "--out", str(tmp_path)])

@@ -71,3 +71,32 @@ def test_usage_errors_exit_2_and_peers_exit_quietly(monkeypatch, capsys, tmp_pat
     assert json.loads(error_file.read_text())[EXPECTED_MARK] == "peer"
     assert end(raiser(SystemExit(143)), monkeypatch) == 143
     assert end(raiser(KeyboardInterrupt()), monkeypatch) == 130
+
+
+@pytest.mark.parametrize(
+    "exc, printed",
+    [
+        pytest.param(
+            SystemExit("pretrain_grpo.py: error: --hf-checkpoint: no config.json"),
+            "megatron.trainer.serve: error: --hf-checkpoint: no config.json",
+            id="trainer-message",
+        ),
+        pytest.param(
+            SystemExit("--load CK: cannot read iteration 2"),
+            "megatron.trainer.serve: error: --load CK: cannot read iteration 2",
+            id="bare-message",
+        ),
+        pytest.param(
+            UsageError("pretrain_grpo.py: error: --env-config: no such file"),
+            "megatron.trainer.serve: error: --env-config: no such file",
+            id="usage-error",
+        ),
+    ],
+)
+def test_another_command_prints_the_trainers_messages_under_its_own_name(
+    exc, printed, monkeypatch, capsys
+):
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit):
+        run_main(raiser(exc), prog="megatron.trainer.serve")
+    assert capsys.readouterr().err == printed + "\n"

@@ -153,6 +153,7 @@ def test_dynamic_sampling_without_qualifying_groups_trains_on_nothing_and_goes_o
         assert m["dynamic_sampling_kept_groups"] == 0
         assert m["dynamic_sampling_dropped_groups"] == 4
         assert m["loss"] == 0.0 and m["grad_norm"] == 0.0  # every row masked
+        assert m["zero_variance_group_fraction"] == m["zero_variance_group_fraction/copy"] == 1.0
 
 
 def test_seq_logprob_error_masks_the_stale_sequences_above_the_threshold(runs):

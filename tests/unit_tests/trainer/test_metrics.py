@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import pytest
 from grpo_testing.rollouts import synthetic_groups
 
 from megatron.rl.agent.api import placeholder_rollout
 from megatron.rl.inference.protocol import EngineCounters
 from megatron.rl.rollout.generator import RolloutBatch
-from megatron.rl.wire import GroupedRolloutRequest
-from megatron.trainer.metrics import engine_metrics, rollout_metrics
+from megatron.rl.wire import GroupedRolloutRequest, RolloutGroup, TokenRollout
+from megatron.trainer.metrics import (
+    ConstantRewardWarning,
+    engine_metrics,
+    format_log_line,
+    rollout_metrics,
+    zero_variance_metrics,
+)
 from megatron.trainer.rollouts import CollectedBatch
 
 
@@ -48,3 +55,124 @@ def test_engine_metrics_of_a_window_are_the_counters_difference_and_the_idle_res
         "engine_seconds": 1.5,
         "engine_idle_seconds": 0.5,
     }
+
+
+def rollout(env: str, reward: float | None) -> TokenRollout:
+    """A one-token rollout of ``env`` with ``reward``; None: a placeholder (reward 0, error)."""
+    return TokenRollout(
+        env_id=env, problem_id="p", prompt="", completion="", reward=reward or 0.0,
+        error="env down" if reward is None else None, tokens=[3, 4],
+        generation_mask=[False, True], logprobs=[-1.0], policy_versions=[0],
+        submission_policy_version=0, temperature=1.0,
+    )  # fmt: skip
+
+
+def groups(*rewards: list[float | None], env: str = "a", first: int = 0) -> list[RolloutGroup]:
+    """One group per list of rewards, all of environment ``env``."""
+    return [
+        RolloutGroup(batch_id=0, index_in_batch=first + i, rollouts=[rollout(env, r) for r in g])
+        for i, g in enumerate(rewards)
+    ]
+
+
+@pytest.mark.parametrize(
+    "batch_groups, expected",
+    [
+        pytest.param(
+            groups([1, 1, 1], [0, 0, 0]),
+            {"zero_variance_group_fraction": 1.0, "zero_variance_group_fraction/a": 1.0},
+            id="all-equal",
+        ),
+        pytest.param(
+            groups([1, 0, 1], [0, 0, 0], [0.5, 0.5, 1], [1, 1, 1]),
+            {"zero_variance_group_fraction": 0.5, "zero_variance_group_fraction/a": 0.5},
+            id="mixed",
+        ),
+        pytest.param(
+            groups([1, 0, 0.5], [0.2, 0.3, 0.2]),
+            {"zero_variance_group_fraction": 0.0, "zero_variance_group_fraction/a": 0.0},
+            id="none-equal",
+        ),
+        pytest.param(
+            groups([1, None, 1], [1, None, 0], [0, 0, None]),
+            {"zero_variance_group_fraction": 2 / 3, "zero_variance_group_fraction/a": 2 / 3},
+            id="placeholders-ignored",
+        ),
+        pytest.param(
+            groups([None, None, 1], [None, None, None], [0, 1, None]),
+            {"zero_variance_group_fraction": 2 / 3, "zero_variance_group_fraction/a": 2 / 3},
+            id="fewer-than-two-real-rollouts-count",
+        ),
+        pytest.param(
+            groups([1, 0], [1, 1], env="copy") + groups([0, 0], env="sort", first=2),
+            {
+                "zero_variance_group_fraction": 2 / 3,
+                "zero_variance_group_fraction/copy": 0.5,
+                "zero_variance_group_fraction/sort": 1.0,
+            },
+            id="per-env",
+        ),
+    ],
+)
+def test_zero_variance_group_fraction(batch_groups, expected):
+    assert zero_variance_metrics(batch_groups) == pytest.approx(expected)
+    record = rollout_metrics(RolloutBatch(0, batch_groups, in_flight=1, queue_depth=0), step=0)
+    assert {k: v for k, v in record.items() if k.startswith("zero_variance")} == expected
+
+
+def test_the_log_line_shows_the_zero_variance_share():
+    record = rollout_metrics(RolloutBatch(0, groups([1, 1], [1, 0]), 1, 0), step=0)
+    m = {**record, "step": 0, "loss": 0.0, "grad_norm": 0.0, "lr": 1e-3, "lag": 2,
+         "generated_tokens_per_s": 1.0, "trained_tokens_per_s": 1.0,
+         "step_seconds": 0.1}  # fmt: skip
+    assert "| reward 0.750 ± 0.433 | zero-var groups 0.50 | grad-norm" in format_log_line(m, 10)
+
+
+def warnings_of(*batches: list[RolloutGroup], first_batches: int = 4) -> list[str]:
+    """Every line a ``ConstantRewardWarning`` gives over ``batches`` (batch ids 0, 1, ...)."""
+    warn = ConstantRewardWarning(first_batches)
+    return [
+        line
+        for batch_id, batch_groups in enumerate(batches)
+        for line in warn.check(RolloutBatch(batch_id, batch_groups, in_flight=1, queue_depth=0))
+    ]
+
+
+def test_equal_rewards_warn_once_naming_environment_batch_and_value():
+    lines = warnings_of(groups([0, 0], [0, 0]), groups([0, 0], [0, 0]), groups([1, 1], [1, 1]))
+    assert lines == [
+        "warning: environment 'a': no group of batch 0 has differing rewards (2 groups, all 0): "
+        "its advantages, policy-gradient loss and gradient are 0 for this batch: the task may "
+        "be too hard or too easy for the model; see zero_variance_group_fraction/a"
+    ]
+
+
+@pytest.mark.parametrize(
+    "batches, warned",
+    [
+        pytest.param([groups([0, 1], [0, 0])] * 4, [], id="a-group-differs"),
+        pytest.param(
+            [groups([0, 1]), groups([0, 0], [1, 1])],
+            [("batch 1", "(2 groups, each all 0 or 1)")],
+            id="later-batch-several-values",
+        ),
+        pytest.param([groups([0, 1])] * 4 + [groups([0, 0])], [], id="after-the-first-4"),
+        pytest.param(
+            [groups([0, 1], env="copy") + groups([1, 1], env="sort", first=1)],
+            [("'sort'", "batch 0")],
+            id="only-the-constant-env",
+        ),
+        pytest.param([groups([None, None], [0, 1])], [], id="failed-group-beside-a-varied-one"),
+        pytest.param([groups([None, None])], [], id="only-placeholders-left-to-failures"),
+        pytest.param(
+            [groups([1, None], [1, 1])],
+            [("batch 0", "(2 groups, all 1)")],
+            id="placeholder-ignored",
+        ),
+    ],
+)
+def test_the_warning_only_for_a_batch_without_differing_rewards(batches, warned):
+    lines = warnings_of(*batches)
+    assert len(lines) == len(warned), lines
+    for line, parts in zip(lines, warned):
+        assert all(part in line for part in parts), line

@@ -1,6 +1,6 @@
-"""CUDA-tier flags: refused on CPU (naming the flag), accepted and validated on CUDA; the step
-options the CUDA tier's policy has are accepted there, sequence packing only without the
-Transformer Engine layer spec."""
+"""CUDA-tier flags: refused on CPU (naming the flag), accepted and validated on CUDA; ``--bf16``
+on both tiers; the step options the CUDA tier's policy has are accepted there, sequence packing
+only without the Transformer Engine layer spec."""
 
 from __future__ import annotations
 
@@ -16,10 +16,16 @@ def errors_for(argv: list[str], world_size: int = 1, cuda: bool = False) -> list
     return validate_args(build_parser().parse_args(argv), world_size, cuda)
 
 
-@pytest.mark.parametrize("flag", ["--bf16", "--use-distributed-optimizer"])
-def test_cuda_only_flags_are_refused_on_cpu_by_name(flag):
-    (error,) = errors_for([flag])
-    assert error.startswith(flag) and "CPU" in error
+def test_the_distributed_optimizer_is_refused_on_cpu_by_name():
+    (error,) = errors_for(["--use-distributed-optimizer"])
+    assert error.startswith("--use-distributed-optimizer") and "CPU" in error
+
+
+def test_bf16_and_recompute_are_accepted_on_both_tiers():
+    argv = ["--bf16", "--recompute-granularity", "full"]
+    assert errors_for(argv) == [] and errors_for(argv, cuda=True) == []
+    args = build_parser().parse_args(argv)
+    assert args.bf16 is True and args.recompute_granularity == "full"
 
 
 def test_pipeline_parallelism_is_refused_on_cpu():
@@ -42,12 +48,13 @@ def test_on_cuda_they_are_accepted_and_pp_is_validated():
     assert "--num-layers (3)" in error and "--pipeline-model-parallel-size (2)" in error
 
 
-def test_entry_script_refuses_bf16_on_cpu_with_status_2():
+def test_entry_script_refuses_the_distributed_optimizer_on_cpu_with_status_2():
+    flag = "--use-distributed-optimizer"
     proc = subprocess.run(
-        [sys.executable, "pretrain_grpo.py", "--bf16"], capture_output=True, text=True, timeout=120
+        [sys.executable, "pretrain_grpo.py", flag], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 2
-    assert "--bf16" in proc.stderr and "Traceback" not in proc.stderr
+    assert flag in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_packing_is_refused_on_cuda_only_with_the_transformer_engine_spec(monkeypatch):

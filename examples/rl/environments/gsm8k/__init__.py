@@ -9,6 +9,7 @@ the reward, ``answers.py`` for answer extraction and verification, ``dataset.py`
 
 from examples.rl.environments.gsm8k.answers import (
     extract_answer,
+    stated_answer,
     states_answer,
     verify_answer,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "extract_answer",
     "final_answer",
     "load_records",
+    "stated_answer",
     "states_answer",
     "verify_answer",
 ]

@@ -7,8 +7,12 @@ Extraction (``extract_answer(text, mode)``):
 * ``last_number``: the last number in the text (``-7``, ``2.5``, ``1,200``);
 * ``auto``: ``boxed``, else ``hashes``, else ``last_number``.
 
-``states_answer(text, mode)``: whether the completion gives its answer in the asked form (for
-``auto``: an explicit ``\boxed{}`` or ``####``, not just some number); the format reward.
+``stated_answer(text, mode)``: the answer the completion gives in the asked form, or None: for
+``auto`` the content of the last ``\boxed{}`` if it is not blank, else the text after the last
+``####`` (not just some number); for the other modes ``extract_answer``'s, if not blank.
+``states_answer(text, mode)``: whether that answer exists and math-verify parses it (an answer
+``verify_answer`` refuses to evaluate does not count); the format reward. So an empty
+``\boxed{}``, ``\boxed{ }``, a bare ``#### `` or a box of words earns no format reward.
 
 ``verify_answer(gold, predicted)``: ``math_verify.verify(parse(gold), parse(predicted))``, so
 ``18``, ``18.0``, ``$18``, ``\frac{36}{2}`` all match ``18``. GSM8K answers are numbers: an
@@ -41,7 +45,7 @@ def extract_hashes(text: str) -> str | None:
     """The text after the last ``####`` up to the end of that line, or None."""
     if "####" not in text:
         return None
-    answer = text.rsplit("####", 1)[1].strip().split("\n", 1)[0].strip()
+    answer = text.rsplit("####", 1)[1].split("\n", 1)[0].strip()
     return answer or None
 
 
@@ -68,28 +72,61 @@ def extract_answer(text: str, mode: AnswerExtraction = "auto") -> str | None:
     return None
 
 
-def states_answer(text: str, mode: AnswerExtraction = "auto") -> bool:
-    """Whether ``text`` gives its answer in the form ``mode`` asks for (``auto``: an explicit
-    ``\\boxed{}`` or ``####``)."""
+def stated_answer(text: str, mode: AnswerExtraction = "auto") -> str | None:
+    """The non-blank answer ``text`` gives in the form ``mode`` asks for (``auto``: the last
+    ``\\boxed{}``, else ``####``; never a bare number), or None."""
     if mode == "auto":
-        return extract_boxed(text) is not None or extract_hashes(text) is not None
-    return extract_answer(text, mode) is not None
+        answer = extract_boxed(text)
+        if answer is None or not answer.strip():
+            answer = extract_hashes(text)
+    else:
+        answer = extract_answer(text, mode)
+    return answer if answer is not None and answer.strip() else None
+
+
+def states_answer(text: str, mode: AnswerExtraction = "auto", timeout_s: int = 5) -> bool:
+    """Whether ``text`` gives an answer in the form ``mode`` asks for that math-verify parses."""
+    answer = stated_answer(text, mode)
+    return answer is not None and parses(answer, timeout_s)
+
+
+def parses(answer: str, timeout_s: int = 5) -> bool:
+    """Whether math-verify parses ``answer`` into a value (``verify_answer``'s refusals: no)."""
+    from math_verify import parse
+
+    if _refused(answer):
+        return False
+    with _timeout(timeout_s) as timeout:
+        return bool(parse(answer, parsing_timeout=timeout))
 
 
 def verify_answer(gold: str, predicted: str, timeout_s: int = 5) -> bool:
     """Whether math-verify finds ``predicted`` equal to ``gold`` (see the module docstring)."""
     from math_verify import parse, verify
 
-    if len(predicted) > MAX_ANSWER_CHARS or _EXPLODING.search(predicted):
+    if _refused(predicted):
         return False
-    on_main = threading.current_thread() is threading.main_thread()
-    timeout = timeout_s if on_main else None
-    with _outer_alarm_kept() if on_main else contextlib.nullcontext():
+    with _timeout(timeout_s) as timeout:
         gold_parsed = parse(gold, parsing_timeout=timeout)
         predicted_parsed = parse(predicted, parsing_timeout=timeout)
         if not gold_parsed or not predicted_parsed:
             return False
         return bool(verify(gold_parsed, predicted_parsed, timeout_seconds=timeout))
+
+
+def _refused(answer: str) -> bool:
+    """Answers not given to math-verify: too long, or with a power or factorial."""
+    return len(answer) > MAX_ANSWER_CHARS or bool(_EXPLODING.search(answer))
+
+
+@contextlib.contextmanager
+def _timeout(timeout_s: int) -> Iterator[int | None]:
+    """math-verify's timeout on the main thread (keeping the host's timer), None elsewhere."""
+    if threading.current_thread() is not threading.main_thread():
+        yield None
+        return
+    with _outer_alarm_kept():
+        yield timeout_s
 
 
 @contextlib.contextmanager

@@ -8,7 +8,9 @@ trainer's tokenizer renders with its chat template (a tokenizer without one mask
 
 Reward: 1.0 when the completion's answer (``answer_extraction``, see ``answers.py``) verifies
 equal to the final answer after ``####`` with math-verify; otherwise ``format_reward`` (default
-0) when the completion states an answer in the asked form, else 0.0. Rewards are in [0, 1].
+0) when the completion states a non-blank answer in the asked form that math-verify parses
+(``states_answer``: an empty ``\boxed{}``, a bare ``####`` or a box of words earns nothing,
+so "\boxed{} = 4 + 7 = 11" cannot collect the format reward), else 0.0. Rewards are in [0, 1].
 
 Held-out evaluation: give ``data_files`` as ``{train: ..., test: ...}`` and use ``split: test``
 in the entry you evaluate with, or hold a share of the problems out of training with
@@ -30,6 +32,9 @@ from examples.rl.environments.gsm8k.answers import (
 from examples.rl.environments.gsm8k.dataset import DataFiles, FileFormat, load_records
 from megatron.rl.agent.api import AgentArgs, Problem
 from megatron.rl.agent.dataset import DatasetEnvironment
+
+INSTALL = "pip install -e '.[math]'"
+"""Installs the packages the environment imports when it reads data and scores."""
 
 DEFAULT_TEMPLATE = (
     "{question}\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -55,7 +60,10 @@ class GSM8KArgs(AgentArgs):
         "auto", description="boxed, hashes (####), last_number, or auto (in that order)."
     )
     format_reward: float = Field(
-        0.0, ge=0.0, le=1.0, description="Reward of a wrong answer stated in the asked form."
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="Reward of a wrong answer stated in the asked form that math-verify parses.",
     )
     verify_timeout_s: int = Field(5, ge=1, le=60, description="math-verify's timeouts.")
     max_tokens: int | None = Field(
@@ -105,6 +113,7 @@ class GSM8KEnvironment(DatasetEnvironment):
 
     Args = GSM8KArgs
     args: GSM8KArgs
+    required_modules = {"datasets": INSTALL, "math_verify": INSTALL}
 
     def __init__(self, env_id: str, args: GSM8KArgs | None = None) -> None:
         super().__init__(env_id, args)
@@ -133,4 +142,7 @@ class GSM8KEnvironment(DatasetEnvironment):
             problem.answer, predicted, self.args.verify_timeout_s
         ):
             return 1.0
-        return self.args.format_reward if states_answer(completion, mode) else 0.0
+        if self.args.format_reward == 0.0:
+            return 0.0
+        stated = states_answer(completion, mode, self.args.verify_timeout_s)
+        return self.args.format_reward if stated else 0.0

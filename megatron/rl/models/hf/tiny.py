@@ -88,6 +88,10 @@ def train_tokenizer(
     return wrapped
 
 
+DEFAULT_MAX_POSITIONS = 4096
+"""``max_position_embeddings`` of a tiny model: room for any ``--seq-length`` a CPU run uses (RoPE
+has no position table, so it costs nothing)."""
+
 SHAPES = {
     "qwen2.5-0.5b": dict(
         family="qwen2", hidden_size=896, num_layers=24, num_attention_heads=14,
@@ -103,7 +107,7 @@ def tiny_config(
     vocab_size: int,
     hidden_size: int = 64,
     num_layers: int = 2,
-    max_position_embeddings: int = 256,
+    max_position_embeddings: int = DEFAULT_MAX_POSITIONS,
     num_attention_heads: int = 4,
     num_key_value_heads: int = 2,
     intermediate_size: int | None = None,

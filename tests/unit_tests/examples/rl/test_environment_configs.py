@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 from pathlib import Path
 
 import pytest
 
 from megatron.rl.agent.api import SingleTurnEnvironment
-from megatron.rl.agent.env_config import load_env_config
+from megatron.rl.agent.env_config import EnvConfigError, load_env_config
 from megatron.rl.agent.multi_turn import MultiTurnEnvironment
 from megatron.rl.seeding import derive_seed
 from megatron.rl.tokenizer import CharTokenizer
@@ -41,6 +42,7 @@ def test_config_loads(at_repo_root, name, env_ids, weights):
 
 def test_every_config_is_listed():
     assert sorted(p.stem for p in CONFIGS.glob("*.yaml")) == [
+        "arithmetic",
         "countdown",
         "gsm8k",
         "guess",
@@ -60,6 +62,30 @@ def test_gsm8k_config_loads_its_sample(at_repo_root, tmp_path, monkeypatch):
     problem = agent.make_problem(random.Random(derive_seed(1234, 0, 0)))
     assert [m.role for m in problem.messages] == ["system", "user"]
     assert problem.max_tokens == 256
+
+
+@pytest.mark.parametrize("module", [pytest.param(m, id=m) for m in ("datasets", "math_verify")])
+def test_gsm8k_without_the_math_extra_names_the_entry_and_the_install(
+    at_repo_root, monkeypatch, module
+):
+    """The GSM8K environment imports datasets and math-verify only when it reads and scores: a
+    missing one stops the config's load naming the entry and the extra to install."""
+    monkeypatch.setitem(sys.modules, module, None)  # importing it raises ImportError
+    with pytest.raises(EnvConfigError) as info:
+        load_env_config(CONFIGS / "gsm8k.yaml")
+    message = str(info.value)
+    assert "gsm8k.yaml, entry 0 (agent_type 'examples.rl.environments.gsm8k:" in message
+    assert f"'{module}' package" in message and message.endswith("pip install -e '.[math]'")
+
+
+def test_arithmetic_config_builds_its_problems():
+    """Like GSM8K's, its chat prompts need a tokenizer with a chat template; its environment is
+    tested under environments/arithmetic."""
+    (agent,) = load_env_config(CONFIGS / "arithmetic.yaml").agents
+    assert agent.env_id == "arithmetic" and agent.num_problems() == 2000
+    assert agent.args.operations == ["add", "subtract"] and agent.args.system_prompt is None
+    problem = agent.make_problem(random.Random(derive_seed(1234, 0, 0)))
+    assert [m.role for m in problem.messages] == ["user"] and problem.max_tokens == 64
 
 
 @pytest.mark.parametrize("name", ["countdown", "math", "mixture"])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
+import types
 from collections import Counter
 
 import pytest
@@ -296,3 +298,58 @@ def test_the_mixture_starts_and_closes_evaluation_only_agents_too(tmp_path):
 
 async def _record(calls: list, what: str, env_id: str) -> None:
     calls.append((what, env_id))
+
+
+class NeedsAnOptionalPackage(DigitTaskEnvironment):
+    """A digit task that declares an optional package it would import when it runs."""
+
+    required_modules = {"json": "(stdlib)", "grpo_optional_pkg": "pip install grpo-optional-pkg"}
+
+
+class ImportsAnUndeclaredPackage(DigitTaskEnvironment):
+    """A digit task that imports a package it does not declare when it is built."""
+
+    def __init__(self, env_id, args=None) -> None:
+        import grpo_undeclared_pkg  # noqa: F401
+
+        super().__init__(env_id, args)
+
+
+@pytest.mark.parametrize(
+    "class_name, fragments",
+    [
+        pytest.param(
+            "NeedsAnOptionalPackage",
+            ["'grpo_optional_pkg' package", "pip install grpo-optional-pkg"],
+            id="declared-names-its-install-command",
+        ),
+        pytest.param(
+            "ImportsAnUndeclaredPackage",
+            ["needs 'grpo_undeclared_pkg'", "cannot be imported"],
+            id="undeclared-is-named",
+        ),
+    ],
+)
+def test_a_package_that_does_not_import_is_an_error_naming_the_entry(
+    tmp_path, monkeypatch, class_name, fragments
+):
+    for name in ("grpo_optional_pkg", "grpo_undeclared_pkg"):
+        monkeypatch.setitem(sys.modules, name, None)  # importing it raises ImportError
+    path = write(
+        tmp_path, f"- {{agent_type: digits}}\n- {{agent_type: '{__name__}:{class_name}'}}\n"
+    )
+    with pytest.raises(EnvConfigError) as info:
+        load_env_config(path)
+    message = str(info.value)
+    assert message.startswith(f"env config {path}, entry 1 (agent_type '{__name__}:{class_name}')")
+    assert "\n" not in message
+    for fragment in fragments:
+        assert fragment in message
+
+
+def test_declared_packages_that_import_build_the_agent(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "grpo_optional_pkg", types.ModuleType("grpo_optional_pkg"))
+    agent = load_env_config(
+        write(tmp_path, f"- {{agent_type: '{__name__}:NeedsAnOptionalPackage'}}\n")
+    )
+    assert isinstance(agent.agents[0], NeedsAnOptionalPackage)

@@ -241,3 +241,34 @@ def test_cpu_memory_follows_the_slots_in_use_not_the_slots_reserved():
         pass
     assert resident_mib() - before < 64
     del cache
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_release_returns_the_used_slots_memory_and_they_read_as_zeros_again():
+    cache = KVCache(2, 64, 128, 8, 64, torch.float32, torch.device("cpu"))  # 2 x 32 MiB
+    before = resident_mib()
+    with cache.step(torch.arange(64), torch.zeros(64, dtype=torch.long), torch.ones(64)):
+        pass  # every slot zeroed: resident
+    cache.keys[:, 0] = 1.0
+    assert resident_mib() - before > 48
+    cache.release()
+    assert resident_mib() - before < 16
+    assert cache.zeroed_slots == 0
+    with cache.step(torch.tensor([0]), torch.tensor([0]), torch.tensor([1])):
+        pass
+    assert torch.equal(cache.keys[:, 0], torch.zeros(2, 8, 128, 64))
+
+
+def test_an_idle_window_end_releases_the_cache_and_generation_is_unchanged(single_rank_world):
+    model = tiny_gpt()
+    shape = dict(num_layers=2, num_slots=4, max_seq_len=16, num_kv_heads=4, head_dim=8)
+    cache = KVCache(**shape, dtype=torch.float32, device=torch.device("cpu"))
+    runner = KVCacheRowRunner(model, cache, VOCAB)
+    rows = [RowWork(0, (3, 4, 5), 0, 1.0, 1.0, 0, seed=1)]
+    first = runner.run(rows)
+    keys = cache.keys
+    runner.end_window(idle=False)  # a request in flight keeps its keys
+    assert cache.keys is keys and cache.zeroed_slots == 1
+    runner.end_window(idle=True)
+    assert cache.keys is not keys and cache.zeroed_slots == 0
+    assert runner.run(rows) == first  # a new request on the released cache: the same

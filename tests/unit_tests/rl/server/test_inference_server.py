@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
@@ -14,7 +15,7 @@ from megatron.rl.seeding import derive_seed
 from megatron.rl.server.inference_server import completion_usage, create_inference_app
 from megatron.rl.tokenizer import CharTokenizer
 from megatron.rl.wire import InferenceResponse
-from megatron.rl.wire_completions import CompletionResponse
+from megatron.rl.wire_completions import CompletionResponse, ModelList
 
 
 def post_completions(bodies: list, steps: FakeSteps | None = None, fail: bool = False):
@@ -166,3 +167,26 @@ def test_ending_a_rollout_the_engine_does_not_wait_for_is_harmless():
     ok, bad = asyncio.run(run())
     assert ok.status_code == 200 and ok.json() == {"awaited": False}
     assert bad.status_code == 422 and "rollout_key.batch_id" in bad.json()["detail"]
+
+
+def test_models_lists_the_served_model_in_openais_format():
+    import openai.types
+
+    tokenizer = CharTokenizer()
+
+    async def run():
+        engine = ContinuousBatchingScheduler(FakeSteps(), SchedulerConfig(), lambda: 0)
+        inference = LocalInferenceInterface(engine, tokenizer)
+        app = create_inference_app(inference, tokenizer, model_name="ckpt-7")
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
+            return await c.get("/v1/models")
+
+    before = int(time.time())
+    r = asyncio.run(run())
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "list" and len(body["data"]) == 1
+    card = openai.types.Model.model_validate(body["data"][0])
+    assert (card.id, card.object, card.owned_by) == ("ckpt-7", "model", "megatron-rl")
+    assert before <= card.created <= int(time.time())
+    assert ModelList.model_validate(body).data[0].id == "ckpt-7"

@@ -10,6 +10,7 @@ import pytest
 
 from examples.rl.environments.gsm8k.answers import (
     extract_answer,
+    stated_answer,
     states_answer,
     verify_answer,
 )
@@ -25,6 +26,7 @@ from examples.rl.environments.gsm8k.answers import (
         pytest.param("The answer is 14.", "boxed", None, id="boxed-missing"),
         pytest.param("12 + 7 = 19\n#### 19\nextra 5", "hashes", "19", id="hashes-line"),
         pytest.param("#### \n", "hashes", None, id="hashes-empty"),
+        pytest.param("#### \n5 more", "hashes", None, id="hashes-own-line-only"),
         pytest.param("2 boxes of 6 is 12 pencils.", "last_number", "12", id="last-number"),
         pytest.param("It costs $1,200.50 in total", "last_number", "1200.50", id="thousands"),
         pytest.param("down to -7 degrees", "last_number", "-7", id="negative"),
@@ -47,10 +49,35 @@ def test_extract_answer(text, mode, answer):
         pytest.param("it is 3", "auto", False, id="auto-bare-number"),
         pytest.param("it is 3", "last_number", True, id="number-mode"),
         pytest.param("#### 3", "boxed", False, id="boxed-mode"),
+        pytest.param("\\boxed{}", "auto", False, id="empty-box"),
+        pytest.param("\\boxed{ }", "auto", False, id="blank-box"),
+        pytest.param("\\boxed{} = 4 + 7 = 11", "auto", False, id="empty-box-then-number"),
+        pytest.param("\\boxed{}", "boxed", False, id="empty-box-boxed-mode"),
+        pytest.param("#### ", "auto", False, id="bare-hashes"),
+        pytest.param("\\boxed{the answer}", "auto", False, id="unparseable-box"),
+        pytest.param("#### N/A", "hashes", False, id="unparseable-hashes"),
+        pytest.param("\\boxed{2^{9^{9}}}", "auto", False, id="refused-power"),
+        pytest.param("\\boxed{\\frac{1}{2}}", "auto", True, id="latex-box"),
+        pytest.param("\\boxed{5} then \\boxed{}", "auto", False, id="last-box-empty"),
+        pytest.param("\\boxed{} #### 7", "auto", True, id="empty-box-then-hashes"),
     ],
 )
 def test_states_answer(text, mode, stated):
     assert states_answer(text, mode) is stated
+
+
+@pytest.mark.parametrize(
+    "text, mode, answer",
+    [
+        pytest.param("\\boxed{ 7 }", "auto", " 7 ", id="box-as-written"),
+        pytest.param("\\boxed{ }", "auto", None, id="blank-box"),
+        pytest.param("\\boxed{ } #### 7", "auto", "7", id="hashes-after-blank-box"),
+        pytest.param("it is 7", "auto", None, id="bare-number-is-not-stated"),
+        pytest.param("it is 7", "last_number", "7", id="number-mode"),
+    ],
+)
+def test_stated_answer(text, mode, answer):
+    assert stated_answer(text, mode) == answer
 
 
 @pytest.mark.parametrize(

@@ -120,6 +120,25 @@ def test_reward(completion, extraction, reward, datasets_cache):
     assert gsm8k.reward(problem, completion) == reward
 
 
+@pytest.mark.parametrize(
+    "completion, reward",
+    [
+        pytest.param("\\boxed{} = 4 + 7 = 11", 0.0, id="hack-empty-box"),
+        pytest.param("\\boxed{ } so 11", 0.0, id="hack-blank-box"),
+        pytest.param("#### \nso 11", 0.0, id="hack-bare-hashes"),
+        pytest.param("\\boxed{apples}", 0.0, id="hack-unparseable-box"),
+        pytest.param("4 + 7 = 11. \\boxed{11}", 0.1, id="wrong-number-boxed"),
+        pytest.param("#### 11", 0.1, id="wrong-number-hashes"),
+        pytest.param("4 + 8 = 12. \\boxed{12}", 1.0, id="right"),
+        pytest.param("\\boxed{} = 4 + 8 = 12", 1.0, id="empty-box-right-last-number"),
+    ],
+)
+def test_the_empty_box_earns_no_format_reward(completion, reward, datasets_cache):
+    """The reward hack of a 20-step SmolLM2 run: an empty box collected the format reward."""
+    gsm8k = env(datasets_cache, format_reward=0.1)
+    assert gsm8k.reward(Problem("gsm8k_sample.jsonl:0", "prompt", "12"), completion) == reward
+
+
 def groups(gsm8k: GSM8KEnvironment, directory: Path, tokenizer_directory: Path | None = None):
     """Four groups of four rollouts from the engine over the checkpoint in ``directory``."""
     model, tokenizer = load_hf_policy(directory)

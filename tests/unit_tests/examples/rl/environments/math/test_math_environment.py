@@ -87,6 +87,8 @@ def test_template_braces_are_not_format_fields():
         pytest.param("41", False, 0.0, id="wrong"),
         pytest.param("4", False, 0.0, id="prefix"),
         pytest.param("", False, 0.0, id="empty"),
+        pytest.param(r"\boxed{} = 6*7 = 42", False, 0.0, id="empty-box-is-the-answer"),
+        pytest.param(r"\boxed{ }", False, 0.0, id="blank-box"),
         pytest.param("42", True, 0.0, id="unboxed-when-required"),
         pytest.param(r"\boxed{42}", True, 1.0, id="boxed-when-required"),
     ],

@@ -1,0 +1,198 @@
+"""A checkpoint's model for inference only: what ``megatron.trainer.serve`` and
+``megatron.trainer.evaluate`` load.
+
+Both commands take ``pretrain_grpo.py``'s flags (``command_parser`` extends
+``arguments.build_parser``; ``parse_command_args`` runs the trainer's validation, then the checks
+of ``checkpoint_problems`` and the command's own) and build the model the trainer would, on the
+tier the device picks, from one of two checkpoints:
+
+* ``--hf-checkpoint DIR``: architecture, tokenizer and weights from a Hugging Face directory;
+  policy version 0.
+* ``--load DIR [--ckpt-step N]``: the model weights of a trainer checkpoint (iteration N, default
+  the tracker's), in the model of the architecture flags or of ``--hf-checkpoint``'s
+  ``config.json`` (whose weights are then not read); policy version N. Saved architecture flags
+  that differ from the command's are refused by name before any tensor is read.
+
+The model is the tier's forward-only model (``Tier.build_reference``: no DDP, no optimizer, no
+random initialization, since the checkpoint fills every tensor), in eval mode without gradients.
+One process only: the commands refuse a torchrun world larger than one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from megatron.core.utils import unwrap_model
+
+from megatron.rl.tokenizer import Tokenizer
+from megatron.trainer import config, report
+from megatron.trainer.arguments import build_parser, parse_args
+from megatron.trainer.checkpointing import (
+    LoadOptions,
+    TrainState,
+    fallback_hint,
+    iteration_dir,
+    latest_iteration,
+    read_guarded,
+)
+from megatron.trainer.exits import UsageError
+from megatron.trainer.hf_io import weight_loader
+from megatron.trainer.initialize import ParallelContext
+from megatron.trainer.model_flags import ARCHITECTURE_FLAGS
+from megatron.trainer.model_provider import architecture
+from megatron.trainer.tiers import Tier, select_tier
+
+CHECKPOINT_FLAGS = (*ARCHITECTURE_FLAGS, "group_query_attention", "use_rope_scaling")
+CHECKPOINT_FLAGS += ("rope_scaling_factor", "make_vocab_size_divisible_by")
+"""Flags a trainer checkpoint's weights must have been saved with to fit the command's model."""
+
+
+@dataclass(frozen=True)
+class CheckpointModel:
+    """A loaded checkpoint: the model to generate with and what it came from."""
+
+    tier: Tier
+    tokenizer: Tokenizer
+    model: torch.nn.Module
+    policy_version: int
+    """Optimizer steps behind the weights: the trainer checkpoint's iteration, 0 for a Hugging
+    Face checkpoint (the version every generated token reports, and the dump file's)."""
+    source: str
+    """Where the weights came from, as flags: ``--hf-checkpoint DIR`` or ``--load DIR
+    (iteration N)``."""
+
+
+def command_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The trainer's parser (every flag, declared once in its ``*_flags`` module) under another
+    command's name; the command adds its own group."""
+    parser = build_parser()
+    parser.prog = prog
+    parser.description = description
+    return parser
+
+
+def parse_command_args(
+    parser: argparse.ArgumentParser,
+    argv: list[str] | None,
+    own_checks: Callable[[argparse.Namespace], list[str]],
+) -> argparse.Namespace:
+    """Parse and validate as the trainer does (``arguments.parse_args``), then the checkpoint
+    and the command's checks (``own_checks(args) -> list[str]``); ``UsageError`` (status 2)
+    with every message otherwise."""
+    args = parse_args(argv, parser)
+    errors = checkpoint_problems(args, int(os.environ.get("WORLD_SIZE", "1")), parser.prog)
+    errors += own_checks(args)
+    if errors:
+        raise UsageError(f"{parser.prog}: error: invalid arguments:\n  " + "\n  ".join(errors))
+    return args
+
+
+def checkpoint_problems(args: argparse.Namespace, world_size: int, prog: str) -> list[str]:
+    """Why the flags name no checkpoint to load, or the process is not alone (each message
+    naming its flags)."""
+    errors = []
+    if args.hf_checkpoint is None and args.load is None:
+        errors.append(
+            "no checkpoint: give --hf-checkpoint DIR (a Hugging Face model directory) or --load "
+            "DIR (a trainer checkpoint; its architecture from the model flags or --hf-checkpoint)"
+        )
+    if world_size != 1:
+        errors.append(
+            f"{prog} runs in one process, found a world of {world_size} (WORLD_SIZE): start it "
+            f"with python -m {prog}, not torchrun"
+        )
+    return errors
+
+
+def load_checkpoint_model(args: argparse.Namespace, ctx: ParallelContext) -> CheckpointModel:
+    """The tier, tokenizer and model of the flags, filled from ``--load`` or
+    ``--hf-checkpoint`` (see the module docstring); an unreadable checkpoint raises
+    ``SystemExit`` naming the flag."""
+    tier = select_tier(args, ctx)
+    tokenizer = config.tokenizer(args)
+    model = tier.build_reference(tokenizer.vocab_size, initialize=False)  # the load fills it
+    if args.load is not None:
+        version = read_trainer_weights(args, tier, model)
+        source = f"--load {args.load} (iteration {version})"
+    else:
+        weight_loader(args)(unwrap_model(model))
+        version, source = 0, f"--hf-checkpoint {args.hf_checkpoint}"
+    model.eval()
+    model.requires_grad_(False)
+    return CheckpointModel(tier, tokenizer, model, version, source)
+
+
+def read_trainer_weights(args: argparse.Namespace, tier: Tier, model: torch.nn.Module) -> int:
+    """Load the model weights of ``--load``'s iteration ``--ckpt-step`` (default: the
+    tracker's) into ``model``; that iteration."""
+    root = args.load
+    iteration = args.ckpt_step if args.ckpt_step is not None else latest_iteration(root)
+    directory, shards = iteration_dir(root, iteration), tier.checkpoint_shards()
+    if not shards.path(directory).exists():
+        raise SystemExit(
+            f"--load {root}: no checkpoint of iteration {iteration} ({shards.path(directory)} "
+            "does not exist)" + fallback_hint(root, iteration)
+        )
+
+    def check_flags(saved: dict[str, Any]) -> None:
+        differ = architecture_mismatches(saved, args)
+        if differ:
+            raise SystemExit(
+                f"--load {root}: iteration {iteration} was saved with {', '.join(differ)}: give "
+                "the checkpoint's architecture flags (or the --hf-checkpoint it was trained from)"
+            )
+
+    weights_only = LoadOptions(optimizer=False, rng=False, resume=False)
+    state = TrainState(model, None, None)
+    read_guarded(
+        "--load", root, iteration, shards.path(directory),
+        lambda: shards.read(directory, state, check_flags, weights_only),
+    )  # fmt: skip
+    return iteration
+
+
+def architecture_mismatches(saved: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    """Each of ``CHECKPOINT_FLAGS`` whose saved value differs from the command's, as ``--flag
+    saved (here: now)``. A flag absent from the saved ones was unset (None) or did not exist
+    yet (then off)."""
+    differ = []
+    for name in CHECKPOINT_FLAGS:
+        now = getattr(args, name, None)
+        if name not in saved and now in (None, False):
+            continue
+        before = saved.get(name)
+        if before != now:
+            differ.append(f"--{name.replace('_', '-')} {before} (here: {now})")
+    return differ
+
+
+def default_model_name(args: argparse.Namespace) -> str:
+    """The name a served model goes by: its checkpoint directory's (``--load``'s, else
+    ``--hf-checkpoint``'s)."""
+    return Path(args.load or args.hf_checkpoint).resolve().name
+
+
+def describe(
+    loaded: CheckpointModel, args: argparse.Namespace, ctx: ParallelContext, missing: set[str]
+) -> str:
+    """Lines saying what was loaded and what runs it (counting the parameters is collective)."""
+    parameters = report.parameter_count(loaded.model, ctx.tp_group)
+    arch = architecture(args, loaded.tokenizer.vocab_size)
+    tokenizer = type(loaded.tokenizer).__name__
+    lines = [
+        f"model        {parameters / 1e6:.2f}M parameters ({loaded.source}): "
+        f"{report.describe_architecture(arch)}",
+        f"tokenizer    {tokenizer} {args.tokenizer_model or ''}".rstrip()
+        + f", {loaded.tokenizer.vocab_size} ids",
+        f"engine       {loaded.tier.describe()}; {args.inference_max_requests} slots of "
+        f"--seq-length {args.seq_length} tokens",
+    ]
+    if missing:
+        lines.append(report.kernels_line(missing))
+    return "\n".join(lines)

@@ -1,0 +1,191 @@
+"""Serve a checkpoint on the inference engine with OpenAI-style endpoints.
+
+    python -m megatron.trainer.serve --hf-checkpoint DIR --seq-length 1024 [--host H --port P]
+    python -m megatron.trainer.serve --load CK [--ckpt-step N] --hf-checkpoint DIR
+
+The model is loaded as the trainer loads it (``checkpoint_model``: the trainer's flags and
+validation, a Hugging Face or trainer checkpoint), on the engine the trainer generates its
+rollouts with: the tier's ``ContinuousBatchingScheduler`` over its row runner, in a
+``GenerationHost``. The server is the trainer's own (``create_inference_app``): ``GET /health``,
+``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` and
+``POST /v1/rollouts/end``. What differs from the trainer:
+
+* The engine runs the throughput schedule (``SchedulerConfig.window_target=False``): a request
+  steps as soon as it is admitted, with whatever else is in flight (continuous batching), instead
+  of waiting for a training batch's turn; one generation window stays open for the server's life.
+  With no request in flight the engine's loop sleeps until one arrives.
+* Every token reports the checkpoint's policy version (its iteration; 0 for a Hugging Face
+  checkpoint).
+
+With the job's key (``MEGATRON_RL_API_KEY``, or ``--rl-api-key-file``) every request needs
+``Authorization: Bearer <key>`` (401 otherwise); listening on another interface than loopback
+without a key is refused. Once listening it prints one line, ``serving <model> at
+http://HOST:PORT/v1 (key required|no key)``; SIGTERM or SIGINT stop it (requests in flight get a
+few seconds) with status 0. One process: a torchrun world larger than one is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import os
+import signal
+from collections.abc import Iterator
+
+from megatron.trainer.exits import run_main
+from megatron.trainer.kernels import kernel_warnings
+
+with kernel_warnings() as MISSING_KERNELS:  # megatron-core's "not installed" warnings: one line
+    from fastapi import FastAPI
+
+    from megatron.rl.auth import API_KEY_ENV, is_loopback, read_api_key
+    from megatron.rl.inference.interface import LocalInferenceInterface
+    from megatron.rl.server.http import EmbeddedServer
+    from megatron.rl.server.inference_server import create_inference_app
+    from megatron.trainer import config
+    from megatron.trainer.checkpoint_model import (
+        command_parser,
+        default_model_name,
+        describe,
+        load_checkpoint_model,
+        parse_command_args,
+    )
+    from megatron.trainer.generation import GenerationHost
+    from megatron.trainer.initialize import initialize_distributed, shutdown_distributed
+
+PROG = "megatron.trainer.serve"
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def build_serve_parser() -> argparse.ArgumentParser:
+    """The trainer's flags (model, checkpoint, tokenizer, ``--inference-max-requests``,
+    ``--rl-api-key-file``, ...) plus the server's own."""
+    parser = command_parser(
+        PROG,
+        "Serve a Hugging Face (--hf-checkpoint) or trainer (--load) checkpoint on the trainer's "
+        "inference engine with OpenAI-style endpoints (/v1/models, /v1/completions, "
+        "/v1/chat/completions). The model flags are pretrain_grpo.py's; --seq-length bounds "
+        "prompt + completion, --inference-max-requests the requests decoded at once. One process "
+        "(world size 1); runs until SIGTERM or SIGINT, then exits 0.",
+    )
+    g = parser.add_argument_group("serving")
+    g.add_argument(
+        "--host",
+        type=str,
+        default="127.0.0.1",
+        help=f"Interface to listen on; any other than loopback needs the job's key "
+        f"({API_KEY_ENV} or --rl-api-key-file).",
+    )
+    g.add_argument(
+        "--port", type=int, default=8000, help="Port to listen on (0: a free one, printed)."
+    )
+    g.add_argument(
+        "--served-model-name",
+        type=str,
+        default=None,
+        help="The model's id in /v1/models and in answers (default: the name of the checkpoint "
+        "directory, --load's else --hf-checkpoint's).",
+    )
+    return parser
+
+
+def served_key(args: argparse.Namespace) -> str | None:
+    """The job's key: ``--rl-api-key-file``'s, else ``MEGATRON_RL_API_KEY``'s, else None."""
+    return read_api_key(args.rl_api_key_file, os.environ, "--rl-api-key-file")
+
+
+def serve_problems(args: argparse.Namespace) -> list[str]:
+    """The server flags' problems, each naming its flags (the key file is checked already)."""
+    errors = []
+    if not 0 <= args.port <= 65535:
+        errors.append(f"--port must be in [0, 65535], got {args.port}")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        errors.append("--served-model-name must not be empty")
+    if served_key(args) is None and not is_loopback(args.host):
+        errors.append(
+            f"--host {args.host} is reachable from other machines: set {API_KEY_ENV} or "
+            "--rl-api-key-file so that every request needs the job's key (or listen on "
+            "127.0.0.1)"
+        )
+    return errors
+
+
+def parse_serve_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The validated flags; ``UsageError`` (status 2) naming every bad one."""
+    return parse_command_args(build_serve_parser(), argv, serve_problems)
+
+
+def serve(args: argparse.Namespace) -> None:
+    """Load the checkpoint, build the engine and serve until SIGTERM or SIGINT."""
+    ctx = initialize_distributed(args)
+    host = None
+    try:
+        loaded = load_checkpoint_model(args, ctx)
+        print(describe(loaded, args, ctx, MISSING_KERNELS), flush=True)
+        throughput = dataclasses.replace(
+            config.scheduler_config(args, ctx.dp_size, loaded.tokenizer, training=False),
+            window_target=False,
+        )
+        host = GenerationHost(
+            ctx, loaded.tier, loaded.model, throughput, loaded.tokenizer.vocab_size,
+            lambda: loaded.policy_version,
+        )  # fmt: skip
+        name, key = args.served_model_name or default_model_name(args), served_key(args)
+        inference = LocalInferenceInterface(host.engine, loaded.tokenizer)
+        app = create_inference_app(inference, loaded.tokenizer, model_name=name, api_key=key)
+        host.window(lambda: listen_until_stopped(app, args.host, args.port, name, key is not None))
+    finally:
+        if host is not None:
+            host.close(host.engine.aclose)
+        shutdown_distributed()
+
+
+async def listen_until_stopped(app: FastAPI, host: str, port: int, name: str, keyed: bool) -> None:
+    """Serve ``app`` on ``host:port``, print where, and return after SIGTERM or SIGINT once the
+    server has stopped (the signals are caught before the line is printed)."""
+    with stop_signals() as stopped:
+        try:
+            server = await EmbeddedServer.start(app, host, port)
+        except OSError as exc:
+            raise SystemExit(
+                f"--host/--port: cannot listen on {host}:{port}: {exc.strerror or exc}"
+            ) from None
+        try:
+            keyed_text = "key required" if keyed else "no key"
+            print(f"serving {name} at {server.url}/v1 ({keyed_text})", flush=True)
+            signum = await stopped
+            print(f"{signal.Signals(signum).name}: stopping", flush=True)
+        finally:
+            await server.stop()
+
+
+@contextlib.contextmanager
+def stop_signals() -> Iterator[asyncio.Future[int]]:
+    """SIGTERM and SIGINT handled by the running loop while the context lasts: the future
+    yielded gets the first one's number."""
+    loop = asyncio.get_running_loop()
+    received: asyncio.Future[int] = loop.create_future()
+
+    def on_signal(signum: int) -> None:
+        if not received.done():
+            received.set_result(signum)
+
+    for signum in STOP_SIGNALS:
+        loop.add_signal_handler(signum, on_signal, signum)
+    try:
+        yield received
+    finally:
+        for signum in STOP_SIGNALS:
+            loop.remove_signal_handler(signum)
+        received.cancel()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse the flags, then serve."""
+    serve(parse_serve_args(argv))
+
+
+if __name__ == "__main__":
+    run_main(main, prog=PROG)

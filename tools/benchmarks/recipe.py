@@ -1,0 +1,284 @@
+"""The README recipe, measured: SmolLM2-135M-Instruct post-trained on arithmetic word problems on
+2 CPU cores by our trainer (forced lag 0 and 2) and by TRL's ``GRPOTrainer``, held-out accuracy
+against wall-clock time.
+
+    python tools/benchmarks/recipe.py [--steps 60 --eval-every 20 --out benchmarks/results]
+
+The three runs share the model (``megatron.rl.models.hf.gguf.SMOLLM2``), the task
+(``examples/rl/environment_configs/arithmetic.yaml``: the same training problems in the same order,
+``trl_worker.py --task arithmetic``), prompts per step, group size, token budget (EOS ends a
+completion on both sides), temperature, learning rate and warmup (constant after it), clipping,
+micro-batch size, bfloat16 mixed precision and ``--threads`` threads. They run one after the
+other, each with the machine to itself.
+
+Evaluation is the same for all: ``megatron.trainer.evaluate``'s evaluator (this repository's
+engine, bfloat16) on the ``--val-split-fraction 0.1`` held-out problems (200 by default, never
+trained on), greedy decoding and ``--eval-samples`` samples per problem at the training
+temperature for the unbiased pass@k. Ours evaluates inside the run (``--eval-interval``,
+``--val-at-start``); TRL saves a Hugging Face checkpoint every ``--eval-every`` steps, which are
+evaluated after its run. Wall-clock time is training time: the sum of the steps' times (ours:
+``step_seconds``, which excludes evaluation; TRL: from ``on_train_begin`` to each step's end,
+minus the time of its checkpoint saves), so model loading and evaluation count on neither side.
+
+Accuracy is the share of held-out problems whose greedy answer is right, with its 95% Wilson
+interval; "rises significantly" means the last evaluation's interval lies above the first's.
+Writes ``recipe.json`` (every number), ``recipe.png`` (greedy accuracy and batch reward against
+wall-clock seconds, one line per run) and ``recipe.md`` (the table) into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tools.benchmarks.common import REPO, machine, subprocess_env  # noqa: E402
+
+ENV_CONFIG = REPO / "examples" / "rl" / "environment_configs" / "arithmetic.yaml"
+RUNS = (("ours L=0", 0), ("ours L=2", 2), ("TRL", None))
+
+
+def shared_flags(opts: argparse.Namespace) -> list[str]:
+    """The evaluation flags every evaluation uses (the trainer's and ``evaluate``'s)."""
+    return [
+        "--env-config", str(ENV_CONFIG),
+        "--seq-length", "256",
+        "--val-split-fraction", "0.1",
+        "--eval-prompts", str(opts.eval_prompts),
+        "--eval-samples", str(opts.eval_samples),
+        "--eval-pass-k", "1", str(opts.eval_samples),
+        "--rl-default-temperature", str(opts.temperature),
+        "--bf16",
+    ]  # fmt: skip
+
+
+def ours_command(lag: int, opts: argparse.Namespace, ckpt: Path, out: Path) -> list[str]:
+    """``pretrain_grpo.py`` with the recipe's flags (the README's command) at forced lag ``lag``."""
+    return [
+        sys.executable, str(REPO / "pretrain_grpo.py"),
+        "--hf-checkpoint", str(ckpt),
+        *shared_flags(opts),
+        "--rl-forced-lag", str(lag),
+        "--grpo-prompts-per-step", str(opts.prompts),
+        "--grpo-group-size", str(opts.group_size),
+        "--micro-batch-size", str(opts.micro_batch_size),
+        "--inference-max-requests", str(opts.prompts * opts.group_size * (lag + 1)),
+        "--lr", str(opts.lr),
+        "--lr-warmup-iters", str(opts.warmup),
+        "--lr-decay-style", "constant",
+        "--train-iters", str(opts.steps),
+        "--eval-interval", str(opts.eval_every),
+        "--val-at-start",
+        "--metrics-file", str(out / "metrics.jsonl"),
+        "--val-dump-dir", str(out / "eval"),
+        "--plot-file", "none",
+    ]  # fmt: skip
+
+
+def run_ours(lag: int, opts: argparse.Namespace, ckpt: Path, out: Path) -> dict[str, Any]:
+    """Train at forced lag ``lag``; the per-step records and the evaluations at their times."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "train.log", "w") as log:
+        subprocess.run(
+            ours_command(lag, opts, ckpt, out), cwd=REPO, env=subprocess_env(opts.threads),
+            stdout=log, stderr=subprocess.STDOUT, check=True,
+        )  # fmt: skip
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    clock = 0.0
+    steps, evals = [], []
+    for r in records:
+        if "eval_at_start/greedy_reward" in r:
+            evals.append(evaluation(r, "eval_at_start/", 0, 0.0, opts))
+        clock += r["step_seconds"]
+        steps.append({"step": r["step"] + 1, "seconds": clock, "reward": r["reward_mean"]})
+        if "eval/greedy_reward" in r:
+            evals.append(evaluation(r, "eval/", r["step"] + 1, clock, opts))
+    return {"steps": steps, "evals": evals}
+
+
+def evaluation(metrics: dict, prefix: str, step: int, seconds: float, opts) -> dict[str, Any]:
+    """One evaluation's numbers: greedy accuracy (and interval), pass@k, lengths."""
+    from megatron.rl.eval.confidence import wilson_interval
+
+    n = int(metrics[f"{prefix}prompts"])
+    correct = round(metrics[f"{prefix}greedy_reward"] * n)
+    low, high = wilson_interval(correct, n)
+    return {
+        "step": step,
+        "seconds": seconds,
+        "prompts": n,
+        "greedy_accuracy": correct / n,
+        "greedy_ci95": [low, high],
+        "sample_reward": metrics[f"{prefix}sample_reward"],
+        "pass@1": metrics[f"{prefix}pass@1"],
+        f"pass@{opts.eval_samples}": metrics[f"{prefix}pass@{opts.eval_samples}"],
+        "greedy_response_length_mean": metrics[f"{prefix}greedy_response_length_mean"],
+        "greedy_truncated_fraction": metrics[f"{prefix}greedy_truncated_fraction"],
+    }
+
+
+def run_trl(opts: argparse.Namespace, ckpt: Path, out: Path) -> dict[str, Any]:
+    """Train with TRL, saving every ``--eval-every`` steps; evaluate the start and each save."""
+    out.mkdir(parents=True, exist_ok=True)
+    summary = out / "trl_summary.json"
+    cmd = [
+        sys.executable, str(REPO / "tools" / "benchmarks" / "trl_worker.py"),
+        "--summary", str(summary), "--hf-checkpoint", str(ckpt), "--task", "arithmetic",
+        "--env-config", str(ENV_CONFIG), "--steps", str(opts.steps),
+        "--prompts", str(opts.prompts), "--group-size", str(opts.group_size),
+        "--micro-batch-size", str(opts.micro_batch_size), "--lr", str(opts.lr),
+        "--lr-warmup-steps", str(opts.warmup), "--temperature", str(opts.temperature), "--bf16",
+        "--save-steps", str(opts.eval_every), "--output-dir", str(out / "checkpoints"),
+    ]  # fmt: skip
+    with open(out / "train.log", "w") as log:
+        subprocess.run(
+            cmd, cwd=out, env=subprocess_env(opts.threads), stdout=log,
+            stderr=subprocess.STDOUT, check=True,
+        )  # fmt: skip
+    data = json.loads(summary.read_text())
+    saved = {s["step"]: s["t"] for s in data["saves"]}
+    begin, clock, save_time = data["train_begin"], [], 0.0
+    for i, stamp in enumerate(data["steps"]):  # step i + 1 ended at stamp["t"], before its save
+        clock.append(stamp["t"] - begin - save_time)
+        if i + 1 in saved:
+            save_time += saved[i + 1] - stamp["t"]
+    steps = [
+        {"step": i + 1, "seconds": clock[i], "reward": reward}
+        for i, reward in enumerate(data["reward_mean"][: len(clock)])
+    ]
+    evals = [evaluate(ckpt, 0, 0.0, opts, out)]
+    for step in sorted(saved):
+        directory = out / "checkpoints" / f"checkpoint-{step}"
+        evals.append(evaluate(directory, step, clock[step - 1], opts, out))
+    return {"steps": steps, "evals": evals}
+
+
+def evaluate(directory: Path, step: int, seconds: float, opts, out: Path) -> dict[str, Any]:
+    """``python -m megatron.trainer.evaluate`` of a Hugging Face checkpoint."""
+    result = out / f"eval-{step}.json"
+    cmd = [
+        sys.executable, "-m", "megatron.trainer.evaluate", "--hf-checkpoint", str(directory),
+        *shared_flags(opts), "--output-json", str(result),
+        "--val-dump-dir", str(out / "eval" / f"step-{step}"),
+    ]  # fmt: skip
+    with open(out / f"eval-{step}.log", "w") as log:
+        subprocess.run(
+            cmd, cwd=REPO, env=subprocess_env(opts.threads), stdout=log,
+            stderr=subprocess.STDOUT, check=True,
+        )  # fmt: skip
+    metrics = json.loads(result.read_text())["metrics"]
+    return evaluation(metrics, "eval/", step, seconds, opts)
+
+
+def significant(evals: list[dict[str, Any]]) -> bool:
+    """Whether the last evaluation's 95% interval lies entirely above the first's."""
+    return evals[-1]["greedy_ci95"][0] > evals[0]["greedy_ci95"][1]
+
+
+def markdown(res: dict[str, Any]) -> str:
+    """The recipe's table: each run's first and last evaluation, its wall time, significance."""
+    k = res["eval_samples"]
+    lines = [
+        f"| run | steps | training wall time | greedy accuracy, start (95% CI) | last (95% CI) |"
+        f" rises beyond noise | pass@1 start -> last | pass@{k} start -> last | greedy truncated"
+        " start -> last |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, run in res["runs"].items():
+        first, last = run["evals"][0], run["evals"][-1]
+        ci = lambda e: f"{e['greedy_ci95'][0]:.1%}-{e['greedy_ci95'][1]:.1%}"  # noqa: E731
+        lines.append(
+            f"| {name} | {last['step']} | {last['seconds'] / 60:.1f} min | "
+            f"{first['greedy_accuracy']:.1%} ({ci(first)}) | "
+            f"{last['greedy_accuracy']:.1%} ({ci(last)}) | "
+            f"{'yes' if significant(run['evals']) else 'no'} | "
+            f"{first['pass@1']:.1%} -> {last['pass@1']:.1%} | "
+            f"{first[f'pass@{k}']:.1%} -> {last[f'pass@{k}']:.1%} | "
+            f"{first['greedy_truncated_fraction']:.0%} -> {last['greedy_truncated_fraction']:.0%} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(res: dict[str, Any], path: Path) -> None:
+    """Greedy held-out accuracy (with its interval) and batch reward against wall-clock time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (acc, rew) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for name, run in res["runs"].items():
+        minutes = [e["seconds"] / 60 for e in run["evals"]]
+        values = [e["greedy_accuracy"] for e in run["evals"]]
+        low = [e["greedy_accuracy"] - e["greedy_ci95"][0] for e in run["evals"]]
+        high = [e["greedy_ci95"][1] - e["greedy_accuracy"] for e in run["evals"]]
+        acc.errorbar(minutes, values, yerr=[low, high], marker="o", capsize=3, label=name)
+        rewards = [s["reward"] for s in run["steps"]]
+        smooth = [statistics.fmean(rewards[max(0, i - 4) : i + 1]) for i in range(len(rewards))]
+        rew.plot([s["seconds"] / 60 for s in run["steps"]], smooth, label=name)
+    acc.set_title(f"held-out greedy accuracy ({res['eval_prompts']} problems, 95% CI)")
+    rew.set_title("training reward (batch mean, last 5 steps)")
+    for ax in (acc, rew):
+        ax.set_xlabel("training wall-clock (minutes, 2 CPU cores)")
+        ax.legend()
+    fig.suptitle("SmolLM2-135M-Instruct, GRPO on arithmetic word problems")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--micro-batch-size", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=2e-5)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--eval-prompts", type=int, default=200)
+    parser.add_argument("--eval-samples", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--only", nargs="+", choices=[n for n, _ in RUNS], default=None)
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument("--work", type=Path, default=None, help="Keep the runs' files here.")
+    opts = parser.parse_args()
+
+    from megatron.rl.models.hf.gguf import SMOLLM2, packaged_checkpoint
+
+    ckpt = packaged_checkpoint(SMOLLM2)
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    previous = opts.out / "recipe.json"
+    res = json.loads(previous.read_text()) if opts.only and previous.exists() else {"runs": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = opts.work or Path(tmp)
+        for name, lag in RUNS:
+            if opts.only and name not in opts.only:
+                continue
+            print(f"recipe: {name}", flush=True)
+            out = work / name.replace(" ", "_").replace("=", "")
+            run = run_trl(opts, ckpt, out) if lag is None else run_ours(lag, opts, ckpt, out)
+            res["runs"][name] = {**run, "significant": significant(run["evals"])}
+    res.update(
+        started=started, machine=machine(), checkpoint=SMOLLM2.filename,
+        settings={k: v for k, v in vars(opts).items() if k not in ("out", "work", "only")},
+        eval_prompts=opts.eval_prompts, eval_samples=opts.eval_samples,
+    )  # fmt: skip
+    opts.out.mkdir(parents=True, exist_ok=True)
+    (opts.out / "recipe.json").write_text(json.dumps(res, indent=1))
+    plot(res, opts.out / "recipe.png")
+    (opts.out / "recipe.md").write_text(markdown(res) + "\n")
+    print(markdown(res))
+
+
+if __name__ == "__main__":
+    main()
