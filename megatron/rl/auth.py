@@ -5,20 +5,67 @@ One key per job (the Slurm launcher generates it) reaches every party through th
 variable ``API_KEY_ENV`` or a key file (``--rl-api-key-file`` of the trainer, ``--api-key-file``
 of the env server). It is compared in constant time and never logged or put on a command line.
 Without a key the servers accept every request, as on a laptop's loopback interface.
+
+The env server sends the key to the inference server a request names; ``Origin`` and
+``allowed_origins`` restrict those to the origins of its ``--allowed-inference-url`` entries,
+compared exactly (scheme, host, port) as httpx will connect to them.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import secrets
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from megatron.rl.wire import parse_base_url
+
 API_KEY_ENV = "MEGATRON_RL_API_KEY"
 """The environment variable holding the shared key."""
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+class Origin(NamedTuple):
+    """Where a request to a URL connects: scheme, host (lowercase, IDNA-encoded; an IPv6 address
+    without brackets) and port (the scheme's default when the URL has none)."""
+
+    scheme: str
+    host: str
+    port: int
+
+    @classmethod
+    def of(cls, url: str) -> Origin:
+        """The origin of base URL ``url``; ``ValueError`` (``wire.parse_base_url``) for one that
+        httpx cannot call or that carries user info."""
+        parsed = parse_base_url(url)
+        host = parsed.raw_host.decode("ascii").lower()
+        return cls(parsed.scheme, host, parsed.port or DEFAULT_PORTS[parsed.scheme])
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.scheme}://{host}:{self.port}"
+
+
+def allowed_origins(
+    urls: Iterable[str], flag: str = "--allowed-inference-url"
+) -> frozenset[Origin]:
+    """The origins of allow-list entries. An entry is an origin, ``scheme://host[:port]`` (a
+    trailing ``/`` is accepted); ``ValueError`` naming ``flag`` for an entry with a path, user
+    info or anything httpx cannot call. A path is refused rather than compared: the key goes to
+    the host, whatever path a request names."""
+    origins = set()
+    for url in urls:
+        try:
+            if parse_base_url(url).raw_path not in (b"", b"/"):
+                raise ValueError("an allowed inference server is an origin, scheme://host[:port]")
+            origins.add(Origin.of(url))
+        except ValueError as exc:
+            raise ValueError(f"{flag} {url!r}: {exc}") from None
+    return frozenset(origins)
 
 
 def read_api_key(path: str | None, environ: Mapping[str, str], flag: str) -> str | None:

@@ -5,8 +5,12 @@ Agents reach env servers (``agent.remote``) and environments reach the trainer's
 
 * ``call_json``: one JSON request with bounded retries and exponential backoff; the final error
   names the URL and the last failure. Retried: connection failures, dropped connections, 429
-  and 5xx answers. Not retried: other 4xx (the request itself is wrong) and read timeouts (the
-  server is alive but slow; retrying would only multiply the wait).
+  and 5xx answers. Not retried: other 4xx (the request itself is wrong), read timeouts (the
+  server is alive but slow; retrying would only multiply the wait) and ``PERMANENT_ERRORS`` (a
+  URL httpx cannot call, a protocol httpx refuses, an answer that is not JSON). Every failure,
+  whatever httpx (or the socket layer beneath it, whose errors anyio may wrap in an exception
+  group) raised, ends as one ``RemoteCallError``: callers turn it into their own named error
+  (``InferenceUnavailable``, ``RemoteEnvironmentError``) that the fault policy handles.
 * ``ClientPool``: several small ``httpx.AsyncClient`` pools used round-robin. httpcore's pool
   scans every connection it holds on each request and release (encode/httpcore#1035): with 64
   keep-alive connections, 64 concurrent calls took 0.68 s on loopback, with 16-connection shards
@@ -25,6 +29,18 @@ import httpx
 from pydantic import BaseModel
 
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
+PERMANENT_ERRORS: tuple[type[Exception], ...] = (
+    httpx.UnsupportedProtocol,  # transport errors that another attempt would repeat
+    httpx.LocalProtocolError,
+    httpx.InvalidURL,  # httpx's errors outside its HTTPError hierarchy
+    httpx.CookieConflict,
+    httpx.StreamError,
+    UnicodeError,  # an IDNA host httpx cannot encode
+    OverflowError,  # a port the socket layer refuses
+    ExceptionGroup,  # anyio's connect raises what is not an OSError inside one
+)
+"""Failures of a call that are not retried, besides read timeouts and httpx's ``HTTPError``s that
+are not transport errors (``DecodingError``, ``TooManyRedirects``, ...)."""
 
 
 @dataclass(frozen=True)
@@ -99,17 +115,39 @@ async def call_json(
             response = await http.request(method, url, content=body, headers=headers)
         except httpx.ReadTimeout as exc:
             raise RemoteCallError(f"{method} {url}: no answer within the read timeout ({exc!r})")
+        except PERMANENT_ERRORS as exc:
+            raise RemoteCallError(f"{method} {url} failed: {_describe(exc)}") from None
         except httpx.TransportError as exc:
-            last = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            last = _describe(exc)
+        except httpx.HTTPError as exc:
+            raise RemoteCallError(f"{method} {url} failed: {_describe(exc)}") from None
         else:
             if response.status_code < 400:
-                return response.json()
+                return _json(method, url, response)
             last = f"HTTP {response.status_code}: {_detail(response)}"
             if response.status_code not in RETRYABLE_STATUS:
                 raise RemoteCallError(f"{method} {url} failed with {last}", response.status_code)
         if attempt + 1 < attempts:
             await asyncio.sleep(min(policy.max_backoff_s, policy.backoff_s * 2**attempt))
     raise RemoteCallError(f"{method} {url} failed after {attempts} attempts; last error: {last}")
+
+
+def _json(method: str, url: str, response: httpx.Response) -> Any:
+    """The decoded JSON body of a successful answer; ``RemoteCallError`` if it is not JSON."""
+    try:
+        return response.json()
+    except ValueError as exc:  # json.JSONDecodeError, UnicodeDecodeError
+        raise RemoteCallError(
+            f"{method} {url} answered HTTP {response.status_code} with a body that is not JSON "
+            f"({exc}): {response.text[:200]!r}"
+        ) from None
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: message`` of ``exc``, of each error an exception group holds."""
+    if isinstance(exc, BaseExceptionGroup):
+        return "; ".join(_describe(e) for e in exc.exceptions)
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def _detail(response: httpx.Response) -> str:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import httpx
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 MAX_ID = 2**31 - 1
 """Largest batch id, group index, sample index or policy version on the wire."""
@@ -232,6 +233,40 @@ class RolloutGroup(WireModel):
 # --------------------------------------------------------------------------- env server
 
 HTTP_URL_PATTERN = r"^https?://[A-Za-z0-9.\-\[\]:]+(:\d{1,5})?(/[^\s]*)?$"
+"""The shape of a base URL, as published in the OpenAPI schemas; ``parse_base_url`` decides."""
+
+
+def parse_base_url(value: str) -> httpx.URL:
+    """``value`` parsed by httpx, the client that will call it: an http(s) URL with a host, a
+    port in 1-65535 (or none), no user info, query or fragment. Raises ``ValueError`` saying
+    what is wrong otherwise."""
+    try:
+        url = httpx.URL(value)
+        host = url.host  # decodes an IDNA host, as a request's Host header does
+    except (httpx.InvalidURL, ValueError) as exc:  # an IDNA error is a ValueError
+        raise ValueError(f"not a URL httpx can call ({exc})") from None
+    if url.scheme not in ("http", "https"):
+        raise ValueError(f"scheme {url.scheme!r}: only http and https")
+    if not host:
+        raise ValueError("no host")
+    if url.userinfo:
+        raise ValueError("user info (user@host) is not allowed: the job's key goes to the host")
+    if url.port is not None and not 1 <= url.port <= 65535:
+        raise ValueError(f"port {url.port} is outside 1-65535")
+    if url.query or url.fragment:
+        raise ValueError("a base URL has no query or fragment")
+    return url
+
+
+def _check_base_url(value: str) -> str:
+    parse_base_url(value)
+    return value
+
+
+BaseUrl = Annotated[
+    str, Field(pattern=HTTP_URL_PATTERN, max_length=2048), AfterValidator(_check_base_url)
+]
+"""A base URL on the wire or in a config: the schema's pattern, then ``parse_base_url``."""
 
 
 class ErrorResponse(WireModel):
@@ -259,10 +294,8 @@ class GroupedRolloutCall(WireModel):
     """``POST /v1/grouped_rollouts``: run one group on the env server."""
 
     request: GroupedRolloutRequest
-    inference_url: str = Field(
-        pattern=HTTP_URL_PATTERN,
-        max_length=2048,
-        description="Base URL of the trainer's inference server the environment generates with.",
+    inference_url: BaseUrl = Field(
+        description="Base URL of the trainer's inference server the environment generates with."
     )
     env_id: str | None = Field(
         None,
@@ -275,7 +308,9 @@ class GroupedRolloutCall(WireModel):
 class EvaluationRequest(WireModel):
     """``POST /v1/evaluate``: score the current policy on fresh problems of each environment."""
 
-    inference_url: str = Field(pattern=HTTP_URL_PATTERN, max_length=2048)
+    inference_url: BaseUrl = Field(
+        description="Base URL of the trainer's inference server the environment generates with."
+    )
     env_id: str | None = Field(
         None, min_length=1, max_length=256, description="Default: every environment."
     )

@@ -64,6 +64,7 @@ def step_config(args: argparse.Namespace, vocab_size: int) -> StepConfig:
         old_logprobs=args.grpo_iterations > 1,
         importance=importance,
         packing_capacity=args.seq_length if args.rl_use_sequence_packing else None,
+        check_finite=args.check_for_nan_in_loss_and_grad,
     )
 
 

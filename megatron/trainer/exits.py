@@ -7,10 +7,13 @@
 * ``SystemExit(int)`` (a stop on SIGTERM/SIGINT: 128 + signum) and Ctrl-C before the handlers
   are installed (130): nothing more, that status;
 * ``SystemExit(str)`` and ``expected_errors()`` (bad input, an unreadable checkpoint, failing
-  environments, an unreachable env server): ``pretrain_grpo.py: error: <message>`` on global
-  rank 0, 1;
+  environments, an unreachable env server, a non-finite loss or gradient):
+  ``pretrain_grpo.py: error: <message>`` on global rank 0, 1;
 * ``PeerFailed``, ``GenerationAborted`` (another rank failed and reports it): nothing, 1;
-* any other exception (a bug): its traceback, 1.
+* any other exception (a bug): its traceback, 1;
+* anything, once the watchdog fired (``megatron/trainer/watchdog.py``: no progress for
+  ``--watchdog-timeout-minutes``): nothing; the watchdog has said why (rank 0) and ends the
+  process with 1 (a collective that failed because a peer already exited is no bug).
 
 The other commands of the package (``megatron.trainer.serve``, ``megatron.trainer.evaluate``) end
 the same way under their own ``prog``, which replaces ``pretrain_grpo.py`` in the messages.
@@ -63,8 +66,9 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     here, late, so that a bad flag exits before the libraries load)."""
     from megatron.rl.agent.remote import RemoteEnvironmentError
     from megatron.rl.rollout.faults import EnvironmentFailures
+    from megatron.trainer.nonfinite import NonFiniteUpdate
 
-    return (EnvironmentFailures, RemoteEnvironmentError)
+    return (EnvironmentFailures, RemoteEnvironmentError, NonFiniteUpdate)
 
 
 def quiet_errors() -> tuple[type[BaseException], ...]:
@@ -90,6 +94,7 @@ def run_main(main: Callable[[], None], prog: str = TRAINER_PROG) -> None:
     try:
         main()
     except BaseException as exc:
+        wait_if_watchdog_fired()
         if isinstance(exc, KeyboardInterrupt):
             sys.exit(130)
         if isinstance(exc, UsageError):
@@ -114,6 +119,15 @@ def run_main(main: Callable[[], None], prog: str = TRAINER_PROG) -> None:
         if isinstance(exc, Exception):  # a bug: the traceback is the report
             write_error_file(f"{type(exc).__name__}: {exc}", None, trace=True)
         raise
+    wait_if_watchdog_fired()
+
+
+def wait_if_watchdog_fired() -> None:
+    """Leave the ending to the watchdog once it fired (it exits the process with status 1)."""
+    from megatron.trainer import watchdog  # late: it is only ever set after the run started
+
+    if watchdog.FIRED.is_set():
+        watchdog.wait_for_exit()
 
 
 def expected_exit(prog: str, message: str, debug: bool) -> None:

@@ -24,6 +24,7 @@ from megatron.trainer.allocator import MAX_MMAP_THRESHOLD_KIB
 from megatron.trainer.eval_flags import evaluation_requested
 from megatron.trainer.model_flags import validate_model_args
 from megatron.trainer.output_flags import OUTPUT_PATHS, output_path_problem
+from megatron.trainer.training_flags import DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES
 
 if TYPE_CHECKING:
     from megatron.rl.agent.mixture import MixtureAgent
@@ -57,7 +58,6 @@ def validate_args(
         "grpo_prompts_per_step",
         "inference_max_requests",
         "make_vocab_size_divisible_by",
-        "distributed_timeout_minutes",
         "rl_default_max_tokens",
     ):
         check(
@@ -65,6 +65,7 @@ def validate_args(
             f"--{flag.replace('_', '-')} must be >= 1, got " f"{getattr(args, flag)}",
         )
     check(args.rl_forced_lag >= 0, f"--rl-forced-lag must be >= 0, got {args.rl_forced_lag}")
+    errors += validate_timeouts(args)
     check(
         args.rl_reward_wait_steps >= 0,
         f"--rl-reward-wait-steps must be >= 0, got {args.rl_reward_wait_steps}",
@@ -257,6 +258,24 @@ def validate_args(
             and (problem := output_path_problem(flag, getattr(args, _dest(flag)), kind))
         ]
     return errors
+
+
+def validate_timeouts(args: argparse.Namespace) -> list[str]:
+    """The watchdog's timeout, and the collective timeout it implies when not given: long enough
+    that a rank waiting in a collective is reported by the watchdog (with every rank's stacks)
+    rather than by torch's timeout error."""
+    watchdog = args.watchdog_timeout_minutes
+    if not (math.isfinite(watchdog) and watchdog >= 0):
+        return [f"--watchdog-timeout-minutes must be >= 0 (0: no watchdog), got {watchdog}"]
+    if args.distributed_timeout_minutes is None:
+        args.distributed_timeout_minutes = max(
+            DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES, math.floor(watchdog) + 1
+        )
+    elif args.distributed_timeout_minutes < 1:
+        return [
+            f"--distributed-timeout-minutes must be >= 1, got {args.distributed_timeout_minutes}"
+        ]
+    return []
 
 
 def validate_algorithm_args(args: argparse.Namespace, cuda: bool) -> list[str]:

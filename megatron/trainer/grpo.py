@@ -49,16 +49,19 @@ from megatron.trainer.initialize import (
     ParallelContext,
     agree_on_error,
     initialize_distributed,
+    main_rank_value,
     shutdown_distributed,
 )
 from megatron.trainer.metrics import ConstantRewardWarning, MetricsWriter, step_metrics
 from megatron.trainer.model_provider import architecture
+from megatron.trainer.nonfinite import NonFiniteUpdate
 from megatron.trainer.policy import Policy, PolicyConfig
 from megatron.trainer.reference import build_reference_model
 from megatron.trainer.rollouts import CollectedBatch, RolloutSource
 from megatron.trainer.seq_logprob_error import apply_seq_logprob_error
 from megatron.trainer.step import StepConfig, StepResult
 from megatron.trainer.tiers import Tier, select_tier
+from megatron.trainer.watchdog import Watchdog
 
 
 @dataclass
@@ -121,7 +124,10 @@ class Run:
         j = iteration % self.k
         batch, caches = collection.global_batch(j), collection.caches(j, self.micro_batches)
         loss = collection.loss(j, self.step_config)
-        (result,) = self.policy.train(batch, loss, caches=caches)
+        try:
+            (result,) = self.policy.train(batch, loss, caches=caches)
+        except NonFiniteUpdate as exc:  # --check-for-nan-in-loss-and-grad: nothing was applied
+            raise NonFiniteUpdate(f"step {iteration}: {exc}") from None
         collection.write_back(j, self.step_config, self.args.micro_batch_size)
         if j == self.k - 1:
             collection.finish()
@@ -155,6 +161,8 @@ def train(args: argparse.Namespace, missing_kernels: set[str] = frozenset()) -> 
     started = time.monotonic()
     agent = load_agent(args)
     ctx = initialize_distributed(args)
+    args.run_started = main_rank_value(args.run_started)  # one name for every rank's files
+    watchdog = start_watchdog(args, ctx)
     writer = evaluator = run = None
     try:
         run = build_run(args, ctx)
@@ -162,13 +170,19 @@ def train(args: argparse.Namespace, missing_kernels: set[str] = frozenset()) -> 
         writer = metrics_writer(args, run.resumed.iteration) if ctx.is_main else None
         constant_rewards = ConstantRewardWarning() if ctx.is_main else None
         evaluator = build_evaluator(run, agent)
+        if evaluator is not None:
+            watchdog.watch_loop(evaluator.host.loop)
         at_start = {}
         if args.val_at_start and run.resumed.iteration < args.train_iters:  # before any update
+            watchdog.begin("the evaluation before the first step")
             at_start = evaluator.run(policy_version=run.resumed.iteration)
             at_start = {k.replace("eval/", "eval_at_start/", 1): v for k, v in at_start.items()}
+            watchdog.begin("start-up (rollout pipeline start)")
         with rollout_source(run, agent) as rollouts:
+            watchdog.watch_loop(rollouts.host.loop)
             stop_on_signals(rollouts)
             for iteration in range(run.resumed.iteration, args.train_iters):
+                watchdog.begin(f"step {iteration}")  # after a collective: every rank alike
                 t0 = time.perf_counter()
                 if iteration % run.k == 0:  # collect (ordered, forced lag) -> advantages, pi_old
                     collected = rollouts.next_batch()
@@ -182,13 +196,15 @@ def train(args: argparse.Namespace, missing_kernels: set[str] = frozenset()) -> 
                 metrics.update(at_start)  # the first step's record only
                 at_start = {}
                 if evaluation_due(args, iteration + 1):  # own engine and window
+                    watchdog.begin(f"the evaluation after step {iteration}")
                     metrics.update(evaluator.run(policy_version=iteration + 1))
                 if writer is not None:  # log
                     writer.write(step_metrics(iteration, args.rl_forced_lag, collected, result,
                                               elapsed, metrics, run.k))  # fmt: skip
                 stop = rollouts.stop_requested()  # a signal on any rank (collective)
-                if end_of_collection(run, iteration + 1, rollouts, stop):
+                if end_of_collection(run, iteration + 1, rollouts, stop, watchdog):
                     break  # --exit-interval
+        watchdog.begin("the end of the run (--save-hf, summary)")
         if args.save_hf is not None:  # the policy as a Hugging Face directory
             arch = architecture(args, run.tokenizer.vocab_size)
             rows = args.hf_config.vocab_size if args.hf_config else run.tokenizer.vocab_size
@@ -200,6 +216,7 @@ def train(args: argparse.Namespace, missing_kernels: set[str] = frozenset()) -> 
                 report.summary(writer.records, args.rl_forced_lag, seconds, args, plot), flush=True
             )
     finally:
+        watchdog.begin("the run's shutdown")
         if evaluator is not None:
             evaluator.close()
         if writer is not None:
@@ -207,6 +224,17 @@ def train(args: argparse.Namespace, missing_kernels: set[str] = frozenset()) -> 
         if run is not None:
             run.plane.close()
         shutdown_distributed()
+        watchdog.close()
+
+
+def start_watchdog(args: argparse.Namespace, ctx: ParallelContext) -> Watchdog:
+    """The watchdog of ``--watchdog-timeout-minutes`` (off at 0), watching start-up. Its stacks
+    files go next to ``--metrics-file``, else into ``runs/`` (as the curves' default)."""
+    directory = Path(args.metrics_file).parent if args.metrics_file else Path("runs")
+    minutes = args.watchdog_timeout_minutes
+    watchdog = Watchdog(minutes * 60, directory, args.run_started, ctx.rank)
+    watchdog.start("start-up (model build and load, rollout pipeline start)")
+    return watchdog
 
 
 def print_header(run: Run, agent: Agent, missing_kernels: set[str]) -> None:
@@ -255,11 +283,14 @@ def rollout_source(run: Run, agent: Agent) -> RolloutSource:
     )  # fmt: skip
 
 
-def end_of_collection(run: Run, iteration: int, rollouts: RolloutSource, stop: int) -> bool:
+def end_of_collection(
+    run: Run, iteration: int, rollouts: RolloutSource, stop: int, watchdog: Watchdog
+) -> bool:
     """Between collections: checkpoint (after draining the pipeline) when due or when a signal
     came with ``--save``, then stop for that signal (``SystemExit(128 + signum)``); whether
     ``--exit-interval`` ends the run here. Mid-collection a signal stops at once without
-    ``--save`` and otherwise waits for the collection's end."""
+    ``--save`` and otherwise waits for the collection's end. The drain and save are a phase of
+    ``watchdog``."""
     args = run.args
     if iteration % run.k:
         if stop and not args.save:
@@ -267,6 +298,7 @@ def end_of_collection(run: Run, iteration: int, rollouts: RolloutSource, stop: i
         return False
     exiting = args.exit_interval is not None and iteration % args.exit_interval == 0
     if checkpoint_due(args, iteration) or ((exiting or stop) and args.save):
+        watchdog.begin(f"the drain and checkpoint save after step {iteration - 1}")
         pipeline = rollouts.drain()
         shards = run.tier.checkpoint_shards()
         save_checkpoint(args.save, iteration, shards, run.state, pipeline, args, run.ctx)

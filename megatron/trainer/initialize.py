@@ -8,12 +8,16 @@ import os
 import random
 import socket
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron.trainer.allocator import set_mmap_threshold
+from megatron.trainer.training_flags import DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -65,9 +69,10 @@ def initialize_distributed(args: argparse.Namespace) -> ParallelContext:
         if threshold is not None:
             set_mmap_threshold(threshold)
     if not dist.is_initialized():
+        # validation fills the flag; tools that start a world from unvalidated flags get the default
+        minutes = args.distributed_timeout_minutes or DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES
         dist.init_process_group(
-            backend="nccl" if cuda else "gloo",
-            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
+            backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=minutes)
         )
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
@@ -105,6 +110,15 @@ def agree_on_error(error: str | None) -> str | None:
     errors: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
     return next((e for e in errors if e is not None), None)
+
+
+def main_rank_value(value: T) -> T:
+    """Global rank 0's ``value`` on every rank (collective when distributed)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def shutdown_distributed() -> None:

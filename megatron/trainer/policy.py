@@ -53,11 +53,16 @@ class PolicyConfig:
     """Global gradient-norm clip (0: measure only)."""
     packing_capacity: int | None = None
     """Tokens per packed row (None: no sequence packing)."""
+    check_finite: bool = True
+    """Refuse an update whose loss or gradient norm is not finite (``nonfinite.LossCheck``)."""
 
     @classmethod
     def of(cls, step: StepConfig) -> PolicyConfig:
         """The policy settings of a GRPO step config."""
-        return cls(step.vocab_size, step.micro_batch_size, step.clip_grad, step.packing_capacity)
+        return cls(
+            step.vocab_size, step.micro_batch_size, step.clip_grad, step.packing_capacity,
+            step.check_finite,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)

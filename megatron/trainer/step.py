@@ -68,6 +68,9 @@ class StepConfig:
     """Truncated IS correction with the engine's logprobs (None: off)."""
     packing_capacity: int | None = None
     """Tokens per packed row (None: no sequence packing)."""
+    check_finite: bool = True
+    """Refuse an update whose loss or gradient norm is not finite
+    (``--check-for-nan-in-loss-and-grad``, ``nonfinite.py``)."""
 
     @property
     def needs_old_logprobs(self) -> bool:

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import argparse
 
+DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES = 10
+"""``--distributed-timeout-minutes`` unless the watchdog's timeout is longer."""
+
 
 def add_parallelism_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the parallelism flags (TP, PP, distributed optimizer, timeouts)."""
@@ -24,8 +27,11 @@ def add_parallelism_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--distributed-timeout-minutes",
         type=int,
-        default=10,
-        help="Timeout of collective operations.",
+        default=None,
+        help="Timeout of one collective operation (torch.distributed's; a rank waiting longer "
+        f"fails with torch's timeout error). Default: {DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES}, or "
+        "--watchdog-timeout-minutes + 1 when that is longer, so that a rank waiting in a "
+        "collective is reported by the watchdog, with every rank's stacks.",
     )
 
 
@@ -122,6 +128,27 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
         "heap once held (25M-parameter model: -280 MiB with 1024) but freed blocks are mapped "
         "again (+20-30%% step time; README 'CPU memory'). Default: glibc's own threshold, which "
         "rises to 32 MiB.",
+    )
+    g.add_argument(
+        "--watchdog-timeout-minutes",
+        type=float,
+        default=30.0,
+        help="Stop the run when it makes no progress for this long (0: never): when start-up "
+        "(model build and load, rollout pipeline), a training step, an evaluation or a "
+        "checkpoint save has not finished after this many minutes, every rank writes the Python "
+        "stacks of its threads (and rank 0 its event loop's tasks) to "
+        "watchdog-<start time>-rank<R>.txt next to --metrics-file (else in runs/), nothing is "
+        "saved, and the run exits with status 1 and one message naming the files.",
+    )
+    g.add_argument(
+        "--check-for-nan-in-loss-and-grad",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Stop the run with one message, before the optimizer applies the update, when a "
+        "micro-batch's loss or the global gradient norm is NaN or infinite, naming the step, the "
+        "rank and the micro-batch (CUDA: also megatron-core's check of each rank's gradients "
+        "before their data-parallel reduction). On by default, as in Megatron-LM; "
+        "--no-check-for-nan-in-loss-and-grad trains on.",
     )
     g.add_argument("--seed", type=int, default=1234, help="Seed of init, prompts and sampling.")
     g.add_argument("--log-interval", type=int, default=1, help="Print a log line every N steps.")

@@ -8,6 +8,7 @@ under plain torchrun, whose own report of a failed worker cannot be changed from
 
 from __future__ import annotations
 
+import math
 import random
 import shutil
 import signal
@@ -262,3 +263,107 @@ def test_sigterm_drains_saves_and_exits_143_and_the_run_resumes(tmp_path, launch
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert read_metrics(metrics)[-1]["step"] == iteration
     print(f"SIGTERM ({launcher or 'python'}): exit {code} {seconds:.1f} s after the signal")
+
+
+# --------------------------------------------------------------------------- hangs and NaNs
+
+FAULTY = "tests/grpo_testing/faulty_train.py"
+WATCHDOG = {**TINY, "train-iters": 6, "rl-forced-lag": 0, "micro-batch-size": 4,
+            "watchdog-timeout-minutes": 0.25}  # fmt: skip
+
+
+def assert_checkpoints_intact(save: Path, iterations: list[int]) -> None:
+    """``save`` holds exactly the finished checkpoints of ``iterations``, the tracker names the
+    last, and no save was left half-written."""
+    assert int((save / "latest_checkpointed_iteration.txt").read_text()) == iterations[-1]
+    assert sorted(p.name for p in save.iterdir() if p.is_dir()) == [
+        f"iter_{i:07d}" for i in iterations
+    ]
+
+
+def stacks_files(message: str) -> list[Path]:
+    """The stacks files of every rank that the watchdog's message names."""
+    pattern = Path(message.rsplit(" are in ", 1)[1])
+    return sorted(pattern.parent.glob(pattern.name))
+
+
+@pytest.mark.parametrize("silent_from", [0, 1], ids=["first-step", "later-step"])
+def test_an_environment_that_never_answers_is_stopped_by_the_watchdog(tmp_path, silent_from):
+    config = tmp_path / "envs.yaml"
+    config.write_text(
+        "- agent_type: grpo_testing.fakes:SilentDigits\n  env_id: silent\n"
+        f"  agent_args: {{silent_from_batch: {silent_from}}}\n"
+    )
+    save, metrics = tmp_path / "ck", tmp_path / "metrics.jsonl"
+    args = {**WATCHDOG, "env-config": config, "save": save, "save-interval": 1,
+            "metrics-file": metrics}  # fmt: skip
+    proc, seconds = run(python_command(args))
+    message = assert_one_message(
+        proc,
+        f"pretrain_grpo.py: error: no progress in 0.25 min: step {silent_from} has not finished "
+        "(watchdog, --watchdog-timeout-minutes); rank 0 waits in megatron/trainer/generation.py:",
+        f"stacks of every rank are in {tmp_path}/watchdog-",
+    )
+    assert proc.returncode == 1 and 15 <= seconds < 90
+    (stacks,) = stacks_files(message)  # next to --metrics-file
+    text = stacks.read_text()
+    assert f"step {silent_from} has not finished after 0.25 min" in text
+    assert "in next_batch" in text  # the main thread's Python stack (faulthandler)
+    assert text.count("in SilentDigits.group_rollout") == 4  # the event loop's tasks: 4 groups
+    steps = [m["step"] for m in read_metrics(metrics)] if metrics.exists() else []
+    assert steps == list(range(silent_from))
+    if silent_from:
+        assert_checkpoints_intact(save, [1])
+    else:  # nothing was saved, nothing was started
+        assert not save.exists() or not any(save.iterdir())
+    print(f"silent environment: exit 1 after {seconds:.1f} s: {message}")
+
+
+def test_a_rank_that_never_enters_a_collective_is_stopped_by_the_watchdog(tmp_path):
+    save, metrics = tmp_path / "ck", tmp_path / "metrics.jsonl"
+    args = {**WATCHDOG, "hang-rank": 1, "hang-at-step": 2, "save": save, "save-interval": 1,
+            "metrics-file": metrics}  # fmt: skip
+    proc, seconds = run(training_command(2, args, script=FAULTY))
+    message = assert_one_message(
+        proc,
+        "no progress in 0.25 min: step 2 has not finished",
+        "rank 0 waits in megatron/trainer/optimizer.py:",
+        "(allreduce_gradients)",
+    )
+    assert proc.returncode == 1 and 15 <= seconds < 120
+    rank0, rank1 = stacks_files(message)
+    assert "in all_reduce" in rank0.read_text() and "in hanging" in rank1.read_text()
+    assert [m["step"] for m in read_metrics(metrics)] == [0, 1]
+    assert_checkpoints_intact(save, [1, 2])
+    print(f"rank 1 out of its collective: exit 1 after {seconds:.1f} s: {message}")
+
+
+def test_a_non_finite_logit_stops_its_step_before_the_update_naming_rank_and_micro_batch(
+    tmp_path,
+):
+    save, metrics = tmp_path / "ck", tmp_path / "metrics.jsonl"
+    args = {**WATCHDOG, "inf-logits-rank": 1, "inf-logits-at-step": 1,
+            "inf-logits-micro-batch": 1, "save": save, "save-interval": 1,
+            "metrics-file": metrics}  # fmt: skip
+    proc, seconds = run(training_command(2, args, script=FAULTY))
+    message = assert_one_message(proc)
+    assert message == (
+        "pretrain_grpo.py: error: step 1: the update was not applied "
+        "(--check-for-nan-in-loss-and-grad): rank 1: the loss of micro-batch 1 (of 2) is nan"
+    )
+    assert proc.returncode == 1 and seconds < 90
+    assert [m["step"] for m in read_metrics(metrics)] == [0]
+    assert_checkpoints_intact(save, [1])
+
+
+def test_nan_rewards_are_masked_rollouts_and_the_run_trains_on(tmp_path):
+    config = tmp_path / "envs.yaml"
+    config.write_text("- agent_type: grpo_testing.fakes:NaNRewardDigits\n  env_id: nan\n")
+    metrics = tmp_path / "metrics.jsonl"
+    proc, _ = run(python_command({**TINY, "train-iters": 4, "env-config": config,
+                                  "metrics-file": metrics}))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_metrics(metrics)
+    assert sum(m["placeholder_rollouts"] for m in records) > 0
+    assert all(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in records)
+    assert "reward is not finite: nan" in proc.stderr  # the first one is logged, once

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import math
 import random
 
+import httpx
+from pydantic import Field
+
 from megatron.rl.agent.api import Problem
-from megatron.rl.environments.digits import DigitTaskEnvironment
+from megatron.rl.environments.digits import DigitTaskArgs, DigitTaskEnvironment
 from megatron.rl.inference.interface import InferenceInterface, render_chat
 from megatron.rl.inference.protocol import InvalidInferenceRequest, RowResult
 from megatron.rl.tokenizer import CharTokenizer
@@ -106,3 +111,53 @@ class RaisingDigits(DigitTaskEnvironment):
         if (request.batch_id * 7 + request.index_in_batch) % 5 == 0:
             raise KeyError(f"lost the state of group {request.batch_id}/{request.index_in_batch}")
         return await super().group_rollout(request, inference)
+
+
+class SilentDigitsArgs(DigitTaskArgs):
+    """``agent_args`` of ``SilentDigits``."""
+
+    silent_from_batch: int = Field(1, ge=0, description="The first batch it never answers.")
+
+
+class SilentDigits(DigitTaskEnvironment):
+    """The digit task that stops answering: from batch ``silent_from_batch`` on its
+    ``group_rollout`` awaits forever (an environment that hangs, not one that fails)."""
+
+    Args = SilentDigitsArgs
+    args: SilentDigitsArgs
+
+    async def group_rollout(self, request, inference):
+        if request.batch_id >= self.args.silent_from_batch:
+            await asyncio.Event().wait()
+        return await super().group_rollout(request, inference)
+
+
+class NaNRewardDigits(DigitTaskEnvironment):
+    """The digit task whose reward is NaN for every completion that starts with 3."""
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        if completion.startswith("3"):
+            return math.nan
+        return super().reward(problem, completion)
+
+
+class RaisingTransport(httpx.AsyncBaseTransport):
+    """An httpx transport that raises ``error`` on every request: an exception, or an exception
+    class built for the request (with the arguments httpx's classes need)."""
+
+    def __init__(self, error: BaseException | type[Exception]) -> None:
+        self.error = error
+        self.calls = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.calls += 1
+        if isinstance(self.error, BaseException):
+            raise self.error
+        cls = self.error
+        if issubclass(cls, httpx.HTTPStatusError):
+            raise cls("boom", request=request, response=httpx.Response(500, request=request))
+        if issubclass(cls, httpx.RequestError):
+            raise cls("boom", request=request)
+        if issubclass(cls, httpx.StreamError) and cls is not httpx.StreamError:
+            raise cls()  # their constructors take no message
+        raise cls("boom")

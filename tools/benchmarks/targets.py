@@ -1,4 +1,4 @@
-"""The targets of issues 7 and 17 and the RESULTS.md lines that judge them, met or not.
+"""The targets of issues 7, 17 and 25 and the RESULTS.md lines that judge them, met or not.
 
 Each ``*_targets`` function turns one benchmark's results (as stored in ``results.json``) into
 markdown bullets that name the target, say **met** or **not met**, and give the measured ratios;
@@ -22,6 +22,37 @@ DECODE_MATMUL_TARGET, TRAIN_MATMUL_TARGET = 0.25, 0.50
 """Issue 17: share of the measured matmul rate reached by decode / by a training step (~25M)."""
 TRL_L0_TARGET, TRL_L2_TARGET = 1.3, 2.0
 """Issue 17: TRL s/step over ours at L=0 / at L=2 on the same HF checkpoint."""
+REAL_RSS_TARGET_MIB, REAL_TRL_L0_TARGET = 3072, 1.3
+"""Issue 25, SmolLM2-135M-Instruct at the recipe's shape: peak RSS (and <= TRL's at the same
+precision); TRL s/step over ours at L=0 with equal work."""
+
+
+def real_model_targets(rm: dict[str, Any]) -> list[str]:
+    """Issue 25's memory and whole-step targets on the real model, per configuration of ours."""
+    rows = {r["name"]: r for r in rm["results"]}
+    lines = []
+    for r in rm["results"]:
+        if r["lag"] is None:
+            continue
+        trl = rows["trl bf16" if r["bf16"] else "trl fp32"]
+        rss = r["peak_rss_mib"]
+        met = rss <= REAL_RSS_TARGET_MIB and rss <= trl["peak_rss_mib"]
+        lines.append(
+            f"- SmolLM2-135M, {r['name']}: peak RSS <= {REAL_RSS_TARGET_MIB} MiB and <= TRL's "
+            f"({trl['name']}): **{'met' if met else 'not met'}**: {rss:.0f} MiB (generation "
+            f"window {r['generation_peak_mib']:.0f}, training update "
+            f"{r['training_peak_mib']:.0f}), TRL {trl['peak_rss_mib']:.0f} MiB."
+        )
+        if r["lag"] == 0:
+            v = r["speedup_vs_trl"]
+            lines.append(
+                f"- SmolLM2-135M, {r['name']}: whole GRPO step >= {REAL_TRL_L0_TARGET}x TRL at "
+                f"equal work: **{'met' if v >= REAL_TRL_L0_TARGET else 'not met'}**: TRL ÷ ours "
+                f"= {v:.2f}x (wall clock, rounds {spread(r['speedup_vs_trl_per_round'])}; "
+                f"{r['seconds_per_step']:.1f} vs {trl['seconds_per_step']:.1f} s/step)."
+                + ceiling(r)
+            )
+    return lines
 
 
 def hf_targets(hfs: dict[str, Any]) -> list[str]:

@@ -22,7 +22,7 @@ from megatron.rl.auth import API_KEY_ENV, bearer_headers
 from megatron.rl.http_client import ClientPool, RemoteCallError, RetryPolicy, call_json
 from megatron.rl.inference.interface import InferenceInterface
 from megatron.rl.wire import (
-    HTTP_URL_PATTERN,
+    BaseUrl,
     GroupedRolloutCall,
     GroupedRolloutRequest,
     HealthResponse,
@@ -37,7 +37,7 @@ class RemoteEnvironmentError(RuntimeError):
 class RemoteAgentArgs(AgentArgs):
     """``agent_args`` of ``agent_type: remote``."""
 
-    url: str = Field(pattern=HTTP_URL_PATTERN, description="Base URL of the env server.")
+    url: BaseUrl = Field(description="Base URL of the env server.")
     env_id: str | None = Field(None, description="Environment on the server (default: its mix).")
     single_turn: bool = Field(
         True,

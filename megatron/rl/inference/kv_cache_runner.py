@@ -19,6 +19,29 @@ from megatron.rl.models.cached_forward import CachedForward
 from megatron.rl.models.kv_cache import KVCache
 
 
+def shared_prompts(rows: list[RowWork]) -> tuple[list[int], list[int]]:
+    """Rows to run, and for each row the position in that list of the row whose forward it
+    shares.
+
+    A GRPO group's samples start with the same prompt in the same engine step: rows that feed a
+    whole prompt (``start == 0``) of identical tokens are prefilled once, the first of them run
+    and the others copy its keys and values (``_copy_prompts``) and its logits, then sample their
+    first tokens with their own seeds. Decode rows and distinct prompts run as they are.
+    """
+    unique: list[int] = []
+    source: list[int] = []
+    first: dict[tuple[int, ...], int] = {}
+    for b, row in enumerate(rows):
+        if row.start == 0 and len(row.tokens) > 1 and row.tokens in first:
+            source.append(first[row.tokens])
+            continue
+        if row.start == 0 and len(row.tokens) > 1:
+            first[row.tokens] = len(unique)
+        source.append(len(unique))
+        unique.append(b)
+    return unique, source
+
+
 class KVCacheRowRunner:
     """Executes rows on the local model replica and samples their next tokens
     (``protocol.RowRunner``)."""
@@ -54,7 +77,12 @@ class KVCacheRowRunner:
         if not rows:
             return []
         if self.cached_forward is not None:  # packed tokens: one pass for every kind of row
-            return self._sample(rows, self._forward_last_logits(rows))
+            unique, source = shared_prompts(rows)
+            logits = self._forward_last_logits([rows[i] for i in unique])  # (U, V)
+            if len(unique) < len(rows):  # a group's samples: one prefill, the KV copied
+                self._copy_prompts(rows, unique, source)
+                logits = logits[torch.tensor(source)]  # (B, V)
+            return self._sample(rows, logits)
         # Decode rows (one token) and prefill rows (many) go in separate forwards so that
         # single-token rows are not padded to the longest prompt.
         decode = [i for i, r in enumerate(rows) if len(r.tokens) == 1]
@@ -65,6 +93,23 @@ class KVCacheRowRunner:
         else:
             logits = torch.cat(parts)[torch.argsort(torch.tensor(decode + prefill))]  # (B, V)
         return self._sample(rows, logits)
+
+    def _copy_prompts(self, rows: list[RowWork], unique: list[int], source: list[int]) -> None:
+        """Give each row whose prompt was prefilled in another row's slot that slot's keys and
+        values at the prompt's positions."""
+        by_length: dict[int, list[tuple[int, int]]] = {}
+        for b, s in enumerate(source):
+            if unique[s] != b:  # (destination slot, source slot) by prompt length
+                by_length.setdefault(len(rows[b].tokens), []).append(
+                    (rows[b].slot, rows[unique[s]].slot)
+                )
+        cache = self.cache
+        cache.zero_slots_below(max(d for pairs in by_length.values() for d, _ in pairs) + 1)
+        for length, pairs in by_length.items():
+            dst = torch.tensor([d for d, _ in pairs], device=self.device)
+            src = torch.tensor([s for _, s in pairs], device=self.device)
+            for tensor in (cache.keys, cache.values):  # (layers, slots, heads, S, D)
+                tensor[:, dst, :, :length] = tensor[:, src, :, :length]
 
     def end_window(self, idle: bool = False) -> None:
         """The weights may change before the next window, so the forward's copies of them are

@@ -38,7 +38,12 @@ INFRASTRUCTURE_ERRORS: tuple[type[BaseException], ...] = (
     RemoteEnvironmentError,
 )
 """Failures of what generates, not of an environment: they end the run (or, behind the env
-server, become an HTTP error the trainer sees)."""
+server, become an HTTP error the trainer sees). Whatever httpx raises on a call to an inference
+server or an env server (an exception group from beneath it included) arrives as one of these
+(``http_client.call_json`` raises ``RemoteCallError``, which the remote interfaces turn into
+``InferenceUnavailable`` or ``RemoteEnvironmentError``; only a 4xx answer about the request
+itself is the environment's ``InvalidInferenceRequest``), never as an error of the
+environment's own code."""
 
 
 class EnvironmentFailures(RuntimeError):

@@ -17,6 +17,10 @@ the first traceback of each distinct error logged once per environment), the pol
 ``megatron.rl.rollout.faults`` that in-process environments follow too; an inference server that
 cannot be reached or fails gives 424 naming it. SIGTERM stops uvicorn
 gracefully: in-flight requests finish, then agents and HTTP clients are closed.
+
+The job's key goes with every call to an inference server: with ``--allowed-inference-url``
+only to the origins listed there (scheme, host and port compared exactly, as httpx connects;
+``megatron.rl.auth.Origin``), any other ``inference_url`` is a 403 before any connection.
 """
 
 from __future__ import annotations
@@ -38,7 +42,14 @@ from fastapi import FastAPI, HTTPException
 from megatron.rl.agent.api import Agent
 from megatron.rl.agent.env_config import EnvConfigError, load_env_config
 from megatron.rl.agent.mixture import MixtureAgent
-from megatron.rl.auth import API_KEY_ENV, is_loopback, read_api_key, require_api_key
+from megatron.rl.auth import (
+    API_KEY_ENV,
+    Origin,
+    allowed_origins,
+    is_loopback,
+    read_api_key,
+    require_api_key,
+)
 from megatron.rl.http_client import ClientPool, RetryPolicy
 from megatron.rl.inference.remote import RemoteInferenceInterface
 from megatron.rl.rollout.faults import INFRASTRUCTURE_ERRORS, FaultLog
@@ -75,7 +86,8 @@ class EnvServerConfig:
     """The job's shared key: required from clients (401 without it) and sent to inference
     servers (``megatron.rl.auth``); None accepts every request."""
     allowed_inference_urls: tuple[str, ...] = ()
-    """Prefixes an ``inference_url`` must start with (403 otherwise); empty allows any."""
+    """Origins (``scheme://host[:port]``) an ``inference_url`` must have (403 otherwise);
+    empty allows any."""
 
 
 def create_app(
@@ -112,6 +124,7 @@ def create_app(
     require_api_key(app, config.api_key)
     by_id = {a.env_id: a for a in agent.evaluated}
     faults = FaultLog(logger)
+    allowed = allowed_origins(config.allowed_inference_urls)
 
     def select(env_id: str | None) -> Agent:
         if env_id is None:
@@ -123,10 +136,11 @@ def create_app(
         return by_id[env_id]
 
     def inference(url: str, keep_keys: bool = True) -> RemoteInferenceInterface:
-        allowed = config.allowed_inference_urls
-        if allowed and not any(url.startswith(prefix) for prefix in allowed):
+        if allowed and Origin.of(url) not in allowed:  # the schema has parsed url already
             raise HTTPException(
-                403, f"field 'inference_url': {url!r} does not start with an allowed prefix"
+                403,
+                f"field 'inference_url': {Origin.of(url)} is not an inference server this env "
+                "server may call (its --allowed-inference-url)",
             )
         return RemoteInferenceInterface(url, client, config.retry, keep_keys, config.api_key)
 
@@ -225,12 +239,14 @@ def main(argv: list[str] | None = None) -> None:
         "--allowed-inference-url",
         action="append",
         default=[],
-        metavar="PREFIX",
-        help="Only generate through inference servers whose URL starts with PREFIX "
-        "(repeatable; default: any).",
+        metavar="ORIGIN",
+        help="Only generate through (and send the job's key to) inference servers at ORIGIN, "
+        "scheme://host[:port]: scheme, host (any case) and port must equal it, a missing port "
+        "is the scheme's default (repeatable; default: any).",
     )
     args = parser.parse_args(argv)
     try:
+        allowed_origins(args.allowed_inference_url)
         agent = load_env_config(args.env_config)
         api_key = read_api_key(args.api_key_file, os.environ, "--api-key-file")
     except EnvConfigError as err:

@@ -50,6 +50,7 @@ from megatron.trainer.forward import (
     padded_rows,
 )
 from megatron.trainer.initialize import ParallelContext
+from megatron.trainer.nonfinite import LossCheck
 from megatron.trainer.optimizer import (
     allreduce_gradients,
     build_optimizer,
@@ -234,6 +235,7 @@ class CPUPolicy(Policy):
         keys = update_keys(loss_fn)
         sums = NamedSums.zeros(keys)
         denom = max(loss_fn.num_tokens(update.batch), 1)
+        check = LossCheck(config.check_finite and not eval_mode, ctx.rank)
         with torch.set_grad_enabled(not eval_mode):
             for micro in update.micro_batches:
                 with self._precision():  # the forward; its backward runs as autograd recorded it
@@ -242,6 +244,7 @@ class CPUPolicy(Policy):
                         loss_fn.needs_entropy,
                     )  # fmt: skip
                 out = loss_fn(micro, logprobs, entropy)  # (b, t) -> sums
+                check.record(out.loss_sum)
                 if not eval_mode:
                     (out.loss_sum / denom).backward()
                 sums = sums + NamedSums.of({"loss": out.loss_sum.detach(), **out.metric_sums}, keys)
@@ -251,6 +254,7 @@ class CPUPolicy(Policy):
             params = [p for p in model.parameters() if p.requires_grad]
             allreduce_gradients(params, ctx.dp_group)
             grad_norm = clip_grad_norm(params, config.clip_grad, ctx.tp_group)
+            check.verify(grad_norm, ctx.device)  # raises before the schedule and the update
             scheduler.step(increment=1)  # update k uses the schedule's value at k + 1
             lr = optimizer.param_groups[0]["lr"]
             optimizer.step()

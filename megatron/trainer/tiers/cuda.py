@@ -91,6 +91,17 @@ def recompute_overrides(args) -> dict:
     return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 
 
+def ddp_config(args) -> DistributedDataParallelConfig:
+    """megatron-core's DDP config of the flags: float32 gradient reduction, and its check of each
+    rank's gradients before it (``--check-for-nan-in-loss-and-grad``)."""
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=getattr(args, "use_distributed_optimizer", False),
+        check_for_nan_in_grad=getattr(args, "check_for_nan_in_loss_and_grad", True),
+    )
+
+
 def optimizer_config(args, model_config) -> OptimizerConfig:
     """megatron-core's optimizer config of the flags (``--clip-grad 0``: never clip)."""
     return OptimizerConfig(
@@ -157,16 +168,7 @@ class CUDATier(Tier):
         args = self.args
         model = self._stage_model(vocab_size, load, initialize=load is None)  # load fills all
         config = model.config
-        ddp = DistributedDataParallel(
-            config=config,
-            ddp_config=DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True,
-                overlap_grad_reduce=False,
-                use_distributed_optimizer=getattr(args, "use_distributed_optimizer", False),
-                check_for_nan_in_grad=True,
-            ),
-            module=model,
-        )
+        ddp = DistributedDataParallel(config=config, ddp_config=ddp_config(args), module=model)
         config.no_sync_func = ddp.no_sync
         config.finalize_model_grads_func = finalize_model_grads
         return ddp

@@ -44,6 +44,7 @@ from megatron.trainer.forward import (
     padded_rows,
 )
 from megatron.trainer.initialize import ParallelContext
+from megatron.trainer.nonfinite import LossCheck
 from megatron.trainer.policy import (
     LossFunction,
     MicroBatch,
@@ -183,6 +184,7 @@ class CUDAPolicy(Policy):
         model, optimizer, scheduler = self.state.model, self.state.optimizer, self.state.scheduler
         keys = update_keys(loss_fn)
         sums: list[NamedSums] = []  # one per micro-batch (last stage only)
+        check = LossCheck(config.check_finite and not eval_mode, ctx.rank)
 
         def loss(micro: MicroBatch, inputs: ModelInputs, logits: torch.Tensor):
             """The loss *sum* of a micro-batch, its token count, and its metric sums."""
@@ -191,6 +193,7 @@ class CUDAPolicy(Policy):
                 loss_fn.needs_entropy,
             )  # fmt: skip
             out = loss_fn(micro, logprobs, entropy)
+            check.record(out.loss_sum)
             sums.append(NamedSums.of({"loss": out.loss_sum.detach(), **out.metric_sums}, keys))
             tokens = torch.tensor(loss_fn.num_tokens(micro.data), dtype=torch.int)
             return out.loss_sum, tokens.to(logits.device), {"loss_sum": out.loss_sum.detach()}
@@ -200,8 +203,15 @@ class CUDAPolicy(Policy):
             model.zero_grad_buffer()
             optimizer.zero_grad()
         items = [(m.data, m) for m in update.micro_batches]
-        with torch.set_grad_enabled(not eval_mode):
-            self._schedule(model, items, loss, mbs, forward_only=eval_mode)
+        try:
+            with torch.set_grad_enabled(not eval_mode):
+                self._schedule(model, items, loss, mbs, forward_only=eval_mode)
+        except RuntimeError as exc:  # megatron-core's gradient check, on this rank alone
+            error = check.megatron_core_error(exc)
+            if error is None:
+                raise
+            raise error from None
+        check.verify(None, ctx.device)  # the losses, before the update (gradients: above)
         total = NamedSums.zeros(keys)
         for micro_sums in sums:
             total = total + micro_sums

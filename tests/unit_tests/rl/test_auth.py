@@ -11,10 +11,11 @@ from grpo_testing.fakes import SeededInference
 from megatron.rl.agent.env_config import build_agents
 from megatron.rl.agent.remote import RemoteAgent, RemoteAgentArgs, RemoteEnvironmentError
 from megatron.rl.auth import API_KEY_ENV, read_api_key
+from megatron.rl.http_client import RetryPolicy
 from megatron.rl.server.env_server import EnvServerConfig, create_app, main
 from megatron.rl.server.http import EmbeddedServer
 from megatron.rl.server.inference_server import create_inference_app
-from megatron.rl.wire import GroupedRolloutCall, GroupedRolloutRequest, RolloutGroup
+from megatron.rl.wire import GroupedRolloutRequest, RolloutGroup
 
 KEY = "s3cret-key-of-this-job"
 ENVS = [{"agent_type": "digits", "env_id": "copy", "agent_args": {"task": "copy"}}]
@@ -45,7 +46,8 @@ def env_app(config: EnvServerConfig, inference_key: str | None = KEY):
 
 
 def grouped_call(url: str = INFERENCE_URL) -> dict:
-    return GroupedRolloutCall(request=request(), inference_url=url).model_dump(mode="json")
+    """The JSON body of a grouped-rollouts call (``url`` unchecked: the server validates it)."""
+    return {"request": request().model_dump(mode="json"), "inference_url": url}
 
 
 @pytest.mark.parametrize(
@@ -93,14 +95,110 @@ def test_inference_server_refuses_requests_without_the_key(headers):
     assert ok.status_code == 200 and inference.requests
 
 
-def test_env_server_refuses_inference_urls_outside_its_allowed_prefixes():
-    config = EnvServerConfig(allowed_inference_urls=("http://trainer:",))
-    refused = call(env_app(config, None), "POST", "/v1/grouped_rollouts", {},
-                   grouped_call("http://elsewhere:9000"))  # fmt: skip
+@pytest.mark.parametrize(
+    "allowed, url, status",
+    [
+        pytest.param("http://127.0.0.1:800", "http://127.0.0.1:800", 200, id="same-origin"),
+        pytest.param("http://127.0.0.1:800", "http://127.0.0.1:8007", 403, id="digit-extension"),
+        pytest.param("http://127.0.0.1:800", "http://127.0.0.1:80", 403, id="digits-cut"),
+        pytest.param(
+            "http://127.0.0.1:800", "http://127.0.0.1.evil.com:800", 403, id="host-suffix"
+        ),
+        pytest.param("http://trainer:9000", "http://trainer.evil:9000", 403, id="label-suffix"),
+        pytest.param("http://trainer:9000", "http://user@trainer:9000", 422, id="userinfo"),
+        pytest.param("http://trainer:9000", "https://trainer:9000", 403, id="https-for-http"),
+        pytest.param("https://trainer", "http://trainer:443", 403, id="http-on-https-port"),
+        pytest.param("http://trainer", "http://trainer:80", 200, id="http-default-port"),
+        pytest.param("https://trainer:443", "https://trainer", 200, id="https-default-port"),
+        pytest.param("http://trainer:9000", "http://trainer", 403, id="port-left-out"),
+        pytest.param("http://trainer:9000/", "http://trainer:9000", 200, id="entry-slash"),
+        pytest.param("http://trainer:9000", "http://trainer:9000/", 200, id="url-slash"),
+        pytest.param("http://trainer:9000", "http://trainer:9000/v2", 200, id="url-path"),
+        pytest.param("http://trainer:9000", "http://TRAINER:9000", 200, id="host-case"),
+        pytest.param("http://[::1]:9000", "http://[::1]:9000", 200, id="ipv6"),
+    ],
+)
+def test_env_server_calls_only_the_origins_it_allows(allowed, url, status):
+    config = EnvServerConfig(allowed_inference_urls=("http://other:1", allowed))
+    response = call(env_app(config, None), "POST", "/v1/grouped_rollouts", {}, grouped_call(url))
+    assert response.status_code == status, response.text
+    if status != 200:
+        assert "field 'inference_url'" in response.json()["detail"]
+
+
+def test_the_job_key_reaches_only_an_allowed_origin_and_no_other_listener():
+    """Real sockets: the allowed port P gets the key, the listener on port P7 gets nothing."""
+
+    async def run():
+        heard: dict[int, bytes] = {}
+        servers, port = await listeners_on_p_and_p7(heard)
+        allowed = f"http://127.0.0.1:{port}"
+        config = EnvServerConfig(
+            api_key=KEY, allowed_inference_urls=(allowed,), retry=RetryPolicy(0)
+        )
+        app = create_app(build_agents(ENVS), config)  # real network
+        headers = {"authorization": f"Bearer {KEY}"}
+        try:
+            async with app.router.lifespan_context(app):
+                transport = httpx.ASGITransport(app)
+                async with httpx.AsyncClient(transport=transport, base_url="http://s") as client:
+                    refused = await client.post(
+                        "/v1/grouped_rollouts", headers=headers,
+                        json=grouped_call(f"http://127.0.0.1:{port}7"),
+                    )  # fmt: skip
+                    served = await client.post(
+                        "/v1/grouped_rollouts", headers=headers, json=grouped_call(allowed)
+                    )
+                    await asyncio.sleep(0.2)  # a late connection to P7 would be heard by now
+        finally:
+            for server in servers:
+                server.close()
+        return refused, served, heard, port
+
+    refused, served, heard, port = asyncio.run(run())
     assert refused.status_code == 403
-    assert "field 'inference_url'" in refused.json()["detail"]
-    allowed = call(env_app(config, None), "POST", "/v1/grouped_rollouts", {}, grouped_call())
-    assert allowed.status_code == 200
+    assert served.status_code == 424  # the listener on P is no inference server
+    assert f"\r\nauthorization: Bearer {KEY}\r\n".encode() in heard[port]
+    assert heard.get(port * 10 + 7, b"") == b""
+
+
+async def listeners_on_p_and_p7(heard: dict[int, bytes]):
+    """TCP listeners on 127.0.0.1 ports P and P*10+7 (P < 6553) that record what they receive
+    (by port) and close; (servers, P)."""
+
+    def recorder(port: int):
+        async def record(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            heard[port] = heard.get(port, b"") + await reader.read(65536)
+            writer.close()
+
+        return record
+
+    for port in range(3001, 6553, 97):
+        servers = []
+        try:
+            for p in (port, port * 10 + 7):
+                servers.append(await asyncio.start_server(recorder(p), "127.0.0.1", p))
+            return servers, port
+        except OSError:
+            for server in servers:
+                server.close()
+    raise RuntimeError("no free port pair P, P7 below 65536")
+
+
+@pytest.mark.parametrize(
+    "entry, needle",
+    [
+        pytest.param("http://trainer:9000/v1", "is an origin", id="path"),
+        pytest.param("http://u@trainer:9000", "user info", id="userinfo"),
+        pytest.param("http://trainer:99999", "outside 1-65535", id="port"),
+        pytest.param("trainer:9000", "only http and https", id="no-scheme"),
+    ],
+)
+def test_env_server_cli_refuses_an_allowed_entry_that_is_not_an_origin(entry, needle, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--allowed-inference-url", entry])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"--allowed-inference-url {entry!r}" in err and needle in err
 
 
 def test_remote_agent_sends_the_key_from_its_environment_variable(monkeypatch):

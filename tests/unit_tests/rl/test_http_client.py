@@ -8,6 +8,8 @@ import socket
 import httpx
 import pytest
 from fastapi import FastAPI, HTTPException
+from fastapi.responses import PlainTextResponse
+from grpo_testing.fakes import RaisingTransport
 
 from megatron.rl.http_client import ClientPool, RemoteCallError, RetryPolicy, call_json
 from megatron.rl.server.http import EmbeddedServer
@@ -100,3 +102,75 @@ def test_client_pool_spreads_calls_over_small_pools():
     assert len({id(c) for c in clients}) == 3  # ceil(40 / 16) shards, used in turn
     assert clients[:3] == clients[3:]
     asyncio.run(pool.aclose())
+
+
+# --------------------------------------------------------------------------- every failure named
+
+
+def httpx_error_classes() -> list[type[Exception]]:
+    """Every exception class httpx exports."""
+    return sorted(
+        (c for c in vars(httpx).values() if isinstance(c, type) and issubclass(c, Exception)),
+        key=lambda c: c.__name__,
+    )
+
+
+@pytest.mark.parametrize("error", httpx_error_classes(), ids=lambda c: c.__name__)
+def test_every_httpx_error_ends_as_one_remote_call_error_naming_the_url(error):
+    transport = RaisingTransport(error)
+
+    async def run():
+        async with httpx.AsyncClient(transport=transport) as c:
+            await call_json(c, "POST", "http://trainer:9000/v1/completions", policy=FAST)
+
+    with pytest.raises(RemoteCallError, match="http://trainer:9000/v1/completions") as info:
+        asyncio.run(run())
+    assert info.value.status is None and error.__name__ in str(info.value)
+    retried = issubclass(error, httpx.TransportError) and not issubclass(
+        error, (httpx.ReadTimeout, httpx.UnsupportedProtocol, httpx.LocalProtocolError)
+    )
+    assert transport.calls == (FAST.max_retries + 1 if retried else 1)
+
+
+@pytest.mark.parametrize(
+    "error, needle",
+    [
+        pytest.param(
+            ExceptionGroup(
+                "unhandled errors in a TaskGroup", [OverflowError("port must be 0-65535")]
+            ),
+            "OverflowError: port must be 0-65535",
+            id="exception-group",
+        ),
+        pytest.param(UnicodeError("label too long"), "UnicodeError: label too long", id="idna"),
+    ],
+)
+def test_errors_from_beneath_httpx_end_as_a_remote_call_error(error, needle):
+    async def run():
+        async with httpx.AsyncClient(transport=RaisingTransport(error)) as c:
+            await call_json(c, "POST", "http://trainer:9000/x", policy=FAST)
+
+    with pytest.raises(RemoteCallError, match=needle):
+        asyncio.run(run())
+
+
+def test_a_port_the_socket_layer_refuses_is_a_remote_call_error_not_an_exception_group():
+    """What anyio raises for port 99999 on a real connection (the schema refuses such URLs)."""
+
+    async def run():
+        async with httpx.AsyncClient() as c:
+            await call_json(c, "POST", "http://127.0.0.1:99999/x", policy=FAST)
+
+    with pytest.raises(RemoteCallError, match="OverflowError"):
+        asyncio.run(run())
+
+
+def test_a_success_whose_body_is_not_json_is_a_remote_call_error():
+    app = FastAPI()
+
+    @app.get("/x")
+    async def text():
+        return PlainTextResponse("<html>proxy page</html>")
+
+    with pytest.raises(RemoteCallError, match="HTTP 200 with a body that is not JSON.*proxy page"):
+        call(app)

@@ -9,6 +9,7 @@ from megatron.rl.wire import (
     MAX_CHAT_MESSAGES,
     MAX_TOKENS,
     ChatMessage,
+    EvaluationRequest,
     GroupedRolloutRequest,
     InferenceRequest,
     InferenceResponse,
@@ -325,3 +326,36 @@ def test_eval_prompts_is_bounded():
     with pytest.raises(ValidationError) as info:
         grouped(eval_prompts=0)
     assert error_locs(info.value) == [("eval_prompts",)]
+
+
+# --------------------------------------------------------------------------- base URLs
+
+
+@pytest.mark.parametrize(
+    "url, needle",
+    [
+        pytest.param("http://127.0.0.1:99999", "port 99999 is outside 1-65535", id="port-overflow"),
+        pytest.param("http://127.0.0.1:0", "port 0 is outside", id="port-0"),
+        pytest.param(
+            "http://127.0.0.1:P.example", "Invalid port: 'P.example'", id="port-not-number"
+        ),
+        pytest.param("http://xn--:8000", "Malformed A-label", id="bad-idna-host"),
+        pytest.param("http://:8000", "no host", id="no-host"),
+        pytest.param("http://user@trainer:8000", "should match pattern", id="userinfo"),
+        pytest.param("ftp://trainer:8000", "should match pattern", id="scheme"),
+        pytest.param("http://trainer:8000/?q=1", "no query or fragment", id="query"),
+    ],
+)
+def test_a_base_url_httpx_cannot_call_is_refused_naming_the_field(url, needle):
+    with pytest.raises(ValidationError) as info:
+        EvaluationRequest(inference_url=url)
+    assert error_locs(info.value) == [("inference_url",)]
+    assert needle in info.value.errors()[0]["msg"]
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["http://trainer:9000", "https://Trainer", "http://[::1]:65535/prefix/", "http://127.0.0.1:1"],
+)
+def test_base_urls_httpx_can_call_are_kept_as_given(url):
+    assert EvaluationRequest(inference_url=url).inference_url == url

@@ -234,3 +234,37 @@ def test_one_rotation_of_a_groups_queries_and_key_equals_megatron_cores_rope_bit
     expected_key = _apply_rotary_pos_emb_bshd(mixed[:, :, :, per_group], freqs)
     assert torch.equal(both[:, :, :, :per_group].reshape(count, 1, -1, d), expected_query)
     assert torch.equal(both[:, :, :, per_group], expected_key)
+
+
+def test_a_groups_identical_prompts_are_prefilled_once_with_the_same_results(
+    single_rank_world, monkeypatch
+):
+    """Samples of one prompt (GRPO's group) prefill once; the others copy the keys, values and
+    logits, then sample with their own seeds: what each would have computed alone."""
+    from megatron.rl.inference import kv_cache_runner
+
+    model = randomized(tiny_gpt(**ARCHITECTURES[1].values[0]))
+    prompts = [[3, 4, 5, 6], [3, 4, 5, 6], [7, 8], [3, 4, 5, 6], [7, 8], [9]]
+    assert kv_cache_runner.shared_prompts(rows_of(prompts, [0] * 6)) == (
+        [0, 2, 5],
+        [0, 0, 1, 0, 1, 2],
+    )
+    shared = KVCacheRowRunner(model, make_cache(model, slots=6), VOCAB)
+    runs = []
+    forwards = []
+    original = KVCacheRowRunner._forward_last_logits
+
+    def counted(self, rows):
+        forwards.append(len(rows))
+        return original(self, rows)
+
+    monkeypatch.setattr(KVCacheRowRunner, "_forward_last_logits", counted)
+    runs.append(generate(shared, prompts, 4))
+    assert forwards[0] == 3  # one row per distinct prompt
+    monkeypatch.setattr(
+        kv_cache_runner, "shared_prompts", lambda rows: (list(range(len(rows))),) * 2
+    )
+    alone = KVCacheRowRunner(model, make_cache(model, slots=6), VOCAB)
+    runs.append(generate(alone, prompts, 4))
+    assert runs[0] == runs[1]  # bitwise: the same tokens and logprobs
+    assert len({tuple(t for t, _ in step[:2]) for step in runs[0][1:]}) > 1  # own seeds

@@ -7,7 +7,7 @@ import logging
 
 import httpx
 import pytest
-from grpo_testing.fakes import SeededInference
+from grpo_testing.fakes import RaisingTransport, SeededInference
 
 from megatron.rl.agent.env_config import build_agents
 from megatron.rl.http_client import RetryPolicy
@@ -155,6 +155,16 @@ def test_environment_errors_become_placeholder_rollouts_not_http_errors():
             id="bad-url",
         ),
         pytest.param(
+            {"request": request().model_dump(), "inference_url": "http://127.0.0.1:99999"},
+            "inference_url",
+            id="port-overflow",
+        ),
+        pytest.param(
+            {"request": request().model_dump(), "inference_url": "http://127.0.0.1:P.example"},
+            "inference_url",
+            id="port-not-a-number",
+        ),
+        pytest.param(
             {"request": request().model_dump(), "inference_url": INFERENCE_URL, "extra": 1},
             "extra",
             id="unknown-field",
@@ -178,6 +188,13 @@ def test_malformed_requests_get_422_naming_the_field(body, field):
     (response,) = call_env_server([("POST", "/v1/grouped_rollouts", body)])
     assert response.status_code == 422
     assert f"field '{field}" in response.json()["detail"]
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:99999", "http://127.0.0.1:P.example"])
+def test_evaluation_with_a_url_httpx_cannot_call_is_a_422_naming_it(url):
+    (response,) = call_env_server([("POST", "/v1/evaluate", {"inference_url": url})])
+    assert response.status_code == 422
+    assert response.json()["detail"].startswith("field 'inference_url': Value error, ")
 
 
 def test_invalid_json_is_a_422_naming_the_byte_not_a_field():
@@ -220,6 +237,35 @@ def test_unreachable_inference_server_is_424_naming_it():
     assert response.status_code == 424
     detail = response.json()["detail"]
     assert "http://127.0.0.1:9" in detail and "after 2 attempts" in detail
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        pytest.param(httpx.InvalidURL, id="invalid-url"),
+        pytest.param(httpx.DecodingError, id="decoding"),
+        pytest.param(httpx.StreamConsumed, id="stream"),
+        pytest.param(httpx.RemoteProtocolError, id="protocol"),
+        pytest.param(
+            ExceptionGroup("unhandled errors in a TaskGroup", [OverflowError("port 0-65535")]),
+            id="exception-group",
+        ),
+    ],
+)
+def test_an_inference_call_that_httpx_fails_is_a_424_naming_the_server_not_placeholders(error):
+    config = EnvServerConfig(retry=RetryPolicy(1, 0.001))
+    app = create_app(build_agents(ENVS[:1]), config, transport=RaisingTransport(error))
+
+    async def run():
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://env") as client:
+                call = GroupedRolloutCall(request=request(), inference_url=INFERENCE_URL)
+                return await client.post("/v1/grouped_rollouts", json=call.model_dump(mode="json"))
+
+    response = asyncio.run(run())
+    assert response.status_code == 424, response.text
+    assert f"inference server {INFERENCE_URL}" in response.json()["detail"]
 
 
 def test_evaluation_scores_each_environment():
