@@ -10,6 +10,7 @@ and the flag), once the environments are built.
 from __future__ import annotations
 
 import argparse
+import decimal
 import importlib.util
 import math
 import time
@@ -175,6 +176,8 @@ def validate_args(
         )
 
     check(args.lr > 0, f"--lr must be > 0, got {args.lr}")
+    if args.min_lr is None:  # --lr / 10 in decimal: 3e-3 gives 3e-4, not 3.0000000000000003e-4
+        args.min_lr = float(decimal.Decimal(repr(args.lr)) / 10)
     check(0 <= args.min_lr <= args.lr, f"--min-lr ({args.min_lr}) must be in [0, --lr]")
     check(args.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
     if args.lr_decay_iters is not None:

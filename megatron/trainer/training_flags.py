@@ -69,7 +69,12 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
         "--grpo-iterations must be a multiple of it (as in Megatron-LM).",
     )
     g.add_argument("--lr", type=float, default=3e-3, help="Peak learning rate.")
-    g.add_argument("--min-lr", type=float, default=3e-4, help="Learning rate at the end of decay.")
+    g.add_argument(
+        "--min-lr",
+        type=float,
+        default=None,
+        help="Learning rate at the end of decay (default: --lr / 10).",
+    )
     g.add_argument(
         "--lr-warmup-iters",
         type=int,

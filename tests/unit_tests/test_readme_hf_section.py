@@ -78,3 +78,33 @@ def test_the_command_starts_with_the_tools_tiny_checkpoint(tmp_path, at_repo_roo
     args = parse_args(flags)  # UsageError (status 2) on any refused flag
     assert args.seq_length <= args.hf_config.arch.max_position_embeddings
     load_agent(args)  # UsageError on a bad env config or one that does not fit the flags
+
+
+def recipe_commands() -> list[list[str]]:
+    """The argv of each command of the SmolLM2 recipe's bash block."""
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("### The recipe: arithmetic word problems, measured")
+    return [shlex.split(c) for c in bash_commands(readme[start : readme.index("\n## ", start)])]
+
+
+def test_the_smollm2_recipe_passes_every_start_up_check(smollm2_checkpoint, at_repo_root, tmp_path):
+    """The evaluate, train and serve commands of the recipe, on the converted checkpoint: every
+    flag accepted and the env config fits them (the run itself is benchmarks/results/recipe.*)."""
+    from megatron.trainer.evaluate import parse_evaluate_args
+    from megatron.trainer.serve import parse_serve_args
+
+    evaluate, train, serve = recipe_commands()
+    assert evaluate[:3] == ["python", "-m", "megatron.trainer.evaluate"]
+    assert train[: len(LAUNCH)] == LAUNCH and serve[:3] == [
+        "python",
+        "-m",
+        "megatron.trainer.serve",
+    ]
+    flags = with_value(train[len(LAUNCH) :], "--hf-checkpoint", str(smollm2_checkpoint))
+    flags = with_value(flags, "--save-hf", str(tmp_path / "hf"))
+    flags = with_value(flags, "--metrics-file", str(tmp_path / "m.jsonl"))
+    args = parse_args(flags)
+    assert (args.bf16, args.recompute_granularity, args.min_lr) == (True, "full", 0.0)
+    load_agent(args)
+    parse_evaluate_args(with_value(evaluate[3:], "--hf-checkpoint", str(smollm2_checkpoint)))
+    parse_serve_args(with_value(serve[3:], "--hf-checkpoint", str(smollm2_checkpoint)))

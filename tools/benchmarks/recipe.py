@@ -2,7 +2,7 @@
 2 CPU cores by our trainer (forced lag 0 and 2) and by TRL's ``GRPOTrainer``, held-out accuracy
 against wall-clock time.
 
-    python tools/benchmarks/recipe.py [--steps 40 --eval-every 10 --out benchmarks/results]
+    python tools/benchmarks/recipe.py [--steps 26 --eval-every 13 --out benchmarks/results]
 
 The three runs share the model (``megatron.rl.models.hf.gguf.SMOLLM2``), the task
 (``examples/rl/environment_configs/arithmetic.yaml``: the same training problems in the same order,
@@ -240,8 +240,8 @@ def plot(res: dict[str, Any], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=26)
+    parser.add_argument("--eval-every", type=int, default=13)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--micro-batch-size", type=int, default=8)
@@ -249,7 +249,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--eval-prompts", type=int, default=200)
-    parser.add_argument("--eval-samples", type=int, default=4)
+    parser.add_argument("--eval-samples", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--only", nargs="+", choices=[n for n, _ in RUNS], default=None)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")

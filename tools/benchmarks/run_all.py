@@ -2,7 +2,7 @@
 engine and matmul efficiency on Llama-style Hugging Face checkpoints.
 
     pip install torch==2.13.0 -e '.[bench]'
-    python tools/benchmarks/run_all.py            # about 12 minutes on 2 CPU cores
+    python tools/benchmarks/run_all.py            # about 55 minutes on 2 CPU cores
     python tools/benchmarks/run_all.py --only hf_shapes   # re-measure one benchmark
 
 Runs ``engine_throughput.py``, ``trl_side_by_side.py``, ``lag_sweep.py`` and ``hf_shapes.py``

@@ -28,6 +28,14 @@ def test_defaults_are_valid_and_derived_values_are_filled():
     assert args.ffn_hidden_size == 4 * args.hidden_size
     assert args.max_position_embeddings == args.seq_length
     assert args.data_parallel_size == 1
+    assert args.min_lr == pytest.approx(args.lr / 10)
+
+
+def test_the_default_min_lr_follows_a_small_lr():
+    """A fine-tuning --lr below the default's floor needs no --min-lr of its own."""
+    args = build_parser().parse_args(["--lr", "2e-5"])
+    assert validate_args(args, world_size=1, cuda=False) == []
+    assert args.min_lr == pytest.approx(2e-6)
 
 
 @pytest.mark.parametrize(

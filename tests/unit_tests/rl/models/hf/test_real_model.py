@@ -72,7 +72,11 @@ def test_logprobs_match_transformers_within_1e4(smollm2_checkpoint, single_rank_
     theirs = transformers_logprobs(smollm2_checkpoint, ids, mask)
     real = mask[:, 1:]
     assert (ours - theirs)[real].abs().max() <= 1e-4
-    assert theirs[real].mean() > -3.0  # a trained model: its own template is predictable
+    # A trained chat model predicts its own template: after "<|im_end|>" comes "\n<|im_start|>
+    # assistant\n" (measured about -0.001 nats a token; a random model is near -ln 49152 = -10.8).
+    lengths = mask.sum(1)  # (B,)
+    tail = torch.stack([theirs[b, n - 5 : n - 1] for b, n in enumerate(lengths.tolist())])  # (B, 4)
+    assert tail.mean() > -0.1
 
 
 def test_32_greedy_tokens_equal_transformers_generate(smollm2_checkpoint, single_rank_world):
@@ -80,8 +84,8 @@ def test_32_greedy_tokens_equal_transformers_generate(smollm2_checkpoint, single
     model, hf = build_hf_model(smollm2_checkpoint)
     ours = greedy_tokens(model, hf, prompts, steps=32)
     assert ours == hf_greedy_tokens(smollm2_checkpoint, prompts, steps=32)
-    answer = HuggingFaceTokenizer(smollm2_checkpoint).decode(ours[1])
-    assert "42" in answer  # 12 + 30, answered by the pretrained model
+    answer = HuggingFaceTokenizer(smollm2_checkpoint).decode(ours[0])
+    assert "7 + 5 = 12" in answer  # Anna's apples, answered by the pretrained model
 
 
 def test_export_reloads_in_transformers_to_the_same_logits(
