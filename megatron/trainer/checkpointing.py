@@ -3,18 +3,21 @@
     <dir>/latest_checkpointed_iteration.txt
     <dir>/iter_0000100/<shards>                  the tier's: model, optimizer, LR schedule, RNG,
                                                  and the run's scalar flags
-    <dir>/iter_0000100/rollout_state.json        the drained rollout pipeline
+    <dir>/iter_0000100/rollout_state.json        the rollout pipeline (rank 0)
+    <dir>/iter_0000100/inflight_kv/rank_XXXXX.pt the KV cache of requests in flight, per rank
 
 CPU tier shards: ``mp_rank_XX/model_optim_rng.pt`` per tensor-parallel rank (``torch.save``);
 CUDA tier shards: megatron-core ``dist_checkpointing`` (torch_dist). See ``CheckpointShards``.
 
 A checkpoint after ``iteration`` optimizer steps holds the policy version (= ``iteration``) and
-everything the forced-lag contract needs to continue exactly: the caller drains the rollout
-pipeline first (every submitted batch finished, nothing half generated) and passes its
-``PipelineState`` - the prompt cursor, the submitted-batch count and the finished groups not yet
-trained on, each rollout carrying the policy version it was submitted at. A resumed run restores
-that state, so its steps are identical to those of the uninterrupted run, which drained at the
-same step. A resumed run must share the ``RESUME_FLAGS`` of the saved one.
+everything the forced-lag contract needs to continue exactly: the caller passes the rollout
+pipeline's ``PipelineState`` - the prompt cursor, the submitted batches and their policy
+versions, the finished groups not yet trained on and, on the CPU tier, the engine's work in
+flight as it is (partial generations, whose KV cache each rank saves in ``inflight_kv/``), so a
+resumed run generates exactly what the run that was never saved generates. The CUDA tier's engine
+cannot save its cache: there the caller drains the pipeline first (every submitted batch
+finished), and a resume equals the run that drained at the same step. A resumed run must share
+the ``RESUME_FLAGS`` of the saved one.
 
 Writes are atomic: every rank writes into ``iter_XXXXXXX.partial/``; after a barrier rank 0
 renames it to ``iter_XXXXXXX/`` and only then replaces the tracker file. A crash at any point of a
@@ -31,6 +34,7 @@ import argparse
 import os
 import re
 import shutil
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,6 +46,7 @@ import torch.distributed as dist
 from pydantic import ValidationError
 
 from megatron.rl.rollout.generator import PipelineState
+from megatron.trainer import inflight
 from megatron.trainer.initialize import ParallelContext, agree_on_error
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -78,7 +83,9 @@ class Checkpoint:
     iteration: int
     """Optimizer steps done: the policy version, and the first step the resumed run trains."""
     pipeline: PipelineState | None
-    """The drained rollout pipeline (global rank 0 only; ``None`` elsewhere)."""
+    """The rollout pipeline (global rank 0 only; ``None`` elsewhere)."""
+    inflight_kv: dict[str, Any] | None = None
+    """This rank's KV cache of the requests in flight (``inflight.py``), if the save had it."""
 
 
 @dataclass(frozen=True)
@@ -249,13 +256,15 @@ def save_checkpoint(
     pipeline: PipelineState | None,
     args: argparse.Namespace,
     ctx: ParallelContext,
+    inflight_kv: tuple[dict, dict[str, int]] | None = None,
 ) -> None:
     """Write the state after ``iteration`` optimizer steps (collective).
 
-    ``pipeline`` is the drained rollout state on global rank 0 (ignored elsewhere).
+    ``pipeline`` is the rollout state on global rank 0 (ignored elsewhere); ``inflight_kv`` this
+    rank's KV cache slots of the requests in flight and their layout (``inflight.py``).
     """
     if ctx.is_main and pipeline is None:
-        raise ValueError("rank 0 must pass the drained rollout pipeline state")
+        raise ValueError("rank 0 must pass the rollout pipeline state")
     final = iteration_dir(root, iteration)
     staging = final.with_name(final.name + ".partial")
     if ctx.is_main:
@@ -263,6 +272,8 @@ def save_checkpoint(
         staging.mkdir(parents=True)
     _barrier()
     shards.write(staging, iteration, state, saved_args(args))
+    if inflight_kv is not None:
+        inflight.write_kv(staging, ctx.rank, *inflight_kv)
     if ctx.is_main:
         text = pipeline.model_dump_json()
         write_atomic(staging / ROLLOUT_STATE, lambda tmp: tmp.write_text(text))
@@ -273,6 +284,26 @@ def save_checkpoint(
         os.replace(staging, final)
         write_atomic(Path(root) / TRACKER, lambda tmp: tmp.write_text(f"{iteration}\n"))
     _barrier()
+
+
+def save_captured(
+    root: str,
+    iteration: int,
+    shards: CheckpointShards,
+    state: TrainState,
+    capture: Callable[[], tuple[PipelineState | None, tuple | None]],
+    args: argparse.Namespace,
+    ctx: ParallelContext,
+) -> str:
+    """``save_checkpoint`` of the rollout pipeline as ``capture()`` (``RolloutSource.
+    checkpoint_state``) returns it (collective); the line that says what was saved and how long
+    it took (``inflight.saved_line``)."""
+    started = time.perf_counter()
+    pipeline, kv = capture()
+    captured = time.perf_counter()
+    save_checkpoint(root, iteration, shards, state, pipeline, args, ctx, kv)
+    seconds = (captured - started, time.perf_counter() - started)
+    return inflight.saved_line(iteration, root, seconds, pipeline, kv)
 
 
 def load_checkpoint(
@@ -290,10 +321,15 @@ def load_checkpoint(
 
     A failure on any rank raises ``SystemExit`` with the first rank's message on every rank.
     """
-    error, iteration, pipeline = None, -1, None
+    error, iteration, pipeline, kv = None, -1, None, None
     try:
         iteration = step if step is not None else latest_iteration(root)
         pipeline = _read(root, iteration, shards, state, args, ctx.is_main, options)
+        if options.resume:
+            kv = read_guarded(
+                "--load", root, iteration, inflight.kv_file(iteration_dir(root, iteration), ctx.rank),
+                lambda: inflight.read_kv(iteration_dir(root, iteration), ctx.rank),
+            )  # fmt: skip
     except SystemExit as exc:
         error = str(exc.code)
     agreed = agree_on_error(error)
@@ -301,7 +337,7 @@ def load_checkpoint(
         raise SystemExit(agreed)  # the same message on every rank (rank 0 prints it)
     if not options.resume:
         return Checkpoint(0, None)
-    return Checkpoint(iteration, pipeline)
+    return Checkpoint(iteration, pipeline, kv)
 
 
 def _read(

@@ -37,7 +37,7 @@ from megatron.trainer.checkpointing import (
     LoadOptions,
     TrainState,
     load_checkpoint,
-    save_checkpoint,
+    save_captured,
 )
 from megatron.trainer.collection import KeyedCollection
 from megatron.trainer.eval_flags import evaluation_requested
@@ -261,7 +261,7 @@ def plot_file(args: argparse.Namespace) -> Path | None:
 
 def build_evaluator(run: Run, agent: Agent) -> Evaluator | None:
     """The evaluation engine of ``--eval-interval`` / ``--eval-iters`` (None when off)."""
-    if not evaluation_on(run.args):
+    if not evaluation_requested(run.args):
         return None
     engine = config.scheduler_config(run.args, run.ctx.dp_size, run.tokenizer, training=False)
     return Evaluator(
@@ -280,16 +280,17 @@ def rollout_source(run: Run, agent: Agent) -> RolloutSource:
         run.resumed.iteration // run.k, config.inference_server_config(args),
         run.resumed.pipeline, policy_version=run.resumed.iteration,
         failure_budget=config.failure_budget(args), stop_cancels_window=not args.save,
+        resume_kv=run.resumed.inflight_kv,
     )  # fmt: skip
 
 
 def end_of_collection(
     run: Run, iteration: int, rollouts: RolloutSource, stop: int, watchdog: Watchdog
 ) -> bool:
-    """Between collections: checkpoint (after draining the pipeline) when due or when a signal
-    came with ``--save``, then stop for that signal (``SystemExit(128 + signum)``); whether
-    ``--exit-interval`` ends the run here. Mid-collection a signal stops at once without
-    ``--save`` and otherwise waits for the collection's end. The drain and save are a phase of
+    """Between collections: checkpoint (the pipeline as it stands, ``checkpoint_state``) when due
+    or when a signal came with ``--save``, then stop for that signal (``SystemExit(128 +
+    signum)``); whether ``--exit-interval`` ends the run here. Mid-collection a signal stops at
+    once without ``--save`` and otherwise waits for the collection's end. The save is a phase of
     ``watchdog``."""
     args = run.args
     if iteration % run.k:
@@ -298,10 +299,13 @@ def end_of_collection(
         return False
     exiting = args.exit_interval is not None and iteration % args.exit_interval == 0
     if checkpoint_due(args, iteration) or ((exiting or stop) and args.save):
-        watchdog.begin(f"the drain and checkpoint save after step {iteration - 1}")
-        pipeline = rollouts.drain()
+        watchdog.begin(f"the checkpoint save after step {iteration - 1}")
         shards = run.tier.checkpoint_shards()
-        save_checkpoint(args.save, iteration, shards, run.state, pipeline, args, run.ctx)
+        line = save_captured(
+            args.save, iteration, shards, run.state, rollouts.checkpoint_state, args, run.ctx
+        )
+        if run.ctx.is_main:
+            print(line, flush=True)
     if stop:
         raise_stop(run, iteration, stop)
     return exiting
@@ -314,11 +318,6 @@ def raise_stop(run: Run, iteration: int, signum: int) -> None:
         name = signal.Signals(signum).name
         print(f"{name}: stopped after step {iteration - 1}{saved}", flush=True)
     raise SystemExit(128 + signum)
-
-
-def evaluation_on(args: argparse.Namespace) -> bool:
-    """Whether the run evaluates (``eval_flags.evaluation_requested``)."""
-    return evaluation_requested(args)
 
 
 def evaluation_due(args: argparse.Namespace, iteration: int) -> bool:
@@ -360,7 +359,7 @@ def load_agent(args: argparse.Namespace) -> Agent:
     errors = validate_env_config(args, agent)
     if errors:
         raise UsageError("pretrain_grpo.py: error: invalid arguments:\n  " + "\n  ".join(errors))
-    if evaluation_on(args):
+    if evaluation_requested(args):
         eval_agents(agent)  # refuses remote environments on every rank, before any collective
     if args.val_split_fraction > 0:  # the same split on every rank (a pure function of the data)
         hold_out_validation(agent, args.val_split_fraction)
@@ -389,7 +388,7 @@ def stop_on_signals(rollouts: RolloutSource) -> None:
     """SIGTERM/SIGINT end the run at the next safe point with exit status 128 + signum.
 
     Without ``--save`` the generation window in progress is cancelled and the run stops at once;
-    with it the current step finishes, the pipeline is drained and a checkpoint saved first. The
+    with it the current step finishes and a checkpoint is saved first (``end_of_collection``). The
     handler only records the request (an exception raised from a signal handler could land in
     any asyncio task, e.g. an HTTP handler that would swallow it); the loop (or ``RolloutSource``)
     raises ``SystemExit`` and leaving its context shuts the pipeline down.

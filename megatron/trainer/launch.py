@@ -18,7 +18,7 @@ changed from a worker. Here:
   is above it.
 
 Workers get ``--shutdown-timeout`` (default here ``DEFAULT_SHUTDOWN_TIMEOUT_S``, not 30 s) to
-drain, save a checkpoint and exit after a forwarded signal before torchelastic kills them.
+save a checkpoint and exit after a forwarded signal before torchelastic kills them.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import sys
 from megatron.trainer.exits import EXPECTED_MARK
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 300
-"""Seconds a signalled worker has to drain, save and exit (torchrun's own default is 30)."""
+"""Seconds a signalled worker has to save and exit (torchrun's own default is 30)."""
 
 
 def main(argv: list[str] | None = None) -> int:

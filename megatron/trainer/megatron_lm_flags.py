@@ -95,7 +95,7 @@ MEGATRON_LM_RL_FLAGS: tuple[MegatronFlag, ...] = (
     MegatronFlag("--rl-consumption-granularity", "refused", None,
                  "batches are consumed whole, in order"),
     MegatronFlag("--rl-durable-rollout-bank", "refused", "--save",
-                 "checkpoints drain the pipeline and save its unconsumed groups", False),
+                 "checkpoints save the pipeline as it stands (unconsumed groups, generation in flight)", False),
     MegatronFlag("--rl-rollout-bank-dir", "refused", "--save",
                  "checkpoints save the rollout state"),
     MegatronFlag("--rl-rollout-bank-max-bytes", "refused", "--save",

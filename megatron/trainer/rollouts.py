@@ -5,8 +5,9 @@ and the inference engine (plus the inference server when remote environments nee
 event loop. ``next_batch`` opens a generation window until the generator hands over the next
 ordered batch (on rank 0: it goes to the data plane from there, and each rank fetches only its
 shard by key, ``megatron/rl/dataplane``); the other ranks execute the window's engine steps
-meanwhile. ``drain`` is the other window: before a checkpoint it runs the engine until every
-submitted batch is finished and returns the pipeline state to save.
+meanwhile. ``checkpoint_state`` is what a checkpoint saves: the pipeline as it stands, nothing
+generated for it, and each rank's KV cache of the requests in flight; on a tier whose engine
+cannot save its cache it is ``drain``, a window that first finishes every submitted batch.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from megatron.rl.agent.api import Agent
 from megatron.rl.auth import API_KEY_ENV, is_loopback
 from megatron.rl.inference.interface import LocalInferenceInterface
-from megatron.rl.inference.protocol import EngineCounters
+from megatron.rl.inference.protocol import EngineCounters, SlotSnapshotRunner
 from megatron.rl.inference.scheduler import SchedulerConfig
 from megatron.rl.inference.step_group import GenerationAborted
 from megatron.rl.rollout.faults import FailureBudget
@@ -36,9 +37,10 @@ from megatron.rl.rollout.generator import (
 from megatron.rl.server.http import EmbeddedServer
 from megatron.rl.server.inference_server import create_inference_app
 from megatron.rl.tokenizer import Tokenizer
+from megatron.trainer import inflight
 from megatron.trainer.exits import PeerFailed
 from megatron.trainer.generation import GenerationHost
-from megatron.trainer.initialize import ParallelContext, agree_on_error
+from megatron.trainer.initialize import ParallelContext, agree_on_error, main_rank_value
 from megatron.trainer.tiers.base import Tier
 
 logger = logging.getLogger(__name__)
@@ -91,6 +93,7 @@ class RolloutSource:
         policy_version: int = 0,
         failure_budget: FailureBudget | None = None,
         stop_cancels_window: bool = True,
+        resume_kv: dict | None = None,
     ) -> None:
         self.ctx = ctx
         self.stop_cancels_window = stop_cancels_window
@@ -101,6 +104,10 @@ class RolloutSource:
         self.host = GenerationHost(
             ctx, tier, model, engine_config, tokenizer.vocab_size, lambda: self.policy_version
         )
+        self.exact_checkpoints = isinstance(self.host.steps.runner, SlotSnapshotRunner)
+        """Checkpoints save the requests in flight (else they ``drain`` the pipeline first)."""
+        self.layout = inflight.layout(ctx, engine_config.max_requests)
+        resume_from = self._restore_kv(resume_from, resume_kv)
         self._server: EmbeddedServer | None = None
         self._stop_signal: int | None = None
         if ctx.is_main:
@@ -179,6 +186,50 @@ class RolloutSource:
         batch = await self.generator.next_batch()
         self.failure_budget.check(batch.batch_id, batch.groups, self.generator.faults)
         return batch
+
+    def _restore_kv(self, state: PipelineState | None, saved: dict | None) -> PipelineState | None:
+        """Put each rank's saved KV slots back (collective); where the saved layout does not fit,
+        rank 0's pipeline forgets the engine's work and its unfinished groups are generated
+        anew (said on rank 0)."""
+        if not self.exact_checkpoints:
+            return state
+        fits = inflight.restorable(saved, self.layout, self.ctx.device)
+        if fits:
+            self.host.steps.runner.import_slots(saved["slots"])
+            return state
+        if state is not None and state.engine is not None:
+            was = saved["layout"] if saved is not None else "unknown"
+            logger.warning(
+                "resume: the saved generation in flight (%d requests) fits the layout %s, not "
+                "this run's %s: the unfinished groups of batches %d..%d are generated anew at "
+                "this policy version (the run is not the uninterrupted one from here)",
+                len(state.engine.in_flight), was, self.layout, state.next_batch_id,
+                state.submitted - 1,
+            )  # fmt: skip
+            return state.model_copy(update={"engine": None})
+        return state
+
+    def checkpoint_state(self) -> tuple[PipelineState | None, tuple[dict, dict] | None]:
+        """What a checkpoint saves of the pipeline (collective): rank 0's ``PipelineState`` and
+        this rank's KV cache slots of the requests in flight with their layout. Nothing is
+        generated for it where the runners can save their slots; elsewhere ``drain`` (no
+        slots)."""
+        if not self.exact_checkpoints:
+            return self.drain(), None
+        state, failure = None, None
+        if self.ctx.is_main:
+            try:
+                state = self.host.run(self.generator.snapshot)
+            except BaseException as exc:  # every rank stops here instead of waiting below
+                failure = exc
+        agreed = agree_on_error(None if failure is None else f"{type(failure).__name__}: {failure}")
+        if failure is not None:
+            raise failure
+        if agreed is not None:
+            raise PeerFailed(agreed)
+        positions = main_rank_value(state.engine.cached_positions() if state else None)
+        slots = self.host.steps.runner.export_slots(positions[self.host.steps.dp_rank])
+        return state, (slots, self.layout)
 
     def drain(self) -> PipelineState | None:
         """Finish every submitted batch and return the pipeline state (collective).

@@ -4,7 +4,7 @@ itself, saying where every rank waits.
 Every rank runs a ``Watchdog`` thread. The training loop (``grpo.py``) names each phase as it
 begins: start-up (from torch.distributed's start: the model built and loaded, the rollout pipeline
 started, ``--val-at-start``), each training step (collection and update), each evaluation, each
-drain and checkpoint save. The phases begin at the same point of the program on every rank (just
+checkpoint save. The phases begin at the same point of the program on every rank (just
 after a collective), so the ranks' deadlines agree. When a phase has not finished after the
 timeout, the watchdog of every rank, at about the same moment:
 

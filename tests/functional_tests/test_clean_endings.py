@@ -11,23 +11,22 @@ from __future__ import annotations
 import math
 import random
 import shutil
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from golden_values import ROOT, read_metrics, subprocess_env, training_command
+from golden_values import (
+    ROOT,
+    python_command,
+    read_metrics,
+    subprocess_env,
+    training_command,
+)
 
 TINY = {"train-iters": 2, "lr-warmup-iters": 0, "rl-forced-lag": 1, "grpo-prompts-per-step": 4,
         "grpo-group-size": 4, "micro-batch-size": 8}  # fmt: skip
 SHARD = Path("iter_0000002") / "mp_rank_00" / "model_optim_rng.pt"
-
-
-def python_command(args: dict) -> list[str]:
-    argv = [f"--{k}" if v is True else f"--{k}={v}" for k, v in args.items()]
-    return [sys.executable, "pretrain_grpo.py", *argv]
 
 
 def run(cmd: list[str], timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
@@ -211,58 +210,6 @@ def test_plain_torchrun_shows_the_workers_message_as_the_root_cause(tmp_path):
     proc, _ = run(cmd)
     assert proc.returncode == 1
     assert f"traceback : --load {root}: no latest_checkpointed_iteration.txt" in proc.stderr
-
-
-def stop_with_sigterm(cmd: list[str], metrics: Path, after_steps: int) -> tuple[int, float, str]:
-    """Start ``cmd``, send SIGTERM to it after ``after_steps`` steps; (status, seconds to exit
-    after the signal, stdout)."""
-    with (
-        open(metrics.with_suffix(".out"), "w") as out,
-        open(metrics.with_suffix(".err"), "w") as err,
-    ):
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=out, stderr=err)
-        deadline = time.monotonic() + 300
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= after_steps):
-            assert proc.poll() is None, metrics.with_suffix(".err").read_text()[-3000:]
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        signalled = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        status = proc.wait(timeout=120)
-        seconds = time.monotonic() - signalled
-    return status, seconds, metrics.with_suffix(".out").read_text()
-
-
-@pytest.mark.parametrize(
-    "launcher, nproc, status",
-    [
-        pytest.param(None, 1, 143, id="python"),
-        pytest.param("megatron.trainer.launch", 2, 143, id="launcher-dp2"),
-        pytest.param("torch.distributed.run", 1, 1, id="plain-torchrun"),
-    ],
-)
-def test_sigterm_drains_saves_and_exits_143_and_the_run_resumes(tmp_path, launcher, nproc, status):
-    save, metrics = tmp_path / "ck", tmp_path / "metrics.jsonl"
-    args = {**TINY, "train-iters": 100000, "save": save, "save-interval": 100000,
-            "metrics-file": metrics}  # fmt: skip
-    cmd = (
-        python_command(args)
-        if launcher is None
-        else training_command(nproc, args, launcher=launcher)
-    )
-    code, seconds, out = stop_with_sigterm(cmd, metrics, after_steps=3)
-    assert code == status  # plain torchrun: its SignalException (the workers exited 143)
-    iteration = int((save / "latest_checkpointed_iteration.txt").read_text())
-    assert f"SIGTERM: stopped after step {iteration - 1}, saved iteration {iteration}" in out
-    assert [m["step"] for m in read_metrics(metrics)] == list(range(iteration))
-    assert not list(save.glob("*.partial"))
-    if launcher != "torch.distributed.run":
-        assert "Traceback" not in metrics.with_suffix(".err").read_text()
-    resumed = {**args, "train-iters": iteration + 1, "load": save}
-    proc, _ = run(python_command(resumed) if nproc == 1 else training_command(nproc, resumed), 300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert read_metrics(metrics)[-1]["step"] == iteration
-    print(f"SIGTERM ({launcher or 'python'}): exit {code} {seconds:.1f} s after the signal")
 
 
 # --------------------------------------------------------------------------- hangs and NaNs

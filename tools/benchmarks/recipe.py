@@ -270,10 +270,12 @@ def main() -> None:
             print(f"recipe: {name}", flush=True)
             out = work / name.replace(" ", "_").replace("=", "")
             run = run_trl(opts, ckpt, out) if lag is None else run_ours(lag, opts, ckpt, out)
-            res["runs"][name] = {**run, "significant": significant(run["evals"])}
+            res["runs"][name] = {
+                **run, "significant": significant(run["evals"]), "started": started,
+                "settings": {k: v for k, v in vars(opts).items() if k not in ("out", "work", "only")},
+            }  # fmt: skip
     res.update(
         started=started, machine=machine(), checkpoint=SMOLLM2.filename,
-        settings={k: v for k, v in vars(opts).items() if k not in ("out", "work", "only")},
         eval_prompts=opts.eval_prompts, eval_samples=opts.eval_samples,
     )  # fmt: skip
     opts.out.mkdir(parents=True, exist_ok=True)

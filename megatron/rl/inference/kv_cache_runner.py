@@ -120,6 +120,41 @@ class KVCacheRowRunner:
         if idle:
             self.cache.release()
 
+    def export_slots(
+        self, positions: dict[int, int]
+    ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """The keys and values of each slot's first ``positions[slot]`` positions, every layer:
+        slot -> (keys, values), each (layers, kv_heads, n, head_dim) on the CPU (a checkpoint of
+        the requests in flight; ``import_slots`` puts them back)."""
+        cache = self.cache
+        return {
+            slot: (
+                cache.keys[:, slot, :, :n].to("cpu", copy=True),
+                cache.values[:, slot, :, :n].to("cpu", copy=True),
+            )
+            for slot, n in positions.items()
+        }
+
+    def import_slots(self, saved: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write ``export_slots``'s tensors back; the rest of those slots reads as zeros, as in a
+        fresh cache (positions past a request's length are masked: their contents never count)."""
+        if not saved:
+            return
+        cache = self.cache
+        expected = (cache.keys.shape[0], cache.keys.shape[2], cache.keys.shape[4])
+        cache.zero_slots_below(max(saved) + 1)
+        for slot, (keys, values) in saved.items():
+            shape = (keys.shape[0], keys.shape[1], keys.shape[3])
+            if shape != expected or keys.shape != values.shape or keys.shape[2] > cache.max_seq_len:
+                raise ValueError(
+                    f"saved KV cache of slot {slot} has shape {tuple(keys.shape)}; this engine's "
+                    f"cache holds (layers, kv_heads, head_dim) = {expected} up to "
+                    f"{cache.max_seq_len} positions"
+                )
+            n = keys.shape[2]
+            cache.keys[:, slot, :, :n] = keys.to(cache.keys.device, cache.keys.dtype)
+            cache.values[:, slot, :, :n] = values.to(cache.values.device, cache.values.dtype)
+
     def _forward_last_logits(self, rows: list[RowWork]) -> torch.Tensor:
         """Full-vocabulary logits at each row's last new token: (B, V_padded) float32."""
         width = max(len(r.tokens) for r in rows)

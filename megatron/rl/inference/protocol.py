@@ -19,9 +19,12 @@ member names, the conformance tests exercise the behaviour.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 from megatron.rl.wire import SamplingParams
+
+if TYPE_CHECKING:
+    from megatron.rl.inference.engine_snapshot import EngineSnapshot
 
 Key = tuple[int, int, int]
 """A rollout key: (batch_id, index_in_batch, sample_index)."""
@@ -104,6 +107,12 @@ class BatchScheduler(Protocol):
     async def window_spent(self, batch_id: int) -> None:
         """Wait until the window of ``batch_id`` has taken every engine step the schedule gives
         it (the reward-wait budget of later batches' steps, if any)."""
+
+    def snapshot(self) -> EngineSnapshot:
+        """The keyed work in flight between windows (a checkpoint; ``engine_snapshot.py``)."""
+
+    def restore(self, snapshot: EngineSnapshot) -> None:
+        """Continue a ``snapshot`` before any request arrives (a resumed run)."""
 
 
 @dataclass
@@ -197,4 +206,18 @@ class RowRunner(Protocol):
     def end_window(self, idle: bool = False) -> None:
         """The generation window closed on this rank (the weights are about to change);
         ``idle``: no request holds a slot, so the runner may release its KV memory."""
+        ...
+
+
+@runtime_checkable
+class SlotSnapshotRunner(Protocol):
+    """A ``RowRunner`` whose KV cache slots can be saved and restored bitwise (the CPU tier's), so
+    that a checkpoint keeps the requests in flight instead of finishing them first."""
+
+    def export_slots(self, positions: dict[int, int]) -> dict:
+        """slot -> its cache contents at positions ``0 .. positions[slot] - 1``."""
+        ...
+
+    def import_slots(self, saved: dict) -> None:
+        """Write ``export_slots``'s result back into this runner's cache."""
         ...

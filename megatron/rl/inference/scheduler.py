@@ -29,6 +29,9 @@ independent of network or task timing:
 
 A barrier that waits longer than ``barrier_timeout_s`` is lifted with a warning (an agent that
 announced requests it never sent): the run goes on, without the determinism guarantee.
+
+Checkpoints: ``snapshot`` returns the keyed work in flight between two windows and ``restore``
+continues it in a new process, whose re-run agents are answered by key (``engine_snapshot.py``).
 """
 
 from __future__ import annotations
@@ -39,8 +42,8 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
+from megatron.rl.inference.engine_snapshot import Replay, SavedTurn
 from megatron.rl.inference.protocol import (
     EngineCounters,
     EngineError,
@@ -50,6 +53,8 @@ from megatron.rl.inference.protocol import (
     RowResult,
     RowWork,
 )
+from megatron.rl.inference.requests import Request, SchedulerConfig
+from megatron.rl.inference.scheduler_checkpoint import CheckpointedScheduling
 from megatron.rl.inference.step_group import StepGroup, StepPlan
 from megatron.rl.inference.window_budget import WindowBudget
 from megatron.rl.wire import SamplingParams
@@ -57,65 +62,7 @@ from megatron.rl.wire import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Capacity and scheduling limits of the scheduler (per data-parallel replica)."""
-
-    max_requests: int = 64
-    """Slots per data-parallel replica: the most requests decoded at once on each."""
-    max_seq_len: int = 128
-    """Longest prompt + generation a request may reach (the KV cache length)."""
-    eos_id: int = 1
-    """Token that ends a generation."""
-    extra_stop_ids: tuple[int, ...] = ()
-    """Other tokens that end a generation (e.g. Llama 3's ``<|eot_id|>``)."""
-    barrier_timeout_s: float = 60.0
-    """Longest wait for announced requests before stepping without them."""
-    window_target: bool = True
-    """The deterministic schedule: step keyed requests only while the awaited batch is unfinished
-    (``await_batch``), and only past the barrier. False: keyed requests step whenever the engine
-    is resumed, like unkeyed ones, without waiting for announced requests (faster, but which
-    window generates a token then depends on timing)."""
-    reward_wait_steps: int = 0
-    """With ``window_target``: engine steps of later batches' keyed work after the awaited batch
-    has finished generating, which ``window_spent`` waits for (the reward-wait budget)."""
-
-    def __post_init__(self) -> None:
-        if self.reward_wait_steps < 0:
-            raise ValueError(f"reward_wait_steps must be >= 0, got {self.reward_wait_steps}")
-
-
-@dataclass
-class _Request:
-    order: tuple
-    prompt: list[int]
-    sampling: SamplingParams
-    seed: int
-    key: Key | None
-    future: asyncio.Future
-    continued: bool = False
-    replica: int = -1
-    slot: int = -1
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-
-    def __lt__(self, other: "_Request") -> bool:
-        return self.order < other.order
-
-    def next_row(self) -> RowWork:
-        """The tokens this request feeds in the coming step."""
-        first = not self.tokens
-        s = self.sampling
-        return RowWork(
-            slot=self.slot, tokens=tuple(self.prompt if first else self.tokens[-1:]),
-            start=0 if first else len(self.prompt) + len(self.tokens) - 1,
-            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=self.seed,
-            max_tokens=s.max_tokens, ignore_eos=s.ignore_eos,
-        )  # fmt: skip
-
-
-class ContinuousBatchingScheduler:
+class ContinuousBatchingScheduler(CheckpointedScheduling):
     """Continuous batching over a ``StepGroup`` (``protocol.InferenceEngine``); suspended outside
     generation windows.
 
@@ -132,10 +79,14 @@ class ContinuousBatchingScheduler:
         self.steps = steps
         self.config = config
         self.policy_version = policy_version
-        self._waiting: list[_Request] = []  # heap by order
-        self._active: dict[tuple[int, int], _Request] = {}
+        self._waiting: list[Request] = []  # heap by order
+        self._active: dict[tuple[int, int], Request] = {}
         self._free = [list(range(config.max_requests)) for _ in range(steps.num_replicas)]
-        self._arrivals = itertools.count()
+        self._arrivals = 0  # the tie-break of the admission order
+        self._turns: dict[Key, int] = {}  # keyed requests per key so far, while its group runs
+        self._done_turns: dict[tuple[int, int], list[Request | SavedTurn]] = {}  # for snapshots
+        self._replay: Replay | None = None  # after ``restore``: the saved turns not yet claimed
+        self._adopted: dict[tuple[Key, int], Request] = {}  # restored requests by (key, turn)
         self._expected: dict[tuple[int, int], int] = {}
         self._continuations: set[Key] = set()  # finished turns whose next turn is awaited
         self._window = WindowBudget(config.reward_wait_steps, config.window_target)
@@ -167,16 +118,25 @@ class ContinuousBatchingScheduler:
         self._raise_if_failed()
         if self._task is None:
             raise RuntimeError("the inference engine is not running: call start() first")
+        turn = 0
+        if key is not None:
+            turn = self._turns.get(key, 0)
+            self._turns[key] = turn + 1
+            if self._replay is not None:
+                saved = self._replay.claim(key, turn, list(prompt_tokens), sampling, seed)
+                self._drop_mismatched()
+                if saved is not None:
+                    return await self._replayed(saved)
         total = len(prompt_tokens) + sampling.max_tokens
         if not prompt_tokens or total > self.config.max_seq_len:
             raise InvalidInferenceRequest(
                 f"prompt of {len(prompt_tokens)} tokens plus max_tokens={sampling.max_tokens} "
                 f"does not fit the engine's max_seq_len={self.config.max_seq_len}"
             )
-        arrival = next(self._arrivals)
+        arrival, self._arrivals = self._arrivals, self._arrivals + 1
         order = (0, *key, arrival) if key is not None else (1, arrival)
         future = asyncio.get_running_loop().create_future()
-        request = _Request(order, list(prompt_tokens), sampling, seed, key, future)
+        request = Request(order, list(prompt_tokens), sampling, seed, key, future, turn=turn)
         request.continued = continued and key is not None
         heapq.heappush(self._waiting, request)
         if key is not None:
@@ -195,6 +155,11 @@ class ContinuousBatchingScheduler:
         """Group (batch, index) will send nothing more that it announced (later turns included)."""
         owed = {k for k in self._continuations if k[:2] == (batch_id, index_in_batch)}
         self._continuations -= owed
+        self._done_turns.pop((batch_id, index_in_batch), None)
+        for key in [k for k in self._turns if k[:2] == (batch_id, index_in_batch)]:
+            del self._turns[key]
+        if self._replay is not None:
+            self._drop_restored(self._replay.abandon(batch_id, index_in_batch))
         if self._expected.pop((batch_id, index_in_batch), None) is not None or owed:
             self._wakeup.set()
 
@@ -265,7 +230,10 @@ class ContinuousBatchingScheduler:
             while True:
                 await self._resumed.wait()
                 self._release_cancelled()
-                if self.config.window_target and (self._expected or self._continuations):
+                replaying = self._replay is not None and bool(self._replay.unclaimed)
+                if self.config.window_target and (
+                    self._expected or self._continuations or replaying
+                ):
                     barrier_since = barrier_since or time.monotonic()
                     waited = time.monotonic() - barrier_since
                     if waited < self.config.barrier_timeout_s:
@@ -281,6 +249,8 @@ class ContinuousBatchingScheduler:
                     )
                     self._expected.clear()
                     self._continuations.clear()
+                    if self._replay is not None:
+                        self._drop_restored(self._replay.abandon_all())
                 barrier_since = None
                 self._admit()
                 budget = self._window.counts_next_step(
@@ -311,7 +281,7 @@ class ContinuousBatchingScheduler:
         except TimeoutError:
             pass
 
-    def _queued(self) -> itertools.chain[_Request]:
+    def _queued(self) -> itertools.chain[Request]:
         return itertools.chain(self._waiting, self._active.values())
 
     def _awaited_unfinished(self, b: int) -> bool:
@@ -341,7 +311,7 @@ class ContinuousBatchingScheduler:
                 self._record(self._active[(replica, res.slot)], res, version)
         return keyed
 
-    def _record(self, req: _Request, res: RowResult, version: int) -> None:
+    def _record(self, req: Request, res: RowResult, version: int) -> None:
         req.tokens.append(res.token)
         req.logprobs.append(res.logprob)
         req.versions.append(version)
@@ -352,9 +322,11 @@ class ContinuousBatchingScheduler:
         elif len(req.tokens) >= req.sampling.max_tokens:
             self._finish(req, "length")
 
-    def _finish(self, req: _Request, reason: str) -> None:
+    def _finish(self, req: Request, reason: str) -> None:
         self._release(req)
         if not req.future.done():
+            if req.key is not None and req.key in self._turns:  # its group runs: a snapshot
+                self._done_turns.setdefault(req.key[:2], []).append(req)  # replays this turn
             if req.continued:  # before any further step: the barrier now awaits the next turn
                 self._continuations.add(req.key)
             req.future.set_result(GenerationOutput(req.tokens, req.logprobs, req.versions, reason))
@@ -378,7 +350,7 @@ class ContinuousBatchingScheduler:
             req.replica, req.slot = replica, self._free[replica].pop(0)
             self._active[(replica, req.slot)] = req
 
-    def _release(self, req: _Request) -> None:
+    def _release(self, req: Request) -> None:
         del self._active[(req.replica, req.slot)]
         self._free[req.replica].append(req.slot)
         self._free[req.replica].sort()

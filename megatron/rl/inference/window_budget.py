@@ -71,6 +71,17 @@ class WindowBudget:
             self._left = self.reward_wait_steps
         self.awaited_batch = batch_id
 
+    def state(self) -> tuple[int | None, int, bool]:
+        """(awaited batch, budget steps left, spent): what a checkpoint saves."""
+        return self.awaited_batch, self._left, self._spent.is_set()
+
+    def restore(self, awaited_batch: int | None, left: int, spent: bool) -> None:
+        """Continue a saved ``state``."""
+        self.awaited_batch, self._left = awaited_batch, left
+        self._spent = asyncio.Event()
+        if spent:
+            self._spent.set()
+
     def keyed_work_allowed(self, unfinished: Callable[[int], bool]) -> bool:
         """Whether keyed requests may take the coming step: no window target, the awaited batch
         still generates, or its budget has steps left."""

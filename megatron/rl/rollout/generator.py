@@ -15,12 +15,16 @@ optimizer updates applied so far):
    policy the env server applies too); any other failure in a worker (the engine, an unreachable
    server, a malformed group) fails the pending ``next_batch`` with the original exception;
    nothing waits forever.
-4. Checkpoints keep the contract exact. ``drain`` completes every submitted batch (no generation
-   is left half done) and ``state`` then captures the pipeline: the next batch id (the prompt
-   cursor), how many batches were submitted, and the finished groups not yet consumed, each
-   rollout carrying the policy version it was submitted at. A generator built with
-   ``resume_from=state`` holds the same permits and buffer, so the resumed run submits and hands
-   out exactly what the uninterrupted run would have after the same drain.
+4. Checkpoints keep the contract exact. ``snapshot`` captures the pipeline between two steps
+   without generating anything: the next batch id (the prompt cursor), how many batches were
+   submitted and at which policy versions, the finished groups not yet consumed, and the
+   engine's keyed work in flight (``engine_snapshot.py``: partial generations, their KV cache
+   slots, finished turns of groups still running). A generator built with ``resume_from=state``
+   holds the same permits and buffer and re-runs the agents of the unfinished groups, whose
+   requests the restored engine answers by key, so the resumed run generates exactly what the
+   run that was never saved generates. Engines that cannot save their cache (the CUDA tier's)
+   ``drain`` instead: every submitted batch is completed first, and the state then holds whole
+   batches (a resume equals the run that drained at the same step).
 5. Generation rounds (dynamic sampling, ``megatron/rl/grpo/filtering.py``): a batch's groups may
    come in R rounds. By default every round is submitted with the batch (exact lag for any L).
    With ``lazy_rounds`` (L = 0 only, NeMo-RL's dynamic sampling) round r + 1 is submitted only
@@ -46,6 +50,7 @@ from pydantic import BaseModel, ConfigDict
 
 from megatron.rl.agent.api import Agent
 from megatron.rl.grpo.filtering import has_reward_variance
+from megatron.rl.inference.engine_snapshot import EngineSnapshot
 from megatron.rl.inference.interface import InferenceInterface
 from megatron.rl.inference.protocol import BatchScheduler
 from megatron.rl.rollout.faults import FaultLog, run_group
@@ -98,6 +103,11 @@ class PipelineState(BaseModel):
     group_size: int
     groups: list[RolloutGroup]
     """Every finished, unconsumed group, ordered by (batch_id, index_in_batch)."""
+    batch_versions: dict[int, int] = {}
+    """Policy version each unconsumed batch was submitted at."""
+    engine: EngineSnapshot | None = None
+    """The engine's keyed work in flight (``snapshot``); None after ``drain`` (every batch of
+    ``next_batch_id .. submitted - 1`` is then complete in ``groups``)."""
 
 
 @dataclass(frozen=True)
@@ -148,6 +158,9 @@ class GroupedRolloutGenerator:
         self._next_batch_id = first_batch_id
         self._submitted = first_batch_id  # batches submitted so far (next id to submit)
         self._release_on_next = False  # the batch consumed last still holds its permit
+        self._versions: dict[int, int] = {}  # submission version of each unconsumed batch
+        self._resumed_groups: list[tuple[int, int]] = []  # unfinished at the save: re-run
+        self._resumed_engine: EngineSnapshot | None = None
         permits = config.forced_lag + 1
         if resume_from is not None:
             self._restore(resume_from)
@@ -155,7 +168,6 @@ class GroupedRolloutGenerator:
         self._gate = asyncio.Semaphore(permits)
         self._permitted = self._submitted + permits  # batches the gate has let through so far
         self._progress = asyncio.Event()  # set by the submitter after each batch
-        self._versions: dict[int, int] = {}  # lazy rounds: submission version of each batch
         self._tasks: set[asyncio.Task] = set()
         self._submitter: asyncio.Task | None = None
 
@@ -172,10 +184,13 @@ class GroupedRolloutGenerator:
             (b, i) for b in range(state.next_batch_id, state.submitted)
             for i in range(cfg.groups_per_batch)
         ]  # fmt: skip
-        if (
-            not 0 <= in_flight <= cfg.forced_lag
-            or [(g.batch_id, g.index_in_batch) for g in state.groups] != expected
-        ):
+        saved = [(g.batch_id, g.index_in_batch) for g in state.groups]
+        if not 0 <= in_flight <= cfg.forced_lag or saved != [e for e in expected if e in saved]:
+            raise ValueError(
+                f"the saved rollout pipeline does not fit its own cursor: its groups must be "
+                f"groups of batches {state.next_batch_id}..{state.submitted - 1}, in order"
+            )
+        if state.engine is None and saved != expected:
             raise ValueError(
                 f"the saved rollout pipeline is not a drained one: batches "
                 f"{state.next_batch_id}..{state.submitted - 1} must be complete"
@@ -185,6 +200,10 @@ class GroupedRolloutGenerator:
         self._next_batch_id = state.next_batch_id
         self._submitted = state.submitted
         self._release_on_next = True
+        self._resumed_groups = [e for e in expected if e not in set(saved)]
+        self._resumed_engine = state.engine
+        for b in range(state.next_batch_id, state.submitted):
+            self._versions[b] = state.batch_versions.get(b, max(0, b - cfg.forced_lag))
 
     @property
     def in_flight(self) -> int:
@@ -192,8 +211,14 @@ class GroupedRolloutGenerator:
         return self._submitted - self._next_batch_id
 
     def start(self) -> None:
-        """Start the submitter: batches first..first+L go out at once."""
+        """Start the submitter: batches first..first+L go out at once. A resumed generator first
+        restores the engine's saved work and re-runs the groups that were unfinished."""
         if self._submitter is None:
+            if self._resumed_engine is not None and self.scheduler is not None:
+                self.scheduler.restore(self._resumed_engine)
+            for batch_id, index in self._resumed_groups:
+                self._submit_groups(batch_id, range(index, index + 1), self._versions[batch_id])
+            self._resumed_engine, self._resumed_groups = None, []
             self._submitter = self._spawn(self._submit_loop(), "rollout-submitter")
 
     async def next_batch(self) -> RolloutBatch:
@@ -211,6 +236,7 @@ class GroupedRolloutGenerator:
             groups = await self._lazy_rounds(self._next_batch_id)
         else:
             groups = await self._reassembly.pop(self._next_batch_id)
+            self._versions.pop(self._next_batch_id, None)
         if self.scheduler is not None:  # the window's reward-wait budget, if any (point 6)
             await self.scheduler.window_spent(self._next_batch_id)
         batch = RolloutBatch(self._next_batch_id, groups, self.in_flight, self._reassembly.depth)
@@ -254,6 +280,29 @@ class GroupedRolloutGenerator:
             groups_per_batch=self.config.groups_per_batch,
             group_size=self.config.group_size,
             groups=self._reassembly.buffered(),
+            batch_versions={b: v for b, v in self._versions.items() if b >= self._next_batch_id},
+        )
+
+    async def snapshot(self) -> PipelineState:
+        """The pipeline as it stands between two steps, nothing generated for it (contract point
+        4): the groups finished so far and the engine's keyed work in flight. The engine must be
+        suspended (outside a generation window); a worker's failure is raised here."""
+        if self._submitter is None:
+            raise RuntimeError("call start() before snapshot()")
+        if self.scheduler is None:
+            raise RuntimeError("snapshot needs the engine (the scheduler) to save its work")
+        await self._submission_caught_up()
+        await asyncio.sleep(0)  # let workers that just finished deliver their groups
+        self._reassembly.raise_if_failed()
+        return PipelineState(
+            next_batch_id=self._next_batch_id,
+            submitted=self._submitted,
+            forced_lag=self.config.forced_lag,
+            groups_per_batch=self.config.groups_per_batch,
+            group_size=self.config.group_size,
+            groups=self._reassembly.buffered(),
+            batch_versions={b: v for b, v in self._versions.items() if b >= self._next_batch_id},
+            engine=self.scheduler.snapshot(),
         )
 
     async def aclose(self) -> None:
@@ -283,8 +332,7 @@ class GroupedRolloutGenerator:
         for batch_id in itertools.count(self._submitted):
             await self._gate.acquire()
             version = self.policy_version()
-            if cfg.lazy_rounds:
-                self._versions[batch_id] = version
+            self._versions[batch_id] = version
             first = cfg.groups_per_batch // cfg.rounds if cfg.lazy_rounds else cfg.groups_per_batch
             self._submit_groups(batch_id, range(first), version)
             self._submitted = batch_id + 1
