@@ -4,8 +4,10 @@ Each flag is declared once, with its help text, in the module of its group: ``mo
 ``training_flags`` (parallelism, training), ``grpo_flags``, ``rl_flags``, ``eval_flags``,
 ``output_flags`` and ``megatron_lm_flags`` (Megatron-LM flags refused by name); ``build_parser``
 adds them in that order. ``flag_validation.validate_args`` holds every cross-field check; each
-message names the flag(s) at fault. ``parse_args`` exits with status 2 and all the messages when
-validation fails.
+message names the flag(s) at fault. ``parse_args`` reads the command line in one pass first
+(``command_line.py``: Megatron-LM's flags accepted, respelled or refused, unknown flags with the
+closest of ours, argparse's own errors) and exits with status 2 and every problem in one message,
+never the usage block; then the same for validation.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import argparse
 import contextlib
 import io
 import os
+import sys
 
+from megatron.trainer.command_line import CommandLineError, OneLineParser, prepare, report
 from megatron.trainer.eval_flags import add_evaluation_arguments
 from megatron.trainer.exits import UsageError
 from megatron.trainer.flag_validation import validate_args
@@ -40,7 +44,7 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every flag, grouped as in Megatron-LM."""
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="pretrain_grpo.py",
         description="GRPO post-training of a Megatron-Core GPT with forced-lag streaming rollouts.",
         allow_abbrev=False,
@@ -80,14 +84,22 @@ def parse_args(
     import torch
 
     parser = parser or build_parser()
+    argv, problems = prepare(list(sys.argv[1:] if argv is None else argv), parser)
+    parser.one_line_errors = True  # argparse's errors join the problems (no usage block)
     captured = io.StringIO()  # every rank parses; exits.run_main prints on global rank 0
     try:
         with contextlib.redirect_stderr(captured):
             args, explicit = parse_explicit(parser, argv)
+    except CommandLineError as exc:
+        problems.append(str(exc))
     except SystemExit as exc:
         if exc.code in (None, 0):  # --help
             raise
-        raise UsageError(captured.getvalue().rstrip()) from None
+        problems.append(captured.getvalue().rstrip().splitlines()[-1])
+    finally:
+        parser.one_line_errors = False
+    if problems:
+        raise UsageError(report(parser.prog, problems))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     errors = validate_args(args, world_size, torch.cuda.is_available(), explicit)
     if errors:

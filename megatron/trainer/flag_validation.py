@@ -24,7 +24,7 @@ from megatron.rl.models.gpt_spec import transformer_engine_importable
 from megatron.trainer.allocator import MAX_MMAP_THRESHOLD_KIB
 from megatron.trainer.eval_flags import evaluation_requested
 from megatron.trainer.model_flags import validate_model_args
-from megatron.trainer.output_flags import OUTPUT_PATHS, output_path_problem
+from megatron.trainer.output_flags import OUTPUT_PATHS, ckpt_format_problem, output_path_problem
 from megatron.trainer.training_flags import DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES
 
 if TYPE_CHECKING:
@@ -253,6 +253,7 @@ def validate_args(
         f"{args.rl_max_failed_rollout_fraction}",
     )
     errors += validate_algorithm_args(args, cuda)
+    errors += [problem] if (problem := ckpt_format_problem(args, cuda)) else []
     if not errors:  # probe the file system only for an otherwise valid command
         errors += [
             problem

@@ -71,7 +71,9 @@ def saved_line(
     else:
         requests = len(pipeline.engine.in_flight) if pipeline and pipeline.engine else 0
         size = sum(t.numel() * t.element_size() for pair in kv[0].values() for t in pair)
-        kept = f"{requests} requests in flight kept, their KV cache {size / 2**20:.1f} MiB on rank 0"
+        kept = (
+            f"{requests} requests in flight kept, their KV cache {size / 2**20:.1f} MiB on rank 0"
+        )
     return (
         f"checkpoint: saved iteration {iteration} to {root} in {seconds[1]:.2f} s ({kept}; "
         f"capturing the pipeline took {seconds[0]:.2f} s)"

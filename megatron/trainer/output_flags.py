@@ -72,6 +72,14 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
         "older complete checkpoint an unreadable one's error names).",
     )
     g.add_argument(
+        "--ckpt-format",
+        choices=["torch", "torch_dist"],
+        default=None,
+        help="Megatron-LM's checkpoint format; given, it must be the tier's: torch (one file per "
+        "TP rank) on the CPU tier, torch_dist (megatron-core dist_checkpointing) on CUDA "
+        "(default: the tier's).",
+    )
+    g.add_argument(
         "--debug-tracebacks",
         action="store_true",
         help="Print the traceback of expected errors too (bad input, unreadable checkpoint, "
@@ -115,4 +123,12 @@ def output_path_problem(flag: str, path: str, kind: str) -> str | None:
         os.unlink(probe)
     except OSError as exc:
         return f"{flag} {path}: cannot write there: {exc.strerror or exc}"
+    return None
+
+
+def ckpt_format_problem(args: argparse.Namespace, cuda: bool) -> str | None:
+    """Why ``--ckpt-format`` does not fit the tier the run will use, or None."""
+    tier, ckpt_format = ("torch_dist", "CUDA") if cuda else ("torch", "CPU")
+    if args.ckpt_format not in (None, tier):
+        return f"--ckpt-format {args.ckpt_format}: the {ckpt_format} tier writes {tier} checkpoints"
     return None
