@@ -27,6 +27,7 @@ from megatron.trainer.megatron_lm_flags import add_refused_flags
 from megatron.trainer.model_flags import add_model_arguments
 from megatron.trainer.output_flags import add_output_arguments
 from megatron.trainer.rl_flags import add_rl_arguments
+from megatron.trainer.run_config import CONFIG_FLAG, RUN_CONFIG_FILE, file_tokens, resolved
 from megatron.trainer.training_flags import add_parallelism_arguments, add_training_arguments
 
 
@@ -49,6 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="GRPO post-training of a Megatron-Core GPT with forced-lag streaming rollouts.",
         allow_abbrev=False,
         formatter_class=DefaultsHelpFormatter,
+    )
+    p.add_argument(
+        CONFIG_FLAG,
+        default=None,
+        help="YAML run file of flag: value lines (names as on the command line, without --); "
+        "flags given on the command line override it. Every run writes its resolved flags as "
+        "such a file next to --metrics-file (<name>.config.yaml) and into each checkpoint "
+        f"({RUN_CONFIG_FILE}).",
     )
     add_model_arguments(p)
     add_parallelism_arguments(p)
@@ -84,7 +93,10 @@ def parse_args(
     import torch
 
     parser = parser or build_parser()
-    argv, problems = prepare(list(sys.argv[1:] if argv is None else argv), parser)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    from_file, problems = run_file_tokens(argv, parser)
+    argv, more = prepare(from_file + argv, parser)
+    problems += more
     parser.one_line_errors = True  # argparse's errors join the problems (no usage block)
     captured = io.StringIO()  # every rank parses; exits.run_main prints on global rank 0
     try:
@@ -104,4 +116,19 @@ def parse_args(
     errors = validate_args(args, world_size, torch.cuda.is_available(), explicit)
     if errors:
         raise UsageError(f"{parser.prog}: error: invalid arguments:\n  " + "\n  ".join(errors))
+    args.run_config = resolved(args, parser)  # what the run writes to be reproduced
     return args
+
+
+def run_file_tokens(
+    argv: list[str], parser: argparse.ArgumentParser
+) -> tuple[list[str], list[str]]:
+    """The tokens of the last ``--config FILE`` of ``argv`` (read before the command line's own,
+    which override them), and the file's problems."""
+    path = None
+    for i, token in enumerate(argv):
+        if token == CONFIG_FLAG and i + 1 < len(argv):
+            path = argv[i + 1]
+        elif token.startswith(CONFIG_FLAG + "="):
+            path = token.split("=", 1)[1]
+    return file_tokens(path, parser) if path is not None else ([], [])

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from pydantic import ValidationError
 
 from megatron.rl.rollout.generator import PipelineState
-from megatron.trainer import inflight
+from megatron.trainer import inflight, run_config
 from megatron.trainer.initialize import ParallelContext, agree_on_error
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -277,6 +277,8 @@ def save_checkpoint(
     if ctx.is_main:
         text = pipeline.model_dump_json()
         write_atomic(staging / ROLLOUT_STATE, lambda tmp: tmp.write_text(text))
+        if getattr(args, "run_config", None):  # the resolved flags, as a run file
+            run_config.write(args.run_config, staging / run_config.RUN_CONFIG_FILE)
     _barrier()
     if ctx.is_main:
         if final.exists():

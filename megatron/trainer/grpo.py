@@ -31,7 +31,7 @@ from megatron.rl.dataplane.batches import publish_groups
 from megatron.rl.grpo.filtering import select_groups
 from megatron.rl.tokenizer import Tokenizer
 from megatron.rl.wire import RolloutGroup
-from megatron.trainer import config, report
+from megatron.trainer import config, report, run_config
 from megatron.trainer.checkpointing import (
     Checkpoint,
     LoadOptions,
@@ -377,7 +377,9 @@ def checkpoint_due(args: argparse.Namespace, iteration: int) -> bool:
 
 def metrics_writer(args: argparse.Namespace, first_step: int) -> MetricsWriter:
     """Log line, JSONL, TensorBoard and wandb outputs of the flags (a resumed run starts at
-    first_step)."""
+    first_step); the run's resolved flags go next to the JSONL (``run_config.py``)."""
+    if args.metrics_file is not None and getattr(args, "run_config", None):
+        run_config.write(args.run_config, run_config.next_to_metrics(args.metrics_file))
     return MetricsWriter(
         args.train_iters, args.log_interval, args.metrics_file, args.tensorboard_dir, first_step,
         config.wandb_config(args),

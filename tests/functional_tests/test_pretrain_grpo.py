@@ -27,6 +27,7 @@ from golden_values import (
     remote_env_config,
     run_case,
     run_training,
+    subprocess_env,
 )
 
 DETERMINISTIC = list(TOLERANCES)  # every guarded metric; timings are not
@@ -175,6 +176,33 @@ def test_transferqueue_data_plane_run_equals_the_in_process_run_bitwise(runs):
     remote, local = runs("lag2_dp2_transferqueue"), runs("lag2_dp2")
     for metric in DETERMINISTIC:
         assert [m[metric] for m in remote] == [m[metric] for m in local], metric
+
+
+def test_a_yaml_run_file_with_overrides_reproduces_the_cli_run_bitwise(runs, tmp_path):
+    """lag2 from a run file (``--config``) whose seed the command line overrides: the golden run,
+    bitwise; and the resolved run file it writes next to its metrics reruns it again."""
+    case = load_case("lag2")
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text(
+        "".join(f"{k.replace('-', '_')}: {v}\n" for k, v in case["args"].items() if k != "seed")
+        + "seed: 7\n"
+    )
+    from_file = run_training(case["nproc_per_node"], {"config": run_file, "seed": 1234})
+    reference = runs("lag2")
+    for metric in DETERMINISTIC:
+        assert [m[metric] for m in from_file] == [m[metric] for m in reference], metric
+    metrics = tmp_path / "written.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "pretrain_grpo.py", "--config", str(run_file), "--seed", "1234",
+         "--metrics-file", str(metrics)], cwd=ROOT, env=subprocess_env(), capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resolved = metrics.with_suffix(".config.yaml")
+    assert "rl-forced-lag: 2" in resolved.read_text() and "seed: 1234" in resolved.read_text()
+    again = run_training(1, {"config": resolved})
+    for metric in DETERMINISTIC:
+        assert [m[metric] for m in again] == [m[metric] for m in reference], metric
 
 
 def test_resume_after_kill_9_continues_the_uninterrupted_run_exactly(runs, tmp_path):
