@@ -30,6 +30,9 @@ from test_pretrain_grpo import DETERMINISTIC
 LAG2 = {"rl-forced-lag": 2, "train-iters": 10, "lr-warmup-iters": 2, "seed": 1234,
         "grpo-prompts-per-step": 4, "grpo-group-size": 4, "micro-batch-size": 8}  # fmt: skip
 """Small (16 rollouts a step), with two batches in flight at every save."""
+UNTIL_SIGNAL = {**LAG2, "train-iters": 1000, "exit-interval": 20}
+"""A run that a signal stops: too long to end before it (a signal is seen at the end of a step,
+a few tiny steps after it is sent), cut at step 20 by ``--exit-interval`` all the same."""
 COMPARED = [*DETERMINISTIC, "lr", "ratio_mean", "zero_variance_group_fraction", "complete_groups",
             "placeholder_rollouts", "in_flight_batches", "generated_tokens", "engine_steps",
             "engine_rows_per_step"]  # fmt: skip
@@ -76,7 +79,7 @@ def test_sigterm_at_a_random_step_then_resume_equals_the_uninterrupted_run(
     pipeline is saved as it stands (iteration off the save grid), exit 128 + 15; the resume
     continues the run that was never stopped, bitwise, token staleness included."""
     save, metrics = tmp_path / "ck", tmp_path / "metrics.jsonl"
-    args = {**LAG2, "save": save, "save-interval": 1000, "metrics-file": metrics}
+    args = {**UNTIL_SIGNAL, "save": save, "save-interval": 1000, "metrics-file": metrics}
     launch = (lambda a: python_command(a)) if launcher is None else (
         lambda a: training_command(nproc, a, launcher=launcher)
     )  # fmt: skip
@@ -84,14 +87,15 @@ def test_sigterm_at_a_random_step_then_resume_equals_the_uninterrupted_run(
     code, seconds, out = stop_with_sigterm(launch(args), metrics, after_steps=after)
     assert code == status  # plain torchrun: its SignalException (the workers exited 143)
     iteration = int((save / "latest_checkpointed_iteration.txt").read_text())
-    assert f"SIGTERM: stopped after step {iteration - 1}, saved iteration {iteration}" in out
+    assert iteration < 20 and f"SIGTERM: stopped after step {iteration - 1}, saved iteration " \
+        f"{iteration}" in out  # fmt: skip
     assert not list(save.glob("*.partial"))
     assert sorted(p.name for p in (save / f"iter_{iteration:07d}" / "inflight_kv").iterdir()) == [
         f"rank_{r:05d}.pt" for r in range(nproc)
     ]  # the cache of the two batches in flight, each rank its replica's
     proc, _ = run(launch({**args, "load": save}), 300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert_same_run(read_metrics(metrics), uninterrupted(nproc, LAG2))
+    assert_same_run(read_metrics(metrics), uninterrupted(nproc, UNTIL_SIGNAL))
     print(f"SIGTERM ({launcher or 'python'}) after {after} steps: saved {iteration}, exit {code} "
           f"{seconds:.1f} s after the signal; resumed run equal to the uninterrupted one")  # fmt: skip
 
@@ -102,13 +106,14 @@ def test_sigterm_to_the_launchers_process_group_then_resume_is_exact(
     """What a terminal's Ctrl-C or a scheduler's kill of the job's process group does: every
     process gets the signal at once."""
     save, metrics = tmp_path / "ck", tmp_path / "metrics.jsonl"
-    args = {**LAG2, "save": save, "save-interval": 1000, "metrics-file": metrics}
+    args = {**UNTIL_SIGNAL, "save": save, "save-interval": 1000, "metrics-file": metrics}
     cmd = training_command(2, args, launcher="megatron.trainer.launch")
     code, _, _ = stop_with_sigterm(cmd, metrics, after_steps=3, process_group=True)
     assert code in (143, -signal.SIGTERM)
+    assert int((save / "latest_checkpointed_iteration.txt").read_text()) < 20
     proc, _ = run(training_command(2, {**args, "load": save}, launcher="megatron.trainer.launch"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert_same_run(read_metrics(metrics), uninterrupted(2, LAG2))
+    assert_same_run(read_metrics(metrics), uninterrupted(2, UNTIL_SIGNAL))
 
 
 @pytest.mark.parametrize(
