@@ -18,7 +18,13 @@ import io
 import os
 import sys
 
-from megatron.trainer.command_line import CommandLineError, OneLineParser, prepare, report
+from megatron.trainer.command_line import (
+    CommandLineError,
+    OneLineParser,
+    last_value,
+    prepare,
+    report,
+)
 from megatron.trainer.eval_flags import add_evaluation_arguments
 from megatron.trainer.exits import UsageError
 from megatron.trainer.flag_validation import validate_args
@@ -125,10 +131,5 @@ def run_file_tokens(
 ) -> tuple[list[str], list[str]]:
     """The tokens of the last ``--config FILE`` of ``argv`` (read before the command line's own,
     which override them), and the file's problems."""
-    path = None
-    for i, token in enumerate(argv):
-        if token == CONFIG_FLAG and i + 1 < len(argv):
-            path = argv[i + 1]
-        elif token.startswith(CONFIG_FLAG + "="):
-            path = token.split("=", 1)[1]
+    path = last_value(CONFIG_FLAG, argv)
     return file_tokens(path, parser) if path is not None else ([], [])

@@ -114,14 +114,20 @@ def _common_problem(
     return None
 
 
-def _value_of(flag: str, argv: list[str], parser: argparse.ArgumentParser) -> str:
-    """The last value given to our ``flag`` in ``argv``, else its default."""
+def last_value(flag: str, argv: list[str]) -> str | None:
+    """The last value given to ``flag`` in ``argv`` (``--flag V`` or ``--flag=V``), or None."""
     found = None
     for i, token in enumerate(argv):
         if token == flag and i + 1 < len(argv):
             found = argv[i + 1]
         elif token.startswith(flag + "="):
             found = token.split("=", 1)[1]
+    return found
+
+
+def _value_of(flag: str, argv: list[str], parser: argparse.ArgumentParser) -> str:
+    """The last value given to our ``flag`` in ``argv``, else its default."""
+    found = last_value(flag, argv)
     if found is not None:
         return found
     action = next(a for a in parser._actions if flag in a.option_strings)

@@ -25,7 +25,7 @@ from megatron.trainer.allocator import MAX_MMAP_THRESHOLD_KIB
 from megatron.trainer.eval_flags import evaluation_requested
 from megatron.trainer.model_flags import validate_model_args
 from megatron.trainer.output_flags import OUTPUT_PATHS, ckpt_format_problem, output_path_problem
-from megatron.trainer.training_flags import DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES
+from megatron.trainer.training_flags import validate_timeouts
 
 if TYPE_CHECKING:
     from megatron.rl.agent.mixture import MixtureAgent
@@ -262,24 +262,6 @@ def validate_args(
             and (problem := output_path_problem(flag, getattr(args, _dest(flag)), kind))
         ]
     return errors
-
-
-def validate_timeouts(args: argparse.Namespace) -> list[str]:
-    """The watchdog's timeout, and the collective timeout it implies when not given: long enough
-    that a rank waiting in a collective is reported by the watchdog (with every rank's stacks)
-    rather than by torch's timeout error."""
-    watchdog = args.watchdog_timeout_minutes
-    if not (math.isfinite(watchdog) and watchdog >= 0):
-        return [f"--watchdog-timeout-minutes must be >= 0 (0: no watchdog), got {watchdog}"]
-    if args.distributed_timeout_minutes is None:
-        args.distributed_timeout_minutes = max(
-            DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES, math.floor(watchdog) + 1
-        )
-    elif args.distributed_timeout_minutes < 1:
-        return [
-            f"--distributed-timeout-minutes must be >= 1, got {args.distributed_timeout_minutes}"
-        ]
-    return []
 
 
 def validate_algorithm_args(args: argparse.Namespace, cuda: bool) -> list[str]:

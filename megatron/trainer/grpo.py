@@ -42,14 +42,14 @@ from megatron.trainer.checkpointing import (
 from megatron.trainer.collection import KeyedCollection
 from megatron.trainer.eval_flags import evaluation_requested
 from megatron.trainer.evaluation import Evaluator, eval_agents, hold_out_validation
-from megatron.trainer.exits import PeerFailed, UsageError
+from megatron.trainer.exits import UsageError
 from megatron.trainer.flag_validation import validate_env_config
 from megatron.trainer.hf_io import save_hf, weight_loader
 from megatron.trainer.initialize import (
     ParallelContext,
-    agree_on_error,
     initialize_distributed,
     main_rank_value,
+    raise_agreed_failure,
     shutdown_distributed,
 )
 from megatron.trainer.metrics import ConstantRewardWarning, MetricsWriter, step_metrics
@@ -102,11 +102,7 @@ class Run:
                 meta = publish_groups(self.plane, groups, collected.batch.batch_id)
             except Exception as exc:  # every rank stops here instead of waiting for the meta
                 failure = exc
-        agreed = agree_on_error(None if failure is None else f"{type(failure).__name__}: {failure}")
-        if failure is not None:
-            raise failure
-        if agreed is not None:
-            raise PeerFailed(agreed)
+        raise_agreed_failure(failure)
         meta = self.plane.share(meta)
         collection = KeyedCollection(
             self.plane, meta, self.args.global_batch_size, self.k, self.ctx, self.tokenizer.pad_id

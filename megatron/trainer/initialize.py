@@ -15,6 +15,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron.trainer.allocator import set_mmap_threshold
+from megatron.trainer.exits import PeerFailed
 from megatron.trainer.training_flags import DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES
 
 T = TypeVar("T")
@@ -110,6 +111,16 @@ def agree_on_error(error: str | None) -> str | None:
     errors: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
     return next((e for e in errors if e is not None), None)
+
+
+def raise_agreed_failure(failure: BaseException | None) -> None:
+    """Stop every rank at the same point (collective): raise this rank's ``failure``, else
+    ``PeerFailed`` with the first failing rank's message, else return."""
+    agreed = agree_on_error(None if failure is None else f"{type(failure).__name__}: {failure}")
+    if failure is not None:
+        raise failure
+    if agreed is not None:
+        raise PeerFailed(agreed)
 
 
 def main_rank_value(value: T) -> T:

@@ -42,6 +42,8 @@ class CommonFlag:
 
 
 NO_CUDA_GRAPHS = "megatron-core's engine runs without CUDA graphs here"
+KV_MEMORY = "the engine's KV memory follows --inference-max-requests and --seq-length"
+TIMINGS = "step_seconds, collect_seconds and train_seconds are in every metrics record"
 NO_STRAGGLER = (
     "no straggler detector; --watchdog-timeout-minutes stops a run that stops progressing"
 )
@@ -113,20 +115,14 @@ MEGATRON_LM_COMMON_FLAGS: tuple[CommonFlag, ...] = (
     CommonFlag("--cuda-graph-impl", "refused", NO_CUDA_GRAPHS),
     CommonFlag("--inference-num-cuda-graphs", "refused", NO_CUDA_GRAPHS),
     CommonFlag("--inference-dynamic-batching-num-cuda-graphs", "refused", NO_CUDA_GRAPHS),
-    CommonFlag("--inference-buffer-size-gb", "refused",
-               "the engine's KV memory follows --inference-max-requests and --seq-length",
+    CommonFlag("--inference-buffer-size-gb", "refused", KV_MEMORY,
                rewrite=("--inference-max-requests",)),
-    CommonFlag("--inference-dynamic-batching-buffer-size-gb", "refused",
-               "the engine's KV memory follows --inference-max-requests and --seq-length",
+    CommonFlag("--inference-dynamic-batching-buffer-size-gb", "refused", KV_MEMORY,
                rewrite=("--inference-max-requests",)),
     CommonFlag("--inference-dynamic-batching-unified-memory-level", "refused",
                "no unified memory for the engine"),
-    CommonFlag("--timing-log-level", "refused",
-               "step_seconds, collect_seconds and train_seconds are in every metrics record",
-               rewrite=("--metrics-file",)),
-    CommonFlag("--timing-log-option", "refused",
-               "step_seconds, collect_seconds and train_seconds are in every metrics record",
-               rewrite=("--metrics-file",)),
+    CommonFlag("--timing-log-level", "refused", TIMINGS, rewrite=("--metrics-file",)),
+    CommonFlag("--timing-log-option", "refused", TIMINGS, rewrite=("--metrics-file",)),
     CommonFlag("--log-progress", "refused", "no progress.txt; the metrics file has every step",
                False, rewrite=("--metrics-file",)),
     CommonFlag("--log-params-norm", "refused", "the parameter norm is not computed", False),

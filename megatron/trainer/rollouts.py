@@ -38,9 +38,8 @@ from megatron.rl.server.http import EmbeddedServer
 from megatron.rl.server.inference_server import create_inference_app
 from megatron.rl.tokenizer import Tokenizer
 from megatron.trainer import inflight
-from megatron.trainer.exits import PeerFailed
 from megatron.trainer.generation import GenerationHost
-from megatron.trainer.initialize import ParallelContext, agree_on_error, main_rank_value
+from megatron.trainer.initialize import ParallelContext, main_rank_value, raise_agreed_failure
 from megatron.trainer.tiers.base import Tier
 
 logger = logging.getLogger(__name__)
@@ -134,11 +133,7 @@ class RolloutSource:
             except BaseException as exc:  # stop the other ranks too before raising it here
                 failure = exc
                 self.close()
-        agreed = agree_on_error(None if failure is None else f"{type(failure).__name__}: {failure}")
-        if failure is not None:
-            raise failure
-        if agreed is not None:
-            raise PeerFailed(agreed)
+        raise_agreed_failure(failure)
 
     async def _start(self) -> None:
         if self.agent.requires_inference_server:
@@ -222,11 +217,7 @@ class RolloutSource:
                 state = self.host.run(self.generator.snapshot)
             except BaseException as exc:  # every rank stops here instead of waiting below
                 failure = exc
-        agreed = agree_on_error(None if failure is None else f"{type(failure).__name__}: {failure}")
-        if failure is not None:
-            raise failure
-        if agreed is not None:
-            raise PeerFailed(agreed)
+        raise_agreed_failure(failure)
         positions = main_rank_value(state.engine.cached_positions() if state else None)
         slots = self.host.steps.runner.export_slots(positions[self.host.steps.dp_rank])
         return state, (slots, self.layout)

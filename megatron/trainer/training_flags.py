@@ -6,6 +6,7 @@ Their cross-field checks are in ``flag_validation.validate_args``.
 from __future__ import annotations
 
 import argparse
+import math
 
 DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES = 10
 """``--distributed-timeout-minutes`` unless the watchdog's timeout is longer."""
@@ -157,3 +158,21 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--seed", type=int, default=1234, help="Seed of init, prompts and sampling.")
     g.add_argument("--log-interval", type=int, default=1, help="Print a log line every N steps.")
+
+
+def validate_timeouts(args: argparse.Namespace) -> list[str]:
+    """The watchdog's timeout, and the collective timeout it implies when not given: long enough
+    that a rank waiting in a collective is reported by the watchdog (with every rank's stacks)
+    rather than by torch's timeout error."""
+    watchdog = args.watchdog_timeout_minutes
+    if not (math.isfinite(watchdog) and watchdog >= 0):
+        return [f"--watchdog-timeout-minutes must be >= 0 (0: no watchdog), got {watchdog}"]
+    if args.distributed_timeout_minutes is None:
+        args.distributed_timeout_minutes = max(
+            DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES, math.floor(watchdog) + 1
+        )
+    elif args.distributed_timeout_minutes < 1:
+        return [
+            f"--distributed-timeout-minutes must be >= 1, got {args.distributed_timeout_minutes}"
+        ]
+    return []

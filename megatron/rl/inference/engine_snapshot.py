@@ -34,11 +34,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from megatron.rl.inference.protocol import Key
 from megatron.rl.wire import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-Key = tuple[int, int, int]
 
 
 class SavedTurn(BaseModel):

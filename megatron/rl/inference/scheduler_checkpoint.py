@@ -63,7 +63,6 @@ class CheckpointedScheduling:
 
     async def _replayed(self, saved: SavedTurn) -> GenerationOutput:
         """Answer a re-run agent's request from its saved turn (``generate`` after ``restore``)."""
-        assert saved.key is not None
         key = saved.key
         self._arrived(key[:2])
         self._wakeup.set()

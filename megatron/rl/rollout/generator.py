@@ -273,15 +273,7 @@ class GroupedRolloutGenerator:
         while workers := [t for t in self._tasks if t is not self._submitter]:
             await asyncio.wait(workers)
         self._reassembly.raise_if_failed()
-        return PipelineState(
-            next_batch_id=self._next_batch_id,
-            submitted=self._submitted,
-            forced_lag=self.config.forced_lag,
-            groups_per_batch=self.config.groups_per_batch,
-            group_size=self.config.group_size,
-            groups=self._reassembly.buffered(),
-            batch_versions={b: v for b, v in self._versions.items() if b >= self._next_batch_id},
-        )
+        return self._state(engine=None)
 
     async def snapshot(self) -> PipelineState:
         """The pipeline as it stands between two steps, nothing generated for it (contract point
@@ -294,6 +286,11 @@ class GroupedRolloutGenerator:
         await self._submission_caught_up()
         await asyncio.sleep(0)  # let workers that just finished deliver their groups
         self._reassembly.raise_if_failed()
+        return self._state(engine=self.scheduler.snapshot())
+
+    def _state(self, engine: EngineSnapshot | None) -> PipelineState:
+        """The pipeline's state now: cursor, submissions and their versions (``_versions`` holds
+        the unconsumed batches only), buffered groups, and ``engine``'s work in flight."""
         return PipelineState(
             next_batch_id=self._next_batch_id,
             submitted=self._submitted,
@@ -301,8 +298,8 @@ class GroupedRolloutGenerator:
             groups_per_batch=self.config.groups_per_batch,
             group_size=self.config.group_size,
             groups=self._reassembly.buffered(),
-            batch_versions={b: v for b, v in self._versions.items() if b >= self._next_batch_id},
-            engine=self.scheduler.snapshot(),
+            batch_versions=dict(self._versions),
+            engine=engine,
         )
 
     async def aclose(self) -> None:

@@ -81,12 +81,19 @@ async def window(job: Job, batch: int) -> None:
     job.engine.suspend()
 
 
-async def uninterrupted() -> tuple[dict, list]:
+def started_job() -> tuple[FakeSteps, list[int], Job]:
+    """An engine at version 0 with batches 0 and 1 submitted."""
     steps, version = FakeSteps(), [0]
     engine = engine_of(steps, version)
     engine.start()
     job = Job(engine, version)
     job.submit(TURNS)
+    return steps, version, job
+
+
+async def uninterrupted() -> tuple[dict, list]:
+    steps, version, job = started_job()
+    engine = job.engine
     try:
         await window(job, 0)
         mark = len(steps.plans)
@@ -99,11 +106,8 @@ async def uninterrupted() -> tuple[dict, list]:
 
 
 async def saved_after_batch_0() -> EngineSnapshot:
-    steps, version = FakeSteps(), [0]
-    engine = engine_of(steps, version)
-    engine.start()
-    job = Job(engine, version)
-    job.submit(TURNS)
+    _, version, job = started_job()
+    engine = job.engine
     try:
         await window(job, 0)
         version[0] = 1
