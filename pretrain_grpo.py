@@ -14,12 +14,12 @@ def main() -> None:
     """Validate the flags, then train (the training libraries load only for a valid command;
     megatron-core's missing-kernel warnings are said once, in the run's header)."""
     with kernel_warnings() as missing_kernels:
-        from megatron.trainer.arguments import parse_args
+        from megatron.trainer.flags.parse import parse_args
 
-        args = parse_args()
+        cfg = parse_args()
         from megatron.trainer.grpo import train
 
-    train(args, missing_kernels)
+    train(cfg, missing_kernels)
 
 
 if __name__ == "__main__":

@@ -39,8 +39,9 @@ from megatron.rl.grpo.batch import TrainBatch  # noqa: E402
 from megatron.rl.grpo.loss import GRPOLossConfig  # noqa: E402
 from megatron.rl.inference.scheduler import SchedulerConfig  # noqa: E402
 from megatron.rl.wire import SamplingParams  # noqa: E402
-from megatron.trainer.arguments import build_parser  # noqa: E402
 from megatron.trainer.checkpointing import TrainState  # noqa: E402
+from megatron.trainer.flags.parse import check  # noqa: E402
+from megatron.trainer.flags.run import RunConfig  # noqa: E402
 from megatron.trainer.losses import GRPOLoss  # noqa: E402
 from megatron.trainer.policy import PolicyConfig  # noqa: E402
 from megatron.trainer.step import StepConfig  # noqa: E402
@@ -74,10 +75,13 @@ def peak_tflops_for(device_name: str) -> float | None:
     return None
 
 
-def trainer_args(opts: argparse.Namespace) -> argparse.Namespace:
-    """Trainer flags of the benchmarked model (derived fields filled as validation would)."""
-    args = build_parser().parse_args([])
-    args.__dict__.update(
+def trainer_args(opts: argparse.Namespace) -> RunConfig:
+    """The run config of the benchmarked model: the resolved defaults with its options (and the
+    derived fields) replaced."""
+    defaults, problems = check([])
+    if defaults is None:
+        raise SystemExit("\n".join(problems))
+    return defaults.with_flags(
         num_layers=opts.num_layers,
         hidden_size=opts.hidden_size,
         num_attention_heads=opts.num_attention_heads,
@@ -95,7 +99,6 @@ def trainer_args(opts: argparse.Namespace) -> argparse.Namespace:
         data_parallel_size=1,
         inference_max_requests=opts.gen_requests,
     )
-    return args
 
 
 def synthetic_batch(rows: int, seq_len: int, prompt_len: int, vocab: int) -> TrainBatch:
@@ -164,7 +167,7 @@ def bench_generation(tier, model, opts, vocab: int) -> dict:
     """Generated tokens/s of one window of ``--gen-requests`` concurrent requests."""
     from megatron.trainer.tiers import CPUTier
 
-    builder = CPUTier(tier.args, tier.ctx) if opts.engine == "local" else tier
+    builder = CPUTier(tier.cfg, tier.ctx) if opts.engine == "local" else tier
     config = SchedulerConfig(opts.gen_requests, opts.seq_length, eos_id=-1)  # never stops early
     steps = builder.build_step_group(model, config, vocab)
     engine = builder.build_engine(steps, config, lambda: 0)
@@ -232,10 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     from megatron.trainer.initialize import initialize_distributed, shutdown_distributed
     from megatron.trainer.tiers.cuda import CUDATier
 
-    args = trainer_args(opts)
-    ctx = initialize_distributed(args)
+    cfg = trainer_args(opts)
+    ctx = initialize_distributed(cfg)
     try:
-        tier = CUDATier(args, ctx)
+        tier = CUDATier(cfg, ctx)
         model = tier.build_model(opts.vocab_size)
         state = TrainState(model, *tier.build_optimizer(model))
         params = sum(p.numel() for p in unwrap_model(model).parameters())

@@ -28,8 +28,8 @@ from megatron.rl.grpo.batch import TrainBatch, build_train_batch  # noqa: E402
 from megatron.rl.tokenizer import CharTokenizer  # noqa: E402
 from megatron.rl.wire import RolloutGroup, TokenRollout  # noqa: E402
 from megatron.trainer import config  # noqa: E402
-from megatron.trainer.arguments import build_parser, validate_args  # noqa: E402
 from megatron.trainer.checkpointing import TrainState  # noqa: E402
+from megatron.trainer.flags.parse import check  # noqa: E402
 from megatron.trainer.initialize import initialize_distributed  # noqa: E402
 from megatron.trainer.losses import GRPOLoss  # noqa: E402
 from megatron.trainer.model_provider import build_model  # noqa: E402
@@ -72,35 +72,35 @@ def main(argv: list[str] | None = None) -> None:
     tool.add_argument("--min-length", type=int, default=8)
     tool.add_argument("--repeats", type=int, default=7)
     known, rest = tool.parse_known_args(argv)
-    args = build_parser().parse_args(["--lr-warmup-iters", "0", *rest])
-    problems = validate_args(args, world_size=1, cuda=torch.cuda.is_available())
-    if problems:
+    cfg, problems = check(["--lr-warmup-iters", "0", *rest], cuda=torch.cuda.is_available())
+    if cfg is None:
         raise SystemExit("\n".join(problems))
-    ctx = initialize_distributed(args)
+    ctx = initialize_distributed(cfg)
     vocab = CharTokenizer().vocab_size
+    seq_length, seed = cfg.model.seq_length, cfg.training.seed
     batch = mixed_length_batch(
-        known.rollouts, known.group_size, known.min_length, args.seq_length, vocab, args.seed
+        known.rollouts, known.group_size, known.min_length, seq_length, vocab, seed
     )
-    layouts = {"unpacked": None, "packed": args.seq_length}
+    layouts = {"unpacked": None, "packed": seq_length}
     states = {}
     for name in layouts:
-        torch.manual_seed(args.seed)
-        model = build_model(args, vocab, ctx.device)
-        states[name] = TrainState(model, *build_optimizer(model, args))
+        torch.manual_seed(seed)
+        model = build_model(cfg, vocab, ctx.device)
+        states[name] = TrainState(model, *build_optimizer(model, cfg))
     rates: dict[str, list[float]] = {name: [] for name in layouts}
     losses: dict[str, float] = {}
     for _ in range(known.repeats + 1):  # the first round warms up
         for name, capacity in layouts.items():
-            step = dataclasses.replace(config.step_config(args, vocab), packing_capacity=capacity)
+            step = dataclasses.replace(config.step_config(cfg, vocab), packing_capacity=capacity)
             policy = CPUPolicy(states[name], PolicyConfig.of(step), ctx)
             (result,) = policy.train(batch, GRPOLoss(step))
             rates[name].append(result.trained_tokens / result.seconds)
             losses.setdefault(name, result.loss)
-    lengths = batch.lengths.tolist()
+    lengths, arch = batch.lengths.tolist(), cfg.architecture_flags
     print(
         f"batch: {len(lengths)} rollouts, lengths {min(lengths)}..{max(lengths)} "
-        f"(mean {statistics.fmean(lengths):.1f}), seq-length {args.seq_length}, micro-batch "
-        f"{args.micro_batch_size}, model {args.num_layers}x{args.hidden_size}, "
+        f"(mean {statistics.fmean(lengths):.1f}), seq-length {seq_length}, micro-batch "
+        f"{cfg.training.micro_batch_size}, model {arch['num_layers']}x{arch['hidden_size']}, "
         f"threads {torch.get_num_threads()}"
     )
     median = {name: statistics.median(r[1:]) for name, r in rates.items()}

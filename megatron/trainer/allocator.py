@@ -15,11 +15,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 
+from megatron.trainer.flags.training import MAX_MMAP_THRESHOLD_KIB
+
 M_MMAP_THRESHOLD = -3
 """glibc's ``mallopt`` parameter number (``malloc.h``)."""
-
-MAX_MMAP_THRESHOLD_KIB = 32 * 1024
-"""The largest threshold glibc accepts on 64-bit systems (``HEAP_MAX_SIZE / 2``)."""
 
 
 def set_mmap_threshold(kib: int) -> bool:

@@ -32,7 +32,6 @@ from megatron.core.utils import unwrap_model
 
 from megatron.rl.tokenizer import Tokenizer
 from megatron.trainer import config, report
-from megatron.trainer.arguments import build_parser, parse_args
 from megatron.trainer.checkpointing import (
     LoadOptions,
     TrainState,
@@ -42,9 +41,10 @@ from megatron.trainer.checkpointing import (
     read_guarded,
 )
 from megatron.trainer.exits import UsageError
+from megatron.trainer.flags.model import ARCHITECTURE_FLAGS
+from megatron.trainer.flags.parse import build_parser, parse_command
 from megatron.trainer.hf_io import weight_loader
 from megatron.trainer.initialize import ParallelContext
-from megatron.trainer.model_flags import ARCHITECTURE_FLAGS
 from megatron.trainer.model_provider import architecture
 from megatron.trainer.tiers import Tier, select_tier
 
@@ -69,8 +69,8 @@ class CheckpointModel:
 
 
 def command_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    """The trainer's parser (every flag, declared once in its ``*_flags`` module) under another
-    command's name; the command adds its own group."""
+    """The trainer's parser (every option of ``megatron/trainer/flags``) under another command's
+    name; the command adds its own group."""
     parser = build_parser()
     parser.prog = prog
     parser.description = description
@@ -80,24 +80,24 @@ def command_parser(prog: str, description: str) -> argparse.ArgumentParser:
 def parse_command_args(
     parser: argparse.ArgumentParser,
     argv: list[str] | None,
-    own_checks: Callable[[argparse.Namespace], list[str]],
-) -> argparse.Namespace:
-    """Parse and validate as the trainer does (``arguments.parse_args``), then the checkpoint
-    and the command's checks (``own_checks(args) -> list[str]``); ``UsageError`` (status 2)
-    with every message otherwise."""
-    args = parse_args(argv, parser)
-    errors = checkpoint_problems(args, int(os.environ.get("WORLD_SIZE", "1")), parser.prog)
-    errors += own_checks(args)
+    own_checks: Callable[[RunConfig, argparse.Namespace], list[str]],
+) -> tuple[RunConfig, argparse.Namespace]:
+    """Parse and validate as the trainer does (``flags.parse.parse_command``), then the
+    checkpoint and the command's checks (``own_checks(cfg, own) -> list[str]``); the run config
+    and the command's own options, or ``UsageError`` (status 2) with every message."""
+    cfg, own = parse_command(argv, parser)
+    errors = checkpoint_problems(cfg, int(os.environ.get("WORLD_SIZE", "1")), parser.prog)
+    errors += own_checks(cfg, own)
     if errors:
         raise UsageError(f"{parser.prog}: error: invalid arguments:\n  " + "\n  ".join(errors))
-    return args
+    return cfg, own
 
 
-def checkpoint_problems(args: argparse.Namespace, world_size: int, prog: str) -> list[str]:
+def checkpoint_problems(cfg: RunConfig, world_size: int, prog: str) -> list[str]:
     """Why the flags name no checkpoint to load, or the process is not alone (each message
     naming its flags)."""
     errors = []
-    if args.hf_checkpoint is None and args.load is None:
+    if cfg.model.hf_checkpoint is None and cfg.checkpointing.load is None:
         errors.append(
             "no checkpoint: give --hf-checkpoint DIR (a Hugging Face model directory) or --load "
             "DIR (a trainer checkpoint; its architecture from the model flags or --hf-checkpoint)"
@@ -110,29 +110,33 @@ def checkpoint_problems(args: argparse.Namespace, world_size: int, prog: str) ->
     return errors
 
 
-def load_checkpoint_model(args: argparse.Namespace, ctx: ParallelContext) -> CheckpointModel:
+def load_checkpoint_model(cfg: RunConfig, ctx: ParallelContext) -> CheckpointModel:
     """The tier, tokenizer and model of the flags, filled from ``--load`` or
     ``--hf-checkpoint`` (see the module docstring); an unreadable checkpoint raises
     ``SystemExit`` naming the flag."""
-    tier = select_tier(args, ctx)
-    tokenizer = config.tokenizer(args)
+    tier = select_tier(cfg, ctx)
+    tokenizer = config.tokenizer(cfg)
     model = tier.build_reference(tokenizer.vocab_size, initialize=False)  # the load fills it
-    if args.load is not None:
-        version = read_trainer_weights(args, tier, model)
-        source = f"--load {args.load} (iteration {version})"
+    if cfg.checkpointing.load is not None:
+        version = read_trainer_weights(cfg, tier, model)
+        source = f"--load {cfg.checkpointing.load} (iteration {version})"
     else:
-        weight_loader(args)(unwrap_model(model))
-        version, source = 0, f"--hf-checkpoint {args.hf_checkpoint}"
+        weight_loader(cfg)(unwrap_model(model))
+        version, source = 0, f"--hf-checkpoint {cfg.model.hf_checkpoint}"
     model.eval()
     model.requires_grad_(False)
     return CheckpointModel(tier, tokenizer, model, version, source)
 
 
-def read_trainer_weights(args: argparse.Namespace, tier: Tier, model: torch.nn.Module) -> int:
+def read_trainer_weights(cfg: RunConfig, tier: Tier, model: torch.nn.Module) -> int:
     """Load the model weights of ``--load``'s iteration ``--ckpt-step`` (default: the
     tracker's) into ``model``; that iteration."""
-    root = args.load
-    iteration = args.ckpt_step if args.ckpt_step is not None else latest_iteration(root)
+    root = cfg.checkpointing.load
+    iteration = (
+        cfg.checkpointing.ckpt_step
+        if cfg.checkpointing.ckpt_step is not None
+        else latest_iteration(root)
+    )
     directory, shards = iteration_dir(root, iteration), tier.checkpoint_shards()
     if not shards.path(directory).exists():
         raise SystemExit(
@@ -141,7 +145,7 @@ def read_trainer_weights(args: argparse.Namespace, tier: Tier, model: torch.nn.M
         )
 
     def check_flags(saved: dict[str, Any]) -> None:
-        differ = architecture_mismatches(saved, args)
+        differ = architecture_mismatches(saved, cfg.flat())
         if differ:
             raise SystemExit(
                 f"--load {root}: iteration {iteration} was saved with {', '.join(differ)}: give "
@@ -157,13 +161,13 @@ def read_trainer_weights(args: argparse.Namespace, tier: Tier, model: torch.nn.M
     return iteration
 
 
-def architecture_mismatches(saved: dict[str, Any], args: argparse.Namespace) -> list[str]:
+def architecture_mismatches(saved: dict[str, Any], now_values: dict[str, Any]) -> list[str]:
     """Each of ``CHECKPOINT_FLAGS`` whose saved value differs from the command's, as ``--flag
-    saved (here: now)``. A flag absent from the saved ones was unset (None) or did not exist
+    saved (here: now)`` (``now_values``: ``RunConfig.flat()``). A flag absent from the saved ones was unset (None) or did not exist
     yet (then off)."""
     differ = []
     for name in CHECKPOINT_FLAGS:
-        now = getattr(args, name, None)
+        now = now_values.get(name)
         if name not in saved and now in (None, False):
             continue
         before = saved.get(name)
@@ -172,26 +176,26 @@ def architecture_mismatches(saved: dict[str, Any], args: argparse.Namespace) -> 
     return differ
 
 
-def default_model_name(args: argparse.Namespace) -> str:
+def default_model_name(cfg: RunConfig) -> str:
     """The name a served model goes by: its checkpoint directory's (``--load``'s, else
     ``--hf-checkpoint``'s)."""
-    return Path(args.load or args.hf_checkpoint).resolve().name
+    return Path(cfg.checkpointing.load or cfg.model.hf_checkpoint).resolve().name
 
 
 def describe(
-    loaded: CheckpointModel, args: argparse.Namespace, ctx: ParallelContext, missing: set[str]
+    loaded: CheckpointModel, cfg: RunConfig, ctx: ParallelContext, missing: set[str]
 ) -> str:
     """Lines saying what was loaded and what runs it (counting the parameters is collective)."""
     parameters = report.parameter_count(loaded.model, ctx.tp_group)
-    arch = architecture(args, loaded.tokenizer.vocab_size)
+    arch = architecture(cfg, loaded.tokenizer.vocab_size)
     tokenizer = type(loaded.tokenizer).__name__
     lines = [
         f"model        {parameters / 1e6:.2f}M parameters ({loaded.source}): "
         f"{report.describe_architecture(arch)}",
-        f"tokenizer    {tokenizer} {args.tokenizer_model or ''}".rstrip()
+        f"tokenizer    {tokenizer} {cfg.model.tokenizer_model or ''}".rstrip()
         + f", {loaded.tokenizer.vocab_size} ids",
-        f"engine       {loaded.tier.describe()}; {args.inference_max_requests} slots of "
-        f"--seq-length {args.seq_length} tokens",
+        f"engine       {loaded.tier.describe()}; {cfg.inference.max_requests} slots of "
+        f"--seq-length {cfg.model.seq_length} tokens",
     ]
     if missing:
         lines.append(report.kernels_line(missing))

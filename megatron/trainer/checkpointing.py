@@ -17,7 +17,7 @@ flight as it is (partial generations, whose KV cache each rank saves in ``inflig
 resumed run generates exactly what the run that was never saved generates. The CUDA tier's engine
 cannot save its cache: there the caller drains the pipeline first (every submitted batch
 finished), and a resume equals the run that drained at the same step. A resumed run must share
-the ``RESUME_FLAGS`` of the saved one.
+the options declared ``resume=True`` (``megatron/trainer/flags``) with the saved one.
 
 Writes are atomic: every rank writes into ``iter_XXXXXXX.partial/``; after a barrier rank 0
 renames it to ``iter_XXXXXXX/`` and only then replaces the tracker file. A crash at any point of a
@@ -30,7 +30,6 @@ iteration, and the newest older complete checkpoint with the ``--ckpt-step`` tha
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shutil
@@ -46,34 +45,14 @@ import torch.distributed as dist
 from pydantic import ValidationError
 
 from megatron.rl.rollout.generator import PipelineState
-from megatron.trainer import inflight, run_config
+from megatron.trainer import inflight
+from megatron.trainer.flags import run_file
+from megatron.trainer.flags.run import RunConfig, resume_options
 from megatron.trainer.initialize import ParallelContext, agree_on_error
 
 TRACKER = "latest_checkpointed_iteration.txt"
 ROLLOUT_STATE = "rollout_state.json"
 ITERATION_DIR = re.compile(r"iter_(\d{7})")
-
-RESUME_FLAGS = (
-    "rl_forced_lag",
-    "grpo_prompts_per_step",
-    "grpo_group_size",
-    "seed",
-    "num_layers",
-    "hidden_size",
-    "num_attention_heads",
-    "ffn_hidden_size",
-    "grpo_filter_groups_with_same_reward",
-    "grpo_max_generation_rounds",
-    "val_split_fraction",
-)
-"""Flags a resumed run must share with the saved one (different values break exact resume)."""
-
-RESUME_FLAG_DEFAULTS = {
-    "grpo_filter_groups_with_same_reward": False,
-    "grpo_max_generation_rounds": 1,
-    "val_split_fraction": 0.0,
-}
-"""Values of resume flags added later, assumed for checkpoints saved before they existed."""
 
 
 @dataclass(frozen=True)
@@ -111,19 +90,21 @@ class LoadOptions:
     ``--finetune``, a new run from the saved weights)."""
 
     @classmethod
-    def of(cls, args: argparse.Namespace) -> LoadOptions:
+    def of(cls, cfg: RunConfig) -> LoadOptions:
         """The options of the flags."""
-        if args.finetune:
+        if cfg.checkpointing.finetune:
             return cls(optimizer=False, rng=False, resume=False)
-        return cls(optimizer=not args.no_load_optim, rng=not args.no_load_rng)
+        return cls(
+            optimizer=not cfg.checkpointing.no_load_optim, rng=not cfg.checkpointing.no_load_rng
+        )
 
 
 class CheckpointShards(ABC):
     """How one tier writes and reads its part of an iteration directory (collective)."""
 
     @abstractmethod
-    def write(self, directory: Path, iteration: int, state: TrainState, args: dict) -> None:
-        """Write this rank's shards of ``state`` and the scalar flags ``args`` into
+    def write(self, directory: Path, iteration: int, state: TrainState, cfg: dict) -> None:
+        """Write this rank's shards of ``state`` and the scalar flags ``cfg`` into
         ``directory`` (it exists)."""
 
     @abstractmethod
@@ -155,19 +136,21 @@ def iteration_dir(root: str | Path, iteration: int) -> Path:
     return Path(root) / f"iter_{iteration:07d}"
 
 
-def saved_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The scalar flags stored with a checkpoint."""
-    return {k: v for k, v in vars(args).items() if isinstance(v, (bool, int, float, str))}
+def saved_args(cfg: RunConfig) -> dict[str, Any]:
+    """The scalar options (by argparse dest, the architecture resolved) and derived values
+    stored with a checkpoint; options set to None are left out."""
+    return {k: v for k, v in cfg.flat().items() if isinstance(v, (bool, int, float, str))}
 
 
-def resume_mismatches(saved: dict[str, Any], args: argparse.Namespace) -> list[str]:
-    """Each flag of ``RESUME_FLAGS`` the resumed run changes, as ``--flag saved -> now``."""
+def resume_mismatches(saved: dict[str, Any], cfg: RunConfig) -> list[str]:
+    """Each option declared ``resume=True`` that the resumed run changes, as ``--flag saved ->
+    now``; a checkpoint saved before the option existed is taken to have had its default."""
     problems = []
-    for name in RESUME_FLAGS:
-        default = RESUME_FLAG_DEFAULTS.get(name)
-        before, now = saved.get(name, default), getattr(args, name, default)
+    now_values = cfg.flat()
+    for dest, flag, default in resume_options():
+        before, now = saved.get(dest, default), now_values[dest]
         if before != now:
-            problems.append(f"--{name.replace('_', '-')} {before} -> {now}")
+            problems.append(f"{flag} {before} -> {now}")
     return problems
 
 
@@ -254,7 +237,7 @@ def save_checkpoint(
     shards: CheckpointShards,
     state: TrainState,
     pipeline: PipelineState | None,
-    args: argparse.Namespace,
+    cfg: RunConfig,
     ctx: ParallelContext,
     inflight_kv: tuple[dict, dict[str, int]] | None = None,
 ) -> None:
@@ -271,14 +254,13 @@ def save_checkpoint(
         shutil.rmtree(staging, ignore_errors=True)  # left by a crash during an earlier save
         staging.mkdir(parents=True)
     _barrier()
-    shards.write(staging, iteration, state, saved_args(args))
+    shards.write(staging, iteration, state, saved_args(cfg))
     if inflight_kv is not None:
         inflight.write_kv(staging, ctx.rank, *inflight_kv)
     if ctx.is_main:
         text = pipeline.model_dump_json()
         write_atomic(staging / ROLLOUT_STATE, lambda tmp: tmp.write_text(text))
-        if getattr(args, "run_config", None):  # the resolved flags, as a run file
-            run_config.write(args.run_config, staging / run_config.RUN_CONFIG_FILE)
+        run_file.write(run_file.resolved(cfg), staging / run_file.RUN_CONFIG_FILE)
     _barrier()
     if ctx.is_main:
         if final.exists():
@@ -294,7 +276,7 @@ def save_captured(
     shards: CheckpointShards,
     state: TrainState,
     capture: Callable[[], tuple[PipelineState | None, tuple | None]],
-    args: argparse.Namespace,
+    cfg: RunConfig,
     ctx: ParallelContext,
 ) -> str:
     """``save_checkpoint`` of the rollout pipeline as ``capture()`` (``RolloutSource.
@@ -303,7 +285,7 @@ def save_captured(
     started = time.perf_counter()
     pipeline, kv = capture()
     captured = time.perf_counter()
-    save_checkpoint(root, iteration, shards, state, pipeline, args, ctx, kv)
+    save_checkpoint(root, iteration, shards, state, pipeline, cfg, ctx, kv)
     seconds = (captured - started, time.perf_counter() - started)
     return inflight.saved_line(iteration, root, seconds, pipeline, kv)
 
@@ -312,7 +294,7 @@ def load_checkpoint(
     root: str,
     shards: CheckpointShards,
     state: TrainState,
-    args: argparse.Namespace,
+    cfg: RunConfig,
     ctx: ParallelContext,
     options: LoadOptions = LoadOptions(),
     step: int | None = None,
@@ -326,7 +308,7 @@ def load_checkpoint(
     error, iteration, pipeline, kv = None, -1, None, None
     try:
         iteration = step if step is not None else latest_iteration(root)
-        pipeline = _read(root, iteration, shards, state, args, ctx.is_main, options)
+        pipeline = _read(root, iteration, shards, state, cfg, ctx.is_main, options)
         if options.resume:
             kv = read_guarded(
                 "--load", root, iteration, inflight.kv_file(iteration_dir(root, iteration), ctx.rank),
@@ -347,7 +329,7 @@ def _read(
     iteration: int,
     shards: CheckpointShards,
     state: TrainState,
-    args: argparse.Namespace,
+    cfg: RunConfig,
     is_main: bool,
     options: LoadOptions,
 ) -> PipelineState | None:
@@ -362,7 +344,7 @@ def _read(
     def check_args(saved: dict) -> None:
         if not options.resume:
             return
-        problems = resume_mismatches(saved, args)
+        problems = resume_mismatches(saved, cfg)
         if problems:
             raise SystemExit(
                 f"--load {root}: flags differ from the saved run: {', '.join(problems)}"

@@ -1,14 +1,13 @@
-"""Flags to typed configs: the one place that reads the parsed flags for the RL library.
+"""Run config to library configs: the one place that maps the options to the RL library.
 
-``arguments.py`` builds the parser of every flag (each declared once, with its one default, in
-its group's ``*_flags.py``) and ``flag_validation.py`` validates them;
-``megatron.rl`` takes only the typed configs built here. The model and optimizer flags are mapped
+``megatron/trainer/flags`` declares every option once (with its one default) in its section and
+validates them into a frozen ``RunConfig``; ``megatron.rl`` takes only the typed configs built
+here from its sections. The model and optimizer flags are mapped
 to megatron-core's configs by ``model_provider.py`` and ``optimizer.py``.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 from pathlib import Path
@@ -32,161 +31,165 @@ from megatron.trainer.rollouts import InferenceServerConfig
 from megatron.trainer.step import StepConfig
 
 
-def enabled_terms(args: argparse.Namespace) -> tuple[LossTerm, ...]:
+def enabled_terms(cfg: RunConfig) -> tuple[LossTerm, ...]:
     """The loss terms whose weight flag is not 0 (``megatron/rl/grpo/terms``)."""
     terms = []
     for term in loss_terms():
-        weight = getattr(args, term.flag.lstrip("-").replace("-", "_"))
+        weight = cfg.grpo.weight(term.flag)
         if weight != 0.0:
             terms.append(term(weight))
     return tuple(terms)
 
 
-def loss_config(args: argparse.Namespace) -> GRPOLossConfig:
+def loss_config(cfg: RunConfig) -> GRPOLossConfig:
     """Clipping and the additive terms of the loss."""
     return GRPOLossConfig(
-        clamp_eps_lower=args.grpo_clamp_eps_lower,
-        clamp_eps_upper=args.grpo_clamp_eps_upper,
-        terms=enabled_terms(args),
+        clamp_eps_lower=cfg.grpo.clamp_eps_lower,
+        clamp_eps_upper=cfg.grpo.clamp_eps_upper,
+        terms=enabled_terms(cfg),
     )
 
 
-def step_config(args: argparse.Namespace, vocab_size: int) -> StepConfig:
+def step_config(cfg: RunConfig, vocab_size: int) -> StepConfig:
     """The train step: loss, micro-batching, clipping, iterations, IS correction, packing."""
     importance = None
-    if args.rl_inference_logprobs_is_correction:
-        importance = ImportanceConfig(args.rl_importance_sampling_truncation_coef)
+    if cfg.grpo.is_correction:
+        importance = ImportanceConfig(cfg.grpo.is_truncation_coef)
     return StepConfig(
-        loss=loss_config(args),
+        loss=loss_config(cfg),
         vocab_size=vocab_size,
-        micro_batch_size=args.micro_batch_size,
-        clip_grad=args.clip_grad,
-        old_logprobs=args.grpo_iterations > 1,
+        micro_batch_size=cfg.training.micro_batch_size,
+        clip_grad=cfg.training.clip_grad,
+        old_logprobs=cfg.grpo.iterations > 1,
         importance=importance,
-        packing_capacity=args.seq_length if args.rl_use_sequence_packing else None,
-        check_finite=args.check_for_nan_in_loss_and_grad,
+        packing_capacity=cfg.model.seq_length if cfg.training.use_sequence_packing else None,
+        check_finite=cfg.training.check_for_nan_in_loss_and_grad,
     )
 
 
-def seq_logprob_error_config(args: argparse.Namespace) -> SeqLogprobErrorConfig | None:
+def seq_logprob_error_config(cfg: RunConfig) -> SeqLogprobErrorConfig | None:
     """The sequence-level logprob error of ``--rl-log-seq-logprob-error`` (metrics) and
     ``--rl-seq-logprob-error-threshold`` (masking; implies the metrics); None when off."""
-    threshold = args.rl_seq_logprob_error_threshold
-    if threshold is None and not args.rl_log_seq_logprob_error:
+    threshold = cfg.grpo.seq_logprob_error_threshold
+    if threshold is None and not cfg.grpo.log_seq_logprob_error:
         return None
     return SeqLogprobErrorConfig(threshold)
 
 
-def generation_rounds(args: argparse.Namespace) -> int:
+def generation_rounds(cfg: RunConfig) -> int:
     """Rounds of groups generated per batch (> 1 only with dynamic sampling)."""
-    return args.grpo_max_generation_rounds if args.grpo_filter_groups_with_same_reward else 1
+    return cfg.grpo.max_generation_rounds if cfg.grpo.filter_groups_with_same_reward else 1
 
 
-def dynamic_sampling_config(args: argparse.Namespace) -> DynamicSamplingConfig | None:
+def dynamic_sampling_config(cfg: RunConfig) -> DynamicSamplingConfig | None:
     """Dynamic sampling of ``--grpo-filter-groups-with-same-reward`` (None when off)."""
-    if not args.grpo_filter_groups_with_same_reward:
+    if not cfg.grpo.filter_groups_with_same_reward:
         return None
-    return DynamicSamplingConfig(args.grpo_prompts_per_step, generation_rounds(args))
+    return DynamicSamplingConfig(cfg.grpo.prompts_per_step, generation_rounds(cfg))
 
 
-def sampling_params(args: argparse.Namespace) -> SamplingParams:
+def sampling_params(cfg: RunConfig) -> SamplingParams:
     """The default sampling of every generation request (Megatron-LM's "off" values: top-p 0,
     top-k -1, become ours: 1 and 0)."""
     return SamplingParams(
-        temperature=args.rl_default_temperature,
-        top_p=args.rl_default_top_p if args.rl_default_top_p > 0 else 1.0,
-        top_k=max(args.rl_default_top_k, 0),
-        max_tokens=args.rl_default_max_tokens,
-        ignore_eos=args.rl_ignore_eos,
+        temperature=cfg.rollouts.default_temperature,
+        top_p=cfg.rollouts.default_top_p if cfg.rollouts.default_top_p > 0 else 1.0,
+        top_k=max(cfg.rollouts.default_top_k, 0),
+        max_tokens=cfg.rollouts.default_max_tokens,
+        ignore_eos=cfg.rollouts.ignore_eos,
     )
 
 
-def rollout_config(args: argparse.Namespace) -> RolloutConfig:
+def rollout_config(cfg: RunConfig) -> RolloutConfig:
     """What the forced-lag generator submits, and how far ahead: dynamic sampling's rounds all
     with the batch when L > 0, lazily (one more only while the batch is short) when L = 0."""
-    rounds = generation_rounds(args)
+    rounds = generation_rounds(cfg)
     return RolloutConfig(
-        forced_lag=args.rl_forced_lag,
-        groups_per_batch=args.grpo_prompts_per_step * rounds,
-        group_size=args.grpo_group_size,
-        seed=args.seed,
-        sampling=sampling_params(args),
+        forced_lag=cfg.rollouts.forced_lag,
+        groups_per_batch=cfg.grpo.prompts_per_step * rounds,
+        group_size=cfg.grpo.group_size,
+        seed=cfg.training.seed,
+        sampling=sampling_params(cfg),
         rounds=rounds,
-        lazy_rounds=rounds > 1 and args.rl_forced_lag == 0,
+        lazy_rounds=rounds > 1 and cfg.rollouts.forced_lag == 0,
     )
 
 
-def failure_budget(args: argparse.Namespace) -> FailureBudget:
+def failure_budget(cfg: RunConfig) -> FailureBudget:
     """The run-level limit on failed rollouts per environment, judged after a batch's worth."""
     return FailureBudget(
-        max_fraction=args.rl_max_failed_rollout_fraction,
-        min_rollouts=args.grpo_prompts_per_step * args.grpo_group_size,
+        max_fraction=cfg.rollouts.max_failed_rollout_fraction,
+        min_rollouts=cfg.grpo.prompts_per_step * cfg.grpo.group_size,
     )
 
 
-def inference_server_config(args: argparse.Namespace) -> InferenceServerConfig:
+def inference_server_config(cfg: RunConfig) -> InferenceServerConfig:
     """Where rank 0 serves remote environments, and the job's key (``--rl-api-key-file``, else
     ``MEGATRON_RL_API_KEY``). A key read from the file is also put into that variable, where
     remote agents (``RemoteAgentArgs.api_key_env``) find the key to send to env servers."""
-    key = read_api_key(args.rl_api_key_file, os.environ, "--rl-api-key-file")
-    if key is not None and args.rl_api_key_file is not None:
+    key = read_api_key(cfg.inference.api_key_file, os.environ, "--rl-api-key-file")
+    if key is not None and cfg.inference.api_key_file is not None:
         os.environ[API_KEY_ENV] = key
-    return InferenceServerConfig(args.rl_inference_server_host, args.rl_inference_server_port, key)
+    return InferenceServerConfig(
+        cfg.inference.inference_server_host, cfg.inference.inference_server_port, key
+    )
 
 
 def scheduler_config(
-    args: argparse.Namespace, dp_size: int, tokenizer: Tokenizer, training: bool = True
+    cfg: RunConfig, dp_size: int, tokenizer: Tokenizer, training: bool = True
 ) -> SchedulerConfig:
     """Slots per data-parallel replica, sequence length and stop tokens of an engine; the
     training engine also takes ``--rl-deterministic-schedule`` and ``--rl-reward-wait-steps``."""
     config = SchedulerConfig(
-        max_requests=args.inference_max_requests // dp_size,
-        max_seq_len=args.seq_length,
+        max_requests=cfg.inference.max_requests // dp_size,
+        max_seq_len=cfg.model.seq_length,
         eos_id=tokenizer.eos_id,
         extra_stop_ids=tuple(tokenizer.extra_stop_ids),
     )
     if training:
         config = dataclasses.replace(
             config,
-            window_target=args.rl_deterministic_schedule,
-            reward_wait_steps=args.rl_reward_wait_steps,
+            window_target=cfg.inference.deterministic_schedule,
+            reward_wait_steps=cfg.inference.reward_wait_steps,
         )
     return config
 
 
-def eval_config(args: argparse.Namespace, tokenizer: Tokenizer | None = None) -> EvalConfig:
+def eval_config(cfg: RunConfig, tokenizer: Tokenizer | None = None) -> EvalConfig:
     """The evaluation described by the flags (sampled pass at the training sampling params, but
     always ending at EOS: ``--rl-ignore-eos`` is for training rollouts); the tokenizer's EOS and
     extra stop ids tell a finished response from a truncated one."""
     stops = () if tokenizer is None else (tokenizer.eos_id, *tokenizer.extra_stop_ids)
     return EvalConfig(
-        num_prompts=args.eval_prompts,
-        samples_per_prompt=args.eval_samples,
-        pass_k=tuple(sorted(set(args.eval_pass_k))),
-        sampling=sampling_params(args).model_copy(update={"ignore_eos": False}),
-        correct_threshold=args.eval_correct_threshold,
-        seed=args.seed,
+        num_prompts=cfg.evaluation.prompts,
+        samples_per_prompt=cfg.evaluation.samples,
+        pass_k=tuple(sorted(set(cfg.evaluation.pass_k))),
+        sampling=sampling_params(cfg).model_copy(update={"ignore_eos": False}),
+        correct_threshold=cfg.evaluation.correct_threshold,
+        seed=cfg.training.seed,
         stop_token_ids=tuple(stops),
     )
 
 
-def wandb_config(args: argparse.Namespace) -> WandbConfig | None:
+def wandb_config(cfg: RunConfig) -> WandbConfig | None:
     """wandb logging of ``--wandb-project`` (None when off); the directory defaults to
     ``<--save>/wandb``, else ``./wandb``."""
-    if args.wandb_project is None:
+    if cfg.logging.wandb_project is None:
         return None
-    directory = args.wandb_save_dir or str(Path(args.save or ".") / "wandb")
-    return WandbConfig(args.wandb_project, args.wandb_exp_name, directory, saved_args(args))
+    directory = cfg.logging.wandb_save_dir or str(Path(cfg.checkpointing.save or ".") / "wandb")
+    return WandbConfig(
+        cfg.logging.wandb_project, cfg.logging.wandb_exp_name, directory, saved_args(cfg)
+    )
 
 
-def tokenizer(args: argparse.Namespace) -> Tokenizer:
+def tokenizer(cfg: RunConfig) -> Tokenizer:
     """The tokenizer of ``--tokenizer-type``; one of ``--hf-checkpoint`` is checked against the
     checkpoint's embedding rows."""
-    if args.tokenizer_type == "CharTokenizer":
+    if cfg.model.tokenizer_type == "CharTokenizer":
         return CharTokenizer()
     try:
-        if args.hf_config is not None:
-            return load_hf_tokenizer(args.tokenizer_model, args.hf_config)
-        return HuggingFaceTokenizer(args.tokenizer_model)
+        if cfg.hf is not None:
+            return load_hf_tokenizer(cfg.model.tokenizer_model, cfg.hf)
+        return HuggingFaceTokenizer(cfg.model.tokenizer_model)
     except HFCheckpointError as err:
         raise SystemExit(f"pretrain_grpo.py: error: --tokenizer-model: {err}") from None

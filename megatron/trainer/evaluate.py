@@ -5,7 +5,7 @@
          --val-dump-dir DIR --seed S] [--output-json FILE]
 
 The trainer's evaluation, run once on a loaded checkpoint (``checkpoint_model``): the same flags
-(``eval_flags.py``: prompts, samples, pass@k, correct threshold, validation split, dump
+(``flags/evaluation.py``: prompts, samples, pass@k, correct threshold, validation split, dump
 directory), the same environments (``grpo.load_agent``: every entry of the config, evaluation-only
 ones included, with the same ``--val-split-fraction`` hold-out as a training run with that
 fraction, so the accuracy before and after training is measured on the same problems), and the
@@ -44,9 +44,9 @@ with kernel_warnings() as MISSING_KERNELS:  # megatron-core's "not installed" wa
         parse_command_args,
     )
     from megatron.trainer.evaluation import Evaluator
+    from megatron.trainer.flags.output import output_path_problem
     from megatron.trainer.grpo import load_agent
     from megatron.trainer.initialize import initialize_distributed, shutdown_distributed
-    from megatron.trainer.output_flags import output_path_problem
 
 PROG = "megatron.trainer.evaluate"
 
@@ -77,30 +77,34 @@ def build_evaluate_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def evaluate_problems(args: argparse.Namespace) -> list[str]:
+def evaluate_problems(cfg: RunConfig, own: argparse.Namespace) -> list[str]:
     """Why ``--output-json`` cannot be written (probed, nothing left behind)."""
-    if args.output_json is None:
+    if own.output_json is None:
         return []
-    problem = output_path_problem("--output-json", args.output_json, "file")
+    problem = output_path_problem("--output-json", own.output_json, "file")
     return [problem] if problem else []
 
 
-def parse_evaluate_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The validated flags; ``UsageError`` (status 2) naming every bad one."""
+def parse_evaluate_args(
+    argv: list[str] | None = None,
+) -> tuple[RunConfig, argparse.Namespace]:
+    """The run config and ``--output-json``, validated; ``UsageError`` (status 2) naming every bad one."""
     return parse_command_args(build_evaluate_parser(), argv, evaluate_problems)
 
 
-def evaluate(args: argparse.Namespace) -> dict[str, Any]:
+def evaluate(cfg: RunConfig, own: argparse.Namespace) -> dict[str, Any]:
     """Evaluate the checkpoint, print the table, write ``--output-json``; the summary."""
-    agent = load_agent(args)  # a bad env config exits before anything is built
-    ctx = initialize_distributed(args)
+    agent = load_agent(cfg)  # a bad env config exits before anything is built
+    ctx = initialize_distributed(cfg)
     evaluator = None
     try:
-        loaded = load_checkpoint_model(args, ctx)
-        print(describe(loaded, args, ctx, MISSING_KERNELS), flush=True)
-        engine = config.scheduler_config(args, ctx.dp_size, loaded.tokenizer, training=False)
-        eval_config = config.eval_config(args, loaded.tokenizer)
-        dump_dir = None if args.val_dump_dir is None else Path(args.val_dump_dir)
+        loaded = load_checkpoint_model(cfg, ctx)
+        print(describe(loaded, cfg, ctx, MISSING_KERNELS), flush=True)
+        engine = config.scheduler_config(cfg, ctx.dp_size, loaded.tokenizer, training=False)
+        eval_config = config.eval_config(cfg, loaded.tokenizer)
+        dump_dir = (
+            None if cfg.evaluation.val_dump_dir is None else Path(cfg.evaluation.val_dump_dir)
+        )
         evaluator = Evaluator(
             ctx, loaded.tier, loaded.model, loaded.tokenizer, agent, eval_config, engine, dump_dir
         )
@@ -108,21 +112,21 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         results = evaluator.evaluate(loaded.policy_version)
         seconds = time.perf_counter() - start
         dump = evaluator.dump_path(loaded.policy_version)
-        numbers = summary(results, eval_config, args, loaded, seconds, dump)
+        numbers = summary(results, eval_config, cfg, loaded, seconds, dump)
     finally:
         if evaluator is not None:
             evaluator.close()
         shutdown_distributed()
     print(report(numbers), flush=True)
-    if args.output_json is not None:
-        write_json(Path(args.output_json), numbers)
+    if own.output_json is not None:
+        write_json(Path(own.output_json), numbers)
     return numbers
 
 
 def summary(
     results: list[EnvEvaluation],
     eval_config: EvalConfig,
-    args: argparse.Namespace,
+    cfg: RunConfig,
     loaded: CheckpointModel,
     seconds: float,
     dump: Path | None = None,
@@ -134,10 +138,10 @@ def summary(
     return {
         "checkpoint": loaded.source,
         "policy_version": loaded.policy_version,
-        "env_config": args.env_config,
+        "env_config": cfg.rollouts.env_config,
         "seed": eval_config.seed,
         "eval_prompts": eval_config.num_prompts,
-        "val_split_fraction": args.val_split_fraction,
+        "val_split_fraction": cfg.evaluation.val_split_fraction,
         "samples_per_prompt": eval_config.samples_per_prompt,
         "pass_k": list(eval_config.pass_k),
         "correct_threshold": eval_config.correct_threshold,
@@ -233,7 +237,7 @@ def write_json(path: Path, numbers: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Parse the flags, then evaluate."""
-    evaluate(parse_evaluate_args(argv))
+    evaluate(*parse_evaluate_args(argv))
 
 
 if __name__ == "__main__":

@@ -95,38 +95,44 @@ def run_main(main: Callable[[], None], prog: str = TRAINER_PROG) -> None:
         main()
     except BaseException as exc:
         wait_if_watchdog_fired()
-        if isinstance(exc, KeyboardInterrupt):
-            sys.exit(130)
-        if isinstance(exc, UsageError):
-            message = as_prog(exc.message, prog)
-            if global_rank() == 0:
-                print(message, file=sys.stderr, flush=True)
-            write_error_file(message, "own")
-            sys.exit(2)
-        if isinstance(exc, quiet_errors()):
-            if debug:
-                traceback.print_exc()
-            write_error_file(getattr(exc, "message", str(exc)), "peer")
-            sys.exit(1)
-        if isinstance(exc, SystemExit):
-            if exc.code is None or isinstance(exc.code, int):  # argparse, a stop on a signal
-                if exc.code:
-                    write_error_file(f"exit status {exc.code}", "own")
-                raise
-            expected_exit(prog, str(exc.code), debug)
-        if isinstance(exc, expected_errors()):
-            expected_exit(prog, str(exc), debug)
-        if isinstance(exc, Exception):  # a bug: the traceback is the report
-            write_error_file(f"{type(exc).__name__}: {exc}", None, trace=True)
+        if isinstance(exc, SystemExit) and exc.code in (None, 0):  # --help, a clean stop
+            raise
+        report_exit(exc, prog, debug)
         raise
     wait_if_watchdog_fired()
 
 
+def report_exit(exc: BaseException, prog: str, debug: bool) -> None:
+    """Print and record ``exc`` as the module docstring says and exit; return for an exception
+    the caller re-raises (a bug, or ``SystemExit`` with a status)."""
+    if isinstance(exc, KeyboardInterrupt):
+        sys.exit(130)
+    if isinstance(exc, UsageError):
+        message = as_prog(exc.message, prog)
+        if global_rank() == 0:
+            print(message, file=sys.stderr, flush=True)
+        write_error_file(message, "own")
+        sys.exit(2)
+    if isinstance(exc, quiet_errors()):
+        if debug:
+            traceback.print_exc()
+        write_error_file(getattr(exc, "message", str(exc)), "peer")
+        sys.exit(1)
+    if isinstance(exc, SystemExit):
+        if isinstance(exc.code, int):  # argparse, a stop on a signal
+            write_error_file(f"exit status {exc.code}", "own")
+            return
+        expected_exit(prog, str(exc.code), debug)
+    if isinstance(exc, expected_errors()):
+        expected_exit(prog, str(exc), debug)
+    if isinstance(exc, Exception):  # a bug: the traceback is the report
+        write_error_file(f"{type(exc).__name__}: {exc}", None, trace=True)
+
+
 def wait_if_watchdog_fired() -> None:
     """Leave the ending to the watchdog once it fired (it exits the process with status 1)."""
-    from megatron.trainer import watchdog  # late: it is only ever set after the run started
-
-    if watchdog.FIRED.is_set():
+    watchdog = sys.modules.get("megatron.trainer.watchdog")  # only ever set once imported
+    if watchdog is not None and watchdog.FIRED.is_set():
         watchdog.wait_for_exit()
 
 

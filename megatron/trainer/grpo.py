@@ -16,7 +16,7 @@ steps (``evaluation.py``).
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import signal
 import threading
 import time
@@ -31,7 +31,7 @@ from megatron.rl.dataplane.batches import publish_groups
 from megatron.rl.grpo.filtering import select_groups
 from megatron.rl.tokenizer import Tokenizer
 from megatron.rl.wire import RolloutGroup
-from megatron.trainer import config, report, run_config
+from megatron.trainer import config, report
 from megatron.trainer.checkpointing import (
     Checkpoint,
     LoadOptions,
@@ -40,10 +40,11 @@ from megatron.trainer.checkpointing import (
     save_captured,
 )
 from megatron.trainer.collection import KeyedCollection
-from megatron.trainer.eval_flags import evaluation_requested
 from megatron.trainer.evaluation import Evaluator, eval_agents, hold_out_validation
 from megatron.trainer.exits import UsageError
-from megatron.trainer.flag_validation import validate_env_config
+from megatron.trainer.flags import run_file
+from megatron.trainer.flags.rollouts import env_config_problems
+from megatron.trainer.flags.run import RunConfig
 from megatron.trainer.hf_io import save_hf, weight_loader
 from megatron.trainer.initialize import (
     ParallelContext,
@@ -68,7 +69,7 @@ from megatron.trainer.watchdog import Watchdog
 class Run:
     """What the loop trains with, built once per process (``build_run``)."""
 
-    args: argparse.Namespace
+    cfg: RunConfig
     ctx: ParallelContext
     tier: Tier
     tokenizer: Tokenizer
@@ -84,12 +85,14 @@ class Run:
     @property
     def k(self) -> int:
         """Training iterations per collection."""
-        return self.args.iterations_per_collection
+        return self.cfg.iterations_per_collection
 
     @property
     def micro_batches(self) -> int:
         """Micro-batches of one global batch on this data-parallel rank."""
-        return self.args.global_batch_size // (self.args.micro_batch_size * self.ctx.dp_size)
+        return self.cfg.training.global_batch_size // (
+            self.cfg.training.micro_batch_size * self.ctx.dp_size
+        )
 
     def collection(self, collected: CollectedBatch) -> tuple[KeyedCollection, dict[str, Any]]:
         """The collection of a batch (dynamic sampling and advantages on rank 0, which writes its
@@ -98,17 +101,22 @@ class Run:
         meta, extra, failure = None, {}, None
         if self.ctx.is_main:
             try:
-                groups, extra = training_groups(self.args, collected)
+                groups, extra = training_groups(self.cfg, collected)
                 meta = publish_groups(self.plane, groups, collected.batch.batch_id)
             except Exception as exc:  # every rank stops here instead of waiting for the meta
                 failure = exc
         raise_agreed_failure(failure)
         meta = self.plane.share(meta)
         collection = KeyedCollection(
-            self.plane, meta, self.args.global_batch_size, self.k, self.ctx, self.tokenizer.pad_id
+            self.plane,
+            meta,
+            self.cfg.training.global_batch_size,
+            self.k,
+            self.ctx,
+            self.tokenizer.pad_id,
         )
         collection.prepare(self.policy, self.step_config)
-        error_config = config.seq_logprob_error_config(self.args)
+        error_config = config.seq_logprob_error_config(self.cfg)
         if error_config is not None:  # pi_old vs the engine's logprobs; masks rows above X
             rewarded = collection.rewarded()
             extra.update(apply_seq_logprob_error(collection, rewarded, self.policy, error_config))
@@ -124,52 +132,56 @@ class Run:
             (result,) = self.policy.train(batch, loss, caches=caches)
         except NonFiniteUpdate as exc:  # --check-for-nan-in-loss-and-grad: nothing was applied
             raise NonFiniteUpdate(f"step {iteration}: {exc}") from None
-        collection.write_back(j, self.step_config, self.args.micro_batch_size)
+        collection.write_back(j, self.step_config, self.cfg.training.micro_batch_size)
         if j == self.k - 1:
             collection.finish()
         return result
 
 
-def build_run(args: argparse.Namespace, ctx: ParallelContext) -> Run:
+def build_run(cfg: RunConfig, ctx: ParallelContext) -> Run:
     """Tier, tokenizer, model (``--hf-checkpoint`` weights), reference, optimizer, ``--load``."""
-    tier = select_tier(args, ctx)  # CPU or CUDA: model, optimizer, step, engine, checkpoints
-    tokenizer = config.tokenizer(args)
-    step_config = config.step_config(args, tokenizer.vocab_size)
-    model = tier.build_model(tokenizer.vocab_size, weight_loader(args))
+    tier = select_tier(cfg, ctx)  # CPU or CUDA: model, optimizer, step, engine, checkpoints
+    tokenizer = config.tokenizer(cfg)
+    step_config = config.step_config(cfg, tokenizer.vocab_size)
+    model = tier.build_model(tokenizer.vocab_size, weight_loader(cfg))
     reference = build_reference_model(  # before --load overwrites the initial weights
-        args, tier, model, tokenizer.vocab_size, ctx, step_config.needs_reference
+        cfg, tier, model, tokenizer.vocab_size, ctx, step_config.needs_reference
     )
     state = TrainState(model, *tier.build_optimizer(model))
     policy = tier.build_policy(state, PolicyConfig.of(step_config), reference)
     resumed = Checkpoint(iteration=0, pipeline=None)
-    if args.load:
-        shards, options = tier.checkpoint_shards(), LoadOptions.of(args)
-        resumed = load_checkpoint(args.load, shards, state, args, ctx, options, args.ckpt_step)
-    plane = make_data_plane(args.rl_data_plane, ctx.rank, ctx.world_size, ctx.device)
-    return Run(args, ctx, tier, tokenizer, step_config, state, policy, resumed, plane)
+    if cfg.checkpointing.load:
+        shards, options = tier.checkpoint_shards(), LoadOptions.of(cfg)
+        resumed = load_checkpoint(
+            cfg.checkpointing.load, shards, state, cfg, ctx, options, cfg.checkpointing.ckpt_step
+        )
+    plane = make_data_plane(cfg.rollouts.data_plane, ctx.rank, ctx.world_size, ctx.device)
+    return Run(cfg, ctx, tier, tokenizer, step_config, state, policy, resumed, plane)
 
 
-def train(args: argparse.Namespace, missing_kernels: set[str] = frozenset()) -> None:
+def train(cfg: RunConfig, missing_kernels: set[str] = frozenset()) -> None:
     """Run GRPO for ``--train-iters`` iterations (resuming from ``--load`` if given).
 
     ``missing_kernels``: kernel packages megatron-core said are missing (the header names them).
     """
     started = time.monotonic()
-    agent = load_agent(args)
-    ctx = initialize_distributed(args)
-    args.run_started = main_rank_value(args.run_started)  # one name for every rank's files
-    watchdog = start_watchdog(args, ctx)
+    agent = load_agent(cfg)
+    ctx = initialize_distributed(cfg)
+    cfg = dataclasses.replace(cfg, started=main_rank_value(cfg.started))  # one name everywhere
+    watchdog = start_watchdog(cfg, ctx)
     writer = evaluator = run = None
     try:
-        run = build_run(args, ctx)
+        run = build_run(cfg, ctx)
         print_header(run, agent, missing_kernels)
-        writer = metrics_writer(args, run.resumed.iteration) if ctx.is_main else None
+        writer = metrics_writer(cfg, run.resumed.iteration) if ctx.is_main else None
         constant_rewards = ConstantRewardWarning() if ctx.is_main else None
         evaluator = build_evaluator(run, agent)
         if evaluator is not None:
             watchdog.watch_loop(evaluator.host.loop)
         at_start = {}
-        if args.val_at_start and run.resumed.iteration < args.train_iters:  # before any update
+        if (
+            cfg.evaluation.val_at_start and run.resumed.iteration < cfg.training.train_iters
+        ):  # before any update
             watchdog.begin("the evaluation before the first step")
             at_start = evaluator.run(policy_version=run.resumed.iteration)
             at_start = {k.replace("eval/", "eval_at_start/", 1): v for k, v in at_start.items()}
@@ -177,7 +189,7 @@ def train(args: argparse.Namespace, missing_kernels: set[str] = frozenset()) -> 
         with rollout_source(run, agent) as rollouts:
             watchdog.watch_loop(rollouts.host.loop)
             stop_on_signals(rollouts)
-            for iteration in range(run.resumed.iteration, args.train_iters):
+            for iteration in range(run.resumed.iteration, cfg.training.train_iters):
                 watchdog.begin(f"step {iteration}")  # after a collective: every rank alike
                 t0 = time.perf_counter()
                 if iteration % run.k == 0:  # collect (ordered, forced lag) -> advantages, pi_old
@@ -191,25 +203,26 @@ def train(args: argparse.Namespace, missing_kernels: set[str] = frozenset()) -> 
                 elapsed, metrics = time.perf_counter() - t0, dict(extra)
                 metrics.update(at_start)  # the first step's record only
                 at_start = {}
-                if evaluation_due(args, iteration + 1):  # own engine and window
+                if evaluation_due(cfg, iteration + 1):  # own engine and window
                     watchdog.begin(f"the evaluation after step {iteration}")
                     metrics.update(evaluator.run(policy_version=iteration + 1))
                 if writer is not None:  # log
-                    writer.write(step_metrics(iteration, args.rl_forced_lag, collected, result,
+                    writer.write(step_metrics(iteration, cfg.rollouts.forced_lag, collected, result,
                                               elapsed, metrics, run.k))  # fmt: skip
                 stop = rollouts.stop_requested()  # a signal on any rank (collective)
                 if end_of_collection(run, iteration + 1, rollouts, stop, watchdog):
                     break  # --exit-interval
         watchdog.begin("the end of the run (--save-hf, summary)")
-        if args.save_hf is not None:  # the policy as a Hugging Face directory
-            arch = architecture(args, run.tokenizer.vocab_size)
-            rows = args.hf_config.vocab_size if args.hf_config else run.tokenizer.vocab_size
-            save_hf(args, run.state.model, arch, rows, ctx)
+        if cfg.model.save_hf is not None:  # the policy as a Hugging Face directory
+            arch = architecture(cfg, run.tokenizer.vocab_size)
+            rows = cfg.hf.vocab_size if cfg.hf else run.tokenizer.vocab_size
+            save_hf(cfg, run.state.model, arch, rows, ctx)
         if writer is not None:
-            plot = report.write_curves(writer.records, plot_file(args)) if plot_file(args) else None
+            plot = report.write_curves(writer.records, plot_file(cfg)) if plot_file(cfg) else None
             seconds = time.monotonic() - started
             print(
-                report.summary(writer.records, args.rl_forced_lag, seconds, args, plot), flush=True
+                report.summary(writer.records, cfg.rollouts.forced_lag, seconds, cfg, plot),
+                flush=True,
             )
     finally:
         watchdog.begin("the run's shutdown")
@@ -223,12 +236,12 @@ def train(args: argparse.Namespace, missing_kernels: set[str] = frozenset()) -> 
         watchdog.close()
 
 
-def start_watchdog(args: argparse.Namespace, ctx: ParallelContext) -> Watchdog:
+def start_watchdog(cfg: RunConfig, ctx: ParallelContext) -> Watchdog:
     """The watchdog of ``--watchdog-timeout-minutes`` (off at 0), watching start-up. Its stacks
     files go next to ``--metrics-file``, else into ``runs/`` (as the curves' default)."""
-    directory = Path(args.metrics_file).parent if args.metrics_file else Path("runs")
-    minutes = args.watchdog_timeout_minutes
-    watchdog = Watchdog(minutes * 60, directory, args.run_started, ctx.rank)
+    directory = Path(cfg.logging.metrics_file).parent if cfg.logging.metrics_file else Path("runs")
+    minutes = cfg.training.watchdog_timeout_minutes
+    watchdog = Watchdog(minutes * 60, directory, cfg.started, ctx.rank)
     watchdog.start("start-up (model build and load, rollout pipeline start)")
     return watchdog
 
@@ -237,45 +250,45 @@ def print_header(run: Run, agent: Agent, missing_kernels: set[str]) -> None:
     """What runs, where it writes (rank 0; counting the parameters is collective)."""
     parameters = report.parameter_count(run.state.model, run.ctx.tp_group)
     if run.ctx.is_main:
-        arch = architecture(run.args, run.tokenizer.vocab_size)
+        arch = architecture(run.cfg, run.tokenizer.vocab_size)
         text = report.header(
-            run.args, arch, parameters, run.tokenizer, agent, run.tier.describe(),
-            missing_kernels, plot_file(run.args),
+            run.cfg, arch, parameters, run.tokenizer, agent, run.tier.describe(),
+            missing_kernels, plot_file(run.cfg),
         )  # fmt: skip
         print(text, flush=True)
 
 
-def plot_file(args: argparse.Namespace) -> Path | None:
+def plot_file(cfg: RunConfig) -> Path | None:
     """Where the reward/loss curves go: ``--plot-file``, else next to ``--metrics-file``, else
     ``runs/curves-<start time>.png``; None for ``--plot-file none``."""
-    if args.plot_file is not None:
-        return None if args.plot_file.lower() == "none" else Path(args.plot_file)
-    if args.metrics_file is not None:
-        return Path(args.metrics_file).with_suffix(".png")
-    return Path("runs") / f"curves-{args.run_started}.png"
+    if cfg.logging.plot_file is not None:
+        return None if cfg.logging.plot_file.lower() == "none" else Path(cfg.logging.plot_file)
+    if cfg.logging.metrics_file is not None:
+        return Path(cfg.logging.metrics_file).with_suffix(".png")
+    return Path("runs") / f"curves-{cfg.started}.png"
 
 
 def build_evaluator(run: Run, agent: Agent) -> Evaluator | None:
     """The evaluation engine of ``--eval-interval`` / ``--eval-iters`` (None when off)."""
-    if not evaluation_requested(run.args):
+    if not run.cfg.evaluation.requested:
         return None
-    engine = config.scheduler_config(run.args, run.ctx.dp_size, run.tokenizer, training=False)
+    engine = config.scheduler_config(run.cfg, run.ctx.dp_size, run.tokenizer, training=False)
     return Evaluator(
         run.ctx, run.tier, run.state.model, run.tokenizer, agent if run.ctx.is_main else None,
-        config.eval_config(run.args, run.tokenizer), engine,
-        None if run.args.val_dump_dir is None else Path(run.args.val_dump_dir),
+        config.eval_config(run.cfg, run.tokenizer), engine,
+        None if run.cfg.evaluation.val_dump_dir is None else Path(run.cfg.evaluation.val_dump_dir),
     )  # fmt: skip
 
 
 def rollout_source(run: Run, agent: Agent) -> RolloutSource:
     """The training rollout pipeline, continuing ``run.resumed``."""
-    args, ctx = run.args, run.ctx
+    cfg, ctx = run.cfg, run.ctx
     return RolloutSource(
         ctx, run.tier, run.state.model, run.tokenizer, agent if ctx.is_main else None,
-        config.rollout_config(args), config.scheduler_config(args, ctx.dp_size, run.tokenizer),
-        run.resumed.iteration // run.k, config.inference_server_config(args),
+        config.rollout_config(cfg), config.scheduler_config(cfg, ctx.dp_size, run.tokenizer),
+        run.resumed.iteration // run.k, config.inference_server_config(cfg),
         run.resumed.pipeline, policy_version=run.resumed.iteration,
-        failure_budget=config.failure_budget(args), stop_cancels_window=not args.save,
+        failure_budget=config.failure_budget(cfg), stop_cancels_window=not cfg.checkpointing.save,
         resume_kv=run.resumed.inflight_kv,
     )  # fmt: skip
 
@@ -288,17 +301,23 @@ def end_of_collection(
     signum)``); whether ``--exit-interval`` ends the run here. Mid-collection a signal stops at
     once without ``--save`` and otherwise waits for the collection's end. The save is a phase of
     ``watchdog``."""
-    args = run.args
+    cfg = run.cfg
     if iteration % run.k:
-        if stop and not args.save:
+        if stop and not cfg.checkpointing.save:
             raise_stop(run, iteration, stop)
         return False
-    exiting = args.exit_interval is not None and iteration % args.exit_interval == 0
-    if checkpoint_due(args, iteration) or ((exiting or stop) and args.save):
+    exiting = cfg.training.exit_interval is not None and iteration % cfg.training.exit_interval == 0
+    if checkpoint_due(cfg, iteration) or ((exiting or stop) and cfg.checkpointing.save):
         watchdog.begin(f"the checkpoint save after step {iteration - 1}")
         shards = run.tier.checkpoint_shards()
         line = save_captured(
-            args.save, iteration, shards, run.state, rollouts.checkpoint_state, args, run.ctx
+            cfg.checkpointing.save,
+            iteration,
+            shards,
+            run.state,
+            rollouts.checkpoint_state,
+            cfg,
+            run.ctx,
         )
         if run.ctx.is_main:
             print(line, flush=True)
@@ -310,26 +329,32 @@ def end_of_collection(
 def raise_stop(run: Run, iteration: int, signum: int) -> None:
     """Say where the run stopped for ``signum`` (rank 0) and exit with 128 + signum."""
     if run.ctx.is_main:
-        saved = f", saved iteration {iteration} to {run.args.save}" if run.args.save else ""
+        saved = (
+            f", saved iteration {iteration} to {run.cfg.checkpointing.save}"
+            if run.cfg.checkpointing.save
+            else ""
+        )
         name = signal.Signals(signum).name
         print(f"{name}: stopped after step {iteration - 1}{saved}", flush=True)
     raise SystemExit(128 + signum)
 
 
-def evaluation_due(args: argparse.Namespace, iteration: int) -> bool:
+def evaluation_due(cfg: RunConfig, iteration: int) -> bool:
     """Evaluate after ``iteration`` iterations: every ``--eval-interval`` and, with
     ``--eval-iters`` > 0 or ``--val-at-end``, after the last one."""
-    if args.eval_interval is not None and iteration % args.eval_interval == 0:
+    if cfg.evaluation.interval is not None and iteration % cfg.evaluation.interval == 0:
         return True
-    return (args.eval_iters > 0 or args.val_at_end) and iteration == args.train_iters
+    return (
+        cfg.evaluation.iters > 0 or cfg.evaluation.val_at_end
+    ) and iteration == cfg.training.train_iters
 
 
 def training_groups(
-    args: argparse.Namespace, collected: CollectedBatch
+    cfg: RunConfig, collected: CollectedBatch
 ) -> tuple[list[RolloutGroup], dict[str, Any]]:
     """The groups the step trains on, and the dynamic-sampling metrics (rank 0)."""
     groups = collected.batch.groups
-    sampling = config.dynamic_sampling_config(args)
+    sampling = config.dynamic_sampling_config(cfg)
     if sampling is None:
         return groups, {}
     chosen = select_groups(groups, sampling)
@@ -345,40 +370,42 @@ def training_groups(
     }
 
 
-def load_agent(args: argparse.Namespace) -> Agent:
+def load_agent(cfg: RunConfig) -> Agent:
     """The env-config's agents; a bad config, or one the flags do not fit, exits with status 2
     (``UsageError``) before anything is built."""
     try:
-        agent = load_env_config(args.env_config)
+        agent = load_env_config(cfg.rollouts.env_config)
     except EnvConfigError as err:
         raise UsageError(f"pretrain_grpo.py: error: --env-config: {err}") from None
-    errors = validate_env_config(args, agent)
+    errors = env_config_problems(cfg.rollouts.env_config, cfg.model.seq_length, agent)
     if errors:
         raise UsageError("pretrain_grpo.py: error: invalid arguments:\n  " + "\n  ".join(errors))
-    if evaluation_requested(args):
+    if cfg.evaluation.requested:
         eval_agents(agent)  # refuses remote environments on every rank, before any collective
-    if args.val_split_fraction > 0:  # the same split on every rank (a pure function of the data)
-        hold_out_validation(agent, args.val_split_fraction)
+    if cfg.evaluation.val_split_fraction > 0:  # the same split on every rank (data alone)
+        hold_out_validation(agent, cfg.evaluation.val_split_fraction)
     return agent
 
 
-def checkpoint_due(args: argparse.Namespace, iteration: int) -> bool:
+def checkpoint_due(cfg: RunConfig, iteration: int) -> bool:
     """Whether to save after ``iteration`` steps: every ``--save-interval`` and at the end."""
-    if not args.save:
+    if not cfg.checkpointing.save:
         return False
     return (
-        iteration == args.train_iters or iteration % (args.save_interval or args.train_iters) == 0
+        iteration == cfg.training.train_iters
+        or iteration % (cfg.checkpointing.save_interval or cfg.training.train_iters) == 0
     )
 
 
-def metrics_writer(args: argparse.Namespace, first_step: int) -> MetricsWriter:
+def metrics_writer(cfg: RunConfig, first_step: int) -> MetricsWriter:
     """Log line, JSONL, TensorBoard and wandb outputs of the flags (a resumed run starts at
-    first_step); the run's resolved flags go next to the JSONL (``run_config.py``)."""
-    if args.metrics_file is not None and getattr(args, "run_config", None):
-        run_config.write(args.run_config, run_config.next_to_metrics(args.metrics_file))
+    first_step); the run's resolved options go next to the JSONL (``flags/run_file.py``)."""
+    log = cfg.logging
+    if log.metrics_file is not None:
+        run_file.write(run_file.resolved(cfg), run_file.next_to_metrics(log.metrics_file))
     return MetricsWriter(
-        args.train_iters, args.log_interval, args.metrics_file, args.tensorboard_dir, first_step,
-        config.wandb_config(args),
+        cfg.training.train_iters, cfg.training.log_interval, log.metrics_file,
+        log.tensorboard_dir, first_step, config.wandb_config(cfg),
     )  # fmt: skip
 
 

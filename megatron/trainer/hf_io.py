@@ -6,7 +6,6 @@ parallel layout, and turns its errors into one message naming the flag.
 
 from __future__ import annotations
 
-import argparse
 import functools
 from collections.abc import Callable
 from pathlib import Path
@@ -44,11 +43,11 @@ def exportable(arch: GPTArchitecture) -> str | None:
     return None
 
 
-def weight_loader(args: argparse.Namespace) -> Callable[[torch.nn.Module], None] | None:
+def weight_loader(cfg: RunConfig) -> Callable[[torch.nn.Module], None] | None:
     """What fills a freshly built model from ``--hf-checkpoint`` (None without one)."""
-    if args.hf_config is None:
+    if cfg.hf is None:
         return None
-    return functools.partial(_load, directory=args.hf_checkpoint, hf=args.hf_config)
+    return functools.partial(_load, directory=cfg.model.hf_checkpoint, hf=cfg.hf)
 
 
 def _load(model: torch.nn.Module, directory: str, hf) -> None:
@@ -59,7 +58,7 @@ def _load(model: torch.nn.Module, directory: str, hf) -> None:
 
 
 def save_hf(
-    args: argparse.Namespace,
+    cfg: RunConfig,
     model: torch.nn.Module,
     arch: GPTArchitecture,
     vocab_size: int,
@@ -73,16 +72,16 @@ def save_hf(
     shards = gather_tensor_parallel_state_dicts(unwrap_model(model), ctx.tp_group)
     if not ctx.is_main:
         return None
-    family = args.hf_config.family if args.hf_config is not None else export_family(arch)
+    family = cfg.hf.family if cfg.hf is not None else export_family(arch)
     dtype = None
-    if args.hf_config is not None and args.hf_config.dtype in ("float16", "bfloat16", "float32"):
-        dtype = getattr(torch, args.hf_config.dtype)  # as the checkpoint that was loaded
+    if cfg.hf is not None and cfg.hf.dtype in ("float16", "bfloat16", "float32"):
+        dtype = getattr(torch, cfg.hf.dtype)  # as the checkpoint that was loaded
     return export_hf(
-        args.save_hf,
+        cfg.model.save_hf,
         arch,
         [{k: v.float() for k, v in shard.items()} for shard in shards],
         family=family,
         vocab_size=vocab_size,
         dtype=dtype,
-        tokenizer_dir=args.tokenizer_model,
+        tokenizer_dir=cfg.model.tokenizer_model,
     )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import random
@@ -16,7 +15,8 @@ from megatron.core import parallel_state
 
 from megatron.trainer.allocator import set_mmap_threshold
 from megatron.trainer.exits import PeerFailed
-from megatron.trainer.training_flags import DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES
+from megatron.trainer.flags.run import RunConfig
+from megatron.trainer.flags.training import DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES
 
 T = TypeVar("T")
 
@@ -46,7 +46,7 @@ class ParallelContext:
         return self.tp_rank == 0
 
 
-def initialize_distributed(args: argparse.Namespace) -> ParallelContext:
+def initialize_distributed(cfg: RunConfig) -> ParallelContext:
     """Start torch.distributed (gloo on CPU, nccl on CUDA) and megatron-core's parallel state.
 
     Works under torchrun/SLURM (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment) and as a
@@ -66,20 +66,20 @@ def initialize_distributed(args: argparse.Namespace) -> ParallelContext:
         if "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
         # the trainer's flag; tools and tests that start a world with fewer flags have no policy
-        threshold = getattr(args, "malloc_mmap_threshold_kib", None)
+        threshold = cfg.training.malloc_mmap_threshold_kib
         if threshold is not None:
             set_mmap_threshold(threshold)
     if not dist.is_initialized():
         # validation fills the flag; tools that start a world from unvalidated flags get the default
-        minutes = args.distributed_timeout_minutes or DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES
+        minutes = cfg.parallelism.distributed_timeout_minutes or DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES
         dist.init_process_group(
             backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=minutes)
         )
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        tensor_model_parallel_size=cfg.parallelism.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.parallelism.pipeline_model_parallel_size,
     )
-    set_seeds(args.seed, cuda)
+    set_seeds(cfg.training.seed, cuda)
     return ParallelContext(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),

@@ -11,7 +11,6 @@ group) and computes the global gradient norm counting each tensor-parallel shard
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 import torch
@@ -19,9 +18,11 @@ import torch.distributed as dist
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
+from megatron.trainer.flags.run import RunConfig
+
 
 def build_optimizer(
-    model: torch.nn.Module, args: argparse.Namespace
+    model: torch.nn.Module, cfg: RunConfig
 ) -> tuple[torch.optim.AdamW, OptimizerParamScheduler]:
     """Fused AdamW with no weight decay on biases/norms, and warmup + decay down to
     ``--min-lr``."""
@@ -31,13 +32,13 @@ def build_optimizer(
             (no_decay if param.ndim < 2 or name.endswith(".bias") else decay).append(param)
     optimizer = torch.optim.AdamW(
         [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}],
-        lr=args.lr,
-        betas=(args.adam_beta1, args.adam_beta2),
-        eps=args.adam_eps,
-        weight_decay=args.weight_decay,
+        lr=cfg.training.lr,
+        betas=(cfg.training.adam_beta1, cfg.training.adam_beta2),
+        eps=cfg.training.adam_eps,
+        weight_decay=cfg.training.weight_decay,
         fused=True,
     )
-    return optimizer, build_scheduler(optimizer, args)
+    return optimizer, build_scheduler(optimizer, cfg)
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
@@ -52,7 +53,7 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
         group.update(options)
 
 
-def build_scheduler(optimizer: Any, args: argparse.Namespace) -> OptimizerParamScheduler:
+def build_scheduler(optimizer: Any, cfg: RunConfig) -> OptimizerParamScheduler:
     """Warmup + decay down to ``--min-lr`` at ``--lr-decay-iters`` (default ``--train-iters``),
     stepped once per iteration (both tiers; ``optimizer`` is a torch or a megatron-core optimizer).
 
@@ -60,18 +61,18 @@ def build_scheduler(optimizer: Any, args: argparse.Namespace) -> OptimizerParamS
     ``--train-iters 5`` and the default warmup) decays over one iteration after the warmup, so the
     run only warms up.
     """
-    decay_iters = getattr(args, "lr_decay_iters", None) or args.train_iters
+    decay_iters = cfg.training.lr_decay_iters or cfg.training.train_iters
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0 if args.lr_warmup_iters > 0 else args.lr,
-        max_lr=args.lr,
-        min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters,
-        lr_decay_steps=max(decay_iters, args.lr_warmup_iters + 1),
-        lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay,
-        end_wd=args.weight_decay,
-        wd_incr_steps=max(args.train_iters, 1),
+        init_lr=0.0 if cfg.training.lr_warmup_iters > 0 else cfg.training.lr,
+        max_lr=cfg.training.lr,
+        min_lr=cfg.training.min_lr,
+        lr_warmup_steps=cfg.training.lr_warmup_iters,
+        lr_decay_steps=max(decay_iters, cfg.training.lr_warmup_iters + 1),
+        lr_decay_style=cfg.training.lr_decay_style,
+        start_wd=cfg.training.weight_decay,
+        end_wd=cfg.training.weight_decay,
+        wd_incr_steps=max(cfg.training.train_iters, 1),
         wd_incr_style="constant",
     )
 

@@ -13,8 +13,6 @@ The policy reads it through ``Policy.get_reference_policy_logprobs``.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 from megatron.core.utils import unwrap_model
 
@@ -24,7 +22,7 @@ from megatron.trainer.tiers.base import Tier
 
 
 def build_reference_model(
-    args: argparse.Namespace,
+    cfg: RunConfig,
     tier: Tier,
     policy: torch.nn.Module,
     vocab_size: int,
@@ -40,11 +38,11 @@ def build_reference_model(
     devices = [ctx.device] if ctx.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):  # a guard: building draws nothing (no init)
         reference = tier.build_reference(vocab_size, initialize=False)  # every tensor loaded below
-    if args.ref_load is not None:
-        iteration = latest_iteration(args.ref_load, "--ref-load")
-        directory, shards = iteration_dir(args.ref_load, iteration), tier.checkpoint_shards()
+    if cfg.grpo.ref_load is not None:
+        iteration = latest_iteration(cfg.grpo.ref_load, "--ref-load")
+        directory, shards = iteration_dir(cfg.grpo.ref_load, iteration), tier.checkpoint_shards()
         read_guarded(
-            "--ref-load", args.ref_load, iteration, shards.path(directory),
+            "--ref-load", cfg.grpo.ref_load, iteration, shards.path(directory),
             lambda: shards.read_model(directory, reference, "--ref-load"),
         )  # fmt: skip
     else:

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import argparse
 import statistics
 from pathlib import Path
 from typing import Any
@@ -58,7 +57,7 @@ def describe_architecture(arch: GPTArchitecture) -> str:
 
 
 def header(
-    args: argparse.Namespace,
+    cfg: RunConfig,
     arch: GPTArchitecture,
     parameters: int,
     tokenizer: Any,
@@ -72,23 +71,26 @@ def header(
     weights = agent.weights if isinstance(agent, MixtureAgent) else (1.0,)
     total = sum(weights) or 1.0
     envs = ", ".join(f"{a.env_id} ({w / total:.0%})" for a, w in zip(agents, weights))
-    source = f"from {args.hf_checkpoint}" if args.hf_checkpoint else "random init"
-    tok = type(tokenizer).__name__ + (f" {args.tokenizer_model}" if args.tokenizer_model else "")
-    rollouts = args.grpo_prompts_per_step * args.grpo_group_size
-    dp = args.data_parallel_size
+    source = f"from {cfg.model.hf_checkpoint}" if cfg.model.hf_checkpoint else "random init"
+    tok = type(tokenizer).__name__ + (
+        f" {cfg.model.tokenizer_model}" if cfg.model.tokenizer_model else ""
+    )
+    rollouts = cfg.grpo.prompts_per_step * cfg.grpo.group_size
+    dp = cfg.data_parallel_size
     lines = [
         f"model        {parameters / 1e6:.2f}M parameters ({source}): {describe_architecture(arch)}",
         f"tokenizer    {tok}, {tokenizer.vocab_size} ids",
-        f"environments {envs}" + (f" (config {args.env_config})" if args.env_config else ""),
-        f"rollouts     forced lag {args.rl_forced_lag}, {args.grpo_prompts_per_step} prompts x "
-        f"{args.grpo_group_size} samples = {rollouts} per collection, {args.iterations_per_collection}"
-        f" iteration(s) per collection of {args.global_batch_size} (micro-batch "
-        f"{args.micro_batch_size}), {args.train_iters} iterations",
-        f"parallelism  {tier_line}; world {args.world_size} = TP {args.tensor_model_parallel_size}"
-        f" x PP {args.pipeline_model_parallel_size} x DP {dp}",
-        f"outputs      metrics {args.metrics_file or '(log only)'}, checkpoints "
-        f"{args.save or '(none)'}"
-        + (f", Hugging Face export {args.save_hf}" if args.save_hf else "")
+        f"environments {envs}"
+        + (f" (config {cfg.rollouts.env_config})" if cfg.rollouts.env_config else ""),
+        f"rollouts     forced lag {cfg.rollouts.forced_lag}, {cfg.grpo.prompts_per_step} prompts x "
+        f"{cfg.grpo.group_size} samples = {rollouts} per collection, {cfg.iterations_per_collection}"
+        f" iteration(s) per collection of {cfg.training.global_batch_size} (micro-batch "
+        f"{cfg.training.micro_batch_size}), {cfg.training.train_iters} iterations",
+        f"parallelism  {tier_line}; world {cfg.world_size} = TP {cfg.parallelism.tensor_model_parallel_size}"
+        f" x PP {cfg.parallelism.pipeline_model_parallel_size} x DP {dp}",
+        f"outputs      metrics {cfg.logging.metrics_file or '(log only)'}, checkpoints "
+        f"{cfg.checkpointing.save or '(none)'}"
+        + (f", Hugging Face export {cfg.model.save_hf}" if cfg.model.save_hf else "")
         + (f", curves {plot_file}" if plot_file else ""),
     ]
     if missing_kernels:
@@ -106,7 +108,7 @@ def summary(
     records: list[dict[str, Any]],
     lag: int,
     seconds: float,
-    args: argparse.Namespace,
+    cfg: RunConfig,
     plot_file: Path | None,
 ) -> str:
     """The lines printed after the last step."""
@@ -121,8 +123,8 @@ def summary(
         f"staleness    {'exact' if exact else 'NOT exact'}: every batch trained "
         f"min(batch, {lag}) collections after its submission",
     ]
-    written = [("metrics", args.metrics_file), ("checkpoints", args.save)]
-    written += [("Hugging Face export", args.save_hf), ("curves", plot_file)]
+    written = [("metrics", cfg.logging.metrics_file), ("checkpoints", cfg.checkpointing.save)]
+    written += [("Hugging Face export", cfg.model.save_hf), ("curves", plot_file)]
     lines += [f"{name:<12} {path}" for name, path in written if path]
     return "\n".join(lines)
 

@@ -91,51 +91,53 @@ def build_serve_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def served_key(args: argparse.Namespace) -> str | None:
+def served_key(cfg: RunConfig) -> str | None:
     """The job's key: ``--rl-api-key-file``'s, else ``MEGATRON_RL_API_KEY``'s, else None."""
-    return read_api_key(args.rl_api_key_file, os.environ, "--rl-api-key-file")
+    return read_api_key(cfg.inference.api_key_file, os.environ, "--rl-api-key-file")
 
 
-def serve_problems(args: argparse.Namespace) -> list[str]:
+def serve_problems(cfg: RunConfig, own: argparse.Namespace) -> list[str]:
     """The server flags' problems, each naming its flags (the key file is checked already)."""
     errors = []
-    if not 0 <= args.port <= 65535:
-        errors.append(f"--port must be in [0, 65535], got {args.port}")
-    if args.served_model_name is not None and not args.served_model_name.strip():
+    if not 0 <= own.port <= 65535:
+        errors.append(f"--port must be in [0, 65535], got {own.port}")
+    if own.served_model_name is not None and not own.served_model_name.strip():
         errors.append("--served-model-name must not be empty")
-    if served_key(args) is None and not is_loopback(args.host):
+    if served_key(cfg) is None and not is_loopback(own.host):
         errors.append(
-            f"--host {args.host} is reachable from other machines: set {API_KEY_ENV} or "
+            f"--host {own.host} is reachable from other machines: set {API_KEY_ENV} or "
             "--rl-api-key-file so that every request needs the job's key (or listen on "
             "127.0.0.1)"
         )
     return errors
 
 
-def parse_serve_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The validated flags; ``UsageError`` (status 2) naming every bad one."""
+def parse_serve_args(
+    argv: list[str] | None = None,
+) -> tuple[RunConfig, argparse.Namespace]:
+    """The run config and the server's own options, validated; ``UsageError`` (status 2) naming every bad one."""
     return parse_command_args(build_serve_parser(), argv, serve_problems)
 
 
-def serve(args: argparse.Namespace) -> None:
+def serve(cfg: RunConfig, own: argparse.Namespace) -> None:
     """Load the checkpoint, build the engine and serve until SIGTERM or SIGINT."""
-    ctx = initialize_distributed(args)
+    ctx = initialize_distributed(cfg)
     host = None
     try:
-        loaded = load_checkpoint_model(args, ctx)
-        print(describe(loaded, args, ctx, MISSING_KERNELS), flush=True)
+        loaded = load_checkpoint_model(cfg, ctx)
+        print(describe(loaded, cfg, ctx, MISSING_KERNELS), flush=True)
         throughput = dataclasses.replace(
-            config.scheduler_config(args, ctx.dp_size, loaded.tokenizer, training=False),
+            config.scheduler_config(cfg, ctx.dp_size, loaded.tokenizer, training=False),
             window_target=False,
         )
         host = GenerationHost(
             ctx, loaded.tier, loaded.model, throughput, loaded.tokenizer.vocab_size,
             lambda: loaded.policy_version,
         )  # fmt: skip
-        name, key = args.served_model_name or default_model_name(args), served_key(args)
+        name, key = own.served_model_name or default_model_name(cfg), served_key(cfg)
         inference = LocalInferenceInterface(host.engine, loaded.tokenizer)
         app = create_inference_app(inference, loaded.tokenizer, model_name=name, api_key=key)
-        host.window(lambda: listen_until_stopped(app, args.host, args.port, name, key is not None))
+        host.window(lambda: listen_until_stopped(app, own.host, own.port, name, key is not None))
     finally:
         if host is not None:
             host.close(host.engine.aclose)
@@ -184,7 +186,7 @@ def stop_signals() -> Iterator[asyncio.Future[int]]:
 
 def main(argv: list[str] | None = None) -> None:
     """Parse the flags, then serve."""
-    serve(parse_serve_args(argv))
+    serve(*parse_serve_args(argv))
 
 
 if __name__ == "__main__":

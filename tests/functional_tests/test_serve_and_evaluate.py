@@ -204,12 +204,12 @@ def test_evaluation_equals_the_trainers_before_and_after_training(
 def test_the_validation_split_is_the_trainers(trained, tmp_path, env_config):
     """The math problems evaluated are the first --eval-prompts of the trainer's held-out split
     (as the trainer's load_agent builds it for the same --val-split-fraction)."""
-    from megatron.trainer.arguments import parse_args
+    from megatron.trainer.flags.parse import parse_args
     from megatron.trainer.grpo import load_agent
 
     flags = ["--env-config", str(env_config), "--val-split-fraction", "0.5", "--val-at-end"]
-    args = parse_args([*flags, "--seq-length", "64", "--rl-default-max-tokens", "6"])
-    (math,) = [a for a in load_agent(args).agents if a.env_id == "math"]
+    cfg = parse_args([*flags, "--seq-length", "64", "--rl-default-max-tokens", "6"])
+    (math,) = [a for a in load_agent(cfg).agents if a.env_id == "math"]
     held_out = [math.problem(i).problem_id for i in math.validation_indices[:3]]
     assert len(math.validation_indices) == 4
     for version in (0, 1):

@@ -45,12 +45,12 @@ from megatron.trainer.tiers.cuda import CUDATier  # noqa: E402
 K = 5
 
 
-def run_policy(tier_class, args, ctx, packing: int | None) -> dict:
+def run_policy(tier_class, cfg, ctx, packing: int | None) -> dict:
     """The results of every method on ``tier_class``'s policy."""
-    tier = tier_class(args, ctx)
+    tier = tier_class(cfg, ctx)
     torch.manual_seed(7)
     model = tier.build_model(VOCAB)
-    reference = build_reference_model(args, tier, model, VOCAB, ctx, needs_reference=True)
+    reference = build_reference_model(cfg, tier, model, VOCAB, ctx, needs_reference=True)
     state = TrainState(model, *tier.build_optimizer(model))
     config = StepConfig(
         GRPOLossConfig(0.2, 0.28, terms=(ReferenceKL(0.1), EntropyBonus(0.01))),
@@ -88,16 +88,15 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=1, help="> 1: the CUDA tier only")
     parser.add_argument("--packing", type=int, default=None)
     opts = parser.parse_args()
-    args = train_args(
-        tensor_model_parallel_size=opts.tp, pipeline_model_parallel_size=opts.pp,
-        grpo_kl_beta=0.1, ref_load=None,
+    cfg = train_args(  # the KL term's weight is the StepConfig's (ReferenceKL(0.1))
+        tensor_model_parallel_size=opts.tp, pipeline_model_parallel_size=opts.pp, ref_load=None
     )  # fmt: skip
     torch.cuda.is_available = lambda: False  # gloo and the CPU as the context's device
-    ctx = initialize_distributed(args)
+    ctx = initialize_distributed(cfg)
     torch.cuda.is_available = lambda: True
-    results = {"cuda": run_policy(CUDATier, args, ctx, opts.packing)}
+    results = {"cuda": run_policy(CUDATier, cfg, ctx, opts.packing)}
     if opts.pp == 1:  # the CPU tier has no pipeline stages
-        results["cpu"] = run_policy(CPUTier, args, ctx, opts.packing)
+        results["cpu"] = run_policy(CPUTier, cfg, ctx, opts.packing)
     torch.save(results, Path(opts.out) / f"rank{ctx.rank}.pt")
     torch.distributed.destroy_process_group()
 

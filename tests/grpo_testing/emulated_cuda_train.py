@@ -30,14 +30,14 @@ import functools  # noqa: E402
 
 import megatron.trainer.grpo as grpo  # noqa: E402
 import megatron.trainer.tiers.cuda as cuda_tier  # noqa: E402
-from megatron.trainer.arguments import parse_args  # noqa: E402
+from megatron.trainer.flags.parse import parse_args  # noqa: E402
 
 
-def initialize_on_gloo(args):
+def initialize_on_gloo(cfg):
     """``initialize_distributed`` as on a CPU machine (gloo, CPU device)."""
     torch.cuda.is_available = lambda: False
     try:
-        return initialize_distributed(args)
+        return initialize_distributed(cfg)
     finally:
         torch.cuda.is_available = lambda: True
 

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 from megatron.core import parallel_state
 
+from megatron.trainer.flags.run import RunConfig
 from megatron.trainer.model_provider import build_model
 
 VOCAB = 21
 
 
-def tiny_args(**overrides) -> argparse.Namespace:
-    """Flags of a 2-layer, 32-wide GPT (the fields the model provider reads)."""
+def tiny_args(**overrides) -> RunConfig:
+    """The run config of a 2-layer, 32-wide GPT (the toy architecture's other defaults);
+    ``overrides`` by argparse dest (``seq_length=64``) or derived field (``hf=...``)."""
     values = dict(
         num_layers=2,
         hidden_size=32,
@@ -22,28 +22,9 @@ def tiny_args(**overrides) -> argparse.Namespace:
         seq_length=32,
         max_position_embeddings=32,
         make_vocab_size_divisible_by=8,
-        tensor_model_parallel_size=1,
-        pipeline_model_parallel_size=1,
-        # the toy architecture (the defaults of the model flags)
-        group_query_attention=False,
-        num_query_groups=None,
-        kv_channels=None,
-        position_embedding_type="learned_absolute",
-        rotary_base=10000,
-        rotary_percent=1.0,
-        use_rope_scaling=False,
-        rope_scaling_factor=8.0,
-        normalization="LayerNorm",
-        norm_epsilon=1e-5,
-        swiglu=False,
-        disable_bias_linear=False,
-        add_qkv_bias=False,
-        qk_layernorm=False,
-        untie_embeddings_and_output_weights=False,
-        hf_config=None,
     )
     values.update(overrides)
-    return argparse.Namespace(**values)
+    return RunConfig().with_flags(**values)
 
 
 def tiny_gpt(tp: int = 1, seed: int = 0, **overrides) -> torch.nn.Module:

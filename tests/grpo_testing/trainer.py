@@ -2,30 +2,28 @@
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 from grpo_testing.models import tiny_args
 from megatron.core import parallel_state
 
 from megatron.rl.grpo.loss import GRPOLossConfig
+from megatron.trainer.flags.run import RunConfig
 from megatron.trainer.initialize import ParallelContext
 from megatron.trainer.losses import GRPOLoss
 from megatron.trainer.policy import Policy
 from megatron.trainer.step import MicroBatchCache, StepConfig, StepResult
 
 
-def train_args(**overrides) -> argparse.Namespace:
-    """The tiny model's flags plus the optimizer, schedule and tier flags a tier reads."""
-    args = tiny_args(**overrides)
-    args.__dict__.update(
+def train_args(**overrides) -> RunConfig:
+    """The tiny model's run config with the optimizer, schedule and tier options a tier reads."""
+    values = dict(
         seed=7, lr=1e-2, min_lr=1e-3, lr_warmup_iters=0, lr_decay_style="cosine", train_iters=10,
         weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.99, adam_eps=1e-8, clip_grad=0.5,
         micro_batch_size=4, distributed_timeout_minutes=1, bf16=False,
         use_distributed_optimizer=False,
     )  # fmt: skip
-    args.__dict__.update(overrides)
-    return args
+    values.update(overrides)
+    return tiny_args(**values)
 
 
 def step_config(vocab_size: int, **options) -> StepConfig:

@@ -84,7 +84,7 @@ def test_the_default_run_imports_no_hugging_face_package():
     used."""
     code = (
         "import sys\n"
-        "import megatron.trainer.arguments, megatron.trainer.grpo\n"
+        "import megatron.trainer.flags.parse, megatron.trainer.grpo\n"
         "print(sorted({'safetensors', 'transformers', 'tokenizers'} & set(sys.modules)))\n"
     )
     out = subprocess.run(

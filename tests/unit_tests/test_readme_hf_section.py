@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from megatron.rl.agent.env_config import load_env_config
-from megatron.trainer.arguments import parse_args
+from megatron.trainer.flags.parse import parse_args
 from megatron.trainer.grpo import load_agent
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,7 +76,7 @@ def test_the_command_starts_with_the_tools_tiny_checkpoint(tmp_path, at_repo_roo
     flags = with_value(flags, "--save", str(tmp_path / "ck"))
     flags = with_value(flags, "--save-hf", str(tmp_path / "hf"))
     args = parse_args(flags)  # UsageError (status 2) on any refused flag
-    assert args.seq_length <= args.hf_config.arch.max_position_embeddings
+    assert args.model.seq_length <= args.hf.arch.max_position_embeddings
     load_agent(args)  # UsageError on a bad env config or one that does not fit the flags
 
 
@@ -104,7 +104,11 @@ def test_the_smollm2_recipe_passes_every_start_up_check(smollm2_checkpoint, at_r
     flags = with_value(flags, "--save-hf", str(tmp_path / "hf"))
     flags = with_value(flags, "--metrics-file", str(tmp_path / "m.jsonl"))
     args = parse_args(flags)
-    assert (args.bf16, args.recompute_granularity, args.min_lr) == (True, "full", 0.0)
+    assert (args.training.bf16, args.training.recompute_granularity, args.training.min_lr) == (
+        True,
+        "full",
+        0.0,
+    )
     load_agent(args)
     parse_evaluate_args(with_value(evaluate[3:], "--hf-checkpoint", str(smollm2_checkpoint)))
     parse_serve_args(with_value(serve[3:], "--hf-checkpoint", str(smollm2_checkpoint)))

@@ -48,7 +48,7 @@ from megatron.rl.inference.step_group import StepGroup  # noqa: E402
 from megatron.rl.models.kv_cache import KVCache  # noqa: E402
 from megatron.rl.tokenizer import CharTokenizer  # noqa: E402
 from megatron.rl.wire import SamplingParams  # noqa: E402
-from megatron.trainer.arguments import build_parser, validate_args  # noqa: E402
+from megatron.trainer.flags.parse import check  # noqa: E402
 from megatron.trainer.initialize import initialize_distributed  # noqa: E402
 from megatron.trainer.model_provider import build_model  # noqa: E402
 from tools.benchmarks.common import Stopwatch  # noqa: E402
@@ -138,15 +138,17 @@ def time_recompute(model, prompts: list[list[int]], new_tokens: int) -> Stopwatc
 def run(opts: argparse.Namespace) -> dict[str, Any]:
     """Interleaved measurements of every configuration; returns tokens/s and ratios."""
     seq = opts.prompt_length + opts.new_tokens
-    args = build_parser().parse_args(["--seq-length", str(seq)])
-    assert not validate_args(args, world_size=1, cuda=False)
-    ctx = initialize_distributed(args)
+    cfg, errors = check(["--seq-length", str(seq)])
+    assert cfg is not None, errors
+    ctx = initialize_distributed(cfg)
     torch.set_num_threads(opts.threads)
     tok = CharTokenizer()
-    ours = build_model(args, tok.vocab_size, ctx.device).eval()
+    ours = build_model(cfg, tok.vocab_size, ctx.device).eval()
+    arch = cfg.architecture_flags
     hf = gpt2_like(
-        args.num_layers, args.hidden_size, args.num_attention_heads, args.ffn_hidden_size,
-        ours.embedding.word_embeddings.weight.shape[0], args.max_position_embeddings, args.seed,
+        arch["num_layers"], arch["hidden_size"], arch["num_attention_heads"],
+        arch["ffn_hidden_size"], ours.embedding.word_embeddings.weight.shape[0],
+        arch["max_position_embeddings"], cfg.training.seed,
     ).eval()  # fmt: skip
     params = {
         "megatron-core GPTModel": sum(p.numel() for p in ours.parameters()),

@@ -50,7 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron.rl.models.hf.tiny import make_tiny_checkpoint  # noqa: E402
 from megatron.trainer import config as trainer_config  # noqa: E402
-from megatron.trainer.arguments import build_parser, validate_args  # noqa: E402
+from megatron.trainer.flags.parse import check  # noqa: E402
+from megatron.trainer.flags.run import RunConfig  # noqa: E402
 from megatron.trainer.hf_io import weight_loader  # noqa: E402
 from megatron.trainer.initialize import initialize_distributed  # noqa: E402
 from megatron.trainer.model_provider import build_model  # noqa: E402
@@ -73,20 +74,19 @@ def write_checkpoint(shape: str, out: Path) -> Path:
     return make_tiny_checkpoint("llama", out, max_position_embeddings=512, **SHAPES[shape])
 
 
-def trainer_args(checkpoint: Path, seq_length: int, extra: list[str] = ()) -> argparse.Namespace:
-    """``pretrain_grpo.py``'s parsed and validated flags for ``--hf-checkpoint checkpoint``."""
+def trainer_args(checkpoint: Path, seq_length: int, extra: list[str] = ()) -> RunConfig:
+    """``pretrain_grpo.py``'s validated run config for ``--hf-checkpoint checkpoint``."""
     flags = ["--hf-checkpoint", str(checkpoint), "--seq-length", str(seq_length), *extra]
-    args = build_parser().parse_args(flags)
-    errors = validate_args(args, world_size=1, cuda=False)
-    if errors:
+    cfg, errors = check(flags)
+    if cfg is None:
         raise SystemExit("\n".join(errors))
-    return args
+    return cfg
 
 
-def load_ours(args: argparse.Namespace, vocab_size: int) -> torch.nn.Module:
+def load_ours(cfg: RunConfig, vocab_size: int) -> torch.nn.Module:
     """The trainer's CPU model with the checkpoint's weights, in eval mode."""
-    model = build_model(args, vocab_size, torch.device("cpu"))
-    weight_loader(args)(model)
+    model = build_model(cfg, vocab_size, torch.device("cpu"))
+    weight_loader(cfg)(model)
     return model.eval()
 
 
@@ -121,10 +121,10 @@ def run_shape(shape: str, opts: argparse.Namespace, workdir: Path) -> dict[str, 
     from transformers import AutoModelForCausalLM
 
     ckpt = write_checkpoint(shape, workdir / f"llama-{shape}")
-    args = trainer_args(ckpt, 64)
-    tokenizer = trainer_config.tokenizer(args)
+    cfg = trainer_args(ckpt, 64)
+    tokenizer = trainer_config.tokenizer(cfg)
     vocab = tokenizer.vocab_size
-    ours = load_ours(args, vocab)
+    ours = load_ours(cfg, vocab)
     hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     params = {
         "ours": sum(p.numel() for p in ours.parameters()),
@@ -188,7 +188,7 @@ def run_shape(shape: str, opts: argparse.Namespace, workdir: Path) -> dict[str, 
 
 def run(opts: argparse.Namespace) -> dict[str, Any]:
     """Every shape, one after another, in this process."""
-    initialize_distributed(_plain_args())
+    initialize_distributed(_plain_config())
     torch.set_num_threads(opts.threads)
     with tempfile.TemporaryDirectory() as tmp:
         shapes = [run_shape(s, opts, Path(tmp)) for s in opts.shapes]
@@ -201,10 +201,10 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _plain_args() -> argparse.Namespace:
-    args = build_parser().parse_args([])
-    assert not validate_args(args, world_size=1, cuda=False)
-    return args
+def _plain_config() -> RunConfig:
+    cfg, errors = check([])
+    assert cfg is not None, errors
+    return cfg
 
 
 def markdown(res: dict[str, Any]) -> str:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
 from megatron.trainer.initialize import ParallelContext
@@ -17,9 +15,9 @@ def tier_class(device: torch.device) -> type[Tier]:
     return CUDATier if device.type == "cuda" else CPUTier
 
 
-def select_tier(args: argparse.Namespace, ctx: ParallelContext) -> Tier:
+def select_tier(cfg: RunConfig, ctx: ParallelContext) -> Tier:
     """The tier this process runs (by ``ctx.device``, set by ``initialize_distributed``)."""
-    return tier_class(ctx.device)(args, ctx)
+    return tier_class(ctx.device)(cfg, ctx)
 
 
 __all__ = ["CPUTier", "CUDATier", "Tier", "select_tier", "tier_class"]

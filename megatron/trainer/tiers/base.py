@@ -22,7 +22,6 @@ is the only place that looks at the device.
 
 from __future__ import annotations
 
-import argparse
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -50,8 +49,8 @@ class Tier(ABC):
     name: ClassVar[str]
     """Short name for logs ("cpu", "cuda")."""
 
-    def __init__(self, args: argparse.Namespace, ctx: ParallelContext) -> None:
-        self.args = args
+    def __init__(self, cfg: RunConfig, ctx: ParallelContext) -> None:
+        self.cfg = cfg
         self.ctx = ctx
 
     @abstractmethod

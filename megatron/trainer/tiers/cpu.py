@@ -88,9 +88,9 @@ class CPUTier(Tier):
     def describe(self) -> str:
         """Tier, and the precision and activation recompute when they are not the defaults."""
         parts = ["tier: cpu"]
-        if getattr(self.args, "bf16", False):
+        if self.cfg.training.bf16:
             parts.append("bf16 autocast (fp32 weights, gradients and AdamW)")
-        if getattr(self.args, "recompute_granularity", None) == "full":
+        if self.cfg.training.recompute_granularity == "full":
             parts.append("recompute: full")
         return " | ".join(parts)
 
@@ -98,29 +98,29 @@ class CPUTier(Tier):
         """Float32 GPT with the SDPA core attention on ``ctx.device``; ``load`` fills its
         weights (every tensor, so the random initialization is skipped then)."""
         device = self.ctx.device
-        model = model_provider.build_model(self.args, vocab_size, device, initialize=load is None)
+        model = model_provider.build_model(self.cfg, vocab_size, device, initialize=load is None)
         if load is not None:
             load(model)
-        if getattr(self.args, "recompute_granularity", None) == "full":
+        if self.cfg.training.recompute_granularity == "full":
             recompute_layers(model)
         return model
 
     def build_reference(self, vocab_size, initialize=True):
         """The same GPT as ``build_model``."""
-        return model_provider.build_model(self.args, vocab_size, self.ctx.device, initialize)
+        return model_provider.build_model(self.cfg, vocab_size, self.ctx.device, initialize)
 
     def build_optimizer(self, model: torch.nn.Module) -> tuple[Any, Any]:
         """torch AdamW and the shared LR schedule."""
-        return build_optimizer(model, self.args)
+        return build_optimizer(model, self.cfg)
 
     def build_policy(self, state, config, reference=None):
         """A ``CPUPolicy``."""
-        return CPUPolicy(state, config, self.ctx, reference, getattr(self.args, "bf16", False))
+        return CPUPolicy(state, config, self.ctx, reference, self.cfg.training.bf16)
 
     def build_step_group(self, model, config, vocab_size):
         """A ``KVCacheRowRunner`` with its own per-slot KV cache under a ``StepGroup``."""
         mc = model.config
-        compute = torch.bfloat16 if getattr(self.args, "bf16", False) else None  # as training
+        compute = torch.bfloat16 if self.cfg.training.bf16 else None  # as training
         cache = KVCache(
             num_layers=mc.num_layers,
             num_slots=config.max_requests,
@@ -275,7 +275,7 @@ class TorchShards(CheckpointShards):
         """This rank's shard file in ``directory``."""
         return directory / f"mp_rank_{self.ctx.tp_rank:02d}" / "model_optim_rng.pt"
 
-    def write(self, directory: Path, iteration: int, state: TrainState, args: dict) -> None:
+    def write(self, directory: Path, iteration: int, state: TrainState, cfg: dict) -> None:
         """``torch.save`` of the model, optimizer, schedule, RNG and flags (DP rank 0)."""
         if self.ctx.dp_rank != 0:
             return
@@ -289,7 +289,7 @@ class TorchShards(CheckpointShards):
             "scheduler": state.scheduler.state_dict(),
             "torch_rng": torch.get_rng_state(),
             "python_rng": repr(random.getstate()),
-            "args": args,
+            "cfg": cfg,
         }
         write_atomic(path, lambda tmp: torch.save(payload, tmp))
 
@@ -303,7 +303,7 @@ class TorchShards(CheckpointShards):
         """Load this rank's shard into the model and, as ``options`` say, the optimizer,
         schedule and RNG."""
         payload = self._load(directory, "--load")
-        check_args(payload["args"])
+        check_args(payload["cfg"])
         state.model.load_state_dict(payload["model"])
         if options.optimizer:
             load_optimizer_state(state.optimizer, payload["optimizer"])

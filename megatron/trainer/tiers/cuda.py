@@ -65,14 +65,14 @@ def apex_fused_wgrad_importable() -> bool:
 
 
 def cuda_transformer_config(
-    args, arch: GPTArchitecture, transformer_engine: bool, initialize: bool = True
+    cfg, arch: GPTArchitecture, transformer_engine: bool, initialize: bool = True
 ):
     """The model config of ``arch`` with the CUDA tier's layout, precision and fusions;
     ``initialize=False``: no random init (a checkpoint load fills every tensor)."""
-    dtype = torch.bfloat16 if getattr(args, "bf16", False) else torch.float32
+    dtype = torch.bfloat16 if cfg.training.bf16 else torch.float32
     return transformer_config(
         arch,
-        **parallel_overrides(args),
+        **parallel_overrides(cfg),
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -80,42 +80,42 @@ def cuda_transformer_config(
         perform_initialization=initialize,
         bias_dropout_fusion=True,
         gradient_accumulation_fusion=transformer_engine or apex_fused_wgrad_importable(),
-        **recompute_overrides(args),
+        **recompute_overrides(cfg),
     )
 
 
-def recompute_overrides(args) -> dict:
+def recompute_overrides(cfg) -> dict:
     """megatron-core's full, uniform, one-layer recompute for ``--recompute-granularity full``."""
-    if getattr(args, "recompute_granularity", None) != "full":
+    if cfg.training.recompute_granularity != "full":
         return {}
     return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 
 
-def ddp_config(args) -> DistributedDataParallelConfig:
+def ddp_config(cfg) -> DistributedDataParallelConfig:
     """megatron-core's DDP config of the flags: float32 gradient reduction, and its check of each
     rank's gradients before it (``--check-for-nan-in-loss-and-grad``)."""
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
-        use_distributed_optimizer=getattr(args, "use_distributed_optimizer", False),
-        check_for_nan_in_grad=getattr(args, "check_for_nan_in_loss_and_grad", True),
+        use_distributed_optimizer=cfg.parallelism.use_distributed_optimizer,
+        check_for_nan_in_grad=cfg.training.check_for_nan_in_loss_and_grad,
     )
 
 
-def optimizer_config(args, model_config) -> OptimizerConfig:
+def optimizer_config(cfg, model_config) -> OptimizerConfig:
     """megatron-core's optimizer config of the flags (``--clip-grad 0``: never clip)."""
     return OptimizerConfig(
         optimizer="adam",
-        lr=args.lr,
-        min_lr=args.min_lr,
-        weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2,
-        adam_eps=args.adam_eps,
-        clip_grad=args.clip_grad if args.clip_grad > 0 else NO_CLIP,
+        lr=cfg.training.lr,
+        min_lr=cfg.training.min_lr,
+        weight_decay=cfg.training.weight_decay,
+        adam_beta1=cfg.training.adam_beta1,
+        adam_beta2=cfg.training.adam_beta2,
+        adam_eps=cfg.training.adam_eps,
+        clip_grad=cfg.training.clip_grad if cfg.training.clip_grad > 0 else NO_CLIP,
         bf16=model_config.bf16,
         params_dtype=model_config.params_dtype,
-        use_distributed_optimizer=getattr(args, "use_distributed_optimizer", False),
+        use_distributed_optimizer=cfg.parallelism.use_distributed_optimizer,
     )
 
 
@@ -131,13 +131,13 @@ class CUDATier(Tier):
 
     def describe(self) -> str:
         """Tier, layer spec, precision, optimizer, PP and engine attention, for the log."""
-        args = self.args
+        cfg = self.cfg
         return (
             f"tier: cuda | layer spec: "
             f"{'transformer_engine' if self.transformer_engine else 'local (sdpa)'} | "
-            f"{'bf16' if getattr(args, 'bf16', False) else 'fp32'} | optimizer: megatron-core "
-            f"{'distributed ' if getattr(args, 'use_distributed_optimizer', False) else ''}adam"
-            f" | pp: {args.pipeline_model_parallel_size} | rollouts: megatron-core "
+            f"{'bf16' if cfg.training.bf16 else 'fp32'} | optimizer: megatron-core "
+            f"{'distributed ' if cfg.parallelism.use_distributed_optimizer else ''}adam"
+            f" | pp: {cfg.parallelism.pipeline_model_parallel_size} | rollouts: megatron-core "
             f"DynamicInferenceEngine ({attention_backend_name()})"
         )
 
@@ -146,9 +146,9 @@ class CUDATier(Tier):
     def _stage_model(self, vocab_size, load=None, initialize=True) -> torch.nn.Module:
         """This stage's GPT on the current CUDA device (``load`` fills its weights before it is
         cast), in bf16 if asked (``Float16Module``); ``initialize=False``: no random init."""
-        args = self.args
-        arch = architecture(args, vocab_size)
-        config = cuda_transformer_config(args, arch, self.transformer_engine, initialize)
+        cfg = self.cfg
+        arch = architecture(cfg, vocab_size)
+        config = cuda_transformer_config(cfg, arch, self.transformer_engine, initialize)
         model = build_gpt_model(
             arch,
             config,
@@ -165,10 +165,10 @@ class CUDATier(Tier):
 
     def build_model(self, vocab_size, load=None):
         """This stage's GPT (``_stage_model``) wrapped in DDP."""
-        args = self.args
+        cfg = self.cfg
         model = self._stage_model(vocab_size, load, initialize=load is None)  # load fills all
         config = model.config
-        ddp = DistributedDataParallel(config=config, ddp_config=ddp_config(args), module=model)
+        ddp = DistributedDataParallel(config=config, ddp_config=ddp_config(cfg), module=model)
         config.no_sync_func = ddp.no_sync
         config.finalize_model_grads_func = finalize_model_grads
         return ddp
@@ -179,9 +179,9 @@ class CUDATier(Tier):
 
     def build_optimizer(self, model: torch.nn.Module) -> tuple[Any, Any]:
         """megatron-core's Adam(W) for the DDP model and the shared LR schedule."""
-        optimizer = get_megatron_optimizer(optimizer_config(self.args, model.config), [model])
+        optimizer = get_megatron_optimizer(optimizer_config(self.cfg, model.config), [model])
         model.config.grad_scale_func = optimizer.scale_loss
-        return optimizer, build_scheduler(optimizer, self.args)
+        return optimizer, build_scheduler(optimizer, self.cfg)
 
     # ----------------------------------------------------------------- policy
 
@@ -201,7 +201,7 @@ class CUDATier(Tier):
                 eos_id=config.eos_id,
             ),
             vocab_size,
-            padded_vocab_size(vocab_size, self.args.make_vocab_size_divisible_by),
+            padded_vocab_size(vocab_size, self.cfg.model.make_vocab_size_divisible_by),
             self.ctx.dp_rank,
             self.ctx.dp_size,
             self.ctx.is_replica_leader,

@@ -42,7 +42,7 @@ class DistShards(CheckpointShards):
     def __init__(self, ctx: ParallelContext) -> None:
         self.ctx = ctx
 
-    def write(self, directory: Path, iteration: int, state: TrainState, args: dict) -> None:
+    def write(self, directory: Path, iteration: int, state: TrainState, cfg: dict) -> None:
         """Every rank writes its shards; the common part holds the schedule and the flags."""
         model_sd = unwrap_model(state.model).sharded_state_dict()
         payload = {
@@ -50,7 +50,7 @@ class DistShards(CheckpointShards):
             "optimizer": state.optimizer.sharded_state_dict(model_sd, metadata=OPTIMIZER_METADATA),
             "scheduler": state.scheduler.state_dict(),
             "iteration": iteration,
-            "args": args,
+            "cfg": cfg,
             "rng_state": _rng_object(_rng_state()),
         }
         dist_checkpointing.save(payload, str(directory), sharded_strategy=SHARDED_STRATEGY)
@@ -69,7 +69,7 @@ class DistShards(CheckpointShards):
                 f"--load {directory.parent}: {directory} is not a dist_checkpointing checkpoint"
             )
         common = dist_checkpointing.load_common_state_dict(str(directory))
-        check_args(common.get("args", {}))
+        check_args(common.get("cfg", {}))
         unwrapped = unwrap_model(state.model)
         model_sd = unwrapped.sharded_state_dict()
         sharded = {"model": model_sd}

@@ -23,7 +23,7 @@ PROGRAM = textwrap.dedent("""
     if sys.argv[1] == "set":
         assert set_mmap_threshold(1024)
     if sys.argv[1] == "flag":  # the trainer's start-up with the flag
-        from megatron.trainer.arguments import parse_args
+        from megatron.trainer.flags.parse import parse_args
         from megatron.trainer.initialize import initialize_distributed
         initialize_distributed(parse_args(["--malloc-mmap-threshold-kib", "1024"]))
     libc = ctypes.CDLL("libc.so.6")

@@ -3,7 +3,6 @@ flags (CPU tier), its iteration as the policy version, and refusals that name th
 
 from __future__ import annotations
 
-import argparse
 
 import pytest
 import torch
@@ -11,7 +10,8 @@ from megatron.core import parallel_state
 
 from megatron.rl.rollout.generator import PipelineState
 from megatron.trainer import checkpointing
-from megatron.trainer.arguments import parse_args
+from megatron.trainer.flags.parse import parse_args
+from megatron.trainer.flags.run import RunConfig
 from megatron.trainer.checkpoint_model import (
     architecture_mismatches,
     default_model_name,
@@ -33,7 +33,7 @@ def context() -> ParallelContext:
     )  # fmt: skip
 
 
-def flags(*argv: str) -> argparse.Namespace:
+def flags(*argv: str) -> RunConfig:
     """The trainer's validated flags of the default tiny model (character tokenizer)."""
     return parse_args(["--num-layers", "2", "--hidden-size", "32", *argv])
 
@@ -109,10 +109,10 @@ def test_a_missing_iteration_names_the_one_to_load(checkpoint):
     ],
 )
 def test_architecture_mismatches(saved, now, expected):
-    assert architecture_mismatches(saved, argparse.Namespace(**now)) == expected
+    assert architecture_mismatches(saved, now) == expected
 
 
 def test_the_default_model_name_is_the_checkpoint_directory(tmp_path):
     hf, ck = tmp_path / "Qwen2.5-0.5B", tmp_path / "runs" / "ck"
-    assert default_model_name(argparse.Namespace(load=None, hf_checkpoint=str(hf))) == hf.name
-    assert default_model_name(argparse.Namespace(load=f"{ck}/", hf_checkpoint=str(hf))) == "ck"
+    assert default_model_name(RunConfig().with_flags(hf_checkpoint=str(hf))) == hf.name
+    assert default_model_name(RunConfig().with_flags(load=f"{ck}/", hf_checkpoint=str(hf))) == "ck"

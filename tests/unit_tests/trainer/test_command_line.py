@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron.trainer.arguments import build_parser, parse_args
+from megatron.trainer.flags.parse import build_parser, parse_args
 from megatron.trainer.exits import UsageError
-from megatron.trainer.megatron_lm_common_flags import MEGATRON_LM_COMMON_FLAGS, render_table
-from megatron.trainer.megatron_lm_flags import MEGATRON_LM_RL_FLAGS
+from megatron.trainer.flags.megatron_lm_common import MEGATRON_LM_COMMON_FLAGS, render_table
+from megatron.trainer.flags.megatron_lm import MEGATRON_LM_RL_FLAGS
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
 from megatron_lm_rl_commands import QWEN25_3B_SCRIPT, QWEN25_32B_README  # noqa: E402
@@ -43,8 +43,8 @@ def test_megatron_lm_example_command_lines_get_every_flag_accepted_or_explained_
     assert lines[0].startswith("pretrain_grpo.py: error: ") and "problems" in lines[0]
     assert "usage:" not in text
     problems = [line.strip() for line in lines[1:]]
-    ours = {s for a in build_parser()._actions if a.help != argparse.SUPPRESS
-            for s in a.option_strings}  # fmt: skip
+    ours = {s for a in build_parser()._actions if hasattr(a, "full_help") or
+            a.help != argparse.SUPPRESS for s in a.option_strings}  # fmt: skip
     accepted = {e.flag for e in MEGATRON_LM_COMMON_FLAGS if e.status != "refused"}
     refused = {e.flag for e in MEGATRON_LM_COMMON_FLAGS if e.status == "refused"}
     refused |= {e.flag for e in MEGATRON_LM_RL_FLAGS if e.status == "refused"}
@@ -61,14 +61,14 @@ def test_megatron_lm_example_command_lines_get_every_flag_accepted_or_explained_
 def test_a_typo_is_one_line_with_the_closest_flag():
     assert message(["--rl-forced-lagg", "2"]) == (
         "pretrain_grpo.py: error: --rl-forced-lagg: not a flag of pretrain_grpo.py; did you mean "
-        "--rl-forced-lag? (--help lists every flag)"
+        "--rl-forced-lag? (--help-all lists every flag)"
     )
 
 
 def test_a_bad_value_is_one_line_without_the_usage_block():
     text = message(["--lr", "abc"])
     assert text == (
-        "pretrain_grpo.py: error: argument --lr: invalid float value: 'abc' (--help lists every "
+        "pretrain_grpo.py: error: argument --lr: invalid float value: 'abc' (--help-all lists every "
         "flag)"
     )
 
@@ -81,8 +81,8 @@ def test_megatron_lm_flags_with_our_meaning_are_accepted_or_respelled():
         "--inference-max-batch-size", "16", "--lr-warmup-samples", "0",
         "--use-rotary-position-embeddings", "--ckpt-format", "torch",
     ])  # fmt: skip
-    assert (args.inference_max_requests, args.lr_warmup_iters) == (16, 0)
-    assert args.position_embedding_type == "rope"
+    assert (args.inference.max_requests, args.training.lr_warmup_iters) == (16, 0)
+    assert args.model.position_embedding_type == "rope"
 
 
 @pytest.mark.parametrize(

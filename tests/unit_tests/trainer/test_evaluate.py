@@ -7,7 +7,6 @@ held-out split) is in ``tests/functional_tests/test_serve_and_evaluate.py``.
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
@@ -15,6 +14,7 @@ import pytest
 from megatron.rl.eval.confidence import wilson_interval
 from megatron.rl.eval.runner import EnvEvaluation, EvalConfig, ResponseLengths
 from megatron.trainer.checkpoint_model import CheckpointModel
+from megatron.trainer.flags.run import RunConfig
 from megatron.trainer.evaluate import (
     PROG,
     environment_numbers,
@@ -67,7 +67,7 @@ def test_greedy_accuracy_counts_rewards_at_the_threshold_and_no_placeholder():
 def numbers_of(results: list[EnvEvaluation]) -> dict:
     config = EvalConfig(num_prompts=3, samples_per_prompt=2, pass_k=(1, 2), seed=5)
     loaded = CheckpointModel(None, None, None, 7, "--load CK (iteration 7)")
-    args = argparse.Namespace(env_config="envs.yaml", val_split_fraction=0.25)
+    args = RunConfig().with_flags(env_config="envs.yaml", val_split_fraction=0.25)
     return summary(results, config, args, loaded, seconds=2.5)
 
 
@@ -103,11 +103,13 @@ def test_format_table_aligns_columns():
 
 
 def test_the_validation_flags_need_no_training_flag(tiny, tmp_path):
-    args = parse_evaluate_args(
+    args, _ = parse_evaluate_args(
         ["--hf-checkpoint", tiny, "--val-split-fraction", "0.5", "--val-dump-dir",
          str(tmp_path / "dump"), "--output-json", str(tmp_path / "eval.json")]
     )  # fmt: skip
-    assert args.val_split_fraction == 0.5 and args.val_dump_dir.endswith("dump")
+    assert args.evaluation.val_split_fraction == 0.5 and args.evaluation.val_dump_dir.endswith(
+        "dump"
+    )
 
 
 @pytest.mark.parametrize(
@@ -155,7 +157,7 @@ def test_environments_that_cannot_be_evaluated_are_refused_before_loading(
 ):
     path = tmp_path / "envs.yaml"
     path.write_text(config)
-    args = parse_evaluate_args(["--hf-checkpoint", tiny, "--env-config", str(path), *extra])
+    args, own = parse_evaluate_args(["--hf-checkpoint", tiny, "--env-config", str(path), *extra])
     with pytest.raises(SystemExit) as exc:
-        evaluate(args)  # before torch.distributed is started
+        evaluate(args, own)  # before torch.distributed is started
     assert needle in str(exc.value.code)

@@ -9,33 +9,33 @@ from pathlib import Path
 import pytest
 
 from megatron.rl.agent.env_config import load_env_config
-from megatron.trainer.arguments import build_parser
+from megatron.trainer.flags.parse import build_parser, check
 from megatron.trainer.exits import run_main
-from megatron.trainer.flag_validation import validate_args, validate_env_config
+from megatron.trainer.flags.rollouts import env_config_problems
 from megatron.trainer.grpo import load_agent
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
 def errors_for(argv: list[str], world_size: int = 1, cuda: bool = False) -> list[str]:
-    return validate_args(build_parser().parse_args(argv), world_size, cuda)
+    return check(argv, world_size, cuda)[1]
 
 
 def test_defaults_are_valid_and_derived_values_are_filled():
-    args = build_parser().parse_args([])
-    assert validate_args(args, world_size=1, cuda=False) == []
-    assert args.global_batch_size == args.grpo_prompts_per_step * args.grpo_group_size
-    assert args.ffn_hidden_size == 4 * args.hidden_size
-    assert args.max_position_embeddings == args.seq_length
+    args, errors = check([], 1, False)
+    assert errors == []
+    assert args.training.global_batch_size == args.grpo.prompts_per_step * args.grpo.group_size
+    assert args.model.ffn_hidden_size == 4 * args.model.hidden_size
+    assert args.model.max_position_embeddings == args.model.seq_length
     assert args.data_parallel_size == 1
-    assert args.min_lr == pytest.approx(args.lr / 10)
+    assert args.training.min_lr == pytest.approx(args.training.lr / 10)
 
 
 def test_the_default_min_lr_follows_a_small_lr():
     """A fine-tuning --lr below the default's floor needs no --min-lr of its own."""
-    args = build_parser().parse_args(["--lr", "2e-5"])
-    assert validate_args(args, world_size=1, cuda=False) == []
-    assert args.min_lr == pytest.approx(2e-6)
+    args, errors = check(["--lr", "2e-5"], 1, False)
+    assert errors == []
+    assert args.training.min_lr == pytest.approx(2e-6)
 
 
 @pytest.mark.parametrize(
@@ -303,8 +303,8 @@ def env_config_args(tmp_path, text: str, *argv: str):
     """Validated flags of a run on the env config ``text``."""
     config = tmp_path / "envs.yaml"
     config.write_text(text)
-    args = build_parser().parse_args(["--env-config", str(config), *argv])
-    assert validate_args(args, 1, cuda=False) == []
+    args, errors = check(["--env-config", str(config), *argv])
+    assert errors == []
     return args
 
 
@@ -324,11 +324,11 @@ def env_config_args(tmp_path, text: str, *argv: str):
 )
 def test_an_entry_budget_must_leave_room_for_a_prompt(tmp_path, entries, seq_length, refused):
     args = env_config_args(tmp_path, entries, "--seq-length", str(seq_length))
-    agent = load_env_config(args.env_config)
-    errors = validate_env_config(args, agent)
+    agent = load_env_config(args.rollouts.env_config)
+    errors = env_config_problems(args.rollouts.env_config, args.model.seq_length, agent)
     budget = agent.evaluated[-1].args.max_tokens
     expected = (
-        f"--env-config {args.env_config}, entry 'math': agent_args.max_tokens ({budget}) must "
+        f"--env-config {args.rollouts.env_config}, entry 'math': agent_args.max_tokens ({budget}) must "
         f"be smaller than --seq-length ({seq_length}) to leave room for the prompt"
     )
     assert errors == ([expected] if refused else [])
@@ -373,7 +373,7 @@ def test_a_bad_env_config_ends_the_run_with_status_2_and_its_message(
         args = env_config_args(tmp_path, config, *argv)
     else:
         monkeypatch.chdir(ROOT)
-        args = build_parser().parse_args(["--env-config", config, *argv])
+        args, errors = check(["--env-config", config, *argv])
     if patch is not None:
         patch(monkeypatch)
     monkeypatch.setenv("RANK", "0")
@@ -382,4 +382,4 @@ def test_a_bad_env_config_ends_the_run_with_status_2_and_its_message(
         run_main(lambda: load_agent(args))
     assert exit_.value.code == 2
     stderr = capsys.readouterr().err
-    assert stderr.splitlines() == [line.format(config=args.env_config) for line in lines]
+    assert stderr.splitlines() == [line.format(config=args.rollouts.env_config) for line in lines]

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from megatron.rl.grpo.batch import build_train_batch
 from megatron.trainer import config
-from megatron.trainer.arguments import build_parser, parse_explicit, validate_args
+from megatron.trainer.flags.parse import check
 from megatron.trainer.checkpointing import TrainState
 from megatron.trainer.hf_io import save_hf, weight_loader
 from megatron.trainer.model_provider import architecture
@@ -25,21 +25,21 @@ from megatron.trainer.tiers.cpu import CPUTier
 
 
 def validated(*argv: str) -> tuple[object, list[str]]:
-    args, explicit = parse_explicit(build_parser(), list(argv))
-    return args, validate_args(args, 1, cuda=False, explicit=explicit)
+    return check(list(argv), 1, cuda=False)
 
 
 def test_the_architecture_comes_from_config_json(tiny_hf_checkpoints):
     args, errors = validated("--hf-checkpoint", str(tiny_hf_checkpoints["qwen2"]))
     assert errors == []
-    hf = args.hf_config
-    assert (args.num_layers, args.hidden_size, args.num_query_groups) == (
+    hf = args.hf
+    arch = args.architecture_flags  # config.json's, resolved once; the model section is the user's
+    assert (arch["num_layers"], arch["hidden_size"], arch["num_query_groups"]) == (
         hf.arch.num_layers, hf.arch.hidden_size, hf.arch.query_groups
     )  # fmt: skip
-    assert args.position_embedding_type == "rope" and args.normalization == "RMSNorm"
-    assert args.swiglu and args.disable_bias_linear and args.add_qkv_bias
-    assert args.tokenizer_type == "HuggingFaceTokenizer"
-    assert args.tokenizer_model == str(tiny_hf_checkpoints["qwen2"])
+    assert arch["position_embedding_type"] == "rope" and arch["normalization"] == "RMSNorm"
+    assert arch["swiglu"] and arch["disable_bias_linear"] and arch["add_qkv_bias"]
+    assert args.model.tokenizer_type == "HuggingFaceTokenizer"
+    assert args.model.tokenizer_model == str(tiny_hf_checkpoints["qwen2"])
     assert architecture(args, 10) == hf.arch
 
 
@@ -162,7 +162,7 @@ def test_missing_weights_are_named_at_load(tiny_hf_checkpoints, tmp_path, cpu_ct
                             lambda d: (d / "model.safetensors").unlink())  # fmt: skip
     args = hf_run_args(broken)
     with pytest.raises(SystemExit, match="--hf-checkpoint: .*safetensors"):
-        CPUTier(args, cpu_ctx).build_model(args.hf_config.vocab_size, weight_loader(args))
+        CPUTier(args, cpu_ctx).build_model(args.hf.vocab_size, weight_loader(args))
 
 
 @pytest.mark.parametrize("with_checkpoint", [True, False], ids=["checkpoint", "random-init"])
@@ -174,7 +174,7 @@ def test_a_model_the_checkpoint_fills_is_not_randomly_initialized_first(
     args = hf_run_args(tiny_hf_checkpoints["llama"])
     before = torch.get_rng_state()
     model = CPUTier(args, cpu_ctx).build_model(
-        args.hf_config.vocab_size, weight_loader(args) if with_checkpoint else None
+        args.hf.vocab_size, weight_loader(args) if with_checkpoint else None
     )
     assert torch.equal(torch.get_rng_state(), before) == with_checkpoint
     if with_checkpoint:  # and every tensor is the checkpoint's
@@ -194,7 +194,7 @@ def test_round_trip_is_bitwise_and_trained_weights_export_to_transformers(
     tier = CPUTier(args, cpu_ctx)
     model = tier.build_model(tokenizer.vocab_size, weight_loader(args))
     arch = architecture(args, tokenizer.vocab_size)
-    save_hf(args, model, arch, args.hf_config.vocab_size, cpu_ctx)
+    save_hf(args, model, arch, args.hf.vocab_size, cpu_ctx)
     original, copy = load_file(directory / "model.safetensors"), load_file(
         tmp_path / "same" / "model.safetensors"
     )
@@ -207,8 +207,8 @@ def test_round_trip_is_bitwise_and_trained_weights_export_to_transformers(
     for seed in range(3):  # three GRPO steps on synthetic rollouts
         batch = build_train_batch(synthetic_groups(2, 4, tokenizer.vocab_size, seed=seed), 0)
         grpo_update(policy, batch, step)
-    args.save_hf = str(tmp_path / "trained")
-    save_hf(args, model, arch, args.hf_config.vocab_size, cpu_ctx)
+    args = args.with_flags(save_hf=str(tmp_path / "trained"))
+    save_hf(args, model, arch, args.hf.vocab_size, cpu_ctx)
 
     import transformers
 

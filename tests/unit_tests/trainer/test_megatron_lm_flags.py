@@ -13,17 +13,17 @@ import torch
 from megatron.rl.grpo.batch import TrainBatch
 from megatron.rl.grpo.importance import ImportanceConfig
 from megatron.trainer import config
-from megatron.trainer.arguments import build_parser, validate_args
+from megatron.trainer.flags.parse import build_parser, check
 from megatron.trainer.collection import Collection
-from megatron.trainer.megatron_lm_flags import MEGATRON_LM_RL_FLAGS, render_table
+from megatron.trainer.flags.run import RunConfig
+from megatron.trainer.flags.megatron_lm import MEGATRON_LM_RL_FLAGS, render_table
 from megatron.trainer.optimizer import build_scheduler
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def parsed(*argv: str, world_size: int = 1) -> tuple[argparse.Namespace, list[str]]:
-    args = build_parser().parse_args(list(argv))
-    return args, validate_args(args, world_size, cuda=False)
+def parsed(*argv: str, world_size: int = 1) -> tuple[RunConfig | None, list[str]]:
+    return check(list(argv), world_size, cuda=False)
 
 
 def test_grpo_iterations_are_training_iterations_over_one_collection():
@@ -71,7 +71,7 @@ def test_top_p_zero_and_top_k_minus_one_mean_off():
     sampling = config.sampling_params(args)
     assert errors == [] and (sampling.top_p, sampling.top_k) == (1.0, 0)
     defaults, _ = parsed()
-    assert (defaults.rl_default_top_p, defaults.rl_default_top_k) == (0.0, -1)  # Megatron-LM's
+    assert (defaults.rollouts.default_top_p, defaults.rollouts.default_top_k) == (0.0, -1)
     args, _ = parsed("--rl-default-top-p", "0.9", "--rl-default-top-k", "5")
     assert (config.sampling_params(args).top_p, config.sampling_params(args).top_k) == (0.9, 5)
 
@@ -91,7 +91,7 @@ def test_truncation_coef_none_means_no_truncation_and_the_default_is_said():
     assert errors == [] and config.step_config(args, 21).importance == ImportanceConfig(None)
     defaults, _ = parsed("--rl-inference-logprobs-is-correction")
     assert config.step_config(defaults, 21).importance == ImportanceConfig(1.0)
-    help_text = " ".join(build_parser().format_help().split())
+    help_text = " ".join(build_parser(every=True).format_help().split())
     assert "'none' caps nothing (Megatron-LM's default)" in help_text
 
 
@@ -103,13 +103,13 @@ def test_dynamic_sampling_with_one_round_is_accepted():
 def test_a_warmup_longer_than_the_run_is_accepted_and_only_warms_up():
     args, errors = parsed("--train-iters", "5")  # default --lr-warmup-iters 10
     assert errors == []
-    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=args.lr)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=args.training.lr)
     scheduler = build_scheduler(optimizer, args)
     lrs = []
     for _ in range(5):
         scheduler.step(increment=1)
         lrs.append(optimizer.param_groups[0]["lr"])
-    assert lrs == sorted(lrs) and lrs[-1] == pytest.approx(args.lr * 5 / 10)
+    assert lrs == sorted(lrs) and lrs[-1] == pytest.approx(args.training.lr * 5 / 10)
 
 
 @pytest.mark.parametrize(
@@ -121,7 +121,7 @@ def test_a_warmup_longer_than_the_run_is_accepted_and_only_warms_up():
 )
 def test_megatron_lm_spellings_of_our_flags_are_accepted(megatron, ours, value):
     args = build_parser().parse_args([megatron, value])
-    assert str(getattr(args, ours)) == value
+    assert str(getattr(args, ours)) == value  # argparse dest of our flag
 
 
 @pytest.mark.parametrize(
@@ -144,7 +144,8 @@ def test_every_same_flag_is_one_of_ours_with_help():
     for entry in MEGATRON_LM_RL_FLAGS:
         if entry.status in ("same", "alias"):
             assert entry.flag in options, entry.flag
-            assert options[entry.flag].help not in (None, argparse.SUPPRESS), entry.flag
+            action = options[entry.flag]
+            assert getattr(action, "full_help", action.help) not in (None, argparse.SUPPRESS)
 
 
 def test_the_readme_table_is_the_flag_table():

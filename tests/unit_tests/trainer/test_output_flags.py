@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from megatron.trainer.arguments import build_parser
-from megatron.trainer.flag_validation import validate_args
+from megatron.trainer.flags.parse import build_parser, check
 
 
 def errors_for(argv: list[str], world_size: int = 1, cuda: bool = False) -> list[str]:
-    return validate_args(build_parser().parse_args(argv), world_size, cuda)
+    return check(argv, world_size, cuda)[1]
 
 
 @pytest.mark.parametrize(

@@ -37,7 +37,7 @@ def build_policy(ctx, micro_batch_size=3, packing_capacity=None, reference_seed=
     torch.manual_seed(7)
     model = tier.build_model(VOCAB)
     state = TrainState(model, *tier.build_optimizer(model))
-    config = PolicyConfig(VOCAB, micro_batch_size, args.clip_grad, packing_capacity)
+    config = PolicyConfig(VOCAB, micro_batch_size, args.training.clip_grad, packing_capacity)
     return tier.build_policy(state, config, reference)
 
 

@@ -23,12 +23,12 @@ pytestmark = pytest.mark.usefixtures("single_rank_world")
 
 def run_args(**overrides) -> argparse.Namespace:
     args = tiny_args()
-    args.__dict__.update(
+    args = args.with_flags(
         seed=5, lr=1e-2, min_lr=1e-3, lr_warmup_iters=0, lr_decay_style="cosine", train_iters=10,
         weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.99, adam_eps=1e-8, grpo_kl_beta=0.1,
         ref_load=None, rl_forced_lag=0, grpo_prompts_per_step=1, grpo_group_size=2,
     )  # fmt: skip
-    args.__dict__.update(overrides)
+    args = args.with_flags(**overrides)
     return args
 
 
@@ -44,10 +44,10 @@ def context() -> ParallelContext:
 
 def start(args, ctx):
     """What ``grpo.train`` does before the loop: seed, policy, reference, optimizer."""
-    set_seeds(args.seed, cuda=False)
+    set_seeds(args.training.seed, cuda=False)
     model = build_model(args, VOCAB, ctx.device)
     reference = build_reference_model(
-        args, CPUTier(args, ctx), model, VOCAB, ctx, args.grpo_kl_beta > 0
+        args, CPUTier(args, ctx), model, VOCAB, ctx, args.grpo.weight("--grpo-kl-beta") > 0
     )
     optimizer, scheduler = build_optimizer(model, args)
     return model, reference, optimizer, scheduler
@@ -82,10 +82,12 @@ def drained() -> PipelineState:
 def test_no_reference_without_kl():
     ctx = context()
     args = run_args(grpo_kl_beta=0.0)
-    set_seeds(args.seed, cuda=False)
+    set_seeds(args.training.seed, cuda=False)
     model = build_model(args, VOCAB, ctx.device)
     assert (
-        build_reference_model(args, CPUTier(args, ctx), model, VOCAB, ctx, args.grpo_kl_beta > 0)
+        build_reference_model(
+            args, CPUTier(args, ctx), model, VOCAB, ctx, args.grpo.weight("--grpo-kl-beta") > 0
+        )
         is None
     )
 
@@ -93,11 +95,11 @@ def test_no_reference_without_kl():
 def test_reference_copies_initial_weights_is_frozen_and_leaves_the_rng_alone():
     ctx = context()
     args = run_args()
-    set_seeds(args.seed, cuda=False)
+    set_seeds(args.training.seed, cuda=False)
     model = build_model(args, VOCAB, ctx.device)
     before = torch.get_rng_state()
     reference = build_reference_model(
-        args, CPUTier(args, ctx), model, VOCAB, ctx, args.grpo_kl_beta > 0
+        args, CPUTier(args, ctx), model, VOCAB, ctx, args.grpo.weight("--grpo-kl-beta") > 0
     )
     assert torch.equal(torch.get_rng_state(), before)
     assert all(torch.equal(a, b) for a, b in zip(weights(reference), weights(model)))

@@ -10,7 +10,7 @@ import pytest
 from megatron.rl.agent.env_config import build_agents
 from megatron.rl.tokenizer import CharTokenizer
 from megatron.trainer import report
-from megatron.trainer.arguments import build_parser, validate_args
+from megatron.trainer.flags.parse import build_parser, check
 from megatron.trainer.kernels import kernel_warnings
 from megatron.trainer.metrics import format_duration, format_log_line
 from megatron.trainer.model_provider import architecture
@@ -33,8 +33,8 @@ def test_durations(seconds, text):
 
 
 def parsed(*argv: str):
-    args = build_parser().parse_args(list(argv))
-    assert validate_args(args, 1, cuda=False) == []
+    args, errors = check(list(argv))
+    assert errors == []
     return args
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron.trainer.arguments import build_parser, parse_args
+from megatron.trainer.flags.parse import build_parser, parse_args
 from megatron.trainer.exits import UsageError
-from megatron.trainer.run_config import dump, file_tokens, resolved
+from megatron.trainer.flags.run_file import dump, file_tokens, resolved
 
 
 def write(tmp_path, text: str):
@@ -37,7 +37,7 @@ def test_the_command_line_overrides_the_file_wherever_config_stands(tmp_path):
     path = write(tmp_path, "seed: 3\nrl-forced-lag: 2\n")
     for argv in (["--config", path, "--seed", "7"], ["--seed", "7", "--config", path]):
         args = parse_args(argv)
-        assert (args.seed, args.rl_forced_lag) == (7, 2)
+        assert (args.training.seed, args.rollouts.forced_lag) == (7, 2)
 
 
 def test_a_key_that_is_not_a_flag_is_named_with_the_closest_flag(tmp_path):
@@ -46,7 +46,7 @@ def test_a_key_that_is_not_a_flag_is_named_with_the_closest_flag(tmp_path):
         parse_args(["--config", path])
     assert exc.value.message == (
         f"pretrain_grpo.py: error: --config {path}: rl-forced-lagg: not a flag; did you mean "
-        "rl-forced-lag? (--help lists every flag)"
+        "rl-forced-lag? (--help-all lists every flag)"
     )
 
 
@@ -63,8 +63,8 @@ def test_the_resolved_flags_parse_back_to_the_same_flags(tmp_path):
     args = parse_args(["--rl-forced-lag", "2", "--lr", "3e-4", "--bf16", "--eval-pass-k", "1", "2",
                        "--rl-inference-logprobs-is-correction",
                        "--rl-importance-sampling-truncation-coef", "none"])  # fmt: skip
-    config = resolved(args, parser)
+    config = resolved(args)
     assert config["rl-forced-lag"] == 2 and config["bf16"] is True
     assert config["rl-importance-sampling-truncation-coef"] == "none"  # None is no cap here
     again = parse_args(["--config", write(tmp_path, dump(config))])
-    assert resolved(again, parser) == config
+    assert resolved(again) == config

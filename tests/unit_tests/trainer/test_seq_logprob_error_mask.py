@@ -47,7 +47,7 @@ def context() -> ParallelContext:
 def fresh_policy() -> Policy:
     """The policy of the seed, with its optimizer (parallel state up)."""
     args = train_args(micro_batch_size=MICRO)
-    set_seeds(args.seed, cuda=False)
+    set_seeds(args.training.seed, cuda=False)
     model = build_model(args, VOCAB, torch.device("cpu"))
     state = TrainState(model, *build_optimizer(model, args))
     tier = CPUTier(args, context())

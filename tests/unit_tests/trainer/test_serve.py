@@ -30,9 +30,9 @@ def refusal(argv: list[str]) -> str:
 
 
 def test_a_hugging_face_checkpoint_is_served_on_loopback_by_default(tiny):
-    args = parse_serve_args(["--hf-checkpoint", tiny, "--seq-length", "64"])
-    assert (args.host, args.port, args.served_model_name) == ("127.0.0.1", 8000, None)
-    assert args.tokenizer_type == "HuggingFaceTokenizer" and args.hf_config is not None
+    args, own = parse_serve_args(["--hf-checkpoint", tiny, "--seq-length", "64"])
+    assert (own.host, own.port, own.served_model_name) == ("127.0.0.1", 8000, None)
+    assert args.model.tokenizer_type == "HuggingFaceTokenizer" and args.hf is not None
     assert served_key(args) is None
 
 
@@ -63,11 +63,11 @@ def test_listening_beyond_loopback_needs_the_jobs_key(tiny, tmp_path, monkeypatc
     assert "--host 0.0.0.0" in message and API_KEY_ENV in message and "--rl-api-key-file" in message
     key_file = tmp_path / "key"
     key_file.write_text("s3cret\n")
-    args = parse_serve_args([*argv, "--rl-api-key-file", str(key_file)])
+    args, _ = parse_serve_args([*argv, "--rl-api-key-file", str(key_file)])
     assert served_key(args) == "s3cret"
     monkeypatch.setenv(API_KEY_ENV, "from-env")
-    assert served_key(parse_serve_args(argv)) == "from-env"
-    assert served_key(parse_serve_args(["--hf-checkpoint", tiny, "--host", "localhost"]))
+    assert served_key(parse_serve_args(argv)[0]) == "from-env"
+    assert served_key(parse_serve_args(["--hf-checkpoint", tiny, "--host", "localhost"])[0])
 
 
 def test_an_unreadable_key_file_is_refused(tiny, tmp_path):

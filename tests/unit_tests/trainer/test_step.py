@@ -42,12 +42,12 @@ MICRO = 8
 
 def run_args(**overrides) -> argparse.Namespace:
     args = tiny_args()
-    args.__dict__.update(
+    args = args.with_flags(
         seed=5, lr=1e-2, min_lr=1e-3, lr_warmup_iters=0, lr_decay_style="cosine", train_iters=10,
         weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.99, adam_eps=1e-8, grpo_kl_beta=0.1,
         ref_load=None,
     )  # fmt: skip
-    args.__dict__.update(overrides)
+    args = args.with_flags(**overrides)
     return args
 
 
@@ -63,7 +63,7 @@ def context() -> ParallelContext:
 def setup(ctx: ParallelContext, **overrides) -> tuple[TrainState, torch.nn.Module]:
     """Policy (from the seed) with its optimizer and scheduler, and its reference copy."""
     args = run_args(**overrides)
-    set_seeds(args.seed, cuda=False)
+    set_seeds(args.training.seed, cuda=False)
     model = build_model(args, VOCAB, ctx.device)
     reference = build_reference_model(
         args, CPUTier(args, ctx), model, VOCAB, ctx, needs_reference=True

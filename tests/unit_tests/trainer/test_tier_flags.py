@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from megatron.trainer.arguments import build_parser, validate_args
+from megatron.trainer.flags.parse import build_parser, check
 
 
 def errors_for(argv: list[str], world_size: int = 1, cuda: bool = False) -> list[str]:
-    return validate_args(build_parser().parse_args(argv), world_size, cuda)
+    return check(argv, world_size, cuda)[1]
 
 
 def test_the_distributed_optimizer_is_refused_on_cpu_by_name():
@@ -24,8 +24,8 @@ def test_the_distributed_optimizer_is_refused_on_cpu_by_name():
 def test_bf16_and_recompute_are_accepted_on_both_tiers():
     argv = ["--bf16", "--recompute-granularity", "full"]
     assert errors_for(argv) == [] and errors_for(argv, cuda=True) == []
-    args = build_parser().parse_args(argv)
-    assert args.bf16 is True and args.recompute_granularity == "full"
+    args, errors = check(argv)
+    assert args.training.bf16 is True and args.training.recompute_granularity == "full"
 
 
 def test_pipeline_parallelism_is_refused_on_cpu():
@@ -34,9 +34,9 @@ def test_pipeline_parallelism_is_refused_on_cpu():
 
 
 def test_flags_default_off_and_change_nothing_on_cpu():
-    args = build_parser().parse_args([])
-    assert args.bf16 is False and args.use_distributed_optimizer is False
-    assert validate_args(args, 1, cuda=False) == []
+    args, errors = check([])
+    assert args.training.bf16 is False and args.parallelism.use_distributed_optimizer is False
+    assert errors == []
 
 
 def test_on_cuda_they_are_accepted_and_pp_is_validated():
@@ -58,7 +58,7 @@ def test_entry_script_refuses_the_distributed_optimizer_on_cpu_with_status_2():
 
 
 def test_packing_is_refused_on_cuda_only_with_the_transformer_engine_spec(monkeypatch):
-    import megatron.trainer.flag_validation as flag_validation
+    import megatron.rl.models.gpt_spec as flag_validation
 
     argv = ["--rl-use-sequence-packing"]
     monkeypatch.setattr(flag_validation, "transformer_engine_importable", lambda: False)

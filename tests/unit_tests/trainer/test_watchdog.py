@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.trainer.arguments import build_parser
-from megatron.trainer.flag_validation import validate_args
+from megatron.trainer.flags.parse import build_parser, check
 from megatron.trainer.watchdog import Watchdog
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -114,9 +113,12 @@ def test_a_timeout_of_0_starts_no_thread(tmp_path):
     ],
 )
 def test_the_collective_timeout_outlasts_the_watchdog_unless_given(argv, distributed, watchdog):
-    args = build_parser().parse_args(argv)
-    assert validate_args(args, world_size=1, cuda=False) == []
-    assert (args.distributed_timeout_minutes, args.watchdog_timeout_minutes) == (
+    args, errors = check(argv, 1, False)
+    assert errors == []
+    assert (
+        args.parallelism.distributed_timeout_minutes,
+        args.training.watchdog_timeout_minutes,
+    ) == (
         distributed,
         watchdog,
     )
@@ -131,5 +133,5 @@ def test_the_collective_timeout_outlasts_the_watchdog_unless_given(argv, distrib
     ],
 )
 def test_bad_timeouts_are_reported_by_name(argv, message):
-    errors = validate_args(build_parser().parse_args(argv), world_size=1, cuda=False)
+    errors = check(argv, world_size=1, cuda=False)[1]
     assert any(e.startswith(message) for e in errors), errors

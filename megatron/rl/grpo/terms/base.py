@@ -14,9 +14,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-import torch
+if TYPE_CHECKING:  # the terms' declarations load without torch: the trainer's --help lists them
+    import torch
 
-if TYPE_CHECKING:
     from megatron.rl.grpo.loss import LossInputs
 
 

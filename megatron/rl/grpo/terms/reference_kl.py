@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from megatron.rl.grpo.kl import reference_kl
 from megatron.rl.grpo.terms.base import LossTerm, TermValue
 
 if TYPE_CHECKING:
@@ -41,5 +40,7 @@ class ReferenceKL(LossTerm):
         """beta x k3 per token, and k3 as the metric."""
         if inputs.ref_logprobs is None:
             raise ValueError("the reference KL term needs ref_logprobs")
+        from megatron.rl.grpo.kl import reference_kl  # torch: loaded when a loss is computed
+
         kl = reference_kl(inputs.trainer_logprobs, inputs.ref_logprobs, inputs.loss_mask)  # (B, T)
         return TermValue(per_token=self.weight * kl, metric=kl)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.trainer.arguments import build_parser, validate_args
+from megatron.trainer.flags.parse import build_parser, check
 
 ROOT = Path(__file__).resolve().parents[4]
 CONFIGS = ROOT / "examples/rl/model_configs"
@@ -29,8 +29,7 @@ def model_args(name: str) -> list[str]:
 
 
 def parse(argv: list[str], world_size: int, cuda: bool):
-    args = build_parser().parse_args(argv)
-    return args, validate_args(args, world_size, cuda)
+    return check(argv, world_size, cuda)
 
 
 def test_every_config_is_listed():
@@ -45,7 +44,7 @@ def test_tiny_cpu_is_exactly_the_defaults():
     args, errors = parse(model_args("tiny_cpu.sh"), world_size=1, cuda=False)
     defaults, _ = parse([], world_size=1, cuda=False)
     assert errors == []
-    assert vars(args) == vars(defaults)
+    assert {**args.flat(), "run_started": 0} == {**defaults.flat(), "run_started": 0}
 
 
 @pytest.mark.parametrize(
@@ -60,8 +59,8 @@ def test_tiny_cpu_is_exactly_the_defaults():
 def test_gpu_configs_validate_on_cuda(name, world_size, layers, hidden, tp, dp):
     args, errors = parse(model_args(name), world_size=world_size, cuda=True)
     assert errors == []
-    assert (args.num_layers, args.hidden_size) == (layers, hidden)
-    assert (args.tensor_model_parallel_size, args.data_parallel_size) == (tp, dp)
+    assert (args.model.num_layers, args.model.hidden_size) == (layers, hidden)
+    assert (args.parallelism.tensor_model_parallel_size, args.data_parallel_size) == (tp, dp)
 
 
 @pytest.mark.parametrize(
@@ -73,13 +72,13 @@ def test_gpu_configs_validate_on_cuda(name, world_size, layers, hidden, tp, dp):
 )
 def test_gpu_config_sizes_match_their_comments(name, billions):
     args, _ = parse(model_args(name), world_size=8, cuda=True)
-    h, f, layers = args.hidden_size, args.ffn_hidden_size, args.num_layers
+    h, f, layers = args.model.hidden_size, args.model.ffn_hidden_size, args.model.num_layers
     # per layer: QKV + output projection 4h^2, MLP 2hf, plus biases and two layer norms
     per_layer = 4 * h * h + 2 * h * f + (4 * h + f + h) + 4 * h
-    embeddings = 128 * h + args.max_position_embeddings * h  # padded char vocab, positions
+    embeddings = 128 * h + args.model.max_position_embeddings * h  # padded char vocab, positions
     assert (layers * per_layer + embeddings) / 1e9 == pytest.approx(billions, abs=0.01)
 
 
 def test_later_flags_override_model_args():
     args, errors = parse(model_args("tiny_cpu.sh") + ["--hidden-size", "128"], 1, cuda=False)
-    assert errors == [] and args.hidden_size == 128
+    assert errors == [] and args.model.hidden_size == 128

@@ -65,15 +65,15 @@ def test_toy_model_is_expressible_and_builds_the_same_model_bitwise(tp1):
     args = tiny_args()
     reference = GPTModel(
         config=TransformerConfig(
-            num_layers=args.num_layers, hidden_size=args.hidden_size,
-            num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
+            num_layers=args.model.num_layers, hidden_size=args.model.hidden_size,
+            num_attention_heads=args.model.num_attention_heads, ffn_hidden_size=args.model.ffn_hidden_size,
             hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
             params_dtype=torch.float32, pipeline_dtype=torch.float32, bias_dropout_fusion=False,
             masked_softmax_fusion=False, gradient_accumulation_fusion=False,
         ),
         transformer_layer_spec=gpt_layer_spec(SDPASpecProvider()),
-        vocab_size=padded_vocab_size(VOCAB, args.make_vocab_size_divisible_by),
-        max_sequence_length=args.max_position_embeddings, parallel_output=True,
+        vocab_size=padded_vocab_size(VOCAB, args.model.make_vocab_size_divisible_by),
+        max_sequence_length=args.model.max_position_embeddings, parallel_output=True,
         share_embeddings_and_output_weights=True, position_embedding_type="learned_absolute",
     )  # fmt: skip
     torch.manual_seed(5)
@@ -87,7 +87,7 @@ def test_toy_model_is_expressible_and_builds_the_same_model_bitwise(tp1):
     ids = torch.randint(0, VOCAB, (2, 9))
     positions = torch.arange(9)[None, :].expand(2, 9)
     assert torch.equal(reference(ids, positions, None), ours(ids, positions, None))
-    assert tiny_args().max_position_embeddings == TOY.max_position_embeddings
+    assert tiny_args().model.max_position_embeddings == TOY.max_position_embeddings
 
 
 def test_default_spec_uses_megatron_cores_layer_norm_and_no_qk_norm():

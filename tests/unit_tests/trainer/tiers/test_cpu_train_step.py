@@ -28,7 +28,7 @@ from megatron.trainer.tiers.cpu import CPUPolicy
 
 def two_steps(rank: int, world_size: int, tp: int, micro_batch_size: int):
     args = tiny_args(tensor_model_parallel_size=tp)
-    args.__dict__.update(
+    args = args.with_flags(
         distributed_timeout_minutes=1,
         seed=7,
         lr=1e-2,

@@ -48,7 +48,11 @@ def test_optimizer_config_maps_the_flags(clip, want):
     args = train_args(clip_grad=clip, use_distributed_optimizer=True)
     config = optimizer_config(args, cuda_transformer_config(args, ARCH, transformer_engine=False))
     assert config.optimizer == "adam" and config.use_distributed_optimizer
-    assert (config.lr, config.min_lr, config.weight_decay) == (args.lr, args.min_lr, 0.01)
+    assert (config.lr, config.min_lr, config.weight_decay) == (
+        args.training.lr,
+        args.training.min_lr,
+        0.01,
+    )
     assert (config.adam_beta1, config.adam_beta2, config.adam_eps) == (0.9, 0.99, 1e-8)
     assert config.clip_grad == want
     # megatron-core scales gradients by clip_grad / (norm + 1e-6) only when that is below 1:

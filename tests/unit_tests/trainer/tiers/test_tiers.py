@@ -22,4 +22,4 @@ def test_select_tier_binds_args_and_context():
     args = train_args()
     tier = select_tier(args, ctx)
     assert isinstance(tier, CPUTier) and tier.name == "cpu"
-    assert tier.args is args and tier.ctx is ctx and tier.describe() == "tier: cpu"
+    assert tier.cfg is args and tier.ctx is ctx and tier.describe() == "tier: cpu"

@@ -1,8 +1,8 @@
 """The command line in one pass: every flag that cannot be used is reported in one message.
 
 ``prepare(argv, parser)`` reads the command line before argparse does and applies the two
-Megatron-LM tables: refused RL flags (``megatron_lm_flags.py``) and general flags
-(``megatron_lm_common_flags.py``: accepted ones are dropped, aliases respelled, refused ones and
+Megatron-LM tables: refused RL flags (``megatron/trainer/flags/megatron_lm.py``) and general flags
+(``megatron/trainer/flags/megatron_lm_common.py``: accepted ones are dropped, aliases respelled, refused ones and
 refused values reported). A flag that is none of these and not ours is reported with the closest
 of our flags. ``report`` makes the message: one line for one problem, otherwise a count and one
 line each; never argparse's usage block (``OneLineParser`` raises instead of printing it).
@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import difflib
 
-from megatron.trainer.megatron_lm_common_flags import BY_FLAG as COMMON
-from megatron.trainer.megatron_lm_common_flags import CommonFlag
-from megatron.trainer.megatron_lm_flags import MEGATRON_LM_RL_FLAGS
+from megatron.trainer.flags.megatron_lm import MEGATRON_LM_RL_FLAGS
+from megatron.trainer.flags.megatron_lm_common import BY_FLAG as COMMON
+from megatron.trainer.flags.megatron_lm_common import CommonFlag
 
 REFUSED_RL = {e.flag: e for e in MEGATRON_LM_RL_FLAGS if e.status == "refused"}
 
@@ -79,9 +79,9 @@ def prepare(argv: list[str], parser: argparse.ArgumentParser) -> tuple[list[str]
 def report(prog: str, problems: list[str]) -> str:
     """The one message of a command line's problems."""
     if len(problems) == 1:
-        return f"{prog}: error: {problems[0]} (--help lists every flag)"
+        return f"{prog}: error: {problems[0]} (--help-all lists every flag)"
     lines = "\n  ".join(problems)
-    return f"{prog}: error: {len(problems)} problems with the command line (--help lists every " \
+    return f"{prog}: error: {len(problems)} problems with the command line (--help-all lists every " \
            f"flag):\n  {lines}"  # fmt: skip
 
 
@@ -144,7 +144,8 @@ def _equal(a: str | None, b: str) -> bool:
 def _suggestion(flag: str, parser: argparse.ArgumentParser) -> str:
     """'; did you mean --x?' for the closest listed flag of ours, if any is close."""
     listed = [
-        s for a in parser._actions if a.help != argparse.SUPPRESS for s in a.option_strings
+        s for a in parser._actions if a.help != argparse.SUPPRESS or hasattr(a, "full_help")
+        for s in a.option_strings
         if s.startswith("--")
     ]  # fmt: skip
     close = difflib.get_close_matches(flag, listed, n=1, cutoff=0.75)

@@ -7,7 +7,7 @@ read before the command line's, so every flag given on the command line override
 wherever ``--config`` stands. A key that is not a flag is an error naming the file, the key and
 the closest flag.
 
-``resolved(args, parser)`` is every flag's final value (the command line's, the file's, the
+``resolved(run)`` is every option's final value (the command line's, the file's, the
 default or what validation derived), as a run file: ``write`` puts it next to ``--metrics-file``
 (``<metrics>.config.yaml``) and into each checkpoint (``run_config.yaml``), and
 ``--config`` of that file with the same ``--train-iters`` reruns the run.
@@ -21,6 +21,19 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from megatron.trainer.flags.option import dest_of, options
+from megatron.trainer.flags.run import SECTIONS, RunConfig
+
+
+def every_option(run: RunConfig) -> list[tuple[str, Any]]:
+    """(flag, default) of every option, loss-term weights included, in ``--help-all``'s order."""
+    found = []
+    for name, _ in SECTIONS:
+        found += [(flag, f.default) for f, _, flag in options(getattr(run, name))]
+    found += [(flag, 0.0) for flag, _ in run.grpo.term_weights]
+    return found
+
 
 CONFIG_FLAG = "--config"
 RUN_CONFIG_FILE = "run_config.yaml"
@@ -66,22 +79,16 @@ def _tokens(flag: str, value: Any, action: argparse.Action, options: dict) -> li
     return [flag, str(value)]
 
 
-def resolved(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
-    """Every flag of ``parser`` with its final value on ``args`` (run-file keys)."""
+def resolved(run: RunConfig) -> dict[str, Any]:
+    """Every option of ``run`` with its final value (run-file keys; the architecture as
+    ``config.json`` gave it under ``--hf-checkpoint``)."""
+    values = run.flat()
     out: dict[str, Any] = {}
-    for action in parser._actions:
-        longs = [
-            s for s in action.option_strings if s.startswith("--") and not s.startswith("--no-")
-        ]
-        if not longs or action.dest in ("help", "config") or not hasattr(args, action.dest):
-            continue
-        value = getattr(args, action.dest)
-        if value is None and action.default is not None:  # e.g. a cap set to 'none'
+    for flag, default in every_option(run):
+        value = values[dest_of(flag)]
+        if value is None and default is not None:  # e.g. a cap set to 'none'
             value = "none"
-        if isinstance(value, tuple):
-            value = list(value)
-        if value is None or isinstance(value, (bool, int, float, str, list)):
-            out[longs[0][2:]] = value
+        out[flag[2:]] = list(value) if isinstance(value, tuple) else value
     return out
 
 

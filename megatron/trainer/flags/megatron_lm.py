@@ -170,9 +170,9 @@ def add_refused_flags(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(entry.flag, action=RefusedFlag, entry=entry, help=argparse.SUPPRESS)
 
 
-def aliases_of(flag: str) -> list[str]:
+def aliases_of(flag: str) -> tuple[str, ...]:
     """Megatron-LM spellings of our ``flag``."""
-    return [e.flag for e in MEGATRON_LM_RL_FLAGS if e.status == "alias" and e.ours == flag]
+    return tuple(e.flag for e in MEGATRON_LM_RL_FLAGS if e.status == "alias" and e.ours == flag)
 
 
 def render_table() -> str:

@@ -1,7 +1,7 @@
 """Megatron-LM's general (non-RL) flags that its RL example command lines use, and what each is here.
 
 Megatron-LM's ``examples/rl`` commands (its README's Qwen 2.5 32B experiment, ``model_configs/
-*.sh`` with ``common.sh``) pass some 90 flags; the RL ones are ``megatron_lm_flags.py``'s table,
+*.sh`` with ``common.sh``) pass some 90 flags; the RL ones are ``megatron/trainer/flags/megatron_lm.py``'s table,
 model and training flags we share are declared by us with the same meaning. The rest are listed
 here, once each:
 

@@ -1,0 +1,180 @@
+"""The rollout options: forced lag, sampling defaults, environments, failed rollouts and the data
+plane; and the inference engine's: slots, schedule, and the server remote environments use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from megatron.trainer.flags.megatron_lm import aliases_of
+from megatron.trainer.flags.option import Section, option
+
+if TYPE_CHECKING:
+    from megatron.rl.agent.mixture import MixtureAgent
+
+
+@dataclass(frozen=True)
+class Rollouts(Section):
+    """What is generated, from which environments, and how far ahead of training."""
+
+    title = "rollouts (forced lag, sampling, environments)"
+    prefix = "rl-"
+
+    forced_lag: int = option(
+        0,
+        "L: step N+L trains on rollouts submitted at step N (0 = on-policy).",
+        minimum=0,
+        resume=True,
+        common=True,
+    )
+    env_config: str | None = option(
+        None,
+        "Env-config YAML (list of {agent_type, agent_args, weight}); default: the built-in "
+        "digit-copy task.",
+        flag="--env-config",
+        aliases=aliases_of("--env-config"),
+        parse=str,
+        common=True,
+    )
+    default_temperature: float = option(
+        1.0, "Sampling temperature (0 = greedy).", common=True, spellings=("TRL: temperature",)
+    )
+    default_top_p: float = option(0.0, "Nucleus mass (0 or 1 = off).", spellings=("TRL: top_p",))
+    default_top_k: int = option(-1, "Top-k (-1 or 0 = off).", spellings=("TRL: top_k",))
+    default_max_tokens: int = option(
+        16,
+        "Generation budget when the environment sets none.",
+        minimum=1,
+        common=True,
+        spellings=("TRL: max_completion_length",),
+    )
+    ignore_eos: bool = option(
+        False,
+        "Generate every rollout to its full token budget: EOS and the tokenizer's other stop "
+        "tokens do not end a generation (the same work per rollout, e.g. to compare throughput "
+        "with another trainer).",
+        switch=True,
+    )
+    max_failed_rollout_fraction: float = option(
+        0.5,
+        "Stop the run, naming the environment and its first error, once more than this share of "
+        "an environment's rollouts failed (environment errors become masked placeholder "
+        "rollouts, in process and behind the env server alike; each distinct error is logged "
+        "once). Judged once the environment produced --grpo-prompts-per-step x --grpo-group-size "
+        "rollouts; 1 never stops (a batch whose every rollout failed always does).",
+    )
+    data_plane: str = option(
+        "in-process",
+        "Where each collection's rollouts live: rank 0 writes each sample once under its own key "
+        "and every data-parallel rank fetches only the keys of its shard (logprobs and reference "
+        "logprobs are written back as fields; the partition is cleared when the collection "
+        "ends). 'in-process': rank 0 holds the store and serves it point to point; "
+        "'transferqueue': the TransferQueue package on Ray (pip install '.[transferqueue]'; rank "
+        "0 starts a local Ray, the other ranks attach to it).",
+        choices=("in-process", "transferqueue"),
+    )
+
+    def problems(self) -> list[str]:
+        errors = []
+        if self.default_temperature < 0:
+            errors.append("--rl-default-temperature must be >= 0")
+        if not 0 <= self.default_top_p <= 1:
+            errors.append("--rl-default-top-p must be in [0, 1] (0 = off)")
+        if self.default_top_k < -1:
+            errors.append("--rl-default-top-k must be >= -1 (-1 or 0 = off)")
+        if not 0 <= self.max_failed_rollout_fraction <= 1:
+            errors.append(
+                f"--rl-max-failed-rollout-fraction must be in [0, 1], got "
+                f"{self.max_failed_rollout_fraction}"
+            )
+        if self.env_config is not None and not Path(self.env_config).is_file():
+            errors.append(f"--env-config: no such file {self.env_config!r}")
+        return errors
+
+
+@dataclass(frozen=True)
+class Inference(Section):
+    """The engine's slots and schedule, and the inference server of remote environments."""
+
+    title = "inference engine and server"
+    prefix = "rl-"
+
+    max_requests: int = option(
+        64,
+        "Concurrent generation requests (KV-cache slots) of the whole job, split evenly over "
+        "the data-parallel replicas; keeping it fixed keeps the generation schedule, and so the "
+        "results, independent of the parallel layout.",
+        flag="--inference-max-requests",
+        minimum=1,
+        common=True,
+    )
+    deterministic_schedule: bool = option(
+        True,
+        "Step the requests of later batches only while the batch the trainer waits for still "
+        "generates, so which policy version generates each token, and the whole run, is "
+        "reproducible. --no-rl-deterministic-schedule keeps every batch in flight generating for "
+        "the whole window, also while the awaited batch's rewards are computed or a new batch's "
+        "requests are being sent: faster with slow rewards, but tokens then depend on timing "
+        "(submission staleness stays exact).",
+        negatable=True,
+    )
+    reward_wait_steps: int = option(
+        0,
+        "With --rl-deterministic-schedule: once the batch the trainer waits for has finished "
+        "generating, the engine steps the later batches in flight for this many more engine "
+        "steps (fewer if they have nothing left to generate), and the trainer takes the batch "
+        "only after them, whatever the rewards' timing. Fills the wait for slow rewards with "
+        "generation and keeps the run reproducible; tokens of later batches then come from "
+        "earlier policy versions. 0: later batches step only while the awaited batch generates.",
+        minimum=0,
+    )
+    inference_server_host: str = option(
+        "127.0.0.1",
+        "Interface of the inference server that remote environments (agent_type: remote) "
+        "generate through; 0.0.0.0 to reach it from other hosts.",
+    )
+    inference_server_port: int = option(0, "Port of that inference server (0: a free port).")
+    api_key_file: str | None = option(
+        None,
+        "File holding the job's shared key: the inference server requires it as a bearer token "
+        "(401 without) and remote environments send it to env servers. Default: the environment "
+        "variable MEGATRON_RL_API_KEY; neither: no key (keep servers on loopback).",
+        parse=str,
+    )
+
+    def problems(self) -> list[str]:
+        errors = []
+        if self.reward_wait_steps != 0 and not self.deterministic_schedule:
+            errors.append(
+                "--rl-reward-wait-steps is a budget of the deterministic schedule: it has no "
+                "effect with --no-rl-deterministic-schedule (every batch in flight already steps "
+                "the whole window)"
+            )
+        if not 0 <= self.inference_server_port < 65536:
+            errors.append("--rl-inference-server-port must be in [0, 65535]")
+        if self.api_key_file is not None:
+            from megatron.rl.auth import read_api_key
+
+            try:
+                read_api_key(self.api_key_file, {}, "--rl-api-key-file")
+            except ValueError as err:
+                errors.append(str(err))
+        return errors
+
+
+def env_config_problems(env_config: str | None, seq_length: int, agent: MixtureAgent) -> list[str]:
+    """The options against the loaded env config's entries, each problem naming the file, the
+    entry and the flag: an entry's own generation budget (``agent_args.max_tokens``, where its
+    agent declares one) must leave room in ``--seq-length`` for a prompt of at least one token,
+    as ``--rl-default-max-tokens`` must."""
+    errors = []
+    for entry in agent.evaluated:
+        budget = getattr(entry.args, "max_tokens", None)
+        if budget is not None and budget >= seq_length:
+            errors.append(
+                f"--env-config {env_config}, entry {entry.env_id!r}: agent_args.max_tokens "
+                f"({budget}) must be smaller than --seq-length ({seq_length}) to leave room for "
+                "the prompt"
+            )
+    return errors

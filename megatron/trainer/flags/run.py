@@ -1,0 +1,385 @@
+"""The run config: one frozen section per component, and what the parse derives once.
+
+``RunConfig`` holds the sections (``model``, ``training``, ``grpo``, ...) and the values derived
+from them and the world at start-up (data-parallel size, iterations per collection, the Hugging
+Face checkpoint's config and the resolved architecture). ``resolve`` builds it from the parsed
+values and returns every problem, each naming its flags: a section's own checks are its
+``problems``; the checks across sections are here. Nothing writes to a ``RunConfig``: tests and
+tools derive a variant with ``with_flags``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Mapping
+
+from megatron.trainer.flags.evaluation import Evaluation
+from megatron.trainer.flags.grpo import GRPO, term_options, term_weights
+from megatron.trainer.flags.model import (
+    ARCHITECTURE_FLAGS,
+    Model,
+    architecture_flags,
+    checkpoint_conflicts,
+    read_checkpoint_config,
+    tokenizer_directory_problem,
+    with_defaults,
+)
+from megatron.trainer.flags.option import Section, bounds_problems, dest_of, options
+from megatron.trainer.flags.output import OUTPUT_PATHS, Checkpointing, Logging, output_path_problem
+from megatron.trainer.flags.rollouts import Inference, Rollouts
+from megatron.trainer.flags.training import (
+    Parallelism,
+    Training,
+    parallelism_with_defaults,
+    training_with_defaults,
+)
+
+if TYPE_CHECKING:
+    from megatron.rl.models.hf import HFModelConfig
+
+SECTIONS: tuple[tuple[str, type[Section]], ...] = (
+    ("rollouts", Rollouts),
+    ("training", Training),
+    ("model", Model),
+    ("checkpointing", Checkpointing),
+    ("grpo", GRPO),
+    ("evaluation", Evaluation),
+    ("inference", Inference),
+    ("logging", Logging),
+    ("parallelism", Parallelism),
+)
+"""Every section, in ``--help``'s order (what users change most first)."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Every option of a run, by section, and what the start-up derived from them."""
+
+    rollouts: Rollouts = field(default_factory=Rollouts)
+    training: Training = field(default_factory=Training)
+    model: Model = field(default_factory=Model)
+    checkpointing: Checkpointing = field(default_factory=Checkpointing)
+    grpo: GRPO = field(default_factory=GRPO)
+    evaluation: Evaluation = field(default_factory=Evaluation)
+    inference: Inference = field(default_factory=Inference)
+    logging: Logging = field(default_factory=Logging)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+
+    world_size: int = 1
+    """Ranks of the job."""
+    data_parallel_size: int = 1
+    """Model replicas: world size / (TP x PP)."""
+    iterations_per_collection: int = 1
+    """Training iterations per collection: --grpo-iterations x P x G / --global-batch-size."""
+    started: str = ""
+    """Start time of the run (``YYYYmmdd-HHMMSS``), in the names of files it writes."""
+    hf: HFModelConfig | None = None
+    """``--hf-checkpoint``'s config.json, read once (None without it)."""
+    architecture_flags: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    """The model's architecture as option values (config.json's under --hf-checkpoint)."""
+    explicit: frozenset[str] = frozenset()
+    """The options (argparse dests) the command line or run file gave."""
+
+    @property
+    def rollouts_per_collection(self) -> int:
+        """P x G: the rollouts of one batch."""
+        return self.grpo.prompts_per_step * self.grpo.group_size
+
+    def flat(self) -> dict[str, Any]:
+        """Every option by its argparse dest (the architecture resolved), plus the derived
+        scalars: what a checkpoint stores and a resume compares."""
+        values: dict[str, Any] = {}
+        for name, _ in SECTIONS:
+            section = getattr(self, name)
+            for f, _, flag in options(section):
+                values[dest_of(flag)] = getattr(section, f.name)
+        values.update({dest_of(flag): weight for flag, weight in self.grpo.term_weights})
+        values.update(self.architecture_flags)
+        values.update(
+            world_size=self.world_size,
+            data_parallel_size=self.data_parallel_size,
+            iterations_per_collection=self.iterations_per_collection,
+            run_started=self.started,
+        )
+        return values
+
+    def with_flags(self, **values: Any) -> RunConfig:
+        """A copy with options replaced by argparse dest (``seq_length=64``) or derived field
+        name (``data_parallel_size=2``), without validation: for tests and tools."""
+        where = locations()
+        changed: dict[str, dict[str, Any]] = {}
+        top: dict[str, Any] = {}
+        weights = {flag: 0.0 for flag, _, _ in term_options()} | dict(self.grpo.term_weights)
+        for dest, value in values.items():
+            if dest in where:
+                section, name = where[dest]
+                changed.setdefault(section, {})[name] = _frozen(value)
+            elif "--" + dest.replace("_", "-") in weights:
+                weights["--" + dest.replace("_", "-")] = float(value)
+            elif dest in {f.name for f in dataclasses.fields(self)}:
+                top[dest] = value
+            else:
+                raise AttributeError(f"no option or derived value {dest!r}")
+        sections = {s: replace(getattr(self, s), **kw) for s, kw in changed.items()}
+        run = replace(self, **sections, **top)
+        run = replace(run, grpo=replace(run.grpo, term_weights=tuple(weights.items())))
+        if "architecture_flags" not in top:
+            arch = architecture_flags(run.model, run.hf)
+            run = replace(run, architecture_flags=MappingProxyType(arch))
+        return run
+
+
+def resume_options() -> list[tuple[str, str, Any]]:
+    """(dest, flag, default) of every option a resumed run must keep (``resume=True``)."""
+    return [
+        (dest_of(flag), flag, f.default)
+        for _, cls in SECTIONS
+        for f, declared, flag in options(cls)
+        if declared.resume
+    ]
+
+
+def locations() -> dict[str, tuple[str, str]]:
+    """argparse dest -> (section attribute, field) of every declared option."""
+    return {dest_of(flag): (name, f.name) for name, cls in SECTIONS for f, _, flag in options(cls)}
+
+
+def sections_of(values: Mapping[str, Any]) -> dict[str, Section]:
+    """The sections of parsed values (argparse dests, every option present)."""
+    built: dict[str, Section] = {}
+    for name, cls in SECTIONS:
+        kwargs = {f.name: _frozen(values[dest_of(flag)]) for f, _, flag in options(cls)}
+        built[name] = cls(**kwargs)
+    built["grpo"] = replace(built["grpo"], term_weights=term_weights(dict(values)))
+    return built
+
+
+def resolve(
+    values: Mapping[str, Any],
+    world_size: int,
+    cuda: bool,
+    explicit: frozenset[str] = frozenset(),
+) -> tuple[RunConfig | None, list[str]]:
+    """The run config of parsed ``values`` (argparse dests) on ``world_size`` ranks, or None, and
+    every problem, each naming its flags. ``explicit``: the dests the user gave (for the
+    conflicts of ``--hf-checkpoint`` with architecture flags)."""
+    s = sections_of(values)
+    errors: list[str] = []
+    for name, _ in SECTIONS:
+        errors += bounds_problems(s[name]) + s[name].problems()
+    model: Model = s["model"]
+    hf = None
+    unreadable: list[str] = []
+    if model.make_vocab_size_divisible_by >= 1:
+        hf, unreadable = read_checkpoint_config(model)
+        errors += unreadable
+        if hf is not None:
+            errors += checkpoint_conflicts(model, hf, explicit)
+    model = with_defaults(model)
+    if not unreadable and (missing := tokenizer_directory_problem(model)) is not None:
+        errors.append(missing)
+    arch = architecture_flags(model, hf)
+    rollouts = s["grpo"].prompts_per_step * s["grpo"].group_size
+    training = training_with_defaults(s["training"], rollouts)
+    parallelism = parallelism_with_defaults(
+        s["parallelism"], s["training"].watchdog_timeout_minutes
+    )
+    run = RunConfig(
+        **{**s, "model": model, "training": training, "parallelism": parallelism},
+        world_size=world_size,
+        started=time.strftime("%Y%m%d-%H%M%S"),
+        hf=hf,
+        architecture_flags=MappingProxyType(arch),
+        explicit=explicit,
+    )
+    model_parallel = (
+        parallelism.tensor_model_parallel_size * parallelism.pipeline_model_parallel_size
+    )
+    run = replace(run, data_parallel_size=max(1, world_size // max(1, model_parallel)))
+    errors += _layout_problems(run, cuda) + _batch_problems(run)
+    if not _batch_problems(run):
+        run = replace(run, iterations_per_collection=_iterations_per_collection(run))
+        errors += _interval_problems(run)
+    errors += _across_sections(run, cuda)
+    if not errors:  # probe the file system only for an otherwise valid command
+        errors += _output_path_problems(run)
+    return (None if errors else run), errors
+
+
+def _layout_problems(run: RunConfig, cuda: bool) -> list[str]:
+    """The model against the parallel layout and the world size."""
+    errors = []
+    arch, p = run.architecture_flags, run.parallelism
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    if arch["ffn_hidden_size"] < 1:
+        errors.append("--ffn-hidden-size must be >= 1")
+    if run.model.seq_length > arch["max_position_embeddings"]:
+        errors.append(
+            f"--seq-length ({run.model.seq_length}) must not exceed {_positions_source(run)}"
+        )
+    heads = arch["num_attention_heads"]
+    if heads >= 1 and arch["hidden_size"] % heads != 0:
+        errors.append(
+            f"--hidden-size ({arch['hidden_size']}) must be divisible by --num-attention-heads "
+            f"({heads})"
+        )
+    if tp < 1 or pp < 1:
+        return errors
+    if run.world_size % (tp * pp) != 0:
+        errors.append(
+            f"world size {run.world_size} must be divisible by --tensor-model-parallel-size x "
+            f"--pipeline-model-parallel-size ({tp} x {pp})"
+        )
+    if not cuda and pp != 1:
+        errors.append(
+            f"--pipeline-model-parallel-size {pp} is not supported on CPU: megatron-core's "
+            "pipeline schedules are CUDA-only, use 1"
+        )
+    elif cuda and arch["num_layers"] >= 1 and arch["num_layers"] % pp != 0:
+        errors.append(
+            f"--num-layers ({arch['num_layers']}) must be divisible by "
+            f"--pipeline-model-parallel-size ({pp})"
+        )
+    for flag, value in (
+        ("--num-attention-heads", heads),
+        ("--ffn-hidden-size", arch["ffn_hidden_size"]),
+        ("--make-vocab-size-divisible-by", run.model.make_vocab_size_divisible_by),
+    ):
+        if value % tp != 0:
+            errors.append(
+                f"{flag} ({value}) must be divisible by --tensor-model-parallel-size ({tp})"
+            )
+    if run.inference.max_requests % run.data_parallel_size != 0:
+        errors.append(
+            f"--inference-max-requests ({run.inference.max_requests}) must be divisible by the "
+            f"data-parallel size ({run.data_parallel_size})"
+        )
+    if p.use_distributed_optimizer and not cuda:
+        errors.append(
+            "--use-distributed-optimizer is not supported on CPU: it needs the CUDA tier "
+            "(megatron-core's distributed optimizer is CUDA-only)"
+        )
+    return errors
+
+
+def _batch_problems(run: RunConfig) -> list[str]:
+    """The global batch against a collection and the micro-batches."""
+    errors = []
+    rollouts, gbs = run.rollouts_per_collection, run.training.global_batch_size
+    passes, micro = run.grpo.iterations, run.training.micro_batch_size
+    if not 1 <= gbs <= rollouts:
+        errors.append(
+            f"--global-batch-size ({gbs}) must be in [1, --grpo-prompts-per-step x "
+            f"--grpo-group-size ({rollouts})]: a training iteration uses at most one collection"
+        )
+    elif passes >= 1 and rollouts * passes % gbs != 0:
+        errors.append(
+            f"--grpo-prompts-per-step x --grpo-group-size x --grpo-iterations ({rollouts} x "
+            f"{passes}) must be a multiple of --global-batch-size ({gbs})"
+        )
+    if micro >= 1 and gbs % (micro * run.data_parallel_size) != 0:
+        errors.append(
+            f"--global-batch-size ({gbs}) must be divisible by --micro-batch-size x "
+            f"data-parallel size ({micro} x {run.data_parallel_size})"
+        )
+    return errors
+
+
+def _iterations_per_collection(run: RunConfig) -> int:
+    """--grpo-iterations passes of ``P x G / --global-batch-size`` global batches."""
+    passes = max(1, run.grpo.iterations)
+    return run.rollouts_per_collection * passes // run.training.global_batch_size
+
+
+def _interval_problems(run: RunConfig) -> list[str]:
+    """Run length, saves and exits fall between collections."""
+    k = run.iterations_per_collection
+    return [
+        f"{flag} ({value}) must be a multiple of the iterations per collection ({k}: "
+        "--grpo-iterations x prompts x group size / --global-batch-size); checkpoints and exits "
+        "happen between collections"
+        for flag, value in (
+            ("--train-iters", run.training.train_iters),
+            ("--save-interval", run.checkpointing.save_interval),
+            ("--exit-interval", run.training.exit_interval),
+        )
+        if value is not None and value % k != 0
+    ]
+
+
+def _across_sections(run: RunConfig, cuda: bool) -> list[str]:
+    """The remaining checks that read more than one section."""
+    errors = []
+    budget, seq = run.rollouts.default_max_tokens, run.model.seq_length
+    if budget >= seq:
+        errors.append(
+            f"--rl-default-max-tokens ({budget}) must be smaller than --seq-length ({seq}) to "
+            "leave room for the prompt"
+        )
+    if run.grpo.ref_load is not None and not Path(run.grpo.ref_load).is_dir():
+        errors.append(f"--ref-load: no such directory {run.grpo.ref_load!r}")
+    if (problem := run.checkpointing.format_problem(cuda)) is not None:
+        errors.append(problem)
+    if run.model.save_hf is not None:
+        errors += _export_problems(run)
+    if cuda and run.training.use_sequence_packing:
+        from megatron.rl.models.gpt_spec import transformer_engine_importable
+
+        if transformer_engine_importable():
+            errors.append(
+                "--rl-use-sequence-packing is not supported with the Transformer Engine layer "
+                "spec the CUDA tier uses when transformer_engine imports: its causal attention "
+                "ignores the block-diagonal mask of packed rows"
+            )
+    return errors
+
+
+def _export_problems(run: RunConfig) -> list[str]:
+    """Why ``--save-hf`` cannot write this run's model (nothing when it can)."""
+    errors = []
+    if run.model.tokenizer_type != "HuggingFaceTokenizer":
+        errors.append(
+            "--save-hf needs a Hugging Face tokenizer (--tokenizer-model or --hf-checkpoint)"
+        )
+    if run.parallelism.pipeline_model_parallel_size != 1:
+        errors.append("--save-hf supports --pipeline-model-parallel-size 1 only")
+    if run.hf is None:
+        from megatron.trainer.hf_io import exportable
+        from megatron.trainer.model_provider import architecture
+
+        why = exportable(architecture(run, vocab_size=1))
+        if why is not None:
+            errors.append(f"--save-hf: this model has no Hugging Face equivalent: {why}")
+    return errors
+
+
+def _output_path_problems(run: RunConfig) -> list[str]:
+    values = run.flat()
+    return [
+        problem
+        for flag, kind in OUTPUT_PATHS
+        if values[dest_of(flag)] is not None
+        and (problem := output_path_problem(flag, values[dest_of(flag)], kind))
+    ]
+
+
+def _positions_source(run: RunConfig) -> str:
+    """Where the model's position count comes from, with the value: config.json or the flag."""
+    positions = run.architecture_flags["max_position_embeddings"]
+    if run.hf is not None:
+        return (
+            f"max_position_embeddings ({positions}) of --hf-checkpoint's "
+            f"{Path(run.model.hf_checkpoint) / 'config.json'}"
+        )
+    return f"--max-position-embeddings ({positions})"
+
+
+def _frozen(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+__all__ = ["ARCHITECTURE_FLAGS", "RunConfig", "SECTIONS", "locations", "resolve", "term_options"]
