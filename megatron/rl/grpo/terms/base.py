@@ -12,12 +12,11 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
-if TYPE_CHECKING:
-    from megatron.rl.grpo.loss import LossInputs
+from megatron.rl.grpo.loss_inputs import LossInputs
 
 
 @dataclass(frozen=True)

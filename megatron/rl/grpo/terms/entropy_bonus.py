@@ -5,12 +5,9 @@ exploration."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from megatron.rl.grpo.loss_inputs import LossInputs
 from megatron.rl.grpo.terms.base import LossTerm, TermValue
-
-if TYPE_CHECKING:
-    from megatron.rl.grpo.loss import LossInputs
 
 
 @dataclass(frozen=True)

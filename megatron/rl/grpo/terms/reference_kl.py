@@ -10,13 +10,10 @@ once per micro-batch (no gradient).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from megatron.rl.grpo.kl import reference_kl
+from megatron.rl.grpo.loss_inputs import LossInputs
 from megatron.rl.grpo.terms.base import LossTerm, TermValue
-
-if TYPE_CHECKING:
-    from megatron.rl.grpo.loss import LossInputs
 
 
 @dataclass(frozen=True)
