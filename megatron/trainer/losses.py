@@ -6,8 +6,15 @@ from __future__ import annotations
 import torch
 
 from megatron.rl.grpo.importance import MISMATCH_SUMS, mismatch_metrics
-from megatron.trainer.policy import LossFunction, MicroBatch, MicroBatchLoss
-from megatron.trainer.step import MicroBatchCache, NamedSums, StepConfig, micro_batch_loss
+from megatron.trainer.step import (
+    LossFunction,
+    MicroBatch,
+    MicroBatchCache,
+    MicroBatchLoss,
+    NamedSums,
+    StepConfig,
+    micro_batch_loss,
+)
 
 
 class GRPOLoss(LossFunction):

@@ -14,8 +14,9 @@ hold padding values (0 past its micro-batch's width) that callers mask.
 * ``get_logprobs``: log pi(target) of every position, forward only, no gradient.
 * ``get_reference_policy_logprobs``: the same under the frozen reference model.
 * ``get_topk_logits``: the k largest logits of the next token at every position, with their ids.
-* ``train``: one optimizer update per global batch with a pluggable ``LossFunction``, or with
-  ``eval_mode`` only the loss (no update, no LR step, no gradient kept).
+* ``train``: one optimizer update per global batch with a pluggable ``LossFunction`` (defined
+  in ``step.py``, whose ``step_result`` asks it for the metrics), or with ``eval_mode`` only the
+  loss (no update, no LR step, no gradient kept).
 
 Implementations: ``CPUPolicy`` (``tiers/cpu.py``: micro-batches in a loop) and ``CUDAPolicy``
 (``tiers/cuda_policy.py``: megatron-core's ``forward_backward_func``); ``Tier.build_policy``
@@ -33,8 +34,9 @@ import torch
 from megatron.rl.grpo.batch import TrainBatch
 from megatron.trainer.initialize import ParallelContext
 from megatron.trainer.step import (
+    LossFunction,
+    MicroBatch,
     MicroBatchCache,
-    NamedSums,
     StepConfig,
     StepResult,
     data_parallel_rows,
@@ -63,62 +65,6 @@ class PolicyConfig:
             step.vocab_size, step.micro_batch_size, step.clip_grad, step.packing_capacity,
             step.check_finite,
         )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class MicroBatch:
-    """One micro-batch of a ``train`` call on this rank, as the loss function sees it."""
-
-    data: TrainBatch
-    """(b, t) its rows (trimmed to their longest row; the batch's width under PP)."""
-    rows: slice
-    """Where its rows are in the ``data`` given to ``train``."""
-    cache: MicroBatchCache
-    """Values kept across the calls that train these rows (pi_old, pi_ref, mismatch sums)."""
-
-
-@dataclass(frozen=True)
-class MicroBatchLoss:
-    """What a loss function returns for one micro-batch."""
-
-    loss_sum: torch.Tensor
-    """Scalar, differentiable: the loss summed over the micro-batch's tokens (the policy divides
-    by the global ``LossFunction.num_tokens``)."""
-    metric_sums: dict[str, torch.Tensor]
-    """Scalar sums by name, exactly the keys of ``LossFunction.metric_keys``."""
-
-
-class LossFunction(ABC):
-    """A loss of micro-batches, summed over tokens and averaged over a global batch's tokens."""
-
-    needs_entropy: bool = False
-    """Whether ``__call__`` reads the policy entropy (the forward computes it only then)."""
-
-    @abstractmethod
-    def metric_keys(self) -> tuple[str, ...]:
-        """The names of ``MicroBatchLoss.metric_sums`` (not ``loss``: the policy adds it)."""
-
-    @abstractmethod
-    def __call__(
-        self, micro: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor | None
-    ) -> MicroBatchLoss:
-        """The loss of ``micro`` from the policy's (b, t) logprobs of its targets (and its
-        (b, t) entropies when ``needs_entropy``), both differentiable."""
-
-    def num_tokens(self, data: TrainBatch) -> int:
-        """The tokens of ``data`` the loss is averaged over (default: the loss-mask tokens of the
-        global batch, also when ``data`` is one rank's shard of it)."""
-        return data.global_loss_tokens
-
-    def extra_sums(self, caches: list[MicroBatchCache]) -> NamedSums | None:
-        """Sums reduced with the update's, from this rank's caches (default: none)."""
-        return None
-
-    def metrics(self, sums: dict[str, float], num_tokens: int) -> dict[str, float]:
-        """The reported metrics from the globally reduced sums (default: each metric sum per
-        token)."""
-        denom = max(num_tokens, 1)
-        return {k: sums[k] / denom for k in self.metric_keys()}
 
 
 def update_keys(loss_fn: LossFunction) -> tuple[str, ...]:

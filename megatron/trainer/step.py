@@ -2,7 +2,8 @@
 
 A step is one training iteration: one optimizer update on this rank's data-parallel shard of a
 global batch (``collection.py`` cuts each collection into global batches), run by the tier's
-``Policy.train`` (``megatron/trainer/policy.py``) with the GRPO loss (``losses.GRPOLoss`` over
+``Policy.train`` (``megatron/trainer/policy.py``) with a ``LossFunction`` of micro-batches (here,
+below the policy that takes it), by default the GRPO loss (``losses.GRPOLoss`` over
 ``micro_batch_loss``). With the default ``StepConfig`` it is the plain clipped surrogate against
 the engine's logprobs. The options (see ``megatron/rl/grpo/loss.py``):
 
@@ -31,8 +32,8 @@ parallelism (and the pipeline on CUDA) before the loss function turns the sums i
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -42,9 +43,6 @@ from megatron.rl.grpo.importance import ImportanceConfig, importance_weights, mi
 from megatron.rl.grpo.loss import GRPOLossConfig, LossInputs, LossOutput, grpo_loss
 from megatron.trainer.forward import forward_outputs, model_inputs
 from megatron.trainer.initialize import ParallelContext
-
-if TYPE_CHECKING:
-    from megatron.trainer.policy import LossFunction
 
 BASE_METRICS = ("clip_fraction", "loss", "mismatch_kl", "ratio_mean")
 """Metric sums every step reports (``LossOutput.metric_sums``), before the terms' own."""
@@ -158,6 +156,62 @@ class StepResult:
     """The loss function's other metrics by name (``LossFunction.metrics``); for GRPO the
     per-loss-token means of ``clip_fraction``, ``ratio_mean``, ``mismatch_kl``, each loss term's
     metric, and the ``is_*`` metrics of the IS correction."""
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch of a ``train`` call on this rank, as the loss function sees it."""
+
+    data: TrainBatch
+    """(b, t) its rows (trimmed to their longest row; the batch's width under PP)."""
+    rows: slice
+    """Where its rows are in the ``data`` given to ``train``."""
+    cache: MicroBatchCache
+    """Values kept across the calls that train these rows (pi_old, pi_ref, mismatch sums)."""
+
+
+@dataclass(frozen=True)
+class MicroBatchLoss:
+    """What a loss function returns for one micro-batch."""
+
+    loss_sum: torch.Tensor
+    """Scalar, differentiable: the loss summed over the micro-batch's tokens (the policy divides
+    by the global ``LossFunction.num_tokens``)."""
+    metric_sums: dict[str, torch.Tensor]
+    """Scalar sums by name, exactly the keys of ``LossFunction.metric_keys``."""
+
+
+class LossFunction(ABC):
+    """A loss of micro-batches, summed over tokens and averaged over a global batch's tokens."""
+
+    needs_entropy: bool = False
+    """Whether ``__call__`` reads the policy entropy (the forward computes it only then)."""
+
+    @abstractmethod
+    def metric_keys(self) -> tuple[str, ...]:
+        """The names of ``MicroBatchLoss.metric_sums`` (not ``loss``: the policy adds it)."""
+
+    @abstractmethod
+    def __call__(
+        self, micro: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor | None
+    ) -> MicroBatchLoss:
+        """The loss of ``micro`` from the policy's (b, t) logprobs of its targets (and its
+        (b, t) entropies when ``needs_entropy``), both differentiable."""
+
+    def num_tokens(self, data: TrainBatch) -> int:
+        """The tokens of ``data`` the loss is averaged over (default: the loss-mask tokens of the
+        global batch, also when ``data`` is one rank's shard of it)."""
+        return data.global_loss_tokens
+
+    def extra_sums(self, caches: list[MicroBatchCache]) -> NamedSums | None:
+        """Sums reduced with the update's, from this rank's caches (default: none)."""
+        return None
+
+    def metrics(self, sums: dict[str, float], num_tokens: int) -> dict[str, float]:
+        """The reported metrics from the globally reduced sums (default: each metric sum per
+        token)."""
+        denom = max(num_tokens, 1)
+        return {k: sums[k] / denom for k in self.metric_keys()}
 
 
 def data_parallel_rows(

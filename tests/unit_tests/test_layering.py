@@ -3,8 +3,10 @@
 
 Every import statement of every module is read (``ast``), including imports inside functions and
 ``TYPE_CHECKING`` blocks: a module of ``megatron/rl`` that imports the trainer, an example or the
-entry script fails here, and so does an example that imports the trainer. The trainer's modules
-also import no Hugging Face package until a checkpoint or tokenizer of theirs is used.
+entry script fails here, and so does an example that imports the trainer. The modules named
+below import themselves through no other module of ``megatron/``, reading imports the same way.
+The trainer's modules also import no Hugging Face package until a checkpoint or tokenizer of
+theirs is used.
 """
 
 from __future__ import annotations
@@ -19,19 +21,28 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def imported_modules(path: Path) -> list[tuple[int, str]]:
-    """(line, module) of every import in ``path``; relative imports resolved to absolute names."""
+def import_statements(path: Path) -> list[tuple[int, str, list[str]]]:
+    """(line, module, names imported from it) of every import statement in ``path`` (no names
+    for ``import module``); relative imports resolved to absolute names."""
     package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
+            found += [(node.lineno, alias.name, []) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 parent = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*parent, base] if base else parent)
-            found += [(node.lineno, base)] + [(node.lineno, f"{base}.{a.name}") for a in node.names]
+            found.append((node.lineno, base, [a.name for a in node.names]))
+    return found
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import in ``path``; relative imports resolved to absolute names."""
+    found = []
+    for line, base, names in import_statements(path):
+        found += [(line, base)] + [(line, f"{base}.{name}") for name in names]
     return found
 
 
@@ -91,3 +102,73 @@ def test_the_default_run_imports_no_hugging_face_package():
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     )
     assert out.stdout.split("\n")[-2] == "[]", out.stdout
+
+
+def module_name(path: Path) -> str:
+    """The dotted name of the module (the package, for ``__init__.py``) at ``path``."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(files: list[Path]) -> dict[str, set[str]]:
+    """Module -> the modules of ``files`` it imports; ``from pkg import name`` imports the module
+    ``pkg.name`` when that is one of them, else ``pkg``."""
+    modules = {module_name(p): p for p in files}
+    graph = {}
+    for name, path in modules.items():
+        imported = set()
+        for _, base, names in import_statements(path):
+            subs = [f"{base}.{n}" for n in names]
+            imported |= {sub if sub in modules else base for sub in subs} or {base}
+        graph[name] = (imported & set(modules)) - {name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each set of modules that import one another, directly or through others (a strongly
+    connected component of more than one module), as a sorted list; sorted."""
+    reach = {}
+    for start in graph:
+        seen, todo = set(), list(graph[start])
+        while todo:
+            module = todo.pop()
+            if module not in seen:
+                seen.add(module)
+                todo += graph[module]
+        reach[start] = seen
+    cycles = {tuple(sorted(m for m in reach[a] if a in reach[m])) for a in graph if a in reach[a]}
+    return sorted(list(cycle) for cycle in cycles)
+
+
+@pytest.mark.parametrize(
+    "modules",
+    [
+        pytest.param(("megatron.rl.grpo.loss", "megatron.rl.grpo.terms.base"), id="grpo-loss"),
+        pytest.param(("megatron.trainer.policy", "megatron.trainer.step"), id="policy-step"),
+    ],
+)
+def test_modules_are_in_no_import_cycle(modules):
+    """Counting every import statement (in functions and ``TYPE_CHECKING`` blocks too), none of
+    ``modules`` imports itself through other modules of ``megatron/``: a type two modules share
+    lives in the lower one or in a module of its own. Not yet the whole tree: ``exits`` and
+    ``watchdog`` (trainer), ``inference.protocol`` and ``inference.engine_snapshot`` (rl) still
+    import each other."""
+    cycles = import_cycles(import_graph(python_files("megatron")))
+    assert [cycle for cycle in cycles if set(modules) & set(cycle)] == []
+
+
+def test_the_cycle_check_sees_type_checking_imports(monkeypatch):
+    rl = ROOT / "megatron" / "rl"
+    sources = {
+        rl / "_a.py": "from megatron.rl._b import B\n",
+        rl / "_b.py": "if TYPE_CHECKING:\n    from megatron.rl import _a\n",
+        rl / "_c.py": "import megatron.rl._a\n",
+    }
+    monkeypatch.setattr(Path, "read_text", lambda self: sources[self])
+    graph = import_graph(list(sources))
+    assert graph == {
+        "megatron.rl._a": {"megatron.rl._b"},
+        "megatron.rl._b": {"megatron.rl._a"},
+        "megatron.rl._c": {"megatron.rl._a"},
+    }
+    assert import_cycles(graph) == [["megatron.rl._a", "megatron.rl._b"]]

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, ClassVar
 if TYPE_CHECKING:  # the terms' declarations load without torch: the trainer's --help lists them
     import torch
 
-    from megatron.rl.grpo.loss import LossInputs
+    from megatron.rl.grpo.loss_inputs import LossInputs
 
 
 @dataclass(frozen=True)

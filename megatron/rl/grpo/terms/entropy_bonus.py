@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from megatron.rl.grpo.terms.base import LossTerm, TermValue
 
 if TYPE_CHECKING:
-    from megatron.rl.grpo.loss import LossInputs
+    from megatron.rl.grpo.loss_inputs import LossInputs
 
 
 @dataclass(frozen=True)
