@@ -21,17 +21,14 @@ from megatron.rl.models.hf import (
     load_hf_checkpoint,
 )
 from megatron.rl.models.hf.config import check_family
+from megatron.rl.models.hf.families import export_family_of
 from megatron.trainer.initialize import ParallelContext
 
 
 def export_family(arch: GPTArchitecture) -> str:
-    """The Hugging Face family an architecture is exported as: Qwen3 (QK norm), Qwen2 (QKV bias
-    only), else Llama."""
-    if arch.qk_layernorm:
-        return "qwen3"
-    if arch.add_qkv_bias and not arch.add_bias_linear:
-        return "qwen2"
-    return "llama"
+    """The Hugging Face family an architecture is exported as (``export_family_of``): Qwen3 (QK
+    norm), Qwen2 (QKV bias only), else Llama."""
+    return export_family_of(arch).name
 
 
 def exportable(arch: GPTArchitecture) -> str | None:

@@ -5,8 +5,9 @@
 * ``gather_tensor_parallel_state_dicts(model)`` and ``export_hf(dir, arch, state_dicts, ...)``;
 * ``load_hf_tokenizer(dir, hf)``: the tokenizer, checked against the embedding size.
 
-Layouts and name mapping: ``mapping.py``; config fields: ``config.py``. Errors:
-``HFCheckpointError``.
+Layouts and name mapping: ``mapping.py``; config fields: ``config.py``; what differs between
+families: one ``HFFamily`` entry per module of ``families/`` (the registry ``families.families()``,
+``family_of``). Errors: ``HFCheckpointError``.
 """
 
 from megatron.rl.models.hf.checkpoint import (
@@ -17,6 +18,7 @@ from megatron.rl.models.hf.checkpoint import (
 )
 from megatron.rl.models.hf.config import FAMILIES, HFModelConfig, hf_config_dict, read_hf_config
 from megatron.rl.models.hf.errors import HFCheckpointError
+from megatron.rl.models.hf.families import HFFamily, family_of
 from megatron.rl.models.hf.mapping import (
     hf_from_megatron,
     megatron_shard_from_hf,
@@ -26,8 +28,10 @@ from megatron.rl.models.hf.mapping import (
 __all__ = [
     "FAMILIES",
     "HFCheckpointError",
+    "HFFamily",
     "HFModelConfig",
     "export_hf",
+    "family_of",
     "gather_tensor_parallel_state_dicts",
     "hf_config_dict",
     "hf_from_megatron",

@@ -21,6 +21,9 @@ The embedding is padded to a multiple of ``make_vocab_size_divisible_by`` rows
 (``GPTArchitecture.vocab_size``); ``HFModelConfig.vocab_size`` keeps the checkpoint's row count.
 Anything else that would change the math (other RoPE types, partial rotary, other activations)
 raises ``HFCheckpointError`` naming ``config.json`` and the field.
+
+What differs between families (the list above) is each family's ``HFFamily`` entry
+(``families/<family>.py``); this module reads and writes what they share and looks the rest up.
 """
 
 from __future__ import annotations
@@ -32,17 +35,13 @@ from typing import Any, Callable
 
 from megatron.rl.models.architecture import GPTArchitecture, RopeScaling
 from megatron.rl.models.hf.errors import HFCheckpointError
+from megatron.rl.models.hf.families import HFFamily, families, family_named, family_of
 
 FAMILIES: dict[str, tuple[str, str]] = {
-    "llama": ("LlamaForCausalLM", "llama"),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
-    "mistral": ("MistralForCausalLM", "mistral"),
+    family.name: (family.architectures[0], family.model_types[0]) for family in families()
 }
-"""family -> (``architectures`` entry, ``model_type``)."""
+"""family -> (``architectures`` entry, ``model_type``) written on export (``families()``)."""
 
-_FAMILY_OF = {entry: family for family, (entry, _) in FAMILIES.items()}
-_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "mistral": 131072}
 _Fail = Callable[[str, str], HFCheckpointError]
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
 _REQUIRED += ("num_attention_heads",)
@@ -53,7 +52,7 @@ class HFModelConfig:
     """What ``config.json`` says, as this project needs it."""
 
     family: str
-    """``llama``, ``qwen2``, ``qwen3`` or ``mistral`` (a key of ``FAMILIES``)."""
+    """``llama``, ``qwen2``, ``qwen3`` or ``mistral`` (the ``name`` of its ``HFFamily``)."""
     arch: GPTArchitecture
     """The architecture, with the vocabulary padded for the embedding table."""
     vocab_size: int
@@ -89,24 +88,18 @@ def hf_model_config(
     def fail(field: str, message: str) -> HFCheckpointError:
         return HFCheckpointError(f"{source}: {field}: {message}")
 
-    entries = cfg.get("architectures")
-    supported = ", ".join(entry for entry, _ in FAMILIES.values())
-    if not isinstance(entries, list) or len(entries) != 1:
-        raise fail("architectures", f"expected one entry, got {entries!r} (supported: {supported})")
-    if entries[0] not in _FAMILY_OF:
-        raise fail("architectures", f"{entries[0]!r} is not supported (supported: {supported})")
-    family = _FAMILY_OF[entries[0]]
+    family = family_of(cfg, source)
     for key in _REQUIRED:
         if not isinstance(cfg.get(key), int):
             raise fail(key, f"missing or not an integer: {cfg.get(key)!r}")
     if cfg.get("hidden_act", "silu") != "silu":
         raise fail("hidden_act", f"{cfg['hidden_act']!r} is not supported (only 'silu': SwiGLU)")
     heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
-    head_dim = cfg.get("head_dim") or (128 if family == "qwen3" else hidden // heads)
+    head_dim = cfg.get("head_dim") or family.head_dim or hidden // heads
     groups = cfg.get("num_key_value_heads") or heads
     if heads % groups:
         raise fail("num_key_value_heads", f"{groups} does not divide num_attention_heads={heads}")
-    max_positions = cfg.get("max_position_embeddings") or _MAX_POSITIONS[family]
+    max_positions = cfg.get("max_position_embeddings") or family.max_position_embeddings
     _check_sliding_window(cfg, family, max_positions, fail)
     add_bias_linear, add_qkv_bias = _biases(cfg, family, fail)
     rotary_base, scaling = _rope(cfg, fail)
@@ -128,15 +121,17 @@ def hf_model_config(
         swiglu=True,
         add_bias_linear=add_bias_linear,
         add_qkv_bias=add_qkv_bias,
-        qk_layernorm=family == "qwen3",
-        untie_embeddings_and_output_weights=not cfg.get("tie_word_embeddings", False),
+        qk_layernorm=family.qk_norm,
+        untie_embeddings_and_output_weights=not cfg.get(
+            "tie_word_embeddings", family.tie_word_embeddings
+        ),
     )
     try:
         arch.validate()
     except ValueError as err:
         raise fail("architecture", str(err)) from err
     return HFModelConfig(
-        family=family,
+        family=family.name,
         arch=arch,
         vocab_size=vocab,
         dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
@@ -145,16 +140,8 @@ def hf_model_config(
     )
 
 
-def _check_sliding_window(cfg: dict, family: str, max_positions: int, fail: _Fail) -> None:
-    if family == "mistral":
-        window = cfg.get("sliding_window", 4096)
-        sliding = True
-    elif family in ("qwen2", "qwen3"):
-        window = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window") else None
-        first = cfg.get("max_window_layers", 28)
-        sliding = first < cfg["num_hidden_layers"]
-    else:
-        window, sliding = cfg.get("sliding_window"), False
+def _check_sliding_window(cfg: dict, family: HFFamily, max_positions: int, fail: _Fail) -> None:
+    window, sliding = family.sliding_window(cfg)
     layer_types = cfg.get("layer_types")
     if layer_types is not None:
         sliding = "sliding_attention" in layer_types
@@ -166,12 +153,12 @@ def _check_sliding_window(cfg: dict, family: str, max_positions: int, fail: _Fai
         )
 
 
-def _biases(cfg: dict, family: str, fail: _Fail) -> tuple[bool, bool]:
+def _biases(cfg: dict, family: HFFamily, fail: _Fail) -> tuple[bool, bool]:
     """(add_bias_linear, add_qkv_bias) of the family's bias settings."""
-    if family == "qwen2":
+    if family.qkv_bias:
         return False, True
     attention_bias = bool(cfg.get("attention_bias", False))
-    mlp_bias = bool(cfg.get("mlp_bias", False)) if family == "llama" else False
+    mlp_bias = bool(cfg.get("mlp_bias", False)) if family.bias_linear else False
     if attention_bias != mlp_bias:
         raise fail(
             "attention_bias",
@@ -214,26 +201,22 @@ def _rope(cfg: dict, fail: _Fail) -> tuple[float, RopeScaling | None]:
 
 def check_family(arch: GPTArchitecture, family: str) -> None:
     """Raise ValueError naming the field if ``arch`` is not a model of the HF ``family``."""
-    if family not in FAMILIES:
-        raise ValueError(f"family {family!r} is not one of {sorted(FAMILIES)}")
+    entry = family_named(family)
     wanted = dict(
         position_embedding_type="rope",
         normalization="RMSNorm",
         swiglu=True,
         rotary_percent=1.0,
-        qk_layernorm=family == "qwen3",
+        qk_layernorm=entry.qk_norm,
+        add_qkv_bias=entry.qkv_bias,
     )
-    if family == "qwen2":
-        wanted.update(add_qkv_bias=True, add_bias_linear=False)
-    elif family == "llama":
-        wanted.update(add_qkv_bias=False)
-    else:
-        wanted.update(add_qkv_bias=False, add_bias_linear=False)
+    if not entry.bias_linear:
+        wanted.update(add_bias_linear=False)
     for field, value in wanted.items():
         if getattr(arch, field) != value:
             raise ValueError(
                 f"GPTArchitecture.{field}={getattr(arch, field)!r} cannot be exported as "
-                f"{FAMILIES[family][0]} (needs {value!r})"
+                f"{entry.architectures[0]} (needs {value!r})"
             )
 
 
@@ -252,11 +235,11 @@ def hf_config_dict(
     Llama 3 configs, read by transformers 4 and 5).
     """
     check_family(arch, family)
-    entry, model_type = FAMILIES[family]
+    entry = family_named(family)
     scaling = arch.rope_scaling
     cfg: dict[str, Any] = {
-        "architectures": [entry],
-        "model_type": model_type,
+        "architectures": [entry.architectures[0]],
+        "model_type": entry.model_types[0],
         "vocab_size": vocab_size,
         "hidden_size": arch.hidden_size,
         "intermediate_size": arch.ffn_hidden_size,
@@ -288,12 +271,5 @@ def hf_config_dict(
         "eos_token_id": eos_token_id,
         "pad_token_id": pad_token_id,
     }
-    if family in ("llama", "qwen3"):
-        cfg["attention_bias"] = arch.add_bias_linear
-    if family == "llama":
-        cfg["mlp_bias"] = arch.add_bias_linear
-    if family == "mistral":
-        cfg["sliding_window"] = None
-    if family in ("qwen2", "qwen3"):
-        cfg.update(use_sliding_window=False, sliding_window=None)
+    cfg.update(entry.config_keys(arch))
     return cfg

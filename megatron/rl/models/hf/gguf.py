@@ -36,11 +36,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron.rl.models.hf.errors import HFCheckpointError
+from megatron.rl.models.hf.families import families
 
 SOURCE_FILE = "gguf_source.json"
 """Written into every converted directory: where the weights came from."""
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-"""``model_type`` values of GGUF files whose transformers model ``--hf-checkpoint`` reads."""
+SUPPORTED_MODEL_TYPES = tuple(
+    model_type for family in families() for model_type in family.model_types
+)
+"""``model_type`` values of GGUF files whose transformers model ``--hf-checkpoint`` reads (those
+of every ``HFFamily``)."""
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,11 @@ input columns, their biases are replicated; the vocab-parallel embedding and out
 the vocabulary rows after padding it with zero rows to ``GPTArchitecture.vocab_size``; norms are
 replicated. Grouped-query attention needs ``num_query_groups`` divisible by t.
 
+Which optional tensors a model has (q/k/v biases, all biases, q/k norms, ``lm_head``) follows
+from the ``GPTArchitecture`` flags alone (``add_qkv_bias``, ``add_bias_linear``, ``qk_layernorm``,
+``untie_embeddings_and_output_weights``), which a family's ``HFFamily`` entry sets
+(``families/``): the names above are those of every supported family.
+
 Tensors are read through a ``TensorSource`` (a ``safetensors`` checkpoint reads only the rank's
 slices). Mapping never changes values: HF -> megatron -> HF is bitwise.
 """

@@ -6,7 +6,9 @@ the family with transformers and writes both with ``save_pretrained`` (safetenso
 Hub checkpoint has (``config.json``, ``model.safetensors``, ``generation_config.json``,
 ``tokenizer.json``, ``tokenizer_config.json``, a chat template).
 
-Families (``TINY_FAMILIES``), chosen to cover every mapping path between them:
+Families (``TINY_FAMILIES``: the ``tiny`` recipes of every ``HFFamily`` entry, in the registry's
+order; each family's module in ``families/`` declares its own), chosen to cover every mapping path
+between them:
 
 * ``llama``: Llama 2 style, multi-head attention, untied output layer, BOS added by the tokenizer;
 * ``llama3``: grouped-query attention, ``rope_type: llama3`` scaling with non-default values
@@ -29,7 +31,24 @@ from pathlib import Path
 
 import torch
 
-TINY_FAMILIES = ("llama", "llama3", "qwen2", "qwen3", "mistral")
+from megatron.rl.models.hf.families import HFFamily, TinyRecipe, families
+
+
+def _recipes() -> dict[str, tuple[HFFamily, TinyRecipe]]:
+    """Recipe name -> (its family, the recipe), in ``TINY_FAMILIES`` order."""
+    return {recipe.name: (family, recipe) for family in families() for recipe in family.tiny}
+
+
+def _recipe(family: str) -> tuple[HFFamily, TinyRecipe]:
+    """The recipe named ``family``; ValueError naming the others if there is none."""
+    recipes = _recipes()
+    if family not in recipes:
+        raise ValueError(f"unknown family {family!r}; choose from {tuple(recipes)}")
+    return recipes[family]
+
+
+TINY_FAMILIES = tuple(_recipes())
+"""The tiny recipes' names: ``llama``, ``llama3``, ``qwen2``, ``qwen3``, ``mistral``."""
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|end|>", "<|system|>", "<|user|>"]
 SPECIAL_TOKENS += ["<|assistant|>"]
 CHAT_TEMPLATE = (
@@ -112,9 +131,12 @@ def tiny_config(
     num_key_value_heads: int = 2,
     intermediate_size: int | None = None,
 ):
-    """The transformers config of a tiny ``family`` model (or of a ``SHAPES`` entry)."""
+    """The transformers config of a tiny ``family`` model (or of a ``SHAPES`` entry): the common
+    settings with the recipe's (``TinyRecipe.settings``), in the config class of its
+    ``model_type``."""
     import transformers
 
+    entry, recipe = _recipe(family)
     common = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -128,26 +150,8 @@ def tiny_config(
         eos_token_id=2,
         pad_token_id=0,
     )
-    if family == "llama":
-        return transformers.LlamaConfig(**{**common, "num_key_value_heads": num_attention_heads})
-    if family == "llama3":
-        scaling = dict(
-            rope_type="llama3",
-            factor=4.0,
-            low_freq_factor=1.0,
-            high_freq_factor=8.0,
-            original_max_position_embeddings=64,
-        )
-        return transformers.LlamaConfig(
-            **common, rope_theta=500000.0, rope_scaling=scaling, tie_word_embeddings=True
-        )
-    if family == "qwen2":
-        return transformers.Qwen2Config(**common, rope_theta=1e6, tie_word_embeddings=True)
-    if family == "qwen3":
-        return transformers.Qwen3Config(**common, head_dim=2 * hidden_size // 4)
-    if family == "mistral":
-        return transformers.MistralConfig(**common, sliding_window=max_position_embeddings)
-    raise ValueError(f"unknown family {family!r}; choose from {TINY_FAMILIES}")
+    settings = {**common, **recipe.settings(common)}
+    return transformers.AutoConfig.for_model(entry.model_types[0], **settings)
 
 
 def randomize_(model: torch.nn.Module, seed: int, init_std: float = 0.05) -> None:
@@ -180,13 +184,10 @@ def make_tiny_checkpoint(
     """
     import transformers
 
-    if family not in TINY_FAMILIES:
-        raise ValueError(f"unknown family {family!r}; choose from {TINY_FAMILIES}")
+    _, recipe = _recipe(family)
     out = Path(out)
     tokenizer = train_tokenizer(
-        builtin_corpus() if corpus is None else corpus,
-        tokenizer_vocab_size,
-        add_bos=family in ("llama", "llama3", "mistral"),
+        builtin_corpus() if corpus is None else corpus, tokenizer_vocab_size, add_bos=recipe.add_bos
     )
     rows = vocab_size if vocab_size is not None else -(-len(tokenizer) // 16) * 16
     config = tiny_config(family, rows, hidden_size, num_layers, **shape)
