@@ -50,7 +50,9 @@ if __name__ == "__main__":  # dist_checkpointing's writer processes re-import th
     argv = sys.argv[1:]
     if "--keep-kv-between-windows" in argv:
         argv.remove("--keep-kv-between-windows")
-        cuda_tier.DynamicEngineConfig = functools.partial(
-            cuda_tier.DynamicEngineConfig, release_memory_between_windows=False
+        from megatron.rl.inference.megatron_core import dynamic_engine  # the backend's provider
+
+        dynamic_engine.DynamicEngineConfig = functools.partial(
+            dynamic_engine.DynamicEngineConfig, release_memory_between_windows=False
         )
     grpo.train(parse_args(argv))

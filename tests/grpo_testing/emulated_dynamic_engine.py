@@ -78,12 +78,12 @@ def main() -> None:
     from grpo_testing.distributed import init_single_rank_world
     from grpo_testing.models import VOCAB, tiny_gpt
 
-    from megatron.rl.inference import dynamic_engine as de
-    from megatron.rl.inference.dynamic_runner import DynamicEngineConfig
-    from megatron.rl.inference.kv_cache_runner import KVCacheRowRunner
+    from megatron.rl.inference.cpu.kv_cache import KVCache
+    from megatron.rl.inference.cpu.kv_cache_runner import KVCacheRowRunner
+    from megatron.rl.inference.megatron_core import dynamic_engine as de
+    from megatron.rl.inference.megatron_core.dynamic_runner import DynamicEngineConfig
     from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig
     from megatron.rl.inference.step_group import StepGroup
-    from megatron.rl.models.kv_cache import KVCache
 
     init_single_rank_world()
     with torch.no_grad():
@@ -111,7 +111,7 @@ def main() -> None:
                     "same_tokens": same,
                     "max_logprob_difference": diff,
                     "megatron_steps": steps.runner.steps,
-                    "attention": de.attention_backend_name(),
+                    "attention": de.flash_reference.attention_backend_name(),
                     "tokens": sum(len(g.tokens) for g in got),
                 }
             ),

@@ -57,12 +57,12 @@ def main() -> None:
     from grpo_testing.distributed import init_single_rank_world
     from grpo_testing.hf_models import build_hf_model
 
-    from megatron.rl.inference import dynamic_engine as de
-    from megatron.rl.inference.dynamic_runner import DynamicEngineConfig
-    from megatron.rl.inference.kv_cache_runner import KVCacheRowRunner
+    from megatron.rl.inference.cpu.kv_cache import KVCache
+    from megatron.rl.inference.cpu.kv_cache_runner import KVCacheRowRunner
+    from megatron.rl.inference.megatron_core import dynamic_engine as de
+    from megatron.rl.inference.megatron_core.dynamic_runner import DynamicEngineConfig
     from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig
     from megatron.rl.inference.step_group import StepGroup
-    from megatron.rl.models.kv_cache import KVCache
 
     init_single_rank_world()
     with torch.no_grad():

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from megatron.rl.inference.kv_cache_runner import KVCacheRowRunner
+from megatron.rl.inference.cpu.kv_cache import KVCache
+from megatron.rl.inference.cpu.kv_cache_runner import KVCacheRowRunner
 from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig
 from megatron.rl.inference.step_group import StepGroup
-from megatron.rl.models.kv_cache import KVCache
 from megatron.rl.tokenizer import HuggingFaceTokenizer
 
 

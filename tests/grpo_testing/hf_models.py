@@ -77,9 +77,9 @@ def greedy_tokens(
     All prompts are prefilled in one step (rows of different lengths), then decoded together,
     each row at its own position.
     """
-    from megatron.rl.inference.kv_cache_runner import KVCacheRowRunner
+    from megatron.rl.inference.cpu.kv_cache import KVCache
+    from megatron.rl.inference.cpu.kv_cache_runner import KVCacheRowRunner
     from megatron.rl.inference.protocol import RowWork
-    from megatron.rl.models.kv_cache import KVCache
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     arch = hf.arch

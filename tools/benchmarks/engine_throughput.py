@@ -38,14 +38,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megatron.rl.inference.kv_cache_runner import KVCacheRowRunner  # noqa: E402
+from megatron.rl.inference.cpu.kv_cache import KVCache  # noqa: E402
+from megatron.rl.inference.cpu.kv_cache_runner import KVCacheRowRunner  # noqa: E402
 from megatron.rl.inference.sampling import sample_tokens  # noqa: E402
 from megatron.rl.inference.scheduler import (  # noqa: E402
     ContinuousBatchingScheduler,
     SchedulerConfig,
 )
 from megatron.rl.inference.step_group import StepGroup  # noqa: E402
-from megatron.rl.models.kv_cache import KVCache  # noqa: E402
 from megatron.rl.tokenizer import CharTokenizer  # noqa: E402
 from megatron.rl.wire import SamplingParams  # noqa: E402
 from megatron.trainer.flags.parse import check  # noqa: E402

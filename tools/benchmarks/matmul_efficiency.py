@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from megatron.rl.inference.kv_cache_runner import KVCacheRowRunner
+from megatron.rl.inference.cpu.kv_cache import KVCache
+from megatron.rl.inference.cpu.kv_cache_runner import KVCacheRowRunner
 from megatron.rl.inference.protocol import RowWork
-from megatron.rl.models.kv_cache import KVCache
 
 
 def linear_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:

@@ -8,9 +8,10 @@ generation windows) imports from here, never from an implementation module.
   lifecycle (``start``/``aclose``) and the generation window (``resume``/``suspend``). One
   implementation: ``scheduler.ContinuousBatchingScheduler``.
 * ``RowRunner``: what a ``StepGroup`` executes on every rank, one engine step of a data-parallel
-  replica's rows (``RowWork`` -> ``RowResult``). Implementations: ``KVCacheRowRunner`` (the CPU
-  tier: the trained model with a per-slot KV cache) and ``DynamicEngineRowRunner`` (the CUDA tier:
-  megatron-core's ``DynamicInferenceEngine`` on the trained model).
+  replica's rows (``RowWork`` -> ``RowResult``). Implementations, one package per inference
+  backend, chosen through ``backends.py``: ``KVCacheRowRunner`` (``cpu/``; the CPU tier: the
+  trained model with a per-slot KV cache) and ``DynamicEngineRowRunner`` (``megatron_core/``; the
+  CUDA tier: megatron-core's ``DynamicInferenceEngine`` on the trained model).
 
 The protocols are ``runtime_checkable`` so that tests can assert conformance; the check only sees
 member names, the conformance tests exercise the behaviour.

@@ -4,8 +4,10 @@ megatron-core's local ``DotProductAttention`` takes its score buffer from a CUDA
 memory pool, so it cannot run on CPU. This module has the same constructor and forward signature
 (it is plugged into the layer spec as ``core_attention``) and computes attention with
 ``torch.nn.functional.scaled_dot_product_attention``. During cached inference it defers to the
-active ``KVCacheStep`` (see ``kv_cache.py``); otherwise it is causal self-attention over the
-input, which is what training needs (sequences are right-padded, so causality masks padding).
+active cached-attention step (``attention_step``; the CPU inference backend's ``KVCacheStep``,
+``megatron/rl/inference/cpu/kv_cache.py``, installs one for each forward pass of an engine step);
+otherwise it is causal self-attention over the input, which is what training needs (sequences are
+right-padded, so causality masks padding).
 An explicit ``attention_mask`` (megatron-core's boolean convention, ``True`` = masked out) replaces
 the causal mask: sequence packing passes a block-diagonal causal mask so that packed sequences
 never attend to each other (``megatron/rl/grpo/packing.py``).
@@ -13,13 +15,55 @@ never attend to each other (``megatron/rl/grpo/packing.py``).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import Protocol, TypeVar
+
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron.rl.models.kv_cache import active_kv_cache_step
+
+class AttentionStep(Protocol):
+    """What the core attention defers to during cached inference: it stores the layer's new keys
+    and values and attends over the cached ones."""
+
+    def attend(
+        self,
+        layer_index: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """query (s, b, hq, d), key/value (s, b, hkv, d) -> context (s, b, hq * d)."""
+        ...
+
+
+StepT = TypeVar("StepT", bound=AttentionStep)
+
+_ACTIVE_STEP: contextvars.ContextVar[AttentionStep | None] = contextvars.ContextVar(
+    "megatron_rl_active_kv_cache_step", default=None
+)
+
+
+def active_kv_cache_step() -> AttentionStep | None:
+    """The cached-attention step of the forward pass in progress, or None outside cached
+    inference."""
+    return _ACTIVE_STEP.get()
+
+
+@contextlib.contextmanager
+def attention_step(step: StepT) -> Iterator[StepT]:
+    """Make every ``SDPACoreAttention`` of the forward passes inside the block defer to ``step``."""
+    token = _ACTIVE_STEP.set(step)
+    try:
+        yield step
+    finally:
+        _ACTIVE_STEP.reset(token)
 
 
 class SDPACoreAttention(MegatronModule):

@@ -4,7 +4,7 @@ megatron-core's ``GPTModel`` rotates queries and keys at positions ``0 .. T-1`` 
 (``RotaryEmbedding.forward(seq_len)``: one (T, 1, 1, d) table shared by every row) and ignores
 ``position_ids``. Two callers here need other positions:
 
-* the CPU inference engine (``megatron/rl/inference/kv_cache_runner.py`` with ``KVCache``) feeds
+* the CPU inference engine (``megatron/rl/inference/cpu/kv_cache_runner.py`` with ``KVCache``) feeds
   rows whose new tokens start at different offsets of their requests (``positions`` (B, T));
 * sequence packing (``megatron/rl/grpo/packing.py``) restarts positions at 0 for every packed
   sequence.

@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from megatron.rl.inference.backends import InferenceBackend, RunnerInputs, default_backend
 from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig
 from megatron.rl.inference.step_group import StepGroup
 from megatron.trainer.checkpointing import CheckpointShards, TrainState
@@ -91,6 +92,16 @@ class Tier(ABC):
     @abstractmethod
     def checkpoint_shards(self) -> CheckpointShards:
         """How this tier writes and reads its checkpoint shards."""
+
+    def inference_backend(self) -> InferenceBackend:
+        """The inference backend whose row runner this tier's step group runs: the tier's default
+        (``megatron.rl.inference.backends.DEFAULT_BACKEND``)."""
+        return default_backend(self.name)
+
+    def backend_step_group(self, inputs: RunnerInputs) -> StepGroup:
+        """This rank's row runner of ``inference_backend`` under a ``StepGroup``."""
+        runner = self.inference_backend().build(inputs)
+        return StepGroup(runner, self.ctx.dp_rank, self.ctx.dp_size, self.ctx.is_replica_leader)
 
     def build_engine(
         self, steps: StepGroup, config: SchedulerConfig, policy_version: Callable[[], int]

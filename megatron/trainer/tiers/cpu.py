@@ -30,9 +30,7 @@ from typing import Any
 import torch
 
 from megatron.rl.grpo.batch import TrainBatch
-from megatron.rl.inference.kv_cache_runner import KVCacheRowRunner
-from megatron.rl.inference.step_group import StepGroup
-from megatron.rl.models.kv_cache import KVCache
+from megatron.rl.inference.backends import RunnerInputs
 from megatron.rl.models.recompute import recompute_layers
 from megatron.trainer import model_provider
 from megatron.trainer.checkpointing import (
@@ -118,20 +116,14 @@ class CPUTier(Tier):
         return CPUPolicy(state, config, self.ctx, reference, self.cfg.training.bf16)
 
     def build_step_group(self, model, config, vocab_size):
-        """A ``KVCacheRowRunner`` with its own per-slot KV cache under a ``StepGroup``."""
-        mc = model.config
+        """The tier's inference backend (``cpu``: a ``KVCacheRowRunner`` with its own per-slot KV
+        cache) under a ``StepGroup``."""
         compute = torch.bfloat16 if self.cfg.training.bf16 else None  # as training
-        cache = KVCache(
-            num_layers=mc.num_layers,
-            num_slots=config.max_requests,
-            max_seq_len=config.max_seq_len,
-            num_kv_heads=mc.num_query_groups // self.ctx.tp_size,
-            head_dim=mc.kv_channels,
-            dtype=compute or mc.params_dtype,
-            device=self.ctx.device,
+        ctx = self.ctx
+        inputs = RunnerInputs(
+            model, config, vocab_size, ctx.device, ctx.tp_group, ctx.tp_size, compute
         )
-        runner = KVCacheRowRunner(model, cache, vocab_size, self.ctx.tp_group, compute)
-        return StepGroup(runner, self.ctx.dp_rank, self.ctx.dp_size, self.ctx.is_replica_leader)
+        return self.backend_step_group(inputs)
 
     def checkpoint_shards(self) -> CheckpointShards:
         """Per-rank ``torch.save`` files."""

@@ -17,7 +17,7 @@
   (reference KL, entropy), the IS correction and sequence packing (SDPA layer spec only) behave
   alike. The reference model is a second model of this tier's build (no DDP).
 * Rollouts: the scheduler over megatron-core's ``DynamicInferenceEngine`` on the trained model
-  itself (``megatron.rl.inference.dynamic_runner``), suspended during the train step.
+  itself (``megatron.rl.inference.megatron_core.dynamic_runner``), suspended during the train step.
 * Checkpoints: ``cuda_checkpoint.DistShards`` (``dist_checkpointing``, torch_dist).
 
 ``--clip-grad 0`` measures the gradient norm without clipping, as on CPU.
@@ -38,8 +38,8 @@ from megatron.core.distributed import (
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer.module import Float16Module
 
-from megatron.rl.inference.dynamic_engine import attention_backend_name, build_dynamic_step_group
-from megatron.rl.inference.dynamic_runner import DynamicEngineConfig
+from megatron.rl.inference.backends import RunnerInputs
+from megatron.rl.inference.megatron_core.flash_reference import attention_backend_name
 from megatron.rl.models.architecture import (
     GPTArchitecture,
     build_gpt_model,
@@ -192,19 +192,20 @@ class CUDATier(Tier):
     # ----------------------------------------------------------------- rollouts
 
     def build_step_group(self, model, config, vocab_size):
-        """megatron-core's dynamic engine on this rank's shard, as the row runner."""
-        return build_dynamic_step_group(
-            model,
-            DynamicEngineConfig(
-                max_requests=config.max_requests,
-                max_seq_len=config.max_seq_len,
-                eos_id=config.eos_id,
-            ),
-            vocab_size,
-            padded_vocab_size(vocab_size, self.cfg.model.make_vocab_size_divisible_by),
-            self.ctx.dp_rank,
-            self.ctx.dp_size,
-            self.ctx.is_replica_leader,
+        """The tier's inference backend (``megatron_core``: megatron-core's dynamic engine on this
+        rank's shard) under a ``StepGroup``."""
+        return self.backend_step_group(
+            RunnerInputs(
+                model,
+                config,
+                vocab_size,
+                self.ctx.device,
+                self.ctx.tp_group,
+                self.ctx.tp_size,
+                padded_vocab_size=padded_vocab_size(
+                    vocab_size, self.cfg.model.make_vocab_size_divisible_by
+                ),
+            )
         )
 
     # ----------------------------------------------------------------- checkpoints

@@ -16,11 +16,11 @@ import torch
 from grpo_testing.fakes import FakeSteps
 from grpo_testing.models import VOCAB, tiny_gpt
 
+from megatron.rl.inference.cpu.kv_cache import KVCache
+from megatron.rl.inference.cpu.kv_cache_runner import KVCacheRowRunner
 from megatron.rl.inference.engine_snapshot import EngineSnapshot
-from megatron.rl.inference.kv_cache_runner import KVCacheRowRunner
 from megatron.rl.inference.protocol import RowWork
 from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig
-from megatron.rl.models.kv_cache import KVCache
 from megatron.rl.wire import SamplingParams
 
 TURNS = {(0, 0): 1, (1, 0): 2, (1, 1): 1}

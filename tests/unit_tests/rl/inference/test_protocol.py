@@ -14,12 +14,12 @@ import pytest
 from grpo_testing.fakes import FakeSteps
 
 from megatron.rl.inference import protocol
-from megatron.rl.inference.dynamic_runner import (
+from megatron.rl.inference.cpu.kv_cache_runner import KVCacheRowRunner
+from megatron.rl.inference.megatron_core.dynamic_runner import (
     DynamicEngineConfig,
     DynamicEngineRowRunner,
     SeededSampler,
 )
-from megatron.rl.inference.kv_cache_runner import KVCacheRowRunner
 from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig
 
 

@@ -10,7 +10,7 @@ from grpo_testing.trainer import grpo_update, one_rank_context, step_config, tra
 from megatron.core import parallel_state
 
 from megatron.rl.grpo.batch import build_train_batch
-from megatron.rl.inference.kv_cache_runner import KVCacheRowRunner
+from megatron.rl.inference.cpu.kv_cache_runner import KVCacheRowRunner
 from megatron.rl.inference.protocol import InferenceEngine, RowRunner
 from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig
 from megatron.rl.models.attention import SDPACoreAttention

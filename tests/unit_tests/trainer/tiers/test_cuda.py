@@ -157,7 +157,7 @@ def test_dist_checkpoint_round_trip_continues_identically(cuda_world, tmp_path):
 
 @pytest.mark.gpu
 def test_cuda_tier_engine_runs_megatron_cores_dynamic_engine(cuda_world):
-    from megatron.rl.inference.dynamic_runner import DynamicEngineRowRunner
+    from megatron.rl.inference.megatron_core.dynamic_runner import DynamicEngineRowRunner
 
     tier = CUDATier(train_args(), cuda_world)
     model = tier.build_model(VOCAB)

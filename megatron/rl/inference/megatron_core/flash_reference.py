@@ -288,3 +288,17 @@ def reference_in_use() -> bool:
     from megatron.core.transformer import attention
 
     return attention.flash_attn_varlen_func is flash_attn_varlen_func
+
+
+def attention_backend_name() -> str:
+    """Which attention kernels megatron-core's dynamic engine uses here (before or after
+    ``dynamic_engine.build_megatron_engine`` installs the reference where flash-attn is missing)."""
+    from megatron.core.transformer import attention
+
+    if reference_in_use():
+        return "flash_reference (PyTorch)"
+    if attention.HAVE_FA3:
+        return "flash-attn 3"
+    if attention.flash_attn_varlen_func is not None:
+        return "flash-attn 2"
+    return "flash_reference (PyTorch)"

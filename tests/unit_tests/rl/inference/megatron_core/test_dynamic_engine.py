@@ -15,18 +15,18 @@ import torch
 from grpo_testing.fake_dynamic import FakeDynamicEngine
 from grpo_testing.models import VOCAB, tiny_gpt
 
-from megatron.rl.inference.dynamic_runner import (
+from megatron.rl.inference.cpu.kv_cache import KVCache
+from megatron.rl.inference.cpu.kv_cache_runner import KVCacheRowRunner
+from megatron.rl.inference.megatron_core.dynamic_runner import (
     DynamicEngineConfig,
     DynamicEngineRowRunner,
     RowSampling,
     SeededSampler,
     drive,
 )
-from megatron.rl.inference.kv_cache_runner import KVCacheRowRunner
 from megatron.rl.inference.protocol import EngineError, RowWork
 from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig
 from megatron.rl.inference.step_group import StepGroup
-from megatron.rl.models.kv_cache import KVCache
 from megatron.rl.wire import SamplingParams
 
 EOS = 1
@@ -280,10 +280,8 @@ def test_drive_runs_coroutines_that_only_yield_to_the_loop():
 
 @pytest.mark.gpu
 def test_greedy_outputs_of_megatron_core_equal_the_local_engine_on_cuda(single_rank_world):
-    from megatron.rl.inference.dynamic_engine import (
-        attention_backend_name,
-        build_megatron_engine,
-    )
+    from megatron.rl.inference.megatron_core.dynamic_engine import build_megatron_engine
+    from megatron.rl.inference.megatron_core.flash_reference import attention_backend_name
 
     torch.cuda.set_device(0)
     with torch.no_grad():
@@ -310,7 +308,7 @@ def test_greedy_outputs_of_megatron_core_equal_the_local_engine_on_cuda(single_r
 
 @pytest.mark.gpu
 def test_megatron_core_engine_survives_suspend_resume_windows_on_cuda(single_rank_world):
-    from megatron.rl.inference.dynamic_engine import build_dynamic_step_group
+    from megatron.rl.inference.megatron_core.dynamic_engine import build_dynamic_step_group
 
     torch.cuda.set_device(0)
     with torch.no_grad():

@@ -1,7 +1,8 @@
 """megatron-core's ``DynamicInferenceEngine``, built on the trained model for the CUDA tier.
 
-``build_dynamic_step_group`` gives a rank its ``StepGroup`` over a ``DynamicEngineRowRunner``
-(``dynamic_runner.py``), which the scheduler drives exactly like the CPU tier's KV-cache runner.
+``build_dynamic_runner`` (the ``megatron_core`` backend's provider, ``backends.BACKENDS``) gives a
+rank its ``DynamicEngineRowRunner`` (``dynamic_runner.py``), which the scheduler drives exactly like
+the CPU tier's KV-cache runner; ``build_dynamic_step_group`` puts one under a ``StepGroup``.
 The subclasses here adapt megatron-core to being stepped row by row:
 
 * ``SeededSamplingController``: megatron-core's controller sampling with the trainer's
@@ -20,7 +21,7 @@ import concurrent.futures
 import importlib.util
 import math
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
@@ -35,13 +36,16 @@ from megatron.core.inference.text_generation_controllers.text_generation_control
     TextGenerationController,
 )
 
-from megatron.rl.inference.dynamic_runner import (
+from megatron.rl.inference.megatron_core import flash_reference
+from megatron.rl.inference.megatron_core.dynamic_runner import (
     DynamicEngineConfig,
     DynamicEngineRowRunner,
     SeededSampler,
 )
 from megatron.rl.inference.step_group import StepGroup
-from megatron.rl.models import flash_reference
+
+if TYPE_CHECKING:
+    from megatron.rl.inference.backends import RunnerInputs
 
 
 class SeededSamplingController(TextGenerationController):
@@ -135,20 +139,6 @@ class SteppedDynamicInferenceEngine(DynamicInferenceEngine):
                     metadata[label] = self.context.request_metadata[label]
 
 
-def attention_backend_name() -> str:
-    """Which attention kernels megatron-core's dynamic engine uses here (before or after
-    ``build_megatron_engine`` installs the reference where flash-attn is missing)."""
-    from megatron.core.transformer import attention
-
-    if flash_reference.reference_in_use():
-        return "flash_reference (PyTorch)"
-    if attention.HAVE_FA3:
-        return "flash-attn 3"
-    if attention.flash_attn_varlen_func is not None:
-        return "flash-attn 2"
-    return "flash_reference (PyTorch)"
-
-
 def build_megatron_engine(
     model: torch.nn.Module,
     config: DynamicEngineConfig,
@@ -222,7 +212,28 @@ def build_dynamic_step_group(
     is_replica_leader: bool = True,
 ) -> StepGroup:
     """The step group of this rank: megatron-core's engine on its shard of ``model``."""
+    runner = dynamic_row_runner(model, config, vocab_size, padded_vocab_size)
+    return StepGroup(runner, dp_rank, dp_size, is_replica_leader)
+
+
+def dynamic_row_runner(
+    model: torch.nn.Module, config: DynamicEngineConfig, vocab_size: int, padded_vocab_size: int
+) -> DynamicEngineRowRunner:
+    """The row runner of this rank: megatron-core's engine on its shard of ``model``."""
     sampler = SeededSampler(vocab_size)
     engine = build_megatron_engine(model, config, vocab_size, padded_vocab_size, sampler)
-    runner = DynamicEngineRowRunner(engine, sampler, config)
-    return StepGroup(runner, dp_rank, dp_size, is_replica_leader)
+    return DynamicEngineRowRunner(engine, sampler, config)
+
+
+def build_dynamic_runner(inputs: RunnerInputs) -> DynamicEngineRowRunner:
+    """The ``megatron_core`` backend's provider (``backends.BACKENDS``): megatron-core's engine
+    sized for the scheduler's capacity, in the model's dtype (``compute_dtype`` does not apply);
+    the tensor-parallel layout is megatron-core's ``parallel_state``."""
+    if inputs.padded_vocab_size is None:
+        raise ValueError("the megatron_core inference backend needs RunnerInputs.padded_vocab_size")
+    config = DynamicEngineConfig(
+        max_requests=inputs.config.max_requests,
+        max_seq_len=inputs.config.max_seq_len,
+        eos_id=inputs.config.eos_id,
+    )
+    return dynamic_row_runner(inputs.model, config, inputs.vocab_size, inputs.padded_vocab_size)

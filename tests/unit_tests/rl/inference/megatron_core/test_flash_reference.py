@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from megatron.rl.models import flash_reference as ref
+from megatron.rl.inference.megatron_core import flash_reference as ref
 
 D = 8
 

@@ -13,20 +13,12 @@ layer (``megatron.rl.models.attention.SDPACoreAttention``) finds the active step
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 
-_ACTIVE_STEP: contextvars.ContextVar["KVCacheStep | None"] = contextvars.ContextVar(
-    "megatron_rl_active_kv_cache_step", default=None
-)
-
-
-def active_kv_cache_step() -> "KVCacheStep | None":
-    """The cache step of the forward pass in progress, or None outside cached inference."""
-    return _ACTIVE_STEP.get()
+from megatron.rl.models.attention import attention_step
 
 
 class KVCache:
@@ -84,11 +76,8 @@ class KVCache:
         if int((starts + lengths).max()) > self.max_seq_len:
             raise ValueError(f"a request would exceed the KV cache length {self.max_seq_len}")
         self.zero_slots_below(int(slots.max()) + 1)
-        token = _ACTIVE_STEP.set(KVCacheStep(self, slots, starts, lengths))
-        try:
-            yield _ACTIVE_STEP.get()
-        finally:
-            _ACTIVE_STEP.reset(token)
+        with attention_step(KVCacheStep(self, slots, starts, lengths)) as step:
+            yield step
 
 
 class KVCacheStep:

@@ -7,9 +7,9 @@ from grpo_testing.distributed import run_on_ranks
 from grpo_testing.models import VOCAB, tiny_gpt
 from megatron.core import parallel_state
 
-from megatron.rl.inference.kv_cache_runner import KVCacheRowRunner
+from megatron.rl.inference.cpu.kv_cache import KVCache
+from megatron.rl.inference.cpu.kv_cache_runner import KVCacheRowRunner
 from megatron.rl.inference.protocol import RowWork
-from megatron.rl.models.kv_cache import KVCache
 
 
 def generate_on_rank(rank: int, world_size: int) -> list[tuple[int, int, float]]:

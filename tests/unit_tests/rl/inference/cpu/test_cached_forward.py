@@ -9,10 +9,10 @@ import torch
 from grpo_testing.models import VOCAB, tiny_gpt
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
-from megatron.rl.inference.kv_cache_runner import KVCacheRowRunner
+from megatron.rl.inference.cpu.cached_forward import CachedForward, TransposedWeights, _Rotary
+from megatron.rl.inference.cpu.kv_cache import KVCache
+from megatron.rl.inference.cpu.kv_cache_runner import KVCacheRowRunner
 from megatron.rl.inference.protocol import RowWork
-from megatron.rl.models.cached_forward import CachedForward, TransposedWeights, _Rotary
-from megatron.rl.models.kv_cache import KVCache
 
 ROPE = dict(position_embedding_type="rope", normalization="RMSNorm")
 ARCHITECTURES = [
@@ -241,7 +241,7 @@ def test_a_groups_identical_prompts_are_prefilled_once_with_the_same_results(
 ):
     """Samples of one prompt (GRPO's group) prefill once; the others copy the keys, values and
     logits, then sample with their own seeds: what each would have computed alone."""
-    from megatron.rl.inference import kv_cache_runner
+    from megatron.rl.inference.cpu import kv_cache_runner
 
     model = randomized(tiny_gpt(**ARCHITECTURES[1].values[0]))
     prompts = [[3, 4, 5, 6], [3, 4, 5, 6], [7, 8], [3, 4, 5, 6], [7, 8], [9]]

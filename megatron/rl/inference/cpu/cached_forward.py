@@ -41,8 +41,8 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.identity_op import IdentityOp
 
+from megatron.rl.inference.cpu.kv_cache import KVCacheStep
 from megatron.rl.models.gpt_spec import SDPAColumnParallelLinear, SDPARowParallelLinear
-from megatron.rl.models.kv_cache import KVCacheStep
 
 _NORMS = (torch.nn.LayerNorm, torch.nn.RMSNorm)
 

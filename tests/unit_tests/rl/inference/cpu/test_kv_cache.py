@@ -11,9 +11,9 @@ import pytest
 import torch
 from grpo_testing.models import VOCAB, tiny_gpt
 
-from megatron.rl.inference.kv_cache_runner import KVCacheRowRunner
+from megatron.rl.inference.cpu.kv_cache import KVCache
+from megatron.rl.inference.cpu.kv_cache_runner import KVCacheRowRunner
 from megatron.rl.inference.protocol import RowWork
-from megatron.rl.models.kv_cache import KVCache
 
 
 @pytest.fixture(autouse=True)
@@ -246,7 +246,7 @@ def test_cpu_memory_follows_the_slots_in_use_not_the_slots_reserved():
 
 RELEASE_PROBE = """
 import os, torch
-from megatron.rl.models.kv_cache import KVCache
+from megatron.rl.inference.cpu.kv_cache import KVCache
 
 def resident_mib():
     with open("/proc/self/statm") as f:

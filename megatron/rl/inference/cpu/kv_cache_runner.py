@@ -10,13 +10,18 @@ depends on which requests share its batch.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
+from megatron.rl.inference.cpu.cached_forward import CachedForward
+from megatron.rl.inference.cpu.kv_cache import KVCache
 from megatron.rl.inference.protocol import RowResult, RowWork
 from megatron.rl.inference.sampling import sample_tokens, token_uniform
-from megatron.rl.models.cached_forward import CachedForward
-from megatron.rl.models.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from megatron.rl.inference.backends import RunnerInputs
 
 
 def shared_prompts(rows: list[RowWork]) -> tuple[list[int], list[int]]:
@@ -197,3 +202,22 @@ class KVCacheRowRunner:
             RowResult(slot=r.slot, token=int(t), logprob=float(lp))
             for r, t, lp in zip(rows, tokens.tolist(), logprobs.tolist())
         ]
+
+
+def build_kv_cache_runner(inputs: RunnerInputs) -> KVCacheRowRunner:
+    """The ``cpu`` backend's provider (``backends.BACKENDS``): a ``KVCacheRowRunner`` over a new
+    per-slot KV cache of the scheduler's capacity for this rank's heads, in the compute dtype (the
+    model's without one)."""
+    mc = inputs.model.config
+    cache = KVCache(
+        num_layers=mc.num_layers,
+        num_slots=inputs.config.max_requests,
+        max_seq_len=inputs.config.max_seq_len,
+        num_kv_heads=mc.num_query_groups // inputs.tp_size,
+        head_dim=mc.kv_channels,
+        dtype=inputs.compute_dtype or mc.params_dtype,
+        device=inputs.device,
+    )
+    return KVCacheRowRunner(
+        inputs.model, cache, inputs.vocab_size, inputs.tp_group, inputs.compute_dtype
+    )

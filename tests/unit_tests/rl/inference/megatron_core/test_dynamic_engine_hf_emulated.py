@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[4]
+ROOT = Path(__file__).resolve().parents[5]
 
 
 def test_megatron_cores_engine_matches_the_local_engine_on_a_rope_model(tiny_hf_checkpoints):
