@@ -15,8 +15,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 
-from megatron.trainer.flags.training import MAX_MMAP_THRESHOLD_KIB
-
 M_MMAP_THRESHOLD = -3
 """glibc's ``mallopt`` parameter number (``malloc.h``)."""
 

@@ -43,6 +43,7 @@ from megatron.trainer.checkpointing import (
 from megatron.trainer.exits import UsageError
 from megatron.trainer.flags.model import ARCHITECTURE_FLAGS
 from megatron.trainer.flags.parse import build_parser, parse_command
+from megatron.trainer.flags.run import RunConfig
 from megatron.trainer.hf_io import weight_loader
 from megatron.trainer.initialize import ParallelContext
 from megatron.trainer.model_provider import architecture

@@ -26,6 +26,7 @@ from megatron.rl.rollout.generator import RolloutConfig
 from megatron.rl.tokenizer import CharTokenizer, HuggingFaceTokenizer, Tokenizer
 from megatron.rl.wire import SamplingParams
 from megatron.trainer.checkpointing import saved_args
+from megatron.trainer.flags.run import RunConfig
 from megatron.trainer.metrics import WandbConfig
 from megatron.trainer.rollouts import InferenceServerConfig
 from megatron.trainer.step import StepConfig

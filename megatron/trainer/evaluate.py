@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron.trainer.exits import run_main
+from megatron.trainer.flags.run import RunConfig
 from megatron.trainer.kernels import kernel_warnings
 
 with kernel_warnings() as MISSING_KERNELS:  # megatron-core's "not installed" warnings: one line

@@ -20,8 +20,8 @@ from megatron.rl.models.hf import (
     gather_tensor_parallel_state_dicts,
     load_hf_checkpoint,
 )
-from megatron.rl.models.hf.config import check_family
 from megatron.rl.models.hf.families import export_family_of
+from megatron.trainer.flags.run import RunConfig
 from megatron.trainer.initialize import ParallelContext
 
 
@@ -29,15 +29,6 @@ def export_family(arch: GPTArchitecture) -> str:
     """The Hugging Face family an architecture is exported as (``export_family_of``): Qwen3 (QK
     norm), Qwen2 (QKV bias only), else Llama."""
     return export_family_of(arch).name
-
-
-def exportable(arch: GPTArchitecture) -> str | None:
-    """Why ``arch`` cannot be written as a Hugging Face model (None: it can)."""
-    try:
-        check_family(arch, export_family(arch))
-    except ValueError as err:
-        return str(err)
-    return None
 
 
 def weight_loader(cfg: RunConfig) -> Callable[[torch.nn.Module], None] | None:

@@ -17,6 +17,7 @@ import torch
 from megatron.core.utils import unwrap_model
 
 from megatron.trainer.checkpointing import iteration_dir, latest_iteration, read_guarded
+from megatron.trainer.flags.run import RunConfig
 from megatron.trainer.initialize import ParallelContext
 from megatron.trainer.tiers.base import Tier
 

@@ -23,6 +23,7 @@ from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.rl.agent.api import Agent
 from megatron.rl.agent.mixture import MixtureAgent
 from megatron.rl.models.architecture import GPTArchitecture
+from megatron.trainer.flags.run import RunConfig
 
 
 def parameter_count(model: torch.nn.Module, tp_group: dist.ProcessGroup | None) -> int:

@@ -48,17 +48,17 @@ EVAL_STREAM = 0x6576616C  # "eval": keeps the held-out prompts apart from the tr
 class EvalConfig:
     """What an evaluation measures."""
 
-    num_prompts: int = 32
+    num_prompts: int
     """Held-out problems per environment."""
-    samples_per_prompt: int = 8
+    samples_per_prompt: int
     """n: sampled rollouts per problem for pass@k."""
-    pass_k: tuple[int, ...] = (1,)
+    pass_k: tuple[int, ...]
     """The k of pass@k to report (each 1 <= k <= n)."""
     sampling: SamplingParams = field(default_factory=SamplingParams)
     """Sampling of the pass@k rollouts (the greedy pass uses the same with temperature 0)."""
-    correct_threshold: float = 1.0
+    correct_threshold: float = field(kw_only=True)
     """A rollout is correct when its reward is >= this."""
-    seed: int = 1234
+    seed: int = field(kw_only=True)
     """The run seed; the held-out set is drawn from ``derive_seed(seed, EVAL_STREAM)``."""
     stop_token_ids: tuple[int, ...] = ()
     """Tokens that end a generation (EOS, the tokenizer's extra stop ids): a rollout whose last

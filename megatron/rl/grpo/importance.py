@@ -24,8 +24,9 @@ from megatron.rl.grpo.kl import k3
 class ImportanceConfig:
     """Truncated importance-sampling correction with the engine's per-token logprobs."""
 
-    truncation_coef: float | None = 1.0
-    """C: weights above C are set to C (None: no truncation). The default 1 only ever
+    truncation_coef: float | None
+    """C: weights above C are set to C (None: no truncation). The trainer's default 1
+    (``--rl-importance-sampling-truncation-coef``) only ever
     down-weights a token (where the trainer's policy finds it less likely than the engine did):
     with a forced lag, weights above 1 amplify exactly the tokens the policy has already moved
     towards, and on the built-in task at lag 2 the default run's last-10-step reward was 0.86

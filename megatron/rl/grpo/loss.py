@@ -36,9 +36,9 @@ from megatron.rl.grpo.terms.base import LossTerm
 class GRPOLossConfig:
     """Clipping of the GRPO surrogate and the weights of its optional terms."""
 
-    clamp_eps_lower: float = 0.2
+    clamp_eps_lower: float
     """Ratios below 1 - eps_lower are clipped (for negative advantages)."""
-    clamp_eps_upper: float = 0.28
+    clamp_eps_upper: float
     """Ratios above 1 + eps_upper are clipped (for positive advantages)."""
     terms: tuple[LossTerm, ...] = ()
     """Additive per-token terms (reference KL, entropy bonus, ...), applied in ``name`` order."""

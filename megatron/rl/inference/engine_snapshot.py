@@ -34,7 +34,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from megatron.rl.inference.protocol import Key
+from megatron.rl.inference.keys import Key
 from megatron.rl.wire import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -22,13 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
+from megatron.rl.inference.keys import Key
 from megatron.rl.wire import SamplingParams
 
 if TYPE_CHECKING:
     from megatron.rl.inference.engine_snapshot import EngineSnapshot
-
-Key = tuple[int, int, int]
-"""A rollout key: (batch_id, index_in_batch, sample_index)."""
 
 
 @dataclass(frozen=True)

@@ -62,13 +62,13 @@ from megatron.rl.wire import GroupedRolloutRequest, RolloutGroup, SamplingParams
 class RolloutConfig:
     """What the generator submits and how far ahead."""
 
-    forced_lag: int = 0
+    forced_lag: int
     """L: batch s+L+1 is submitted when batch s has been consumed (0 = on-policy)."""
-    groups_per_batch: int = 8
+    groups_per_batch: int
     """GRPO groups (prompts) per batch."""
-    group_size: int = 8
+    group_size: int
     """Rollouts per group."""
-    seed: int = 1234
+    seed: int
     """Run seed passed to agents in every request."""
     sampling: SamplingParams = field(default_factory=SamplingParams)
     """Default sampling parameters of every request (agents may override max_tokens)."""

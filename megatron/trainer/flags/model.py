@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from megatron.trainer.flags.option import Section, option
 
 if TYPE_CHECKING:
+    from megatron.rl.models.architecture import GPTArchitecture
     from megatron.rl.models.hf import HFModelConfig
 
 TOKENIZER_TYPES = ("CharTokenizer", "HuggingFaceTokenizer")
@@ -43,6 +44,10 @@ ARCHITECTURE_FLAGS = {
     "max_position_embeddings": "max_position_embeddings",
 }
 """The options ``config.json`` decides under ``--hf-checkpoint``."""
+LLAMA3_SCALING = dict(
+    low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
+"""Megatron-LM's fixed Llama 3 RoPE scaling values (``--use-rope-scaling``)."""
 
 
 @dataclass(frozen=True)
@@ -203,6 +208,41 @@ def architecture_flags(model: Model, hf: HFModelConfig | None) -> dict[str, Any]
     if hf.arch.rope_scaling is not None:
         values["rope_scaling_factor"] = hf.arch.rope_scaling.factor
     return values
+
+
+def gpt_architecture(model: Model, hf: HFModelConfig | None, vocab_size: int) -> GPTArchitecture:
+    """The model for a tokenizer of ``vocab_size`` ids: ``--hf-checkpoint``'s own architecture,
+    else the section's (resolved by ``with_defaults``; the embedding padded to
+    ``--make-vocab-size-divisible-by``)."""
+    if hf is not None:
+        return hf.arch
+    from megatron.rl.models.architecture import GPTArchitecture, RopeScaling
+    from megatron.rl.models.hf.config import padded_vocab_size
+
+    scaling = None
+    if model.use_rope_scaling:
+        scaling = RopeScaling(factor=model.rope_scaling_factor, **LLAMA3_SCALING)
+    return GPTArchitecture(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        ffn_hidden_size=model.ffn_hidden_size,
+        vocab_size=padded_vocab_size(vocab_size, model.make_vocab_size_divisible_by),
+        max_position_embeddings=model.max_position_embeddings,
+        num_query_groups=model.num_query_groups if model.group_query_attention else None,
+        kv_channels=model.kv_channels,
+        position_embedding_type=model.position_embedding_type,
+        rotary_base=model.rotary_base,
+        rotary_percent=model.rotary_percent,
+        rope_scaling=scaling,
+        normalization=model.normalization,
+        norm_epsilon=model.norm_epsilon,
+        swiglu=model.swiglu,
+        add_bias_linear=not model.disable_bias_linear,
+        add_qkv_bias=model.add_qkv_bias,
+        qk_layernorm=model.qk_layernorm,
+        untie_embeddings_and_output_weights=model.untie_embeddings_and_output_weights,
+    )
 
 
 def checkpoint_conflicts(model: Model, hf: HFModelConfig, explicit: frozenset[str]) -> list[str]:

@@ -24,6 +24,7 @@ from megatron.trainer.flags.model import (
     Model,
     architecture_flags,
     checkpoint_conflicts,
+    gpt_architecture,
     read_checkpoint_config,
     tokenizer_directory_problem,
     with_defaults,
@@ -348,10 +349,9 @@ def _export_problems(run: RunConfig) -> list[str]:
     if run.parallelism.pipeline_model_parallel_size != 1:
         errors.append("--save-hf supports --pipeline-model-parallel-size 1 only")
     if run.hf is None:
-        from megatron.trainer.hf_io import exportable
-        from megatron.trainer.model_provider import architecture
+        from megatron.rl.models.hf.config import exportable
 
-        why = exportable(architecture(run, vocab_size=1))
+        why = exportable(gpt_architecture(run.model, None, vocab_size=1))
         if why is not None:
             errors.append(f"--save-hf: this model has no Hugging Face equivalent: {why}")
     return errors

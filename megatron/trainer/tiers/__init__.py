@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron.trainer.flags.run import RunConfig
 from megatron.trainer.initialize import ParallelContext
 from megatron.trainer.tiers.base import Tier
 from megatron.trainer.tiers.cpu import CPUTier

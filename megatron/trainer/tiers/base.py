@@ -32,6 +32,7 @@ from megatron.rl.inference.backends import InferenceBackend, RunnerInputs, defau
 from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig
 from megatron.rl.inference.step_group import StepGroup
 from megatron.trainer.checkpointing import CheckpointShards, TrainState
+from megatron.trainer.flags.run import RunConfig
 from megatron.trainer.initialize import ParallelContext
 from megatron.trainer.policy import Policy, PolicyConfig
 

@@ -3,21 +3,20 @@ flags (CPU tier), its iteration as the policy version, and refusals that name th
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from megatron.core import parallel_state
 
 from megatron.rl.rollout.generator import PipelineState
 from megatron.trainer import checkpointing
-from megatron.trainer.flags.parse import parse_args
-from megatron.trainer.flags.run import RunConfig
 from megatron.trainer.checkpoint_model import (
     architecture_mismatches,
     default_model_name,
     load_checkpoint_model,
 )
 from megatron.trainer.checkpointing import TrainState
+from megatron.trainer.flags.parse import parse_args
+from megatron.trainer.flags.run import RunConfig
 from megatron.trainer.initialize import ParallelContext
 from megatron.trainer.tiers import CPUTier
 

@@ -14,7 +14,6 @@ import pytest
 from megatron.rl.eval.confidence import wilson_interval
 from megatron.rl.eval.runner import EnvEvaluation, EvalConfig, ResponseLengths
 from megatron.trainer.checkpoint_model import CheckpointModel
-from megatron.trainer.flags.run import RunConfig
 from megatron.trainer.evaluate import (
     PROG,
     environment_numbers,
@@ -26,6 +25,7 @@ from megatron.trainer.evaluate import (
     write_json,
 )
 from megatron.trainer.exits import UsageError
+from megatron.trainer.flags.run import RunConfig
 
 
 @pytest.fixture
@@ -65,7 +65,9 @@ def test_greedy_accuracy_counts_rewards_at_the_threshold_and_no_placeholder():
 
 
 def numbers_of(results: list[EnvEvaluation]) -> dict:
-    config = EvalConfig(num_prompts=3, samples_per_prompt=2, pass_k=(1, 2), seed=5)
+    config = EvalConfig(
+        num_prompts=3, samples_per_prompt=2, pass_k=(1, 2), correct_threshold=1.0, seed=5
+    )
     loaded = CheckpointModel(None, None, None, 7, "--load CK (iteration 7)")
     args = RunConfig().with_flags(env_config="envs.yaml", val_split_fraction=0.25)
     return summary(results, config, args, loaded, seconds=2.5)

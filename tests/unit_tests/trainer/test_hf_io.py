@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 
 from megatron.rl.grpo.batch import build_train_batch
 from megatron.trainer import config
-from megatron.trainer.flags.parse import check
 from megatron.trainer.checkpointing import TrainState
+from megatron.trainer.flags.parse import check
 from megatron.trainer.hf_io import save_hf, weight_loader
 from megatron.trainer.model_provider import architecture
 from megatron.trainer.policy import PolicyConfig

@@ -85,7 +85,7 @@ def rewards(groups: list[RolloutGroup]) -> torch.Tensor:
 
 
 def step_config(**options) -> StepConfig:
-    return StepConfig(GRPOLossConfig(), VOCAB, MICRO, clip_grad=1.0, **options)
+    return StepConfig(GRPOLossConfig(0.2, 0.28), VOCAB, MICRO, clip_grad=1.0, **options)
 
 
 @pytest.mark.parametrize(

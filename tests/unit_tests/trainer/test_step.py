@@ -76,7 +76,7 @@ def batch(seed: int = 0) -> TrainBatch:
 
 
 def config(terms=(), micro_batch_size=MICRO, **options) -> StepConfig:
-    loss = GRPOLossConfig(terms=tuple(terms))
+    loss = GRPOLossConfig(0.2, 0.28, terms=tuple(terms))
     return StepConfig(loss, VOCAB, micro_batch_size, clip_grad=1.0, **options)
 
 
@@ -208,7 +208,7 @@ def test_kl_without_reference_model_is_an_error():
 def test_metrics_are_reported_by_name():
     ctx = context()
     state, reference = setup(ctx)
-    result = step(state, batch(), ctx, KL_AND_ENTROPY, reference, importance=ImportanceConfig())
+    result = step(state, batch(), ctx, KL_AND_ENTROPY, reference, importance=ImportanceConfig(1.0))
     assert set(result.metrics) == {
         "clip_fraction", "ratio_mean", "mismatch_kl", "entropy", "ref_kl", "is_abs_delta_p",
         "is_kl", "is_weight_mean", "is_truncated_fraction", "is_truncated_sequence_fraction",

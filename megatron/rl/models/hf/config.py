@@ -199,6 +199,18 @@ def _rope(cfg: dict, fail: _Fail) -> tuple[float, RopeScaling | None]:
     return base, scaling
 
 
+def exportable(arch: GPTArchitecture) -> str | None:
+    """Why ``arch`` cannot be written as a Hugging Face model of the family it would be exported
+    as (``export_family_of``), or None when it can."""
+    from megatron.rl.models.hf.families import export_family_of
+
+    try:
+        check_family(arch, export_family_of(arch).name)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
 def check_family(arch: GPTArchitecture, family: str) -> None:
     """Raise ValueError naming the field if ``arch`` is not a model of the HF ``family``."""
     entry = family_named(family)

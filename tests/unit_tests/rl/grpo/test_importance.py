@@ -29,7 +29,7 @@ def test_weight_is_exactly_one_when_inference_equals_train_logprobs():
     mask = torch.ones_like(old)
     w = importance_weights(old, old.clone(), mask, ImportanceConfig(2.0))
     assert torch.equal(w, torch.ones_like(old))
-    sums = named(mismatch_sums(old, old.clone(), mask, ImportanceConfig()))
+    sums = named(mismatch_sums(old, old.clone(), mask, ImportanceConfig(1.0)))
     assert sums["abs_delta_p"] == 0 and sums["kl"] == 0 and sums["truncated_tokens"] == 0
     assert sums["weight"] == 3 and sums["tokens"] == 3
 

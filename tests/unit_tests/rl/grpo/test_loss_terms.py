@@ -90,9 +90,13 @@ def test_all_terms_together():
     "config, missing",
     [
         pytest.param(
-            GRPOLossConfig(terms=(ReferenceKL(0.1),)), "ref_logprobs", id="kl-without-reference"
+            GRPOLossConfig(**CLIP, terms=(ReferenceKL(0.1),)),
+            "ref_logprobs",
+            id="kl-without-reference",
         ),
-        pytest.param(GRPOLossConfig(terms=(EntropyBonus(0.1),)), "entropy", id="entropy-missing"),
+        pytest.param(
+            GRPOLossConfig(**CLIP, terms=(EntropyBonus(0.1),)), "entropy", id="entropy-missing"
+        ),
     ],
 )
 def test_missing_inputs_of_an_enabled_term_raise(config, missing):

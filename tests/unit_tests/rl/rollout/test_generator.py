@@ -256,4 +256,4 @@ def test_schedule_hints_reach_the_scheduler_in_order():
 
 def test_invalid_lag_is_rejected():
     with pytest.raises(ValueError, match="forced_lag"):
-        RolloutConfig(forced_lag=-1)
+        RolloutConfig(forced_lag=-1, groups_per_batch=8, group_size=8, seed=1)

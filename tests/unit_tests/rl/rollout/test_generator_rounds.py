@@ -175,4 +175,4 @@ def test_a_failure_in_a_lazy_round_reaches_the_trainer():
 )
 def test_bad_round_configs_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):
-        RolloutConfig(groups_per_batch=6, **fields)
+        RolloutConfig(**{"forced_lag": 0, "group_size": 2, "seed": 1, **fields}, groups_per_batch=6)

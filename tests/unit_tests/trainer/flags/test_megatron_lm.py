@@ -13,13 +13,13 @@ import torch
 from megatron.rl.grpo.batch import TrainBatch
 from megatron.rl.grpo.importance import ImportanceConfig
 from megatron.trainer import config
-from megatron.trainer.flags.parse import build_parser, check
 from megatron.trainer.collection import Collection
-from megatron.trainer.flags.run import RunConfig
 from megatron.trainer.flags.megatron_lm import MEGATRON_LM_RL_FLAGS, render_table
+from megatron.trainer.flags.parse import build_parser, check
+from megatron.trainer.flags.run import RunConfig
 from megatron.trainer.optimizer import build_scheduler
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 def parsed(*argv: str, world_size: int = 1) -> tuple[RunConfig | None, list[str]]:

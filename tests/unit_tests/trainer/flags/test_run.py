@@ -1,4 +1,4 @@
-"""``flag_validation.validate_args``: derived values, and every bad combination of flags reported
+"""``flags.run.resolve``: derived values, and every bad combination of options reported
 at once, each message naming the flag(s) at fault."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from megatron.rl.agent.env_config import load_env_config
-from megatron.trainer.flags.parse import build_parser, check
 from megatron.trainer.exits import run_main
+from megatron.trainer.flags.parse import build_parser, check
 from megatron.trainer.flags.rollouts import env_config_problems
 from megatron.trainer.grpo import load_agent
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 def errors_for(argv: list[str], world_size: int = 1, cuda: bool = False) -> list[str]:

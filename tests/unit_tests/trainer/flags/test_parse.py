@@ -1,6 +1,6 @@
-"""``pretrain_grpo.py``'s command line end to end (``arguments.parse_args``): bad flags exit
+"""``pretrain_grpo.py``'s command line end to end (``flags.parse.parse_args``): bad flags exit
 with status 2 and one message naming the flag, without a traceback. The cross-field checks
-themselves are tested in ``test_flag_validation.py``. Below: the parser itself (every listed
+themselves are tested in ``test_run.py``. Below: the parser itself (every listed
 flag has its help and default once; ``--help`` exits 0; ``parse_explicit`` names exactly what the
 command line set, which the ``--hf-checkpoint`` conflicts depend on)."""
 
@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from megatron.trainer.flags.parse import build_parser, parse_args, parse_explicit
 from megatron.trainer.exits import UsageError
+from megatron.trainer.flags.parse import build_parser, parse_args, parse_explicit
 
 
 @pytest.mark.parametrize(

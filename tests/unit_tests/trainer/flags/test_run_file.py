@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron.trainer.flags.parse import build_parser, parse_args
 from megatron.trainer.exits import UsageError
+from megatron.trainer.flags.parse import build_parser, parse_args
 from megatron.trainer.flags.run_file import dump, file_tokens, resolved
 
 

@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from megatron.trainer.flags.parse import build_parser, parse_args
 from megatron.trainer.exits import UsageError
-from megatron.trainer.flags.megatron_lm_common import MEGATRON_LM_COMMON_FLAGS, render_table
 from megatron.trainer.flags.megatron_lm import MEGATRON_LM_RL_FLAGS
+from megatron.trainer.flags.megatron_lm_common import MEGATRON_LM_COMMON_FLAGS, render_table
+from megatron.trainer.flags.parse import build_parser, parse_args
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
 from megatron_lm_rl_commands import QWEN25_3B_SCRIPT, QWEN25_32B_README  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 def message(argv: list[str]) -> str:
