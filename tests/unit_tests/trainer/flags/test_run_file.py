@@ -1,4 +1,4 @@
-"""YAML run files (``--config``, ``run_config.py``): the file's flags, the command line's on top,
+"""YAML run files (``--config``, ``flags/run_file.py``): the file's flags, the command line's on top,
 its mistakes named, and the resolved flags written back as a run file that parses to the same."""
 
 from __future__ import annotations

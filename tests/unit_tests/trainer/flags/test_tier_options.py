@@ -58,12 +58,12 @@ def test_entry_script_refuses_the_distributed_optimizer_on_cpu_with_status_2():
 
 
 def test_packing_is_refused_on_cuda_only_with_the_transformer_engine_spec(monkeypatch):
-    import megatron.rl.models.gpt_spec as flag_validation
+    import megatron.rl.models.gpt_spec as gpt_spec
 
     argv = ["--rl-use-sequence-packing"]
-    monkeypatch.setattr(flag_validation, "transformer_engine_importable", lambda: False)
+    monkeypatch.setattr(gpt_spec, "transformer_engine_importable", lambda: False)
     assert errors_for(argv, cuda=True) == []  # the SDPA layer spec honours the packed mask
-    monkeypatch.setattr(flag_validation, "transformer_engine_importable", lambda: True)
+    monkeypatch.setattr(gpt_spec, "transformer_engine_importable", lambda: True)
     assert errors_for(argv, cuda=False) == []
     (error,) = errors_for(argv, cuda=True)
     assert error.startswith(argv[0]) and "Transformer Engine" in error
