@@ -200,7 +200,9 @@ class KeyedCollection(CollectionSlices):
         mask = shard.loss_mask * self._keep[mine][:, None].to(shard.loss_mask.dtype)
         kept = self.meta.tag("loss_tokens")[rows] * self._keep[rows]
         counts = shard.global_counts or GlobalCounts(len(rows), 0, 0)
-        counts = dataclasses.replace(counts, loss_tokens=int(kept.sum()))
+        counts = dataclasses.replace(
+            counts, loss_tokens=int(kept.sum()), loss_sequences=int((kept > 0).sum())
+        )
         return dataclasses.replace(shard, loss_mask=mask, global_counts=counts)
 
     def rewarded(self) -> torch.Tensor:

@@ -11,12 +11,15 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
+from typing import Any
 
 from megatron.rl.auth import API_KEY_ENV, read_api_key
 from megatron.rl.eval.runner import EvalConfig
+from megatron.rl.grpo.aggregation import LossAggregation
 from megatron.rl.grpo.filtering import DynamicSamplingConfig
 from megatron.rl.grpo.importance import ImportanceConfig
 from megatron.rl.grpo.loss import GRPOLossConfig
+from megatron.rl.grpo.off_policy_mask import OffPolicyMask
 from megatron.rl.grpo.seq_logprob_error import SeqLogprobErrorConfig
 from megatron.rl.grpo.terms import LossTerm, loss_terms
 from megatron.rl.inference.scheduler import SchedulerConfig
@@ -48,6 +51,7 @@ def loss_config(cfg: RunConfig) -> GRPOLossConfig:
         clamp_eps_lower=cfg.grpo.clamp_eps_lower,
         clamp_eps_upper=cfg.grpo.clamp_eps_upper,
         terms=enabled_terms(cfg),
+        **loss_variants(cfg),
     )
 
 
@@ -55,7 +59,9 @@ def step_config(cfg: RunConfig, vocab_size: int) -> StepConfig:
     """The train step: loss, micro-batching, clipping, iterations, IS correction, packing."""
     importance = None
     if cfg.grpo.is_correction:
-        importance = ImportanceConfig(cfg.grpo.is_truncation_coef)
+        importance = ImportanceConfig(
+            cfg.grpo.is_truncation_coef, cfg.grpo.is_mode, cfg.grpo.is_clip_min
+        )
     return StepConfig(
         loss=loss_config(cfg),
         vocab_size=vocab_size,
@@ -194,3 +200,20 @@ def tokenizer(cfg: RunConfig) -> Tokenizer:
         return HuggingFaceTokenizer(cfg.model.tokenizer_model)
     except HFCheckpointError as err:
         raise SystemExit(f"pretrain_grpo.py: error: --tokenizer-model: {err}") from None
+
+
+def loss_variants(cfg: RunConfig) -> dict[str, Any]:
+    """The policy-loss variants of ``GRPOLossConfig`` (issue 29): ``--policy-loss``,
+    ``--loss-agg-mode`` (Dr. GRPO's constant: ``--loss-scale-factor``, else
+    ``--rl-default-max-tokens``, TRL's ``max_completion_length``) and
+    ``--off-policy-mask-threshold``."""
+    grpo = cfg.grpo
+    scale = grpo.loss_scale_factor
+    if scale is None and grpo.loss_agg_mode == "seq-mean-token-sum-norm":
+        scale = float(cfg.rollouts.default_max_tokens)
+    threshold = grpo.off_policy_mask_threshold
+    return dict(
+        policy_loss=grpo.policy_loss,
+        aggregation=LossAggregation(grpo.loss_agg_mode, scale),
+        off_policy_mask=None if threshold is None else OffPolicyMask(threshold),
+    )

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from megatron.rl.grpo.batch import TrainBatch
 from megatron.rl.grpo.importance import MISMATCH_SUMS, mismatch_metrics
+from megatron.rl.grpo.loss import variant_metrics
 from megatron.trainer.step import (
     LossFunction,
     MicroBatch,
@@ -59,6 +61,14 @@ class GRPOLoss(LossFunction):
         del sums["loss"]
         return MicroBatchLoss(out.loss_sum, sums)
 
+    def normalizer(self, data: TrainBatch) -> int:
+        """The global batch's loss tokens, or with a per-sequence ``--loss-agg-mode`` its
+        sequences with loss tokens (``megatron/rl/grpo/aggregation.py``)."""
+        aggregation = self.config.loss.aggregation
+        if aggregation is None or not aggregation.per_sequence:
+            return data.global_loss_tokens
+        return aggregation.denominator(data.global_loss_tokens, data.global_loss_sequences)
+
     def extra_sums(self, caches: list[MicroBatchCache]) -> NamedSums | None:
         """With the IS correction, the mismatch sums of the micro-batches (measured once)."""
         if self.config.importance is None:
@@ -69,10 +79,13 @@ class GRPOLoss(LossFunction):
         return NamedSums(keys, total)
 
     def metrics(self, sums: dict[str, float], num_tokens: int) -> dict[str, float]:
-        """Per-token means of the metric sums, and the ``is_*`` metrics of the IS correction."""
-        metrics = super().metrics(sums, num_tokens)
+        """Per-token means of the metric sums, the policy-loss variants' per-sequence metrics
+        (their sums with a ``/`` in the name) and the ``is_*`` metrics of the IS correction."""
+        denom = max(num_tokens, 1)
+        metrics = {k: sums[k] / denom for k in self.metric_keys() if "/" not in k}
+        metrics.update(variant_metrics(sums, self.config.loss))
         if self.config.importance is not None:
-            metrics.update(mismatch_metrics(sums))
+            metrics.update(mismatch_metrics(sums, self.config.importance))
         return metrics
 
 

@@ -87,7 +87,8 @@ class StepConfig:
 
     def metric_keys(self) -> tuple[str, ...]:
         """The names of one update's metric sums, in reduction order (every rank alike)."""
-        return tuple(sorted((*BASE_METRICS, *(t.name for t in self.loss.terms))))
+        names = (*BASE_METRICS, *(t.name for t in self.loss.terms), *self.loss.sum_keys())
+        return tuple(sorted(names))
 
 
 @dataclass
@@ -202,6 +203,12 @@ class LossFunction(ABC):
         """The tokens of ``data`` the loss is averaged over (default: the loss-mask tokens of the
         global batch, also when ``data`` is one rank's shard of it)."""
         return data.global_loss_tokens
+
+    def normalizer(self, data: TrainBatch) -> int:
+        """What the loss sums of ``data``'s micro-batches are divided by (global, also when
+        ``data`` is a shard): by default ``num_tokens``; a per-sequence aggregation of the loss
+        divides by the global batch's sequences instead. The metrics stay per token."""
+        return self.num_tokens(data)
 
     def extra_sums(self, caches: list[MicroBatchCache]) -> NamedSums | None:
         """Sums reduced with the update's, from this rank's caches (default: none)."""
@@ -348,7 +355,7 @@ def step_result(
     reduced = sums.as_dict()
     num_tokens = loss_fn.num_tokens(batch)
     return StepResult(
-        loss=reduced["loss"] / max(num_tokens, 1),
+        loss=reduced["loss"] / max(loss_fn.normalizer(batch), 1),
         grad_norm=update.grad_norm,
         lr=update.lr,
         loss_tokens=num_tokens,

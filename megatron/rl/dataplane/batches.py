@@ -69,9 +69,11 @@ def shard_batch(
     samples = plane.fetch(meta.partition, [meta.keys[i] for i in mine], TRAIN_FIELDS)
     batch = rows_from_samples(samples, pad_id, meta.attrs["width"])
     index = torch.as_tensor(list(rows), dtype=torch.long)
+    loss_tokens = meta.tag("loss_tokens")[index]
     counts = GlobalCounts(
         rows=len(rows),
-        loss_tokens=int(meta.tag("loss_tokens")[index].sum()),
+        loss_tokens=int(loss_tokens.sum()),
         trained_tokens=int(meta.tag("length")[index].sum()),
+        loss_sequences=int((loss_tokens > 0).sum()),
     )
     return batch.as_shard(counts)

@@ -20,6 +20,9 @@ class GlobalCounts:
     """Generated tokens that carry loss in the whole global batch (the loss's denominator)."""
     trained_tokens: int
     """Real (non-padding) input positions in the whole global batch."""
+    loss_sequences: int | None = None
+    """Rows with at least one loss token in the whole global batch (the denominator of the
+    per-sequence loss aggregations); None: not counted."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,20 @@ class TrainBatch:
         return (
             self.num_loss_tokens if self.global_counts is None else self.global_counts.loss_tokens
         )
+
+    @property
+    def num_loss_sequences(self) -> int:
+        """Rows with at least one loss token."""
+        return int((self.loss_mask.sum(dim=1) > 0).sum())
+
+    @property
+    def global_loss_sequences(self) -> int:
+        """Rows with loss tokens in the whole global batch (of this batch, when not a shard)."""
+        if self.global_counts is None:
+            return self.num_loss_sequences
+        if self.global_counts.loss_sequences is None:
+            raise ValueError("this shard's global counts lack the global batch's loss sequences")
+        return self.global_counts.loss_sequences
 
     @property
     def global_trained_tokens(self) -> int:

@@ -17,9 +17,22 @@ weighs the same). Per token:
   reference policy ``beta * k3_t``, the entropy bonus ``-entropy_weight * H_t``, ...); each
   reports its metric by name.
 
+Policy-loss variants (issue 29; none of them on by default, and then the loss is the above
+bit for bit):
+
+* ``policy_loss``: the surrogate min(r_t A, clip(r_t) A) is replaced by GSPO's sequence-level
+  ratio (``policy_loss/gspo.py``) or CISPO's clipped stop-gradient weight times log pi_theta
+  (``policy_loss/cispo.py``);
+* ``off_policy_mask``: OPSM's M_i multiplies the weighted surrogate of sequences with a negative
+  advantage that drifted too far (``off_policy_mask.py``);
+* ``aggregation``: how the per-token losses are summed for the global batch's denominator
+  (``aggregation.py``: token-mean, the seq-mean modes, Dr. GRPO's constant);
+* the IS weights w_t may be token- or sequence-level, truncated or masked (``importance.py``).
+
 Metrics travel by name: ``LossOutput.metric_sums()`` maps each metric to its sum over the
 micro-batch's loss tokens; the trainer adds them over micro-batches and ranks in a fixed key order
-and divides by the global number of loss tokens.
+and divides by the global number of loss tokens. A variant's per-sequence sums have a ``/`` in
+their name (``gspo/ratio``, ``opsm/sequences``) and become metrics through ``variant_metrics``.
 """
 
 from __future__ import annotations
@@ -28,7 +41,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron.rl.grpo import off_policy_mask as opsm
+from megatron.rl.grpo.aggregation import LossAggregation
 from megatron.rl.grpo.loss_inputs import LossInputs
+from megatron.rl.grpo.off_policy_mask import OffPolicyMask
+from megatron.rl.grpo.policy_loss import POLICY_LOSSES, surrogate_function
 from megatron.rl.grpo.terms.base import LossTerm
 
 
@@ -42,10 +59,41 @@ class GRPOLossConfig:
     """Ratios above 1 + eps_upper are clipped (for positive advantages)."""
     terms: tuple[LossTerm, ...] = ()
     """Additive per-token terms (reference KL, entropy bonus, ...), applied in ``name`` order."""
+    policy_loss: str | None = None
+    """``gspo`` or ``cispo`` (``policy_loss/``); None or ``vanilla``: the clipped token
+    surrogate."""
+    aggregation: LossAggregation | None = None
+    """How per-token losses are summed (``aggregation.py``); None: token-mean."""
+    off_policy_mask: OffPolicyMask | None = None
+    """OPSM's threshold (``off_policy_mask.py``); None: no mask."""
+
+    def __post_init__(self) -> None:
+        if self.policy_loss is not None and self.policy_loss not in POLICY_LOSSES:
+            raise ValueError(
+                f"policy_loss must be one of {POLICY_LOSSES}, got {self.policy_loss!r}"
+            )
 
     def requires(self, name: str) -> bool:
         """Whether a term reads the optional input ``name`` (``ref_logprobs``, ``entropy``)."""
         return any(name in term.requires for term in self.terms)
+
+    @property
+    def variant(self) -> str:
+        """The surrogate's variant (``vanilla``, ``gspo``, ``cispo``)."""
+        return self.policy_loss or "vanilla"
+
+    def sum_keys(self) -> tuple[str, ...]:
+        """The names of the metric sums the variants add to ``LossOutput.metric_sums``."""
+        keys: tuple[str, ...] = ()
+        if self.variant == "gspo":
+            from megatron.rl.grpo.policy_loss.gspo import SUMS
+
+            keys += SUMS
+        if self.variant == "cispo":
+            keys += ("cispo_weight_mean",)
+        if self.off_policy_mask is not None:
+            keys += opsm.SUMS
+        return keys
 
 
 @dataclass(frozen=True)
@@ -62,6 +110,8 @@ class LossOutput:
     """Scalar: sum of the k3 estimate of KL(denominator || theta), a lag/mismatch diagnostic."""
     term_sums: dict[str, torch.Tensor] = field(default_factory=dict)
     """Scalar sum over masked tokens of each term's metric, by term name."""
+    variant_sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The variants' own metric sums (``GRPOLossConfig.sum_keys``)."""
 
     def metric_sums(self) -> dict[str, torch.Tensor]:
         """Every reported sum by metric name (detached): the loss, the surrogate's statistics
@@ -72,36 +122,77 @@ class LossOutput:
             "ratio_mean": self.ratio_sum,
             "mismatch_kl": self.mismatch_kl_sum,
             **self.term_sums,
+            **self.variant_sums,
         }
 
 
 def grpo_loss(inputs: LossInputs, config: GRPOLossConfig) -> LossOutput:
-    """Per-token GRPO loss (module docstring), summed over masked tokens."""
+    """Per-token GRPO loss (module docstring), summed over masked tokens (or, with a per-sequence
+    ``aggregation``, over sequences)."""
     mask = inputs.loss_mask  # (B, T)
     old = inputs.inference_logprobs if inputs.old_logprobs is None else inputs.old_logprobs
     log_ratio = (inputs.trainer_logprobs - old) * mask  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)
     adv = inputs.advantages[:, None]  # (B, 1)
-    unclipped = ratio * adv
-    clipped = ratio.clamp(1.0 - config.clamp_eps_lower, 1.0 + config.clamp_eps_upper) * adv
-    surrogate = torch.minimum(unclipped, clipped)  # (B, T)
+    variant_sums: dict[str, torch.Tensor] = {}
+    if config.variant == "vanilla":
+        unclipped = ratio * adv
+        clipped = ratio.clamp(1.0 - config.clamp_eps_lower, 1.0 + config.clamp_eps_upper) * adv
+        surrogate = torch.minimum(unclipped, clipped)  # (B, T)
+        with torch.no_grad():
+            was_clipped = ((clipped < unclipped) & (mask > 0)).sum()
+    else:
+        variant = surrogate_function(config.variant)(
+            inputs.trainer_logprobs, old, adv, mask, config.clamp_eps_lower, config.clamp_eps_upper
+        )
+        surrogate, was_clipped, variant_sums = (
+            variant.per_token,
+            variant.clipped_tokens,
+            variant.sums,
+        )
     with torch.no_grad():
-        was_clipped = ((clipped < unclipped) & (mask > 0)).sum()
         k3 = ratio - 1.0 - log_ratio  # (B, T), >= 0
     extras = _terms(inputs, config)
-    if inputs.is_weights is None and extras is None:
+    keep = None
+    if config.off_policy_mask is not None:
+        keep, opsm_sums = opsm.off_policy_keep(
+            inputs.trainer_logprobs, inputs.inference_logprobs, inputs.advantages, mask,
+            config.off_policy_mask,
+        )  # fmt: skip
+        variant_sums = {**variant_sums, **opsm_sums}
+    aggregation = config.aggregation
+    plain = keep is None and (aggregation is None or not aggregation.per_sequence)
+    if inputs.is_weights is None and extras is None and plain:
         loss_sum = -(surrogate * mask).sum()
     else:
         weighted = surrogate if inputs.is_weights is None else inputs.is_weights * surrogate
+        if keep is not None:
+            weighted = weighted * keep[:, None]
         per_token = -weighted if extras is None else extras[0] - weighted  # (B, T)
-        loss_sum = (per_token * mask).sum()
+        if aggregation is None:
+            loss_sum = (per_token * mask).sum()
+        else:
+            loss_sum = aggregation.micro_batch_sum(per_token, mask)
     return LossOutput(
         loss_sum=loss_sum,
         clipped_tokens=was_clipped.float(),
         ratio_sum=(ratio.detach() * mask).sum(),
         mismatch_kl_sum=(k3 * mask).sum(),
         term_sums={} if extras is None else extras[1],
+        variant_sums=variant_sums,
     )
+
+
+def variant_metrics(sums: dict[str, float], config: GRPOLossConfig) -> dict[str, float]:
+    """The logged metrics of the variants' raw sums (names with ``/``), from the global sums."""
+    metrics: dict[str, float] = {}
+    if config.variant == "gspo":
+        from megatron.rl.grpo.policy_loss import gspo
+
+        metrics.update(gspo.metrics(sums))
+    if config.off_policy_mask is not None:
+        metrics.update(opsm.metrics(sums))
+    return metrics
 
 
 def _terms(

@@ -30,7 +30,8 @@ class Option:
     flag: str | None = None
     """The command-line flag; None: ``--`` + the section's prefix + the field name, dashed."""
     aliases: tuple[str, ...] = ()
-    """Other spellings the parser accepts for the same option (Megatron-LM's)."""
+    """Other spellings the parser accepts for the same option (Megatron-LM's, or another
+    trainer's where it does not clash: ``--opsm-delta``)."""
     parse: Callable[[str], Any] | None = None
     """Text -> value; None: the type of the default (which must then not be None)."""
     choices: tuple[Any, ...] | None = None

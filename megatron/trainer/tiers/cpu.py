@@ -226,7 +226,7 @@ class CPUPolicy(Policy):
             optimizer.zero_grad(set_to_none=True)
         keys = update_keys(loss_fn)
         sums = NamedSums.zeros(keys)
-        denom = max(loss_fn.num_tokens(update.batch), 1)
+        denom = max(loss_fn.normalizer(update.batch), 1)
         check = LossCheck(config.check_finite and not eval_mode, ctx.rank)
         with torch.set_grad_enabled(not eval_mode):
             for micro in update.micro_batches:

@@ -10,7 +10,8 @@ logits: the forward-only methods keep them, ``train`` hands them to the ``LossFu
 
 * ``train``: ``calculate_per_token_loss``: each micro-batch backpropagates its loss *sum* and
   megatron-core's ``finalize_model_grads`` divides the DP-reduced gradients by the global number
-  of loss tokens, the CPU tier's global token mean. The scheduler steps first (update k uses the
+  of loss tokens, the CPU tier's global token mean (by the global number of sequences with a
+  per-sequence ``--loss-agg-mode``: each micro-batch reports its ``LossFunction.normalizer``). The scheduler steps first (update k uses the
   schedule's value at k + 1), then the optimizer, as on CPU.
 * Results of the forward-only methods exist on the last pipeline stage; they are broadcast to the
   other stages, then gathered over data parallelism, so every rank returns the whole batch's.
@@ -195,7 +196,7 @@ class CUDAPolicy(Policy):
             out = loss_fn(micro, logprobs, entropy)
             check.record(out.loss_sum)
             sums.append(NamedSums.of({"loss": out.loss_sum.detach(), **out.metric_sums}, keys))
-            tokens = torch.tensor(loss_fn.num_tokens(micro.data), dtype=torch.int)
+            tokens = torch.tensor(loss_fn.normalizer(micro.data), dtype=torch.int)
             return out.loss_sum, tokens.to(logits.device), {"loss_sum": out.loss_sum.detach()}
 
         model.train(not eval_mode)

@@ -94,7 +94,7 @@ def test_first_micro_batch_has_ratio_one_and_zero_kl():
     ctx = context()
     state, reference = setup(ctx)
     micro = batch().rows(0, MICRO)
-    cfg = config(KL, old_logprobs=True, importance=ImportanceConfig(2.0))
+    cfg = config(KL, old_logprobs=True, importance=ImportanceConfig.tis(2.0))
     cache = MicroBatchCache()
     state.model.train()
     logprobs, _ = policy_logprobs(state.model, micro, VOCAB, ctx)
@@ -116,7 +116,7 @@ def test_is_weight_is_one_when_inference_logprobs_equal_train_logprobs():
         parts = [policy_logprobs(state.model, b.rows(s, s + MICRO), VOCAB, ctx)[0] for s in (0, 8)]
     logprobs = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
     same = dataclasses.replace(b, inference_logprobs=logprobs * b.loss_mask)
-    corrected = step(state, same, ctx, importance=ImportanceConfig(2.0))
+    corrected = step(state, same, ctx, importance=ImportanceConfig.tis(2.0))
     assert corrected.metrics["is_weight_mean"] == 1.0
     assert corrected.metrics["is_abs_delta_p"] == 0.0 and corrected.metrics["is_kl"] == 0.0
     assert corrected.metrics["is_truncated_fraction"] == 0.0
@@ -131,7 +131,7 @@ def test_is_weight_is_one_when_inference_logprobs_equal_train_logprobs():
 def test_mismatch_metrics_are_measured_against_the_engine_logprobs():
     ctx = context()
     state, _ = setup(ctx)
-    result = step(state, batch(), ctx, importance=ImportanceConfig(1.5))
+    result = step(state, batch(), ctx, importance=ImportanceConfig.tis(1.5))
     extra = result.metrics
     assert extra["is_abs_delta_p"] > 0 and extra["is_kl"] > 0
     assert 0 < extra["is_truncated_fraction"] <= extra["is_truncated_sequence_fraction"] <= 1
@@ -208,7 +208,9 @@ def test_kl_without_reference_model_is_an_error():
 def test_metrics_are_reported_by_name():
     ctx = context()
     state, reference = setup(ctx)
-    result = step(state, batch(), ctx, KL_AND_ENTROPY, reference, importance=ImportanceConfig(1.0))
+    result = step(
+        state, batch(), ctx, KL_AND_ENTROPY, reference, importance=ImportanceConfig.tis(1.0)
+    )
     assert set(result.metrics) == {
         "clip_fraction", "ratio_mean", "mismatch_kl", "entropy", "ref_kl", "is_abs_delta_p",
         "is_kl", "is_weight_mean", "is_truncated_fraction", "is_truncated_sequence_fraction",
@@ -229,7 +231,7 @@ def options_steps(rank: int, world_size: int, tp: int):
     )
     state = TrainState(model, *build_optimizer(model, args))
     cfg = config(
-        KL_AND_ENTROPY, micro_batch_size=4, old_logprobs=True, importance=ImportanceConfig(1.5),
+        KL_AND_ENTROPY, micro_batch_size=4, old_logprobs=True, importance=ImportanceConfig.tis(1.5),
         packing_capacity=16,
     )  # fmt: skip
     results = []

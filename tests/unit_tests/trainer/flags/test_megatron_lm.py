@@ -88,9 +88,9 @@ def test_truncation_coef_none_means_no_truncation_and_the_default_is_said():
     args, errors = parsed(
         "--rl-inference-logprobs-is-correction", "--rl-importance-sampling-truncation-coef", "none"
     )
-    assert errors == [] and config.step_config(args, 21).importance == ImportanceConfig(None)
+    assert errors == [] and config.step_config(args, 21).importance == ImportanceConfig.tis(None)
     defaults, _ = parsed("--rl-inference-logprobs-is-correction")
-    assert config.step_config(defaults, 21).importance == ImportanceConfig(1.0)
+    assert config.step_config(defaults, 21).importance == ImportanceConfig.tis(1.0)
     help_text = " ".join(build_parser(every=True).format_help().split())
     assert "'none' caps nothing (Megatron-LM's default)" in help_text
 

@@ -9,8 +9,10 @@ import dataclasses
 import pytest
 
 from megatron.rl.eval.runner import EvalConfig
+from megatron.rl.grpo.aggregation import LossAggregation
 from megatron.rl.grpo.importance import ImportanceConfig
 from megatron.rl.grpo.loss import GRPOLossConfig
+from megatron.rl.grpo.off_policy_mask import OffPolicyMask
 from megatron.rl.rollout.generator import RolloutConfig
 from megatron.trainer import config
 from megatron.trainer.flags.option import dest_of, options
@@ -27,6 +29,11 @@ LIBRARY_FIELDS = [
     (GRPOLossConfig, "clamp_eps_lower", "--grpo-clamp-eps-lower"),
     (GRPOLossConfig, "clamp_eps_upper", "--grpo-clamp-eps-upper"),
     (ImportanceConfig, "truncation_coef", "--rl-importance-sampling-truncation-coef"),
+    (ImportanceConfig, "mode", "--rl-importance-sampling-mode"),
+    (ImportanceConfig, "clip_min", "--rl-importance-sampling-clip-min"),
+    (LossAggregation, "mode", "--loss-agg-mode"),
+    (LossAggregation, "scale_factor", "--loss-scale-factor"),
+    (OffPolicyMask, "threshold", "--off-policy-mask-threshold"),
     (EvalConfig, "num_prompts", "--eval-prompts"),
     (EvalConfig, "samples_per_prompt", "--eval-samples"),
     (EvalConfig, "pass_k", "--eval-pass-k"),
@@ -54,27 +61,29 @@ def test_the_library_configs_take_the_trees_defaults():
         Rollouts.forced_lag, cfg.grpo.prompts_per_step, cfg.grpo.group_size, cfg.training.seed
     )  # fmt: skip
     assert (loss.clamp_eps_lower, loss.clamp_eps_upper) == (0.2, 0.28)
+    assert (loss.policy_loss, loss.off_policy_mask) == ("vanilla", None)
+    assert loss.aggregation == LossAggregation("token-mean", None)
     assert (evaluation.num_prompts, evaluation.samples_per_prompt, evaluation.pass_k) == (
         32,
         8,
         (1,),
     )
     with_is, _ = check(["--rl-inference-logprobs-is-correction"])
-    assert config.step_config(with_is, 21).importance == ImportanceConfig(1.0)
+    assert config.step_config(with_is, 21).importance == ImportanceConfig.tis(1.0)
 
 
 def test_every_option_is_declared_once_with_help_and_a_flag_of_its_own():
-    flags, fields = [], []
+    flags, fields, primaries = [], [], []
     for name, section in SECTIONS:
         for f, declared, flag in options(section):
             assert declared.help.strip().endswith((".", ")")), flag
             flags += [flag, *declared.aliases]
+            primaries.append(flag)
             fields.append((name, f.name))
     assert len(flags) == len(set(flags)) and len(fields) == len(set(fields))
     parser_flags = [s for a in build_parser()._actions for s in a.option_strings]
     assert set(flags) <= set(parser_flags)
-    assert sorted(locations()) == sorted({dest_of(f) for f in flags if not f.startswith("--langrl")
-                                          and f != "--rl-prompts-per-eval"})  # fmt: skip
+    assert sorted(locations()) == sorted({dest_of(f) for f in primaries})
 
 
 def test_the_parse_returns_a_frozen_run_config_and_variants_are_new_objects():
