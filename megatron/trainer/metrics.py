@@ -163,7 +163,10 @@ def step_metrics(
     ``result.metrics`` adds ``clip_fraction``, ``ratio_mean``, ``mismatch_kl`` and, when enabled,
     each loss term's metric (``ref_kl``, ``entropy``, ...) and the train/inference mismatch
     (``is_abs_delta_p``, ``is_kl``, ``is_weight_mean``, ``is_truncated_fraction``,
-    ``is_truncated_sequence_fraction``); ``extra`` from the loop adds dynamic sampling
+    ``is_truncated_sequence_fraction``, and in the IS mask modes ``is_masked_fraction``,
+    ``is_masked_sequence_fraction``), and the policy-loss variants' (``gspo_ratio_mean``,
+    ``gspo_clipped_sequence_fraction``, ``cispo_weight_mean``,
+    ``opsm_masked_sequence_fraction``); ``extra`` from the loop adds dynamic sampling
     (``dynamic_sampling_*``), the sequence-level logprob error (``seq_mult_prob_error_*``,
     ``seq_logprob_error_*``) and evaluation (``eval/*``).
     """

@@ -170,11 +170,17 @@ def policy_results(nproc: int, flags: list[str]) -> list[dict]:
         pytest.param(1, ["--packing", "24"], id="packed"),
         pytest.param(2, ["--tp", "2", "--packing", "24"], id="tp2-packed"),
         pytest.param(2, [], id="dp2"),
+        pytest.param(1, ["--variant", "gspo"], id="gspo-seq-mean-token-mean-sequence-mis"),
+        pytest.param(2, ["--variant", "gspo"], id="gspo-seq-mean-token-mean-sequence-mis-dp2"),
+        pytest.param(2, ["--variant", "cispo"], id="cispo-opsm-dp2"),
     ],
 )
 def test_every_policy_method_matches_the_cpu_tier(nproc, flags):
     """``get_logprobs``, ``get_reference_policy_logprobs``, ``get_topk_logits`` and ``train``
-    (eval mode, a supervised NLL loss, GRPO with the KL and entropy terms) on both tiers."""
+    (eval mode, a supervised NLL loss, GRPO with the KL and entropy terms) on both tiers; the
+    ``--variant`` cases run the GRPO updates with policy-loss variants (issue 29): GSPO with
+    seq-mean-token-mean (each micro-batch hands megatron-core its sequence count) and
+    sequence-level masked IS, and CISPO with off-policy sequence masking."""
     for rank in policy_results(nproc, flags):
         cpu, cuda = rank["cpu"], rank["cuda"]
         mask = cpu["valid"]
@@ -188,6 +194,14 @@ def test_every_policy_method_matches_the_cpu_tier(nproc, flags):
         for a, b in zip(cpu["grpo_metrics"], cuda["grpo_metrics"]):
             assert b == pytest.approx(a, rel=1e-5, abs=1e-7)
         assert cpu["grpo_metrics"][1]["ref_kl"] > 0  # the NLL updates moved the policy
+        variant = flags[flags.index("--variant") + 1] if "--variant" in flags else None
+        metrics = cuda["grpo_metrics"][1]
+        if variant == "gspo":
+            assert metrics["gspo_ratio_mean"] != 1.0 and 0 < metrics["is_masked_fraction"] < 1
+            assert 0 < metrics["gspo_clipped_sequence_fraction"] < 1
+        if variant == "cispo":
+            assert 0 < metrics["opsm_masked_sequence_fraction"] < 1
+            assert 0 < metrics["clip_fraction"] < 1 and metrics["cispo_weight_mean"] != 1.0
 
 
 def test_policy_methods_agree_with_each_other_under_pipeline_parallelism():

@@ -1,7 +1,7 @@
 """Every ``Policy`` method on the CUDA tier (emulated on the CPU) and on the CPU tier.
 
     python -m torch.distributed.run --nproc-per-node=N tests/grpo_testing/emulated_cuda_policy.py \\
-        --out DIR [--tp T] [--packing CAPACITY]
+        --out DIR [--tp T] [--packing CAPACITY] [--variant gspo|cispo]
 
 Each rank builds both tiers' policies from the same seed (each with its reference model, a copy
 of the initial weights), runs the same calls on both: ``train`` in eval mode (NLL, and GRPO
@@ -9,6 +9,10 @@ against pi_old from ``get_logprobs``) and with a supervised NLL loss (two global
 ``get_logprobs``, ``get_reference_policy_logprobs``,
 ``get_topk_logits`` and a GRPO update with the reference KL and entropy terms, and saves both
 tiers' results to ``DIR/rank<r>.pt`` (``--pp`` > 1: the CUDA tier's only). One process per rank: the emulation patches torch globally.
+
+``--variant`` runs the GRPO updates with policy-loss variants (issue 29) on top of the terms:
+``gspo`` is GSPO with ``seq-mean-token-mean`` and sequence-level masked IS (``sequence_mask``),
+``cispo`` is CISPO with off-policy sequence masking.
 """
 
 from __future__ import annotations
@@ -29,8 +33,11 @@ from grpo_testing.models import VOCAB  # noqa: E402
 from grpo_testing.rollouts import synthetic_groups  # noqa: E402
 from grpo_testing.trainer import grpo_update, train_args  # noqa: E402
 
+from megatron.rl.grpo.aggregation import LossAggregation  # noqa: E402
 from megatron.rl.grpo.batch import build_train_batch  # noqa: E402
+from megatron.rl.grpo.importance import ImportanceConfig  # noqa: E402
 from megatron.rl.grpo.loss import GRPOLossConfig  # noqa: E402
+from megatron.rl.grpo.off_policy_mask import OffPolicyMask  # noqa: E402
 from megatron.rl.grpo.terms.entropy_bonus import EntropyBonus  # noqa: E402
 from megatron.rl.grpo.terms.reference_kl import ReferenceKL  # noqa: E402
 from megatron.trainer.checkpointing import TrainState  # noqa: E402
@@ -38,23 +45,41 @@ from megatron.trainer.initialize import initialize_distributed  # noqa: E402
 from megatron.trainer.losses import GRPOLoss, TokenMeanNLL  # noqa: E402
 from megatron.trainer.policy import PolicyConfig  # noqa: E402
 from megatron.trainer.reference import build_reference_model  # noqa: E402
-from megatron.trainer.step import StepConfig  # noqa: E402
+from megatron.trainer.step import MicroBatchCache, StepConfig  # noqa: E402
 from megatron.trainer.tiers.cpu import CPUTier  # noqa: E402
 from megatron.trainer.tiers.cuda import CUDATier  # noqa: E402
 
 K = 5
 
+VARIANTS = {
+    None: ({}, None),
+    "gspo": (
+        dict(
+            clamp_eps_lower=3e-4, clamp_eps_upper=4e-4, policy_loss="gspo",
+            aggregation=LossAggregation("seq-mean-token-mean", None),
+        ),
+        ImportanceConfig(3.0, "sequence_mask", 0.05),
+    ),
+    "cispo": (dict(policy_loss="cispo", off_policy_mask=OffPolicyMask(0.05)), None),
+}  # fmt: skip
+"""``--variant`` -> (``GRPOLossConfig`` fields, ``StepConfig.importance``)."""
 
-def run_policy(tier_class, cfg, ctx, packing: int | None) -> dict:
+
+def run_policy(tier_class, cfg, ctx, packing: int | None, variant: str | None = None) -> dict:
     """The results of every method on ``tier_class``'s policy."""
     tier = tier_class(cfg, ctx)
     torch.manual_seed(7)
     model = tier.build_model(VOCAB)
     reference = build_reference_model(cfg, tier, model, VOCAB, ctx, needs_reference=True)
     state = TrainState(model, *tier.build_optimizer(model))
+    fields, importance = VARIANTS[variant]
+    loss = GRPOLossConfig(
+        **{"clamp_eps_lower": 0.2, "clamp_eps_upper": 0.28, **fields},
+        terms=(ReferenceKL(0.1), EntropyBonus(0.01)),
+    )
     config = StepConfig(
-        GRPOLossConfig(0.2, 0.28, terms=(ReferenceKL(0.1), EntropyBonus(0.01))),
-        VOCAB, 2, clip_grad=0.5, old_logprobs=True, packing_capacity=packing,
+        loss, VOCAB, 2, clip_grad=0.5, old_logprobs=True, packing_capacity=packing,
+        importance=importance,
     )  # fmt: skip
     policy = tier.build_policy(state, PolicyConfig.of(config), reference)
     data = build_train_batch(synthetic_groups(2, 4, VOCAB, seed=1), pad_id=0)
@@ -64,7 +89,10 @@ def run_policy(tier_class, cfg, ctx, packing: int | None) -> dict:
     (upfront,) = policy.train(data, upfront_loss, eval_mode=True)
     trained = policy.train(data, TokenMeanNLL(), gbs=4, mbs=2)
     top = policy.get_topk_logits(data, K)
-    grpo = [grpo_update(policy, data, config) for _ in range(2)]
+    # the variants' two updates share pi_old (as --grpo-iterations 2 does): the second one's
+    # ratios differ from 1
+    caches = None if variant is None else [MicroBatchCache() for _ in range(4 // ctx.dp_size)]
+    grpo = [grpo_update(policy, data, config, caches) for _ in range(2)]
     return {
         "nll": [evaluated.loss] + [r.loss for r in trained],
         "nll_of_logprobs": float(-(logprobs * data.loss_mask).sum() / data.loss_mask.sum()),
@@ -87,6 +115,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1, help="> 1: the CUDA tier only")
     parser.add_argument("--packing", type=int, default=None)
+    parser.add_argument("--variant", choices=("gspo", "cispo"), default=None)
     opts = parser.parse_args()
     cfg = train_args(  # the KL term's weight is the StepConfig's (ReferenceKL(0.1))
         tensor_model_parallel_size=opts.tp, pipeline_model_parallel_size=opts.pp, ref_load=None
@@ -94,9 +123,9 @@ def main() -> None:
     torch.cuda.is_available = lambda: False  # gloo and the CPU as the context's device
     ctx = initialize_distributed(cfg)
     torch.cuda.is_available = lambda: True
-    results = {"cuda": run_policy(CUDATier, cfg, ctx, opts.packing)}
+    results = {"cuda": run_policy(CUDATier, cfg, ctx, opts.packing, opts.variant)}
     if opts.pp == 1:  # the CPU tier has no pipeline stages
-        results["cpu"] = run_policy(CPUTier, cfg, ctx, opts.packing)
+        results["cpu"] = run_policy(CPUTier, cfg, ctx, opts.packing, opts.variant)
     torch.save(results, Path(opts.out) / f"rank{ctx.rank}.pt")
     torch.distributed.destroy_process_group()
 

@@ -1,6 +1,7 @@
 """The GRPO options: group shape, ratio clipping, the loss terms' weights (one flag per term,
 declared by the term), the reference policy, passes per collection, dynamic sampling, the
-importance-sampling correction and the sequence-level mismatch mask."""
+importance-sampling correction and the sequence-level mismatch mask; the policy-loss variants
+(GSPO, CISPO, the loss aggregation, the rollout-IS modes, OPSM) in their own block."""
 
 from __future__ import annotations
 

@@ -69,6 +69,7 @@ def test_each_rank_reads_exactly_its_rows_of_each_global_batch(
             for name in (*TENSORS, "temperature", "lengths"):
                 assert torch.equal(getattr(got, name), getattr(want, name)), (j, name)
             assert got.global_loss_tokens == want_global.num_loss_tokens
+            assert got.global_loss_sequences == want_global.num_loss_sequences
             assert got.global_trained_tokens == int(want_global.lengths.sum())
 
 
@@ -100,3 +101,17 @@ def _has(store, key: str) -> bool:
         return True
     except KeyError:
         return False
+
+
+def test_masked_rows_leave_the_global_batches_sequence_count():
+    """The per-sequence loss aggregations divide by the global batch's sequences with loss
+    tokens: rows masked out of the loss (``mask_rows``) no longer count, on every rank."""
+    groups = synthetic_groups(2, 4, vocab=50, seed=5)
+    keep = torch.ones(8, dtype=torch.bool)
+    keep[[1, 6]] = False
+    for dp_rank in range(2):
+        collection = keyed(groups, dp_rank, 2, size=8, iterations=1)
+        assert collection.global_batch(0).global_loss_sequences == 8
+        collection.mask_rows(keep)
+        shard = collection.global_batch(0)
+        assert shard.global_loss_sequences == 6 and shard.num_loss_sequences == 3
