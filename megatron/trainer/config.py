@@ -14,9 +14,11 @@ from pathlib import Path
 
 from megatron.rl.auth import API_KEY_ENV, read_api_key
 from megatron.rl.eval.runner import EvalConfig
+from megatron.rl.grpo.advantages import AdvantageConfig
 from megatron.rl.grpo.filtering import DynamicSamplingConfig
 from megatron.rl.grpo.importance import ImportanceConfig
 from megatron.rl.grpo.loss import GRPOLossConfig
+from megatron.rl.grpo.overlong import OverlongConfig
 from megatron.rl.grpo.seq_logprob_error import SeqLogprobErrorConfig
 from megatron.rl.grpo.terms import LossTerm, loss_terms
 from megatron.rl.inference.scheduler import SchedulerConfig
@@ -194,3 +196,21 @@ def tokenizer(cfg: RunConfig) -> Tokenizer:
         return HuggingFaceTokenizer(cfg.model.tokenizer_model)
     except HFCheckpointError as err:
         raise SystemExit(f"pretrain_grpo.py: error: --tokenizer-model: {err}") from None
+
+
+def advantage_config(cfg: RunConfig) -> AdvantageConfig:
+    """The advantages' baseline and scale (``--adv-estimator``, ``--scale-rewards``)."""
+    return AdvantageConfig(estimator=cfg.grpo.adv_estimator, scale=cfg.grpo.scale_rewards)
+
+
+def overlong_config(cfg: RunConfig) -> OverlongConfig | None:
+    """DAPO's soft overlong penalty and the mask of truncated completions (None when both are
+    off); a rollout that records no budget is measured against ``--rl-default-max-tokens``."""
+    if cfg.grpo.overlong_buffer_len == 0 and not cfg.grpo.mask_truncated_completions:
+        return None
+    return OverlongConfig(
+        buffer_len=cfg.grpo.overlong_buffer_len,
+        penalty_factor=cfg.grpo.overlong_penalty_factor,
+        mask_truncated=cfg.grpo.mask_truncated_completions,
+        default_max_tokens=cfg.rollouts.default_max_tokens,
+    )
