@@ -13,12 +13,14 @@ from megatron.rl.dataplane.batches import publish_groups
 from megatron.rl.grpo.advantages import AdvantageConfig
 from megatron.rl.grpo.batch import batch_advantages
 from megatron.rl.grpo.overlong import OverlongConfig
+from megatron.rl.rollout.generator import RolloutBatch
 from megatron.trainer import config
 from megatron.trainer.collection import KeyedCollection
 from megatron.trainer.exits import UsageError
 from megatron.trainer.flags.parse import check
 from megatron.trainer.grpo import advantages_of
 from megatron.trainer.initialize import ParallelContext
+from megatron.trainer.metrics import format_log_line, rollout_metrics
 
 
 def resolved(*argv: str):
@@ -105,7 +107,9 @@ def test_rank_0_publishes_the_configured_advantages_with_their_metrics():
     groups = synthetic_groups(3, 4, vocab=50, seed=1)
     cfg = resolved("--adv-estimator", "rloo", "--scale-rewards", "batch")
     shaped = advantages_of(cfg, groups)
-    assert torch.equal(shaped.advantages, batch_advantages(groups, AdvantageConfig("rloo", "batch")))
+    assert torch.equal(
+        shaped.advantages, batch_advantages(groups, AdvantageConfig("rloo", "batch"))
+    )
     assert shaped.masked is None and set(shaped.metrics) == {
         "advantages_mean", "advantages_abs_mean", "advantages_min", "advantages_max"
     }  # fmt: skip
@@ -160,3 +164,23 @@ def test_a_truncated_completion_is_fully_masked_on_every_rank_and_leaves_the_res
     again = masked.global_batch(0)
     assert again.loss_mask[1].sum() == 0 and again.loss_mask[5].sum() == 0
     assert again.global_loss_tokens == int(again.loss_mask.sum())
+
+
+@pytest.mark.parametrize(
+    "shaping, shown",
+    [
+        pytest.param({}, None, id="off"),
+        pytest.param({"truncated_fraction": 0.25, "overlong_penalty_mean": -0.125},
+                     "| truncated rollouts 0.25 overlong penalty -0.125", id="penalty"),
+        pytest.param({"truncated_fraction": 0.5, "truncated_masked_rollouts": 3},
+                     "| truncated rollouts 0.50 masked 3", id="mask"),
+    ],
+)  # fmt: skip
+def test_the_log_line_shows_the_shaping_that_is_on(shaping, shown):
+    groups = synthetic_groups(2, 2, vocab=20)
+    record = rollout_metrics(RolloutBatch(0, groups, in_flight=1, queue_depth=0), step=0)
+    m = {**record, "step": 0, "loss": 0.0, "grad_norm": 0.0, "lr": 1e-3, "lag": 1,
+         "generated_tokens_per_s": 1.0, "trained_tokens_per_s": 1.0, "step_seconds": 0.1,
+         **shaping}  # fmt: skip
+    line = format_log_line(m, 10)
+    assert ("truncated rollouts" not in line) if shown is None else (shown in line)

@@ -77,7 +77,9 @@ def test_completion_length_reads_what_the_rollout_recorded(recorded, generated, 
     assert completion_length(rollout(generated, **recorded), default_max_tokens=16) == expected
 
 
-CONFIG = OverlongConfig(buffer_len=4, penalty_factor=1.0, mask_truncated=True, default_max_tokens=16)
+CONFIG = OverlongConfig(
+    buffer_len=4, penalty_factor=1.0, mask_truncated=True, default_max_tokens=16
+)
 
 
 def test_shaped_rewards_metrics_and_masked_rows_hand_computed():
