@@ -9,9 +9,10 @@ optimizer, engine and checkpoint shards, and the ``Policy`` (``policy.py``) thro
 computes pi_old and pi_ref and trains.
 
 Optional pieces, each off by default: dynamic sampling picks the groups a step trains on
-(``training_groups``; ``megatron/rl/grpo/filtering.py``), loss terms, IS correction, repeated
-updates and packing shape the step (``step.py``), and evaluation runs on its own engine between
-steps (``evaluation.py``).
+(``training_groups``; ``megatron/rl/grpo/filtering.py``), the advantages' baseline and scale and
+the overlong reward shaping (``advantages_of``; ``megatron/rl/grpo/advantages.py``,
+``overlong.py``), loss terms, IS correction, repeated updates and packing shape the step
+(``step.py``), and evaluation runs on its own engine between steps (``evaluation.py``).
 """
 
 from __future__ import annotations
