@@ -196,6 +196,8 @@ class TokenRollout(Rollout):
 
     ``tokens`` is the whole trajectory; ``generation_mask`` marks the generated tokens (the only
     ones that carry loss). ``logprobs`` and ``policy_versions`` have one entry per generated token.
+    ``max_tokens``, ``turn_lengths`` and ``truncated`` record each model turn's budget, length
+    and ending (overlong reward shaping and the mask of truncated completions read them).
     """
 
     tokens: list[int]
@@ -204,6 +206,25 @@ class TokenRollout(Rollout):
     policy_versions: list[int]
     submission_policy_version: int = Field(ge=0)
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature of the tokens.")
+    max_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_TOKENS,
+        description="The generation budget of each model turn (the request's "
+        "sampling.max_tokens: the trainer's default or the environment's own); None where the "
+        "producer did not record it.",
+    )
+    turn_lengths: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None,
+        max_length=MAX_TOKENS,
+        description="Generated tokens of each model turn, in order (they add up to the "
+        "generated tokens); None where not recorded.",
+    )
+    truncated: bool | None = Field(
+        None,
+        description="Whether a model turn ended at its budget (finish_reason 'length') instead "
+        "of a stop token; None where not recorded.",
+    )
 
     @model_validator(mode="after")
     def _consistent_lengths(self) -> "TokenRollout":
@@ -213,6 +234,11 @@ class TokenRollout(Rollout):
         if len(self.logprobs) != generated or len(self.policy_versions) != generated:
             raise ValueError(
                 "'logprobs' and 'policy_versions' must have one entry per generated token"
+            )
+        if self.turn_lengths is not None and sum(self.turn_lengths) != generated:
+            raise ValueError(
+                f"'turn_lengths' must add up to the generated tokens ({generated}), got "
+                f"{self.turn_lengths}"
             )
         return self
 

@@ -156,6 +156,10 @@ class KeyedCollection(CollectionSlices):
         """Rows whose logprobs are written back (every rank alike)."""
         self._keep: torch.Tensor | None = None
         """(N,) bool rows kept in the loss (``mask_rows``); None: all."""
+        if "masked" in meta.tags:  # rows the owner kept out of the loss (truncated completions)
+            published = meta.tag("masked") == 0
+            if not bool(published.all()):
+                self.mask_rows(published)
 
     def _mine(self, rows: list[int]) -> list[int]:
         """This data-parallel rank's contiguous share of a global batch's ``rows``."""
@@ -186,8 +190,8 @@ class KeyedCollection(CollectionSlices):
 
     def mask_rows(self, keep: torch.Tensor) -> None:
         """Zero the loss mask of the rows not kept in the shards fetched so far and later, and
-        count the global batches' loss tokens without them."""
-        self._keep = keep
+        count the global batches' loss tokens without them (rows masked before stay masked)."""
+        self._keep = keep if self._keep is None else self._keep & keep
         for s, shard in self._shards.items():
             self._shards[s] = self._masked(s, shard)
 

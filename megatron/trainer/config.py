@@ -15,11 +15,13 @@ from typing import Any
 
 from megatron.rl.auth import API_KEY_ENV, read_api_key
 from megatron.rl.eval.runner import EvalConfig
+from megatron.rl.grpo.advantages import AdvantageConfig
 from megatron.rl.grpo.aggregation import LossAggregation
 from megatron.rl.grpo.filtering import DynamicSamplingConfig
 from megatron.rl.grpo.importance import ImportanceConfig
 from megatron.rl.grpo.loss import GRPOLossConfig
 from megatron.rl.grpo.off_policy_mask import OffPolicyMask
+from megatron.rl.grpo.overlong import OverlongConfig
 from megatron.rl.grpo.seq_logprob_error import SeqLogprobErrorConfig
 from megatron.rl.grpo.terms import LossTerm, loss_terms
 from megatron.rl.inference.scheduler import SchedulerConfig
@@ -216,4 +218,22 @@ def loss_variants(cfg: RunConfig) -> dict[str, Any]:
         policy_loss=grpo.policy_loss,
         aggregation=LossAggregation(grpo.loss_agg_mode, scale),
         off_policy_mask=None if threshold is None else OffPolicyMask(threshold),
+    )
+
+
+def advantage_config(cfg: RunConfig) -> AdvantageConfig:
+    """The advantages' baseline and scale (``--adv-estimator``, ``--scale-rewards``)."""
+    return AdvantageConfig(estimator=cfg.grpo.adv_estimator, scale=cfg.grpo.scale_rewards)
+
+
+def overlong_config(cfg: RunConfig) -> OverlongConfig | None:
+    """DAPO's soft overlong penalty and the mask of truncated completions (None when both are
+    off); a rollout that records no budget is measured against ``--rl-default-max-tokens``."""
+    if cfg.grpo.overlong_buffer_len == 0 and not cfg.grpo.mask_truncated_completions:
+        return None
+    return OverlongConfig(
+        buffer_len=cfg.grpo.overlong_buffer_len,
+        penalty_factor=cfg.grpo.overlong_penalty_factor,
+        mask_truncated=cfg.grpo.mask_truncated_completions,
+        default_max_tokens=cfg.rollouts.default_max_tokens,
     )

@@ -9,9 +9,10 @@ optimizer, engine and checkpoint shards, and the ``Policy`` (``policy.py``) thro
 computes pi_old and pi_ref and trains.
 
 Optional pieces, each off by default: dynamic sampling picks the groups a step trains on
-(``training_groups``; ``megatron/rl/grpo/filtering.py``), loss terms, IS correction, repeated
-updates and packing shape the step (``step.py``), and evaluation runs on its own engine between
-steps (``evaluation.py``).
+(``training_groups``; ``megatron/rl/grpo/filtering.py``), the advantages' baseline and scale and
+the overlong reward shaping (``advantages_of``; ``megatron/rl/grpo/advantages.py``,
+``overlong.py``), loss terms, IS correction, repeated updates and packing shape the step
+(``step.py``), and evaluation runs on its own engine between steps (``evaluation.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from megatron.rl.agent.api import Agent
 from megatron.rl.agent.env_config import EnvConfigError, load_env_config
 from megatron.rl.dataplane import DataPlane, make_data_plane
 from megatron.rl.dataplane.batches import publish_groups
+from megatron.rl.grpo.batch import ShapedAdvantages, shaped_advantages
 from megatron.rl.grpo.filtering import select_groups
 from megatron.rl.tokenizer import Tokenizer
 from megatron.rl.wire import RolloutGroup
@@ -102,7 +104,15 @@ class Run:
         if self.ctx.is_main:
             try:
                 groups, extra = training_groups(self.cfg, collected)
-                meta = publish_groups(self.plane, groups, collected.batch.batch_id)
+                shaped = advantages_of(self.cfg, groups)  # None: GRPO's, computed by publish
+                advantages, masked = (None, None) if shaped is None else (
+                    shaped.advantages, shaped.masked
+                )  # fmt: skip
+                meta = publish_groups(
+                    self.plane, groups, collected.batch.batch_id,
+                    advantages=advantages, masked=masked,
+                )  # fmt: skip
+                extra.update({} if shaped is None else shaped.metrics)
             except Exception as exc:  # every rank stops here instead of waiting for the meta
                 failure = exc
         raise_agreed_failure(failure)
@@ -368,6 +378,16 @@ def training_groups(
         "dynamic_sampling_surplus_groups": chosen.surplus,
         "dynamic_sampling_kept_reward_mean": sum(kept) / max(len(kept), 1),
     }
+
+
+def advantages_of(cfg: RunConfig, groups: list[RolloutGroup]) -> ShapedAdvantages | None:
+    """The advantages of ``--adv-estimator`` / ``--scale-rewards`` after the overlong reward
+    shaping (``--overlong-buffer-len``, ``--mask-truncated-completions``), with their metrics
+    (rank 0); None with none of them, where ``publish_groups`` computes GRPO's."""
+    estimator, overlong = config.advantage_config(cfg), config.overlong_config(cfg)
+    if estimator.is_grpo and overlong is None:
+        return None
+    return shaped_advantages(groups, estimator, overlong)
 
 
 def load_agent(cfg: RunConfig) -> Agent:

@@ -168,7 +168,8 @@ def step_metrics(
     ``gspo_clipped_sequence_fraction``, ``cispo_weight_mean``,
     ``opsm_masked_sequence_fraction``); ``extra`` from the loop adds dynamic sampling
     (``dynamic_sampling_*``), the sequence-level logprob error (``seq_mult_prob_error_*``,
-    ``seq_logprob_error_*``) and evaluation (``eval/*``).
+    ``seq_logprob_error_*``), evaluation (``eval/*``) and, with another advantage estimator,
+    scale or the overlong shaping, ``advantages_*``, ``overlong_*`` and ``truncated_*``.
     """
     k = iterations_per_collection
     submitted = [r.submission_policy_version for g in collected.batch.groups for r in g.rollouts]
@@ -248,6 +249,14 @@ def _optional_log_fields(m: dict[str, Any]) -> str:
             f"kept groups after {m['dynamic_sampling_rounds']} round(s), dropped "
             f"{m['dynamic_sampling_dropped_groups']}"
         )
+    if "overlong_penalty_mean" in m or "truncated_masked_rollouts" in m:
+        parts.append(
+            f"truncated rollouts {m['truncated_fraction']:.2f}"
+            + (f" overlong penalty {m['overlong_penalty_mean']:+.3f}"
+               if "overlong_penalty_mean" in m else "")
+            + (f" masked {m['truncated_masked_rollouts']}"
+               if "truncated_masked_rollouts" in m else "")
+        )  # fmt: skip
     if "eval/greedy_reward" in m:
         passk = " ".join(
             f"{k[5:]} {v:.3f}"

@@ -292,3 +292,37 @@ def test_default_main_job_learns_within_ten_minutes(flags):
     assert all(m["staleness_min"] == m["staleness_max"] == min(m["step"], 2) for m in metrics)
     if flags:
         assert all(m["is_kl"] > 0 and m["is_abs_delta_p"] > 0 for m in metrics[2:])
+
+
+SHAPING_METRICS = (
+    "advantages_mean", "advantages_abs_mean", "advantages_min", "advantages_max",
+    "overlong_penalty_mean", "overlong_penalized_fraction", "truncated_fraction",
+    "truncated_masked_rollouts",
+)  # fmt: skip
+
+
+def test_rloo_batch_scale_and_overlong_shaping_keep_the_lag_contract_bitwise():
+    """RLOO, the batch scale, DAPO's overlong penalty (a buffer of 2 tokens of each digit
+    problem's own budget) and the mask of truncated completions at --rl-forced-lag 1: submission
+    staleness is exactly min(step, 1), the same command twice gives the same metrics bit for bit
+    (the shaping's included), and the options change the first loss but not the first batch (all
+    generated before any update; the logged reward is the environment's)."""
+    base = {**load_case("lag2")["args"], "rl-forced-lag": 1, "train-iters": 6}
+    args = {**base, "adv-estimator": "rloo", "scale-rewards": "batch",
+            "overlong-buffer-len": 2, "mask-truncated-completions": True}  # fmt: skip
+    first, second = run_training(1, args), run_training(1, args)
+    for metric in [*DETERMINISTIC, *SHAPING_METRICS]:
+        assert [m[metric] for m in second] == [m[metric] for m in first], metric
+    for m in first:
+        expected = min(m["step"], 1)
+        assert (m["staleness_min"], m["staleness_max"]) == (expected, expected), m["step"]
+        assert m["lag"] == 1 and m["in_flight_batches"] == 2
+        assert 0 <= m["token_staleness_min"] <= m["token_staleness_max"] <= expected
+        assert m["overlong_penalty_mean"] <= 0 and 0 <= m["truncated_fraction"] <= 1
+    assert any(m["truncated_masked_rollouts"] > 0 for m in first)
+    assert any(m["overlong_penalty_mean"] < 0 for m in first)
+    plain = run_training(1, base)
+    assert first[0]["reward_mean"] == plain[0]["reward_mean"]
+    assert first[0]["completion_tokens_mean"] == plain[0]["completion_tokens_mean"]
+    assert first[0]["loss"] != plain[0]["loss"]
+    assert "overlong_penalty_mean" not in plain[0] and "advantages_mean" not in plain[0]

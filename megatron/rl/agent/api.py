@@ -222,4 +222,7 @@ class SingleTurnEnvironment(Agent):
             policy_versions=response.policy_versions,
             submission_policy_version=request.submission_policy_version,
             temperature=sampling.temperature,
+            max_tokens=sampling.max_tokens,
+            turn_lengths=[len(response.tokens)],
+            truncated=response.finish_reason == "length",
         )

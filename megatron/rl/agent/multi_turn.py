@@ -172,6 +172,9 @@ def episode_rollout(
         policy_versions=episode.policy_versions,
         submission_policy_version=request.submission_policy_version,
         temperature=sampling.temperature,
+        max_tokens=sampling.max_tokens,
+        turn_lengths=[len(r.tokens) for r in episode.responses],
+        truncated=any(r.finish_reason == "length" for r in episode.responses),
     )
 
 

@@ -3,9 +3,9 @@
 The owner (rank 0) writes each rollout of a collection once, under the key ``"<step>/<row>"`` of
 partition ``train`` (``publish_groups``): the ``SAMPLE_FIELDS`` of ``rollout_sample``, per-key
 tags ``length`` (real input positions), ``loss_tokens`` (generated targets) and ``rewarded``
-(1 when the reward is > 0), the padded width
-of the whole batch as attribute ``width``, then the group-normalized ``advantages`` as a field
-written back to the same keys. A data-parallel rank builds its rows from the keys it names
+(1 when the reward is > 0) and, when asked, ``masked`` (1: kept out of the loss), the padded
+width of the whole batch as attribute ``width``, then the ``advantages`` as a field written back
+to the same keys. A data-parallel rank builds its rows from the keys it names
 (``shard_batch``): the same tensors ``build_train_batch`` gives those rows, plus the global
 counts the loss is normalized by (from the tags, without fetching the other rows).
 """
@@ -44,10 +44,21 @@ def sample_keys(step: int, count: int) -> list[str]:
 
 
 def publish_groups(
-    plane: DataPlane, groups: list[RolloutGroup], step: int, partition: str = TRAIN_PARTITION
+    plane: DataPlane,
+    groups: list[RolloutGroup],
+    step: int,
+    partition: str = TRAIN_PARTITION,
+    *,
+    advantages: torch.Tensor | None = None,
+    masked: torch.Tensor | None = None,
 ) -> BatchMeta:
     """Write the rollouts of ``groups`` as the samples of ``step``, then their advantages
-    (owner only); what the partition holds."""
+    (owner only); what the partition holds.
+
+    ``advantages``: (B,) the rows' advantages (default: ``batch_advantages(groups)``);
+    ``masked``: (B,) bool rows to keep out of the loss (truncated completions), published as
+    the tag ``masked`` (absent without it) that ``KeyedCollection`` applies on every rank.
+    """
     samples = [rollout_sample(r) for g in groups for r in g.rollouts]
     keys = sample_keys(step, len(samples))
     fields = {name: [s[name] for s in samples] for name in SAMPLE_FIELDS}
@@ -56,8 +67,12 @@ def publish_groups(
         "loss_tokens": [int(s["loss_mask"].sum()) for s in samples],
         "rewarded": [int(float(s["reward"]) > 0) for s in samples],
     }
+    if masked is not None:
+        tags["masked"] = [int(m) for m in masked.tolist()]
     plane.put(partition, step, keys, fields, tags, attrs={"width": padded_width(groups)})
-    plane.update(partition, keys, {"advantages": list(batch_advantages(groups).unbind())})
+    if advantages is None:
+        advantages = batch_advantages(groups)
+    plane.update(partition, keys, {"advantages": list(advantages.float().unbind())})
     return plane.meta(partition)
 
 

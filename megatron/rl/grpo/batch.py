@@ -7,7 +7,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from megatron.rl.grpo.advantages import group_advantages
+from megatron.rl.grpo.advantages import (
+    AdvantageConfig,
+    advantage_metrics,
+    advantages,
+    group_advantages,
+)
+from megatron.rl.grpo.overlong import OverlongConfig, shape_rewards
 from megatron.rl.wire import RolloutGroup, TokenRollout
 
 
@@ -165,19 +171,57 @@ def padded_width(groups: list[RolloutGroup]) -> int:
     return max(1, max(len(r.tokens) for g in groups for r in g.rollouts) - 1)
 
 
-def batch_advantages(groups: list[RolloutGroup]) -> torch.Tensor:
-    """(B,) float32 advantages of the rollouts in (group, rollout) order, normalized per group.
+def batch_advantages(
+    groups: list[RolloutGroup],
+    config: AdvantageConfig | None = None,
+    rewards: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(B,) float32 advantages of the rollouts in (group, rollout) order, normalized per group
+    (``config``: another baseline or scale, ``megatron/rl/grpo/advantages.py``; None: GRPO's).
 
-    Placeholder rollouts (environment errors) do not enter group statistics and get 0.
+    ``rewards``: (B,) rewards to use instead of the rollouts' own (shaped ones). Placeholder
+    rollouts (environment errors) do not enter group statistics and get 0.
     """
     rollouts = [r for g in groups for r in g.rollouts]
     sizes = {len(g.rollouts) for g in groups}
     if len(sizes) != 1:
         raise ValueError(f"all groups must have the same size, got sizes {sorted(sizes)}")
     k = sizes.pop()
-    rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float64).view(-1, k)
+    if rewards is None:
+        rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float64)
+    rewards = rewards.view(-1, k)
     valid = torch.tensor([not r.is_placeholder for r in rollouts]).view(-1, k)
-    return group_advantages(rewards, valid).view(-1)  # (B,)
+    if config is None:
+        return group_advantages(rewards, valid).view(-1)  # (B,)
+    return advantages(rewards, valid, config).view(-1)  # (B,)
+
+
+@dataclass(frozen=True)
+class ShapedAdvantages:
+    """A batch's advantages after reward shaping, the rows kept out of the loss, the metrics."""
+
+    advantages: torch.Tensor
+    """(B,) float32, in (group, rollout) order."""
+    masked: torch.Tensor | None
+    """(B,) bool rows kept out of the loss (truncated completions); None: none asked for."""
+    metrics: dict[str, float]
+    """``advantages_*`` and the shaping's (``ShapedRewards.metrics``)."""
+
+
+def shaped_advantages(
+    groups: list[RolloutGroup], config: AdvantageConfig, overlong: OverlongConfig | None
+) -> ShapedAdvantages:
+    """The advantages of ``groups`` under ``config`` from their rewards after the overlong
+    penalty of ``overlong`` (None: the rewards as they are), and its truncated rows."""
+    rewards = masked = None
+    metrics: dict[str, float] = {}
+    if overlong is not None:
+        shaped = shape_rewards(groups, overlong)
+        rewards, metrics = shaped.rewards, shaped.metrics()
+        masked = shaped.masked if overlong.mask_truncated else None
+    adv = batch_advantages(groups, config, rewards)
+    valid = torch.tensor([not r.is_placeholder for g in groups for r in g.rollouts])
+    return ShapedAdvantages(adv, masked, {**advantage_metrics(adv, valid), **metrics})
 
 
 def rows_from_samples(

@@ -1,7 +1,8 @@
 """The GRPO options: group shape, ratio clipping, the loss terms' weights (one flag per term,
 declared by the term), the reference policy, passes per collection, dynamic sampling, the
 importance-sampling correction and the sequence-level mismatch mask; the policy-loss variants
-(GSPO, CISPO, the loss aggregation, the rollout-IS modes, OPSM) in their own block."""
+(GSPO, CISPO, the loss aggregation, the rollout-IS modes, OPSM) and the advantages' baseline and
+scale with the overlong reward shaping, each in its own block."""
 
 from __future__ import annotations
 
@@ -15,6 +16,11 @@ from megatron.trainer.flags.option import Option, Section, option
 def optional_float(text: str) -> float | None:
     """A float, or ``none`` for no value."""
     return None if text.lower() == "none" else float(text)
+
+
+def scale_rewards_value(text: str) -> str:
+    """``--scale-rewards``' value: group, batch or none (TRL's true and false: group and none)."""
+    return {"true": "group", "false": "none"}.get(text.lower(), text.lower())
 
 
 @dataclass(frozen=True)
@@ -204,6 +210,82 @@ class GRPO(Section):
         parse=optional_float,
         spellings=("TRL: off_policy_mask_threshold", "slime: --use-opsm --opsm-delta"),
     )
+    # Advantages and reward shaping: megatron/rl/grpo/advantages.py, megatron/rl/grpo/overlong.py
+    adv_estimator: str = option(
+        "grpo",
+        "The advantage's baseline: 'grpo', the group's mean reward; 'rloo', REINFORCE "
+        "leave-one-out (Ahmadian et al. 2024), the mean of the group's other rollouts, "
+        "A_i = r_i - sum_{j != i} r_j / (G - 1), then divided as --scale-rewards says ('none' "
+        "for RLOO as published).",
+        flag="--adv-estimator",
+        aliases=("--advantage-estimator",),
+        choices=("grpo", "rloo"),
+        spellings=(
+            "verl: algorithm.adv_estimator",
+            "NeMo-RL: grpo.use_leave_one_out_baseline",
+            "TRL: RLOOTrainer",
+            "AReaL: actor.adv_norm.mean_leave1out",
+        ),
+    )
+    scale_rewards: str = option(
+        "group",
+        "What the centered rewards are divided by (+ 1e-6): 'group', the standard deviation of "
+        "the group's rewards (GRPO); 'batch', that of all the collection's rewards (Liu et al. "
+        "2025, 'Tricks or Traps'); 'none', nothing (Dr. GRPO, Liu et al. 2025). TRL's true and "
+        "false mean group and none.",
+        flag="--scale-rewards",
+        parse=scale_rewards_value,
+        choices=("group", "batch", "none"),
+        spellings=(
+            "TRL: scale_rewards",
+            "verl: algorithm.norm_adv_by_std_in_grpo (true: group, false: none)",
+            "AReaL: actor.adv_norm.std_level",
+        ),
+    )
+    overlong_buffer_len: int = option(
+        0,
+        "DAPO's soft overlong punishment (Yu et al. 2025): L_cache, the last tokens of each "
+        "rollout's generation budget L_max (--rl-default-max-tokens or its environment's own "
+        "max_tokens) over which a penalty falls linearly from 0 to -1 x "
+        "--overlong-penalty-factor, added to the reward before the advantages (the longest model "
+        "turn is measured). Logs overlong_penalty_mean, overlong_penalized_fraction and "
+        "truncated_fraction. 0: off.",
+        flag="--overlong-buffer-len",
+        aliases=("--overlong-buffer-length", "--overlong-tokens"),
+        minimum=0,
+        spellings=(
+            "verl: reward_model.reward_kwargs.overlong_buffer_cfg.len",
+            "NeMo-RL: grpo.reward_shaping.overlong_buffer_length",
+            "AReaL: actor.overlong_tokens",
+        ),
+    )
+    overlong_penalty_factor: float = option(
+        1.0,
+        "The overlong penalty at the generation budget (see --overlong-buffer-len).",
+        flag="--overlong-penalty-factor",
+        aliases=("--overlong-buffer-penalty-factor", "--overlong-buffer-penalty"),
+        minimum=0.0,
+        spellings=(
+            "verl: reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor",
+            "NeMo-RL: grpo.reward_shaping.overlong_buffer_penalty",
+            "AReaL: actor.overlong_penalty_factor",
+        ),
+    )
+    mask_truncated_completions: bool = option(
+        False,
+        "Keep rollouts that a model turn's generation budget cut off (no stop token) out of the "
+        "loss; their rewards still count in their group's baseline and scale. Logs "
+        "truncated_fraction and truncated_masked_rollouts.",
+        flag="--mask-truncated-completions",
+        aliases=("--overlong-filtering",),
+        switch=True,
+        spellings=(
+            "TRL: mask_truncated_completions",
+            "NeMo-RL: grpo.overlong_filtering",
+            "AReaL: actor.mask_no_eos_with_zero",
+        ),
+    )
+
     term_weights: tuple[tuple[str, float], ...] = ()
     """(flag, weight) of every loss term (``megatron/rl/grpo/terms``: each declares its flag and
     help; ``term_options`` makes them options of this section)."""
@@ -245,7 +327,7 @@ class GRPO(Section):
                 f"exactly 1 where the trainer's and the engine's logprobs agree) or none, got "
                 f"{threshold}"
             )
-        return errors + self.term_problems() + self.variant_problems()
+        return errors + self.term_problems() + self.variant_problems() + self.shaping_problems()
 
     def term_problems(self) -> list[str]:
         """Each loss term's own check of its weight, and ``--ref-load`` without a term that
@@ -301,6 +383,12 @@ class GRPO(Section):
         if delta is not None and not (math.isfinite(delta) and delta >= 0):
             errors.append(f"--off-policy-mask-threshold must be >= 0 or none, got {delta}")
         return errors
+
+    def shaping_problems(self) -> list[str]:
+        """The advantage and reward-shaping options against each other."""
+        if self.overlong_penalty_factor != 1.0 and self.overlong_buffer_len == 0:
+            return ["--overlong-penalty-factor needs --overlong-buffer-len > 0"]
+        return []
 
 
 def term_options() -> list[tuple[str, Option, float]]:

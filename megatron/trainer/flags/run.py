@@ -321,6 +321,11 @@ def _across_sections(run: RunConfig, cuda: bool) -> list[str]:
             f"--rl-default-max-tokens ({budget}) must be smaller than --seq-length ({seq}) to "
             "leave room for the prompt"
         )
+    if run.grpo.mask_truncated_completions and run.rollouts.ignore_eos:
+        errors.append(
+            "--mask-truncated-completions with --rl-ignore-eos would mask every rollout (each "
+            "one runs to its budget)"
+        )
     if run.grpo.ref_load is not None and not Path(run.grpo.ref_load).is_dir():
         errors.append(f"--ref-load: no such directory {run.grpo.ref_load!r}")
     if (problem := run.checkpointing.format_problem(cuda)) is not None:

@@ -181,3 +181,14 @@ def test_a_single_turn_episode_announces_nothing_and_ends_nothing():
 
     episode = asyncio.run(run())
     assert calls == [("generate", False)] and episode.observations == []
+
+
+def test_rollouts_record_each_turns_length_and_the_budget_that_cut_them():
+    """Every Countdown turn generates its whole budget of 2 tokens (no stop token): the rollout
+    records the budget, one length per model turn, and that a turn was cut off."""
+    group, _ = run_group(Countdown())
+    for k, rollout in enumerate(group.rollouts):
+        _, mask = expected_rollout(k)
+        assert rollout.max_tokens == 2
+        assert rollout.turn_lengths == [2] * (sum(mask) // 2)
+        assert rollout.truncated is True

@@ -260,3 +260,31 @@ def test_invalid_problem_budget_never_reaches_inference_as_an_invalid_request(bu
         InferenceRequest.model_validate_json(request.model_dump_json())
     if not inference.requests:
         assert all(r.is_placeholder for r in group.rollouts)
+
+
+class CutOffInference(FakeInference):
+    """As ``FakeInference``, but sample 1 ran out of budget: its tokens end without EOS."""
+
+    async def generate(self, request: InferenceRequest) -> InferenceResponse:
+        response = await super().generate(request)
+        if request.rollout_key.sample_index != 1:
+            return response
+        tokens = response.tokens[:-1]
+        return response.model_copy(update={
+            "tokens": tokens, "text": TOK.decode(tokens), "logprobs": response.logprobs[:-1],
+            "policy_versions": response.policy_versions[:-1], "finish_reason": "length",
+        })  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "max_tokens, budget",
+    [pytest.param(6, 6, id="problem-budget"), pytest.param(None, 16, id="request-budget")],
+)
+def test_rollouts_record_their_budget_length_and_truncation(max_tokens, budget):
+    """What overlong shaping reads: the budget the request was sampled with, the generated
+    tokens, and whether the budget (not a stop token) ended the generation."""
+    group = run(EchoEnvironment(max_tokens=max_tokens), CutOffInference())
+    for k, rollout in enumerate(group.rollouts):
+        assert rollout.max_tokens == budget
+        assert rollout.turn_lengths == [sum(rollout.generation_mask)]
+        assert rollout.truncated is (k == 1)

@@ -1,4 +1,5 @@
-"""Hand-computed values of ``group_advantages`` (GRPO group normalization, sample std)."""
+"""Hand-computed values of ``group_advantages`` (GRPO group normalization, sample std) and of
+``advantages``: the RLOO baseline and the batch and no scale."""
 
 from __future__ import annotations
 
@@ -7,7 +8,12 @@ import math
 import pytest
 import torch
 
-from megatron.rl.grpo.advantages import group_advantages
+from megatron.rl.grpo.advantages import (
+    AdvantageConfig,
+    advantage_metrics,
+    advantages,
+    group_advantages,
+)
 
 S3 = math.sqrt(3) / 2  # (1 - 0.5) / sqrt(1/3): z-score of a 0/1 reward in a half-right group of 4
 
@@ -87,3 +93,105 @@ def test_non_finite_reward_of_invalid_rollout_is_left_out(bad):
     s = math.sqrt(1 / 3)
     expected = torch.tensor([[(1 / 3) / s, (-2 / 3) / s, 0.0, (1 / 3) / s]])
     torch.testing.assert_close(adv, expected, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------ other baselines and scales (``advantages``)
+
+R3 = 2 / math.sqrt(3)  # RLOO of a half-right group of 4: (1 - 1/3) / sqrt(1/3)
+
+
+@pytest.mark.parametrize(
+    "estimator, scale, rewards, valid, expected",
+    [
+        # RLOO, unscaled: A_i = r_i - mean of the others
+        pytest.param(
+            "rloo", "none", [[1, 0, 0, 0]], None, [[1.0, -1 / 3, -1 / 3, -1 / 3]],
+            id="rloo-none-one-right-of-4",
+        ),
+        pytest.param(
+            "rloo", "none", [[1, 2, 3]], None, [[-1.5, 0.0, 1.5]], id="rloo-none-1-2-3"
+        ),
+        pytest.param(
+            "rloo", "none", [[0.7, 0.7, 0.7]], None, [[0.0, 0.0, 0.0]],
+            id="rloo-all-equal-is-zero",
+        ),
+        pytest.param(
+            "rloo", "none", [[1, 0, 5, 1]], [[True, True, False, False]], [[1.0, -1.0, 0.0, 0.0]],
+            id="rloo-placeholders-excluded-and-zero",
+        ),
+        pytest.param(
+            "rloo", "none", [[4, 0, 0]], [[True, False, False]], [[0.0, 0.0, 0.0]],
+            id="rloo-single-valid-is-zero",
+        ),
+        # RLOO over the group's reward std (sample std 1 for 1 2 3; sqrt(1/3) for 1 0 0 1)
+        pytest.param("rloo", "group", [[1, 2, 3]], None, [[-1.5, 0.0, 1.5]], id="rloo-group-1-2-3"),
+        pytest.param(
+            "rloo", "group", [[1, 0, 0, 1]], None, [[R3, -R3, -R3, R3]], id="rloo-group-half-right"
+        ),
+        # Dr. GRPO: the group mean, unscaled
+        pytest.param("grpo", "none", [[1, 2, 3]], None, [[-1.0, 0.0, 1.0]], id="grpo-none-1-2-3"),
+        pytest.param(
+            "grpo", "none", [[1, 0, 0, 1]], None, [[0.5, -0.5, -0.5, 0.5]], id="grpo-none-half"
+        ),
+        # batch std of 1 0 3 3: mean 1.75, sample var (0.5625 + 3.0625 + 2 x 1.5625) / 3 = 2.25
+        pytest.param(
+            "grpo", "batch", [[1, 0], [3, 3]], None, [[1 / 3, -1 / 3], [0.0, 0.0]],
+            id="grpo-batch-two-groups",
+        ),
+        pytest.param(
+            "rloo", "batch", [[1, 0], [3, 3]], None, [[2 / 3, -2 / 3], [0.0, 0.0]],
+            id="rloo-batch-two-groups",
+        ),
+        # the placeholder's 9 is not in the batch std: std(1, 0) = sqrt(1/2)
+        pytest.param(
+            "grpo", "batch", [[1, 0, 9]], [[True, True, False]],
+            [[math.sqrt(0.5), -math.sqrt(0.5), 0.0]], id="grpo-batch-placeholder-left-out",
+        ),
+        pytest.param(
+            "rloo", "batch", [[2, 2], [2, 2]], None, [[0.0, 0.0], [0.0, 0.0]],
+            id="batch-all-equal-is-zero",
+        ),
+    ],
+)  # fmt: skip
+def test_estimators_and_scales_hand_computed(estimator, scale, rewards, valid, expected):
+    valid_t = None if valid is None else torch.tensor(valid)
+    config = AdvantageConfig(estimator, scale)
+    adv = advantages(torch.tensor(rewards, dtype=torch.float64), valid_t, config)
+    assert adv.dtype == torch.float32
+    torch.testing.assert_close(adv, torch.tensor(expected), atol=1e-5, rtol=1e-5)
+
+
+def test_grpo_with_the_group_scale_is_group_advantages_bit_for_bit():
+    rewards = torch.rand(5, 8, generator=torch.Generator().manual_seed(0))
+    valid = torch.rand(5, 8, generator=torch.Generator().manual_seed(1)) > 0.2
+    got = advantages(rewards, valid, AdvantageConfig("grpo", "group"))
+    assert torch.equal(got, group_advantages(rewards, valid))
+
+
+def test_rloo_is_the_group_mean_difference_times_k_over_k_minus_1():
+    rewards = torch.rand(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    rloo = advantages(rewards, None, AdvantageConfig("rloo", "none"))
+    grpo = advantages(rewards, None, AdvantageConfig("grpo", "none"))
+    torch.testing.assert_close(rloo, grpo * 6 / 5)
+
+
+@pytest.mark.parametrize(
+    "estimator, scale, needle",
+    [
+        pytest.param("gae", "group", "estimator", id="estimator"),
+        pytest.param("grpo", "std", "scale", id="scale"),
+    ],
+)
+def test_an_unknown_estimator_or_scale_is_refused(estimator, scale, needle):
+    with pytest.raises(ValueError, match=needle):
+        AdvantageConfig(estimator, scale)
+
+
+def test_advantage_metrics_cover_the_valid_rollouts_only():
+    adv = torch.tensor([1.0, -0.5, -0.5, 7.0])
+    valid = torch.tensor([True, True, True, False])
+    assert advantage_metrics(adv, valid) == {
+        "advantages_mean": 0.0, "advantages_abs_mean": 2 / 3,
+        "advantages_min": -0.5, "advantages_max": 1.0,
+    }  # fmt: skip
+    assert advantage_metrics(adv, torch.zeros(4, dtype=torch.bool))["advantages_max"] == 0.0
