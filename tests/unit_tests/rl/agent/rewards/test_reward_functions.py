@@ -189,6 +189,24 @@ def test_failing_functions_follow_the_fault_policy_and_its_budget():
         FailureBudget(max_fraction=0.5, min_rollouts=8).check(0, groups, faults)
 
 
+def test_some_failed_rollouts_count_against_the_failed_share():
+    """Two-digit completions get NaN: masked, counted; over the limit the run stops naming the
+    environment and the function's error; under it the run trains on."""
+    config = [{**DIGITS, "env_id": "shaped",
+               "reward_funcs": [{"function": "grpo_testing.rewards:nan_for_two"}]}]  # fmt: skip
+    agent, faults = build_agents(config), FaultLog()
+    groups = [
+        asyncio.run(run_group(agent, request(0, i, 8), SeededInference(), faults)) for i in range(4)
+    ]
+    failed = sum(r.is_placeholder for g in groups for r in g.rollouts)
+    assert 0 < failed < 32
+    FailureBudget(max_fraction=0.9, min_rollouts=32).check(0, groups, faults)  # trains on
+    with pytest.raises(EnvironmentFailures) as info:
+        FailureBudget(max_fraction=0.05, min_rollouts=32).check(0, groups, faults)
+    assert str(info.value).startswith(f"environment 'shaped': {failed} of its 32 rollouts so far")
+    assert str(info.value).endswith("reward function 'nan_for_two': the value is not finite: nan")
+
+
 @pytest.mark.parametrize(
     "funcs, message",
     [

@@ -326,3 +326,56 @@ def test_weights_that_do_not_load_stop_the_start_naming_the_environment_and_fiel
     from megatron.trainer.exits import expected_errors
 
     assert isinstance(info.value, expected_errors())  # one message, no traceback
+
+
+def test_the_env_server_cli_refuses_an_unreadable_model_dir_with_one_line(models, tmp_path, capsys):
+    from megatron.rl.server.env_server import main
+
+    _, _, prompts = models
+    config = tmp_path / "envs.yaml"
+    config.write_text(json.dumps([rm_entry(tmp_path / "no-such-model", prompts)]))  # YAML
+    with pytest.raises(SystemExit) as exc:
+        main(["--env-config", str(config)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert err.startswith(f"env_server: error: --env-config: env config {config}, entry 0 ")
+    assert "field 'agent_args.model_dir'" in err and "is not a local directory" in err
+
+
+def test_the_trainer_refuses_an_unreadable_model_dir_with_one_message(models, tmp_path):
+    from megatron.trainer.exits import UsageError
+    from megatron.trainer.flags.parse import check
+    from megatron.trainer.grpo import load_agent
+
+    _, _, prompts = models
+    config = tmp_path / "envs.yaml"
+    config.write_text(json.dumps([rm_entry(tmp_path / "no-such-model", prompts)]))
+    cfg, errors = check(["--env-config", str(config)])
+    assert errors == []
+    with pytest.raises(UsageError) as info:
+        load_agent(cfg)
+    assert info.value.code == 2 and "\n" not in info.value.message
+    assert info.value.message.startswith("pretrain_grpo.py: error: --env-config: env config ")
+    assert "field 'agent_args.model_dir'" in info.value.message
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
+def test_a_cuda_device_without_cuda_stops_the_start_naming_the_field(models):
+    model_dir, _, prompts = models
+    (agent,) = build_agents([rm_entry(model_dir, prompts, device="cuda:0")]).agents
+    with pytest.raises(RewardSourceError, match=r"^environment 'rm': field 'agent_args\.device': "
+                       r"cuda:0: CUDA is not available$"):  # fmt: skip
+        asyncio.run(agent.astart())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_scores_on_a_gpu_equal_the_cpu_s(models):
+    model_dir, _, prompts = models
+    requests = [request(0, i) for i in range(2)]
+    on_cpu, _ = run([rm_entry(model_dir, prompts)], requests)
+    on_gpu, agent = run([rm_entry(model_dir, prompts, device="cuda")], requests)
+    scorer = agent.reward_functions.functions[0].function.model
+    assert scorer.forward_sizes == [5, 5]
+    cpu = [r.reward for g in on_cpu for r in g.rollouts]
+    assert [r.reward for g in on_gpu for r in g.rollouts] == pytest.approx(cpu, abs=1e-4)
