@@ -61,3 +61,10 @@ def judge_length(text: str) -> float:
     model writes)."""
     JUDGE_TEXTS.append(text)
     return float(len(text) % 11)
+
+
+def numpy_lengths(completions):
+    """A numpy array, as many scorers return."""
+    import numpy as np
+
+    return np.array([len(c) for c in completions], dtype=np.float32)

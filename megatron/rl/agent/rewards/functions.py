@@ -40,7 +40,7 @@ import importlib
 import inspect
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -276,8 +276,9 @@ class UserFunction(RewardFunction):
         result = self.fn(**{k: v for k, v in lists.items() if k in self.keywords}, **self.args)
         if inspect.isawaitable(result):
             result = await result
-        if not isinstance(result, Sequence) or isinstance(result, str | bytes):
+        if isinstance(result, str | bytes | dict) or not hasattr(result, "__len__"):
             raise TypeError(f"{self.spec} returned {type(result).__name__}, not a list of numbers")
+        result = list(result)  # a list, tuple, numpy array or tensor
         if len(result) != len(samples):
             raise ValueError(f"{self.spec} returned {len(result)} values for {len(samples)}")
         return [None if v is None else _number(v, self.spec) for v in result]

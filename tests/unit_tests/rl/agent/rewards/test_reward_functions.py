@@ -401,3 +401,16 @@ def test_evaluation_records_carry_each_function_s_value():
     record = eval_record("copy", "greedy", shaped, 0, (1,))
     assert record["reward_components"] == {"environment": record["reward"]}
     assert "reward_components" not in eval_record("copy", "greedy", plain, 0, (1,))
+
+
+def test_arrays_are_values_and_a_zero_weight_is_only_logged():
+    config = [
+        entry(
+            {"function": "grpo_testing.rewards:numpy_lengths", "weight": 0.0},
+            {"function": "environment"},
+        )
+    ]
+    (group,) = run(config, [request(group_size=6)])
+    for r in group.rollouts:
+        assert r.reward_components["numpy_lengths"] == len(r.completion)
+        assert r.reward == r.reward_components["environment"]
