@@ -21,7 +21,7 @@ setup(
         "fastapi>=0.110",
         "uvicorn>=0.29",
         "httpx>=0.27",
-        "pydantic>=2",
+        "pydantic>=2.12",  # Field(exclude_if=...): wire fields added later stay off the JSON
         "pyyaml>=6",
         "einops>=0.7",  # megatron-core's dynamic inference (CUDA tier; its CPU emulation test)
         "psutil>=5.9",  # megatron-core's dist_checkpointing writer (CUDA tier); hangs without it
@@ -38,7 +38,8 @@ setup(
             "safetensors>=0.8,<1",
             "tokenizers>=0.23.1,<0.24",
             "wandb>=0.19,<1",
-            "openai>=1.55,<4",  # drives the inference server's chat endpoint (tested: 3.54.0)
+            "openai>=1.55,<4",  # drives the inference server's chat endpoint and the LLM judge
+            # (tested: 3.54.0, 3.57.0)
             "datasets>=5,<6",
             "math-verify>=0.8,<1",
             "gguf>=0.17,<1",  # SmolLM2-135M-Instruct's GGUF file -> the real-model tests' fixture
@@ -55,6 +56,10 @@ setup(
             "gguf>=0.17,<1",
             "accelerate>=1.0,<2",
         ],
+        # the LLM judge (agent_type llm_judge, reward function llm_judge) calls any
+        # OpenAI-compatible endpoint with the openai client (tested: openai 3.57.0); a reward
+        # model (agent_type reward_model) needs the hf extra's transformers
+        "judge": ["openai>=1.55,<4"],
         # examples/rl/environments/gsm8k: local JSONL/Parquet with datasets, math-verify scoring
         # (tested: datasets 5.2.0, math-verify 0.9.0 with torch 2.13.0 CPU on Python 3.11)
         "math": ["datasets>=5,<6", "math-verify>=0.8,<1"],

@@ -4,6 +4,8 @@
         [--hidden-size 64] [--num-layers 2] [--vocab-size 320] [--tokenizer-corpus FILE] \
         [--max-position-embeddings 4096]
     python tools/make_tiny_hf_checkpoint.py --shape qwen2.5-0.5b --out /tmp/qwen2.5-0.5b-random
+    python tools/make_tiny_hf_checkpoint.py --family llama3 --reward-model --out /tmp/tiny-rm \
+        [--num-labels 1]      # an AutoModelForSequenceClassification (agent_type: reward_model)
 
 No downloads: the tokenizer is trained with ``tokenizers`` on built-in digit/arithmetic strings
 (or the lines of ``--tokenizer-corpus``), the model is random (``megatron/rl/models/hf/tiny.py``).
@@ -22,6 +24,7 @@ from megatron.rl.models.hf.tiny import (  # noqa: E402
     SHAPES,
     TINY_FAMILIES,
     make_tiny_checkpoint,
+    make_tiny_reward_model,
 )
 
 
@@ -51,9 +54,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokenizer-vocab-size", type=int, default=300)
     parser.add_argument("--tokenizer-corpus", type=Path, default=None, help="text, one per line")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--reward-model",
+        action="store_true",
+        help="write a reward model (AutoModelForSequenceClassification) instead of a causal LM",
+    )
+    parser.add_argument("--num-labels", type=int, default=1, help="outputs of --reward-model")
     args = parser.parse_args(argv)
     if (args.family is None) == (args.shape is None):
         parser.error("give exactly one of --family and --shape")
+    if args.reward_model:
+        if args.shape is not None:
+            parser.error("--reward-model takes --family, not --shape")
+        corpus = None
+        if args.tokenizer_corpus is not None:
+            corpus = [line for line in args.tokenizer_corpus.read_text().splitlines() if line]
+        out = make_tiny_reward_model(
+            args.out, args.family, args.num_labels, args.hidden_size, args.num_layers,
+            args.tokenizer_vocab_size, corpus, args.seed,
+        )  # fmt: skip
+        print(f"wrote a random tiny {args.family} reward model to {out}")
+        return
     shape = dict(SHAPES[args.shape]) if args.shape else {}
     family = shape.pop("family", args.family)
     corpus = None

@@ -189,6 +189,15 @@ class Rollout(WireModel):
     error: str | None = Field(
         None, description="Set on a placeholder rollout whose environment failed; zero weight."
     )
+    reward_components: dict[str, float] | None = Field(
+        None,
+        max_length=256,
+        exclude_if=lambda value: value is None,
+        description="The value of each of the environment's reward functions, by name, before "
+        "its weight (``reward`` is their weighted sum); absent when the environment has one "
+        "reward of its own. Omitted from the JSON when absent, so a rollout without it is the "
+        "same payload as before the field existed.",
+    )
 
 
 class TokenRollout(Rollout):

@@ -7,7 +7,8 @@
 * ``SystemExit(int)`` (a stop on SIGTERM/SIGINT: 128 + signum) and Ctrl-C before the handlers
   are installed (130): nothing more, that status;
 * ``SystemExit(str)`` and ``expected_errors()`` (bad input, an unreadable checkpoint, failing
-  environments, an unreachable env server, a non-finite loss or gradient):
+  environments, an unreachable env server, a reward model that does not load, a non-finite loss
+  or gradient):
   ``pretrain_grpo.py: error: <message>`` on global rank 0, 1;
 * ``PeerFailed``, ``GenerationAborted`` (another rank failed and reports it): nothing, 1;
 * any other exception (a bug): its traceback, 1;
@@ -64,11 +65,12 @@ class PeerFailed(SystemExit):
 def expected_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that are a run's expected end, reported by their message alone (imported
     here, late, so that a bad flag exits before the libraries load)."""
+    from megatron.rl.agent.api import RewardSourceError
     from megatron.rl.agent.remote import RemoteEnvironmentError
     from megatron.rl.rollout.faults import EnvironmentFailures
     from megatron.trainer.nonfinite import NonFiniteUpdate
 
-    return (EnvironmentFailures, RemoteEnvironmentError, NonFiniteUpdate)
+    return (EnvironmentFailures, RemoteEnvironmentError, RewardSourceError, NonFiniteUpdate)
 
 
 def quiet_errors() -> tuple[type[BaseException], ...]:

@@ -28,6 +28,9 @@ def rollout_metrics(batch: RolloutBatch, step: int) -> dict[str, Any]:
     Submission staleness of a rollout = step - policy version at its submission (exactly
     min(step, L) under the forced-lag contract). Token staleness = step - policy version that
     generated the token, over every generated token.
+
+    ``reward/<env_id>/<name>``: the mean value (before its weight) of each reward function of an
+    environment whose entry lists ``reward_funcs``, over the non-placeholder rollouts it scored.
     """
     rollouts = [r for g in batch.groups for r in g.rollouts]
     real = [r for r in rollouts if not r.is_placeholder]
@@ -36,8 +39,11 @@ def rollout_metrics(batch: RolloutBatch, step: int) -> dict[str, Any]:
     tokens = [step - v for r in real for v in r.policy_versions] or [0]
     lengths = [len(r.policy_versions) for r in real] or [0]
     per_env: dict[str, list[float]] = {}
+    per_function: dict[str, list[float]] = {}
     for r in real:
         per_env.setdefault(r.env_id, []).append(r.reward)
+        for name, value in (r.reward_components or {}).items():
+            per_function.setdefault(f"reward/{r.env_id}/{name}", []).append(value)
     complete = sum(not any(r.is_placeholder for r in g.rollouts) for g in batch.groups)
     return {
         "batch_id": batch.batch_id,
@@ -56,6 +62,7 @@ def rollout_metrics(batch: RolloutBatch, step: int) -> dict[str, Any]:
         "placeholder_rollouts": len(rollouts) - len(real),
         "completion_tokens_mean": statistics.fmean(lengths),
         **{f"reward_mean/{env}": statistics.fmean(v) for env, v in sorted(per_env.items())},
+        **{key: statistics.fmean(v) for key, v in sorted(per_function.items())},
         **zero_variance_metrics(batch.groups),
     }
 

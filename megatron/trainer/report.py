@@ -57,6 +57,14 @@ def describe_architecture(arch: GPTArchitecture) -> str:
     )
 
 
+def _reward_functions(agent: Agent) -> str:
+    """``; reward 1 correct + 0.1 number`` for an environment scored by reward functions."""
+    functions = getattr(getattr(agent, "reward_functions", None), "functions", None)
+    if not functions:
+        return ""
+    return "; reward " + " + ".join(f"{f.weight:g} {f.name}" for f in functions)
+
+
 def header(
     cfg: RunConfig,
     arch: GPTArchitecture,
@@ -71,7 +79,9 @@ def header(
     agents = agent.agents if isinstance(agent, MixtureAgent) else [agent]
     weights = agent.weights if isinstance(agent, MixtureAgent) else (1.0,)
     total = sum(weights) or 1.0
-    envs = ", ".join(f"{a.env_id} ({w / total:.0%})" for a, w in zip(agents, weights))
+    envs = ", ".join(
+        f"{a.env_id} ({w / total:.0%}{_reward_functions(a)})" for a, w in zip(agents, weights)
+    )
     source = f"from {cfg.model.hf_checkpoint}" if cfg.model.hf_checkpoint else "random init"
     tok = type(tokenizer).__name__ + (
         f" {cfg.model.tokenizer_model}" if cfg.model.tokenizer_model else ""

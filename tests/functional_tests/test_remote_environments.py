@@ -12,6 +12,7 @@ from pathlib import Path
 
 import golden_values
 import httpx
+import pytest
 from golden_values import (
     ROOT,
     TOLERANCES,
@@ -174,3 +175,30 @@ def test_env_server_sustains_256_concurrent_grouped_requests_without_errors(tmp_
     result = json.loads(report.read_text())
     assert result["errors"] == 0 and result["peak_in_flight"] == 256
     print(proc.stdout)
+
+
+def test_a_reward_model_behind_the_env_server_scores_as_in_process(tmp_path):
+    """agent_type reward_model on the env server (the model loads in the server): the trainer
+    gets each rollout's reward_components over HTTP and logs reward/rm/reward_model, as the same
+    config in process does."""
+    import yaml
+
+    from megatron.rl.models.hf.tiny import make_tiny_reward_model
+
+    entries = yaml.safe_load(
+        (ROOT / "examples/rl/environment_configs/reward_model.yaml").read_text()
+    )
+    entries[0]["agent_args"]["model_dir"] = str(make_tiny_reward_model(tmp_path / "rm"))
+    config = yaml.safe_dump(entries)
+    local = tmp_path / "local.yaml"
+    local.write_text(config)
+    args = {**COMMON, "train-iters": 4}
+    in_process = run_training(1, {**args, "env-config": local})
+    with env_server(tmp_path, config) as (url, _):
+        remote = run_training(1, {**args, "env-config": remote_config(tmp_path, url, "rm")})
+    assert len(remote) == len(in_process) == 4
+    for r, p in zip(remote, in_process):
+        assert r["placeholder_rollouts"] == p["placeholder_rollouts"] == 0
+        assert r["staleness_max"] == p["staleness_max"] == min(r["step"], 2)
+        assert r["reward/rm/reward_model"] == pytest.approx(p["reward/rm/reward_model"], abs=1e-5)
+        assert r["reward_mean/rm"] == pytest.approx(r["reward/rm/reward_model"])

@@ -8,6 +8,12 @@ same agent runs in the trainer's process or behind the env server.
 environments subclass it. An exception raised by the environment's own code (``make_problem``,
 ``reward``) becomes a masked placeholder rollout carrying the error, so one bad sample never
 stops training; an inference failure propagates, because the trainer cannot continue without it.
+
+A single-turn environment's reward can instead come from reward functions (``reward_funcs`` of
+its env-config entry, ``megatron/rl/agent/rewards``): a ``GroupScorer`` set as
+``reward_functions`` scores the whole group at once (a reward model's batch, a judge's
+concurrent calls), and each rollout carries the value of every function in
+``reward_components``.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
@@ -64,6 +70,13 @@ class Agent(ABC):
     def __init__(self, env_id: str, args: AgentArgs | None = None) -> None:
         self.env_id = env_id
         self.args = args if args is not None else self.Args()
+
+    @classmethod
+    def create(cls, env_id: str, args: AgentArgs) -> "Agent":
+        """The agent of an env-config entry (``agent_args`` validated into ``args``):
+        ``cls(env_id, args)``. A factory may return an agent of another class (the reward-model
+        and judge environments return their prompt source's environment, scored by them)."""
+        return cls(env_id, args)
 
     @abstractmethod
     async def group_rollout(
@@ -116,11 +129,24 @@ class Problem:
             object.__setattr__(self, "messages", messages)  # frozen: set once, here
 
 
+class RewardSourceError(RuntimeError):
+    """A reward source that passed the config's checks cannot start (a reward model's weights
+    do not load); the message names the environment and the field."""
+
+
+class RewardFunctionError(Exception):
+    """A reward function failed on a rollout; the message names the function and says why, and
+    is the placeholder rollout's error text as it is (so the fault log reports each function's
+    first error)."""
+
+
 def placeholder_rollout(
     env_id: str, request: GroupedRolloutRequest, error: BaseException | str, problem_id: str = "?"
 ) -> TokenRollout:
     """A zero-weight stand-in for a rollout whose environment raised."""
-    if isinstance(error, BaseException):
+    if isinstance(error, RewardFunctionError):
+        text = str(error)
+    elif isinstance(error, BaseException):
         text = "".join(traceback.format_exception_only(type(error), error)).strip()
     else:
         text = error
@@ -140,6 +166,29 @@ def placeholder_rollout(
     )
 
 
+@dataclass(frozen=True)
+class Scored:
+    """A rollout's reward from reward functions: the weighted sum and each function's value."""
+
+    reward: float
+    components: dict[str, float]
+
+
+class GroupScorer(Protocol):
+    """Scores the rollouts of one group together (``megatron.rl.agent.rewards``)."""
+
+    async def score(
+        self, problem: Problem, responses: list[InferenceResponse]
+    ) -> list[Scored | BaseException]:
+        """One ``Scored`` per response, or the exception that makes it a placeholder."""
+
+    async def astart(self) -> None:
+        """Load models, open clients."""
+
+    async def aclose(self) -> None:
+        """Release them."""
+
+
 class SingleTurnEnvironment(Agent):
     """One prompt per group, one generation per rollout, a reward on the completion text.
 
@@ -147,7 +196,15 @@ class SingleTurnEnvironment(Agent):
     index_in_batch), and the group's samples are one ``generate_group`` request with seed s
     (sample k samples with derive_seed(s, k)), so a run is reproducible whatever the order in
     which generations finish, in process or over HTTP.
+
+    With ``reward_functions`` set (an env-config entry's ``reward_funcs``) the group's rollouts
+    are scored together by it instead of one ``reward`` call each.
     """
+
+    reward_functions: GroupScorer | None = None
+    """Scores the group in place of ``reward`` (None: ``reward`` scores each rollout)."""
+    requires_reward_functions: ClassVar[bool] = False
+    """True for an environment with no reward of its own: its entry must list ``reward_funcs``."""
 
     @abstractmethod
     def make_problem(self, rng: random.Random) -> Problem:
@@ -192,8 +249,61 @@ class SingleTurnEnvironment(Agent):
             responses = await inference.generate_group(group_request, request.group_size)
         except InvalidInferenceRequest as exc:  # the prompt itself is unusable
             responses = [exc] * request.group_size
-        rollouts = [self._score(problem, r, request, sampling) for r in responses]
+        if self.reward_functions is None:
+            rollouts = [self._score(problem, r, request, sampling) for r in responses]
+        else:
+            rollouts = await self._score_together(problem, responses, request, sampling)
         return RolloutGroup(batch_id=path[0], index_in_batch=path[1], rollouts=rollouts)
+
+    async def astart(self) -> None:
+        """Start the reward functions (load a reward model, open a judge's client)."""
+        if self.reward_functions is not None:
+            try:
+                await self.reward_functions.astart()
+            except RewardSourceError as err:
+                raise RewardSourceError(f"environment {self.env_id!r}: {err}") from None
+
+    async def aclose(self) -> None:
+        """Close the reward functions."""
+        if self.reward_functions is not None:
+            await self.reward_functions.aclose()
+
+    async def _score_together(
+        self,
+        problem: Problem,
+        responses: list[InferenceResponse | InvalidInferenceRequest],
+        request: GroupedRolloutRequest,
+        sampling: SamplingParams,
+    ) -> list[TokenRollout]:
+        """The group's rollouts scored by ``reward_functions`` in one call (the generated
+        responses; an unusable prompt's are placeholders)."""
+        generated = [r for r in responses if isinstance(r, InferenceResponse)]
+        scores: list[Scored | BaseException] = []
+        if generated:
+            try:
+                scores = await self.reward_functions.score(problem, generated)
+            except Exception as exc:  # the reward functions failed as a whole
+                scores = [exc] * len(generated)
+        it = iter(scores)
+        rollouts = []
+        for response in responses:
+            if not isinstance(response, InferenceResponse):
+                rollouts.append(
+                    placeholder_rollout(self.env_id, request, response, problem.problem_id)
+                )
+                continue
+            scored = next(it)
+            if isinstance(scored, BaseException):
+                rollouts.append(
+                    placeholder_rollout(self.env_id, request, scored, problem.problem_id)
+                )
+                continue
+            rollouts.append(
+                self._rollout(
+                    problem, response, scored.reward, request, sampling, scored.components
+                )
+            )
+        return rollouts
 
     def _score(
         self,
@@ -210,6 +320,17 @@ class SingleTurnEnvironment(Agent):
                 raise ValueError(f"reward is not finite: {reward}")
         except Exception as exc:
             return placeholder_rollout(self.env_id, request, exc, problem.problem_id)
+        return self._rollout(problem, response, reward, request, sampling)
+
+    def _rollout(
+        self,
+        problem: Problem,
+        response: InferenceResponse,
+        reward: float,
+        request: GroupedRolloutRequest,
+        sampling: SamplingParams,
+        components: dict[str, float] | None = None,
+    ) -> TokenRollout:
         return TokenRollout(
             env_id=self.env_id,
             problem_id=problem.problem_id,
@@ -225,4 +346,5 @@ class SingleTurnEnvironment(Agent):
             max_tokens=sampling.max_tokens,
             turn_lengths=[len(response.tokens)],
             truncated=response.finish_reason == "length",
+            reward_components=components,
         )

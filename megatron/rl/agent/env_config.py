@@ -2,7 +2,8 @@
 
 Example::
 
-    - agent_type: digits          # built-ins: digits, remote, reward_only; or "package.module:Class"
+    - agent_type: digits          # built-ins: digits, remote, reward_only, prompts, reward_model,
+                                  # llm_judge; or "package.module:Class"
       agent_args: {task: copy, min_digits: 1, max_digits: 3}
       weight: 3
     - agent_type: digits
@@ -13,11 +14,23 @@ Example::
       env_id: sort
       agent_args: {task: sort}
       evaluation_only: true       # no training groups; evaluated by --eval-interval (so is weight: 0)
+    - agent_type: digits
+      env_id: copy-shaped
+      agent_args: {task: copy}
+      reward_funcs:               # the reward: a weighted sum of reward functions
+        - {function: environment, weight: 1.0}
+        - {function: regex, weight: 0.1, args: {pattern: "^[0-9]+$"}}
 
 As in Megatron-LM, an entry with ``weight: 0`` or ``evaluation_only: true`` gets no training
 groups but is evaluated; at least one entry must train. Every problem is reported at start-up as
 an ``EnvConfigError`` naming the file, the entry and the field, before any model is built; so is
 an optional package the agent declares in ``Agent.required_modules`` that does not import.
+
+``reward_funcs`` (a single-turn environment's entry only) replaces the environment's reward by
+the weighted sum of reward functions: built-in ones, user code, a reward model, an LLM judge
+(``megatron/rl/agent/rewards/functions.py``). ``agent_type: prompts`` (a JSONL file of prompts)
+has no reward of its own and needs them; ``reward_model`` and ``llm_judge`` are a prompt source
+scored by one reward model or judge (``megatron/rl/agent/rewards/environments.py``).
 """
 
 from __future__ import annotations
@@ -33,11 +46,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from megatron.rl.agent.api import Agent
 from megatron.rl.agent.mixture import MixtureAgent
+from megatron.rl.agent.rewards.functions import RewardConfigError, attach_reward_functions
 
 BUILTIN_AGENT_TYPES = {
     "digits": "megatron.rl.environments.digits:DigitTaskEnvironment",
     "remote": "megatron.rl.agent.remote:RemoteAgent",
     "reward_only": "megatron.rl.agent.reward_only:RewardOnlyAdapter",
+    "prompts": "megatron.rl.agent.rewards.prompts:PromptsEnvironment",
+    "reward_model": "megatron.rl.agent.rewards.environments:RewardModelEnvironment",
+    "llm_judge": "megatron.rl.agent.rewards.environments:LLMJudgeEnvironment",
 }
 """Short names accepted as ``agent_type``."""
 
@@ -61,6 +78,12 @@ class EnvEntry(BaseModel):
     weight: float = Field(1.0, ge=0.0, allow_inf_nan=False)
     env_id: str | None = None
     evaluation_only: bool = False
+    reward_funcs: list[Any] | None = Field(
+        None,
+        min_length=1,
+        description="Reward functions whose weighted sum is the environment's reward "
+        "(megatron/rl/agent/rewards/functions.py).",
+    )
 
     @property
     def trains(self) -> bool:
@@ -119,7 +142,20 @@ def build_agents(entries: list[dict[str, Any]], source: str = "<default>") -> Mi
                 args = cls.Args.model_validate(entry.agent_args)
             except ValidationError as err:
                 raise EnvConfigError(f"{where}: {_describe(err, 'agent_args')}") from None
-            agents.append(cls(entry.env_id or f"{entry.agent_type}{index}", args))
+            agent = cls.create(entry.env_id or f"{entry.agent_type}{index}", args)
+            try:
+                if entry.reward_funcs is not None:
+                    attach_reward_functions(agent, entry.reward_funcs)
+                elif getattr(agent, "requires_reward_functions", False) and (
+                    agent.reward_functions is None
+                ):
+                    raise RewardConfigError(
+                        f"field 'reward_funcs': agent_type {entry.agent_type!r} has no reward of "
+                        "its own: list the reward functions that score it"
+                    )
+            except RewardConfigError as err:
+                raise EnvConfigError(f"{where}: {err}") from None
+            agents.append(agent)
         trains.append(entry.trains)
         weights.append(entry.weight)
     ids = [a.env_id for a in agents]

@@ -1,7 +1,8 @@
 """Running code written for other frameworks: loading a class by name, seeding its global RNGs.
 
 * ``load_class("package.module:Class")`` or ``load_class("path/to/file.py:Class")`` (a path
-  relative to the working directory): the class, or a ``ValueError`` naming what is missing.
+  relative to the working directory): the class, or a ``ValueError`` naming what is missing;
+  ``load_function`` the same for a function (any callable that is not a class).
 * ``async with seeded(seed): ...`` runs the block with Python's ``random`` module (and numpy's
   global RNG, when numpy is imported) seeded from ``seed``, one block at a time per event loop
   (an asyncio lock held across the block's awaits), and restores both RNG states afterwards.
@@ -31,9 +32,29 @@ _locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
 
 def load_class(spec: str) -> type:
     """The class named by ``module:Class`` or ``file.py:Class``; ValueError if it cannot load."""
+    cls = _load_attribute(spec, "Class")
+    if not isinstance(cls, type):
+        target, _, name = spec.rpartition(":")
+        raise ValueError(f"{target!r} has no class {name!r}")
+    return cls
+
+
+def load_function(spec: str) -> Callable[..., Any]:
+    """The function named by ``module:function`` or ``file.py:function``; ValueError if it cannot
+    load or is not callable."""
+    fn = _load_attribute(spec, "function")
+    if isinstance(fn, type) or not callable(fn):
+        target, _, name = spec.rpartition(":")
+        raise ValueError(f"{target!r} has no function {name!r}")
+    return fn
+
+
+def _load_attribute(spec: str, kind: str) -> Any:
+    """The attribute ``name`` of the module or file ``target`` in ``target:name`` (None when the
+    module has no such attribute)."""
     target, sep, name = spec.rpartition(":")
     if not sep or not target or not name.isidentifier():
-        raise ValueError(f"{spec!r} is not 'package.module:Class' or 'path/to/file.py:Class'")
+        raise ValueError(f"{spec!r} is not 'package.module:{kind}' or 'path/to/file.py:{kind}'")
     try:
         if target.endswith(".py") or "/" in target:
             module = _load_file(Path(target))
@@ -43,10 +64,7 @@ def load_class(spec: str) -> type:
         raise
     except Exception as exc:  # an ImportError, or anything the module's own code raised
         raise ValueError(f"cannot import {target!r}: {type(exc).__name__}: {exc}") from None
-    cls = getattr(module, name, None)
-    if not isinstance(cls, type):
-        raise ValueError(f"{target!r} has no class {name!r}")
-    return cls
+    return getattr(module, name, None)
 
 
 def _load_file(path: Path) -> Any:

@@ -124,8 +124,10 @@ def response_lengths(
 def eval_record(
     env_id: str, pass_name: str, group: RolloutGroup, sample: int, stop_token_ids: tuple[int, ...]
 ) -> dict:
-    """One rollout of an evaluation as a JSON-able record (the dump's line)."""
+    """One rollout of an evaluation as a JSON-able record (the dump's line); with reward
+    functions (``reward_funcs``), each one's value under ``reward_components``."""
     r = group.rollouts[sample]
+    components = {} if r.reward_components is None else {"reward_components": r.reward_components}
     return {
         "env_id": env_id,
         "pass": pass_name,
@@ -138,6 +140,7 @@ def eval_record(
         "response_tokens": sum(r.generation_mask),
         "truncated": truncated(r, stop_token_ids),
         "error": r.error,
+        **components,
     }
 
 

@@ -56,3 +56,14 @@ def test_max_position_embeddings(tmp_path, argv, positions):
 def test_unknown_family_is_refused(tmp_path):
     with pytest.raises(SystemExit):
         tool.main(["--family", "gpt2", "--out", str(tmp_path)])
+
+
+def test_reward_model(tmp_path):
+    import transformers
+
+    out = tmp_path / "rm"
+    tool.main(["--family", "llama3", "--reward-model", "--num-labels", "2", "--out", str(out)])
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(out)
+    assert type(model).__name__ == "LlamaForSequenceClassification"
+    assert model.config.num_labels == 2
+    assert transformers.AutoTokenizer.from_pretrained(out).chat_template

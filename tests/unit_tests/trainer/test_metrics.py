@@ -176,3 +176,27 @@ def test_the_warning_only_for_a_batch_without_differing_rewards(batches, warned)
     assert len(lines) == len(warned), lines
     for line, parts in zip(lines, warned):
         assert all(part in line for part in parts), line
+
+
+def test_each_reward_function_is_logged_by_environment_and_name():
+    """``reward/<env_id>/<name>``: the mean value of each function over the rollouts it scored
+    (placeholders and rollouts it returned None for are left out)."""
+
+    def scored(env: str, components: dict[str, float] | None, error: str | None = None):
+        return rollout(env, None if error else 0.0).model_copy(
+            update={"reward_components": components}
+        )
+
+    groups = [
+        RolloutGroup(batch_id=0, index_in_batch=0, rollouts=[
+            scored("a", {"rm": 0.2, "format": 1.0}), scored("a", {"rm": 0.6}),
+            scored("a", None, error="judge down"),
+        ]),
+        RolloutGroup(batch_id=0, index_in_batch=1, rollouts=[
+            scored("b", {"rm": -1.0}), scored("c", None),
+        ]),
+    ]  # fmt: skip
+    record = rollout_metrics(RolloutBatch(0, groups, in_flight=1, queue_depth=0), step=0)
+    assert {k: v for k, v in record.items() if k.startswith("reward/")} == pytest.approx(
+        {"reward/a/format": 1.0, "reward/a/rm": 0.4, "reward/b/rm": -1.0}
+    )

@@ -58,6 +58,21 @@ def test_the_header_names_model_tokenizer_environments_lag_batch_layout_and_outp
     assert lines[6] == "kernels      Apex not installed: megatron-core's local implementations"
 
 
+def test_the_header_names_the_reward_functions_of_an_environment():
+    args = parsed("--rl-forced-lag", "1")
+    agent = build_agents([
+        {"agent_type": "digits", "env_id": "copy", "reward_funcs": [
+            {"function": "environment"},
+            {"function": "regex", "name": "digits", "weight": 0.1, "args": {"pattern": "^[0-9]+$"}},
+        ]},
+        {"agent_type": "digits", "env_id": "add", "agent_args": {"task": "add"}},
+    ])  # fmt: skip
+    text = report.header(
+        args, architecture(args, 21), 1, CharTokenizer(), agent, "cpu", set(), None
+    )
+    assert "environments copy (50%; reward 1 environment + 0.1 digits), add (50%)" in text
+
+
 def records(lag: int, steps: int, broken_at: int | None = None) -> list[dict]:
     out = []
     for s in range(steps):

@@ -4,7 +4,8 @@
 built-in corpus of digit and arithmetic strings (or given text), builds a small random model of
 the family with transformers and writes both with ``save_pretrained`` (safetensors): the files a
 Hub checkpoint has (``config.json``, ``model.safetensors``, ``generation_config.json``,
-``tokenizer.json``, ``tokenizer_config.json``, a chat template).
+``tokenizer.json``, ``tokenizer_config.json``, a chat template). ``make_tiny_reward_model`` writes
+a reward model (``AutoModelForSequenceClassification``) the same way.
 
 Families (``TINY_FAMILIES``: the ``tiny`` recipes of every ``HFFamily`` entry, in the registry's
 order; each family's module in ``families/`` declares its own), chosen to cover every mapping path
@@ -197,6 +198,37 @@ def make_tiny_checkpoint(
     model.generation_config = transformers.GenerationConfig(
         bos_token_id=1, eos_token_id=[2, 3], pad_token_id=0
     )
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def make_tiny_reward_model(
+    out: str | Path,
+    family: str = "llama3",
+    num_labels: int = 1,
+    hidden_size: int = 32,
+    num_layers: int = 2,
+    tokenizer_vocab_size: int = 300,
+    corpus: Iterable[str] | None = None,
+    seed: int = 0,
+) -> Path:
+    """Write a tiny random reward model to ``out``: transformers'
+    ``AutoModelForSequenceClassification`` of ``family`` with ``num_labels`` outputs (read at
+    the last real token) and the family's tokenizer with its chat template; returns ``out``.
+    For tests and CPU examples of ``agent_type: reward_model``: it scores, it knows nothing."""
+    import transformers
+
+    _, recipe = _recipe(family)
+    out = Path(out)
+    tokenizer = train_tokenizer(
+        builtin_corpus() if corpus is None else corpus, tokenizer_vocab_size, add_bos=recipe.add_bos
+    )
+    config = tiny_config(family, -(-len(tokenizer) // 16) * 16, hidden_size, num_layers)
+    config.num_labels = num_labels
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    randomize_(model, seed, init_std=0.2)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out

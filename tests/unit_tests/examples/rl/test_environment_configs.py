@@ -32,6 +32,8 @@ def at_repo_root(monkeypatch):
         pytest.param("math", ["math"], [1.0], id="math"),
         pytest.param("mixture", ["copy", "countdown", "math"], [2.0, 1.0, 1.0], id="mixture"),
         pytest.param("guess", ["guess"], [1.0], id="guess"),
+        pytest.param("weighted_rewards", ["math"], [1.0], id="weighted_rewards"),
+        pytest.param("llm_judge", ["judged"], [1.0], id="llm_judge"),
     ],
 )
 def test_config_loads(at_repo_root, name, env_ids, weights):
@@ -46,8 +48,11 @@ def test_every_config_is_listed():
         "countdown",
         "gsm8k",
         "guess",
+        "llm_judge",
         "math",
         "mixture",
+        "reward_model",
+        "weighted_rewards",
     ]
 
 
@@ -88,10 +93,63 @@ def test_arithmetic_config_builds_its_problems():
     assert [m.role for m in problem.messages] == ["user"] and problem.max_tokens == 64
 
 
-@pytest.mark.parametrize("name", ["countdown", "math", "mixture"])
-def test_prompts_fit_the_default_sequence_length_and_alphabet(at_repo_root, name):
+def test_weighted_rewards_config_names_its_functions(at_repo_root):
+    (agent,) = load_env_config(CONFIGS / "weighted_rewards.yaml").agents
+    functions = agent.reward_functions.functions
+    assert [(f.name, f.weight) for f in functions] == [
+        ("correct", 1.0),
+        ("number", 0.1),
+        ("soft_overlong_punishment", 0.5),
+        ("length_match", 0.1),
+        ("stopped", 0.2),
+    ]
+
+
+def test_llm_judge_config_scores_the_gsm8k_sample_with_a_judge(at_repo_root):
+    from megatron.rl.agent.rewards.judge import LLMJudge
+    from megatron.rl.agent.rewards.prompts import PromptsEnvironment
+
+    (agent,) = load_env_config(CONFIGS / "llm_judge.yaml").agents
+    assert isinstance(agent, PromptsEnvironment) and agent.num_problems() == 20
+    (judge,) = agent.reward_functions.functions
+    assert judge.name == "llm_judge" and isinstance(judge.function, LLMJudge)
+    assert judge.function.args.base_url == "http://127.0.0.1:8001/v1"
+    problem = agent.problem(0)
+    assert problem.answer.endswith("#### 14") and problem.max_tokens == 256
+
+
+def reward_model_config(tmp_path) -> list[dict]:
+    """reward_model.yaml with its model_dir pointed at a tiny random reward model made here."""
+    import yaml
+
+    from megatron.rl.models.hf.tiny import make_tiny_reward_model
+
+    entries = yaml.safe_load((CONFIGS / "reward_model.yaml").read_text())
+    assert entries[0]["agent_args"]["model_dir"] == "runs/tiny-reward-model"
+    entries[0]["agent_args"]["model_dir"] = str(make_tiny_reward_model(tmp_path / "rm"))
+    return entries
+
+
+def test_reward_model_config_loads_with_a_local_model(at_repo_root, tmp_path):
+    from megatron.rl.agent.env_config import build_agents
+
+    (agent,) = build_agents(reward_model_config(tmp_path)).agents
+    assert agent.env_id == "rm" and agent.num_problems() == 8
+    assert [f.name for f in agent.reward_functions.functions] == ["reward_model"]
+
+
+@pytest.mark.parametrize(
+    "name", ["countdown", "math", "mixture", "weighted_rewards", "reward_model"]
+)
+def test_prompts_fit_the_default_sequence_length_and_alphabet(at_repo_root, tmp_path, name):
+    from megatron.rl.agent.env_config import build_agents
+
     tokenizer = CharTokenizer()
-    for agent in load_env_config(CONFIGS / f"{name}.yaml").agents:
+    if name == "reward_model":
+        agents = build_agents(reward_model_config(tmp_path)).agents
+    else:
+        agents = load_env_config(CONFIGS / f"{name}.yaml").agents
+    for agent in agents:
         assert isinstance(agent, SingleTurnEnvironment)
         for i in range(300):
             p = agent.make_problem(random.Random(derive_seed(1234, i, 0)))
