@@ -104,6 +104,31 @@ def test_two_process_runs_match_the_single_process_run(runs, case):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
 
 
+@pytest.mark.parametrize(
+    "case, nproc, layout",
+    [
+        pytest.param("variants_lag2", 2, {"tensor-model-parallel-size": 2}, id="gspo-mis-tp2"),
+        pytest.param("variants_lag1_dp2", 1, {}, id="cispo-rloo-opsm-dp1"),
+    ],
+)
+def test_the_loss_variants_agree_across_parallel_layouts(runs, case, nproc, layout):
+    """Issue 29's two golden combinations (GSPO + seq-mean-token-mean + overlong shaping +
+    sequence-level MIS at L=2; CISPO + RLOO + OPSM at L=1 under DP=2) in another layout: the same
+    tokens and rewards, and losses to float32 rounding, for the first steps, as the default loss;
+    the variants' own metrics move (they are not a no-op)."""
+    golden = runs(case)
+    other = run_training(nproc, {**load_case(case)["args"], **layout, "exit-interval": 6})
+    for a, b in zip(golden[:5], other[:5]):
+        assert b["reward_mean"] == a["reward_mean"] and b["staleness_max"] == a["staleness_max"]
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6), a["step"]
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4, abs=1e-6), a["step"]
+    moved = ("gspo_ratio_mean", "overlong_penalized_fraction", "is_masked_sequence_fraction")
+    if case == "variants_lag1_dp2":
+        moved = ("cispo_weight_mean", "opsm_masked_sequence_fraction")
+    for key in moved:
+        assert any(m[key] not in (0.0, 1.0) for m in golden), key
+
+
 def test_seq_logprob_error_mask_under_dp2_matches_one_process():
     """With the keyed data plane each DP rank holds its shard: the per-row errors are added over
     data parallelism, and both ranks mask the same rows, as one process does."""
