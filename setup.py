@@ -17,7 +17,7 @@ setup(
     py_modules=["pretrain_grpo"],
     install_requires=[
         "torch>=2.6",
-        "megatron-core>=0.16.1,<0.17",
+        "megatron-core>=0.16.1,<0.20",  # 0.16.1 on Python 3.11; 0.17-0.19 on 3.12 (compat.py)
         "fastapi>=0.110",
         "uvicorn>=0.29",
         "httpx>=0.27",

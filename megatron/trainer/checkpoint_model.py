@@ -31,7 +31,7 @@ import torch
 from megatron.core.utils import unwrap_model
 
 from megatron.rl.tokenizer import Tokenizer
-from megatron.trainer import config, report
+from megatron.trainer import config, kernels, report
 from megatron.trainer.checkpointing import (
     LoadOptions,
     TrainState,
@@ -200,4 +200,6 @@ def describe(
     ]
     if missing:
         lines.append(report.kernels_line(missing))
+    if kernels.notices():
+        lines.append(report.notices_line(kernels.notices()))
     return "\n".join(lines)

@@ -1,7 +1,8 @@
 """What a run says about itself: the start-up header, the closing summary and the curves PNG.
 
 * megatron-core's "Transformer Engine / Apex is not installed" warnings, collected while it loads
-  (``kernels.kernel_warnings``), become one header line.
+  (``kernels.kernel_warnings``), become one header line; its other known notices
+  (``kernels.notices``: a missing absl-py, 0.19's ``GPTModel`` deprecation) another.
 * ``header(...)``: model (parameters, architecture), tokenizer, environments with their weights,
   forced lag, batch shape, tier and parallel layout, where metrics and checkpoints go.
 * ``summary(...)``: steps, wall time, first/last-10 reward, whether every step kept its exact
@@ -23,6 +24,7 @@ from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.rl.agent.api import Agent
 from megatron.rl.agent.mixture import MixtureAgent
 from megatron.rl.models.architecture import GPTArchitecture
+from megatron.trainer import kernels
 from megatron.trainer.flags.run import RunConfig
 
 
@@ -106,6 +108,8 @@ def header(
     ]
     if missing_kernels:
         lines.append(kernels_line(missing_kernels))
+    if kernels.notices():
+        lines.append(notices_line(kernels.notices()))
     return "\n".join(lines)
 
 
@@ -113,6 +117,11 @@ def kernels_line(missing_kernels: set[str]) -> str:
     """The header line naming the kernel packages megatron-core runs without."""
     names = " and ".join(sorted(missing_kernels))
     return f"kernels      {names} not installed: megatron-core's local implementations"
+
+
+def notices_line(notices: list[str]) -> str:
+    """The header line of megatron-core's folded notices (``kernels.notices()``)."""
+    return "megatron     " + "; ".join(notices)
 
 
 def summary(

@@ -64,15 +64,29 @@ def test_synchronous_runs_match_the_cpu_tier(cpu_runs, nproc, layout):
     assert_same_run(cpu_runs[0], cuda)
 
 
-def test_forced_lag_matches_the_cpu_tier_when_the_kv_cache_is_kept(cpu_runs):
-    args = {**BASE, "rl-forced-lag": 1, "keep-kv-between-windows": True}
+def kv_cache_mode(mode: str):
+    """``mode`` as a test parameter, skipped where megatron-core does not offer it."""
+    from megatron.rl.inference.megatron_core.compat import KV_CACHE_MODES
+
+    missing = pytest.mark.skip(reason=f"this megatron-core has no {mode!r} KV-cache mode")
+    return pytest.param(mode, id=mode, marks=() if mode in KV_CACHE_MODES else missing)
+
+
+@pytest.mark.parametrize("mode", [kv_cache_mode("persist"), kv_cache_mode("offload")])
+def test_forced_lag_matches_the_cpu_tier_when_the_kv_cache_is_kept(cpu_runs, mode):
+    """``persist`` keeps megatron-core's KV cache on the device between windows, ``offload``
+    (0.17+) in host memory: requests that span a window continue on their keys and values, as on
+    the CPU tier."""
+    args = {**BASE, "rl-forced-lag": 1, "kv-cache-mode": mode}
     assert_same_run(cpu_runs[1], run_training(1, args, script=EMULATED))
 
 
 def test_forced_lag_with_re_prefill_keeps_the_lag_contract(cpu_runs):
-    """The default suspends megatron-core's engine during training: requests that span a window
-    are re-prefilled under the new weights, so their later tokens differ from the CPU tier's."""
-    cuda = run_training(1, {**BASE, "rl-forced-lag": 1}, script=EMULATED)
+    """The default (``recompute``) suspends megatron-core's engine during training, freeing its
+    KV cache: requests that span a window are re-prefilled under the new weights, so their later
+    tokens differ from the CPU tier's."""
+    args = {**BASE, "rl-forced-lag": 1, "kv-cache-mode": "recompute"}
+    cuda = run_training(1, args, script=EMULATED)
     assert cuda[0]["reward_mean"] == cpu_runs[1][0]["reward_mean"]  # one window: identical
     assert [m["staleness_max"] for m in cuda] == [m["staleness_min"] for m in cuda] == [0, 1, 1]
     assert all(math.isfinite(m["loss"]) and m["grad_norm"] > 0 for m in cuda)
@@ -110,7 +124,7 @@ def test_step_options_match_the_cpu_tier():
     """--grpo-iterations with several global batches per collection (pi_old computed forward
     only before the first update), the entropy term and the IS correction: as on the CPU tier."""
     options = {
-        "rl-forced-lag": 1, "keep-kv-between-windows": True, "grpo-iterations": 2,
+        "rl-forced-lag": 1, "kv-cache-mode": "persist", "grpo-iterations": 2,
         "grpo-entropy-term-weight": 0.01, "rl-inference-logprobs-is-correction": True,
         "train-iters": 4, "global-batch-size": 32,  # 4 iterations per collection: pi_old up front
     }  # fmt: skip

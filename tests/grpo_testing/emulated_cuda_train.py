@@ -1,6 +1,6 @@
 """Run ``pretrain_grpo.py``'s training loop on the CUDA tier, emulated on the CPU.
 
-    python tests/grpo_testing/emulated_cuda_train.py [--keep-kv-between-windows] [flags]
+    python tests/grpo_testing/emulated_cuda_train.py [--kv-cache-mode=MODE] [flags]
 
 Flags are validated as on a CUDA machine (``--bf16``, ``--use-distributed-optimizer`` accepted).
 torch.distributed starts on gloo with the CPU as the context's device; the loop then runs
@@ -8,9 +8,11 @@ torch.distributed starts on gloo with the CPU as the context's device; the loop 
 ``DynamicInferenceEngine`` row runner with ``flash_reference`` attention) under
 ``grpo_testing.emulated_cuda``. One process per run: the emulation patches torch globally.
 
-``--keep-kv-between-windows`` keeps megatron-core's KV cache across generation windows (the
-default suspends the engine and re-prefills active requests under the new weights); the CPU
-tier's engine keeps its cache, so only with it do runs with a forced lag match the CPU tier.
+``--kv-cache-mode=MODE`` picks the KV-cache mode of megatron-core's engine between generation windows
+(``DynamicEngineConfig.kv_cache_mode``): ``recompute`` (the default) suspends the engine and
+re-prefills active requests under the new weights; ``persist`` and ``offload`` (megatron-core
+0.17+) keep the keys and values, as the CPU tier's engine does, so only with them do runs with a
+forced lag match the CPU tier.
 """
 
 from __future__ import annotations
@@ -48,11 +50,13 @@ grpo.select_tier = cuda_tier.CUDATier
 
 if __name__ == "__main__":  # dist_checkpointing's writer processes re-import this file
     argv = sys.argv[1:]
-    if "--keep-kv-between-windows" in argv:
-        argv.remove("--keep-kv-between-windows")
+    modes = [a.split("=", 1)[1] for a in argv if a.startswith("--kv-cache-mode=")]
+    if modes:
+        argv = [a for a in argv if not a.startswith("--kv-cache-mode=")]
+        mode = modes[-1]
         from megatron.rl.inference.megatron_core import dynamic_engine  # the backend's provider
 
         dynamic_engine.DynamicEngineConfig = functools.partial(
-            dynamic_engine.DynamicEngineConfig, release_memory_between_windows=False
+            dynamic_engine.DynamicEngineConfig, kv_cache_mode=mode
         )
     grpo.train(parse_args(argv))

@@ -5,11 +5,13 @@ steps with CUDA events; nothing else in their Python code needs a GPU. This scri
 process (``grpo_testing.emulated_cuda`` patches torch globally), points those calls at the CPU, then
 generates the same requests with the CPU tier's ``ContinuousBatchingScheduler`` and with the CUDA tier's
 adapter over megatron-core's engine (dynamic context, paged KV cache, ``GPTInferenceWrapper``, the
-seeded controller, ``flash_reference`` attention), with and without suspend/resume windows, and
-prints one JSON line per run. It exercises megatron-core's request bookkeeping, block tables and
-attention calls without a GPU; the ``gpu`` tests run the same comparison on CUDA.
+seeded controller, ``flash_reference`` attention), with and without suspend/resume windows, in
+one KV-cache mode (``compat.KV_CACHE_MODES``; the weights do not change, so every mode must give
+the local engine's tokens), and prints one JSON line per run. It exercises megatron-core's request
+bookkeeping, block tables and attention calls without a GPU; the ``gpu`` tests run the same
+comparison on CUDA.
 
-    python tests/grpo_testing/emulated_dynamic_engine.py [--block-size 16]
+    python tests/grpo_testing/emulated_dynamic_engine.py [--block-size 16] [--kv-cache-mode M]
 """
 
 from __future__ import annotations
@@ -59,15 +61,18 @@ async def generate(engine, windows: bool):
 def poison_stale_metadata(runner) -> None:
     """Suspend megatron-core's engine, then fill the request metadata it just freed with the first
     token request 0 generates: an engine that still read the freed tensors after resuming would
-    take that token for the termination id and finish requests early."""
+    take that token for the termination id and finish requests early (megatron-core 0.16 and 0.17;
+    0.18+ has no such references in the controller)."""
     runner.end_window()
-    stale = runner.engine.controller._request_metadata["termination_id"]
-    stale.fill_(4)
+    stale = getattr(runner.engine.controller, "_request_metadata", None)
+    if stale is not None:
+        stale["termination_id"].fill_(4)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-mode", default="recompute")
     opts = parser.parse_args()
     root = Path(__file__).resolve().parents[2]
     sys.path[:0] = [str(root), str(root / "tests")]
@@ -95,7 +100,9 @@ def main() -> None:
     )
     want = asyncio.run(generate(local, windows=False))
     for windows, suspended_first in ((False, False), (True, False), (True, True)):
-        config = DynamicEngineConfig(3, 32, eos_id=1, block_size_tokens=opts.block_size)
+        config = DynamicEngineConfig(
+            3, 32, eos_id=1, block_size_tokens=opts.block_size, kv_cache_mode=opts.kv_cache_mode
+        )
         steps = de.build_dynamic_step_group(model, config, VOCAB, 24)
         if suspended_first:  # the trainer's first window ends before any request is added
             poison_stale_metadata(steps.runner)
@@ -107,6 +114,7 @@ def main() -> None:
             json.dumps(
                 {
                     "windows": windows,
+                    "kv_cache_mode": config.kv_cache_mode,
                     "suspended_first": suspended_first,
                     "same_tokens": same,
                     "max_logprob_difference": diff,

@@ -15,6 +15,7 @@ into the following linear layer (``linear_qkv.layer_norm_weight``,
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 
@@ -139,6 +140,28 @@ def select_backend(cuda: bool) -> BackendSpecProvider:
     return SDPASpecProvider()
 
 
+@dataclasses.dataclass(frozen=True)
+class MLPBuilder:
+    """A layer's dense MLP as megatron-core 0.18+ builds it: ``MLP.as_mlp_submodule`` called by
+    ``TransformerLayer`` with its config and process groups. Given a ``ModuleSpec`` of ``MLP``
+    instead, those releases rewrap it into this call and log a warning at every model build."""
+
+    submodules: MLPSubmodules
+    module = MLP
+
+    def __call__(self, **kwargs) -> MLP:
+        return MLP.as_mlp_submodule(submodules=self.submodules, **kwargs)
+
+
+def mlp_spec(submodules: MLPSubmodules) -> ModuleSpec | MLPBuilder:
+    """The ``mlp`` of a layer spec: an ``MLPBuilder`` where megatron-core's ``MLP`` has
+    ``as_mlp_submodule`` (0.18+), else the ``ModuleSpec`` (0.16, 0.17). Both have
+    ``.module`` and ``.submodules``."""
+    if hasattr(MLP, "as_mlp_submodule"):
+        return MLPBuilder(submodules)
+    return ModuleSpec(module=MLP, submodules=submodules)
+
+
 def gpt_layer_spec(
     backend: BackendSpecProvider, qk_layernorm: bool = False, normalization: str = "LayerNorm"
 ) -> ModuleSpec:
@@ -174,10 +197,7 @@ def gpt_layer_spec(
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=IdentityOp if fused else layer_norm,
-            mlp=ModuleSpec(
-                module=MLP,
-                submodules=MLPSubmodules(linear_fc1=fc1, linear_fc2=backend.row_parallel_linear()),
-            ),
+            mlp=mlp_spec(MLPSubmodules(linear_fc1=fc1, linear_fc2=backend.row_parallel_linear())),
             mlp_bda=get_bias_dropout_add,
         ),
     )

@@ -25,6 +25,24 @@ def test_kernel_warnings_are_collected_and_other_warnings_pass():
     assert missing == {"Transformer Engine", "Apex"}
 
 
+def test_megatron_core_notices_are_folded_into_one_header_line():
+    import logging
+
+    from megatron.trainer import kernels
+
+    with kernel_warnings() as missing:
+        warnings.warn("absl.logging is not installed. Using logging.getLogger(__name__) instead.")
+    logger = logging.getLogger("megatron.core.models.gpt.gpt_model")
+    assert not logger.filter(logging.makeLogRecord({"msg": "GPTModel IS DEPRECATED. GPTModel"}))
+    assert logger.filter(logging.makeLogRecord({"msg": "something else"}))
+    assert missing == set()
+    assert {
+        "absl-py not installed (Python logging instead)",
+        "GPTModel deprecated upstream in favour of HybridModel",
+    } <= set(kernels.notices())
+    assert report.notices_line(["a", "b"]) == "megatron     a; b"
+
+
 @pytest.mark.parametrize(
     "seconds, text", [(3, "3s"), (125, "2m05s"), (3723, "1h02m03s"), (0.4, "0s")]
 )

@@ -8,8 +8,10 @@ The subclasses here adapt megatron-core to being stepped row by row:
 * ``SeededSamplingController``: megatron-core's controller sampling with the trainer's
   ``SeededSampler`` (per-request seeded uniforms).
 * ``SteppedDynamicInferenceEngine``: the engine on a detached loop (the runner steps it; its
-  serving loop never runs), with a fix of megatron-core 0.16's ``resume``.
+  serving loop never runs), with a fix of megatron-core 0.16/0.17's ``resume`` and
+  ``InferenceMode`` (0.18+) on only during its steps.
 
+What differs between megatron-core releases (0.16.1 to 0.19.x) is adapted in ``compat.py``.
 Constructing megatron-core's engine needs CUDA; installs ``flash_reference`` where flash-attn is
 missing.
 """
@@ -24,19 +26,12 @@ from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 import torch
-from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
-from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (
-    GPTInferenceWrapper,
-)
-from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import (
-    InferenceWrapperConfig,
-)
 from megatron.core.inference.text_generation_controllers.text_generation_controller import (
     TextGenerationController,
 )
 
-from megatron.rl.inference.megatron_core import flash_reference
+from megatron.rl.inference.megatron_core import compat, flash_reference
 from megatron.rl.inference.megatron_core.dynamic_runner import (
     DynamicEngineConfig,
     DynamicEngineRowRunner,
@@ -51,19 +46,22 @@ if TYPE_CHECKING:
 class SeededSamplingController(TextGenerationController):
     """megatron-core's controller with the trainer's per-request seeded sampling."""
 
-    def __init__(self, inference_wrapped_model, tokenizer, sampler: SeededSampler, pp_group=None):
-        super().__init__(inference_wrapped_model, tokenizer, pp_group=pp_group)
+    def __init__(self, inference_wrapped_model, tokenizer, sampler: SeededSampler):
+        super().__init__(inference_wrapped_model, tokenizer)
         self.sampler = sampler
 
     def _dynamic_step_sample_bookkeeping(self) -> None:
-        """Nothing to prepare: parameters are looked up per request in ``sample``."""
+        """Nothing to prepare: parameters are looked up per request in ``sample`` (megatron-core
+        0.16 and 0.17 call this hook; 0.18+ has none)."""
 
-    def _dynamic_step_sample_logits(self, logits: torch.Tensor) -> None:
-        """Sample every active request's next token into megatron-core's token buffer."""
+    def _dynamic_step_sample_logits(self, logits: torch.Tensor | None = None) -> None:
+        """Sample every active request's next token into megatron-core's token buffer (the
+        logits are the argument up to 0.17, the controller's own buffer from 0.18 on)."""
+        logits = compat.step_logits(self, logits)
         context = self.inference_wrapped_model.inference_context
         active = slice(context.paused_request_count, context.total_request_count)
         count = active.stop - active.start
-        if context.materialize_only_last_token_logits:
+        if compat.only_last_token_logits(context):
             last = logits.squeeze(0)[:count]
         else:
             last = context.last_token_logits(logits)[:count]
@@ -71,7 +69,8 @@ class SeededSamplingController(TextGenerationController):
         positions = (
             context.request_kv_length_offsets[active] + context.request_query_lengths[active]
         ).tolist()
-        self._sampled_tokens_cuda[:count] = self.sampler.sample(last, request_ids, positions)
+        tokens = self.sampler.sample(last, request_ids, positions)
+        compat.sampled_tokens_buffer(self, count, tokens.device)[:count] = tokens
 
 
 class _NoTextTokenizer:
@@ -115,28 +114,46 @@ class _DetachedLoop:
 
 
 class SteppedDynamicInferenceEngine(DynamicInferenceEngine):
-    """megatron-core's ``DynamicInferenceEngine``, stepped by ``DynamicEngineRowRunner``."""
+    """megatron-core's ``DynamicInferenceEngine``, stepped by ``DynamicEngineRowRunner``.
+
+    megatron-core 0.18+ marks the whole process as inferring (``InferenceMode``) from the
+    engine's construction and every ``resume`` until the next ``suspend``; the model's training
+    forward then fails. Here the flag is on only while a step runs (``async_forward``,
+    ``async_bookkeep``): the engine leaves it off when built and resumed.
+    """
+
+    def __init__(self, controller, context) -> None:
+        super().__init__(controller, context, **compat.engine_arguments(DynamicInferenceEngine))
+        compat.leave_inference_mode()
 
     def reset(self) -> None:
         """Reset as megatron-core does, on the detached loop."""
         self._loop = _DetachedLoop()
         super().reset()
 
-    def resume(self) -> None:
-        """Resume as megatron-core does, then point the controller at the new request metadata.
+    def suspend(self) -> None:
+        """Suspend as megatron-core does (frees or offloads the KV cache, by the context's mode)."""
+        super().suspend()
+        compat.leave_inference_mode()
 
-        megatron-core 0.16's ``resume`` reallocates the context's request-metadata tensors, but the
-        controller keeps references to the GPU-resident ones it bound at construction
-        (``termination_id``): it would compare sampled tokens against the freed tensors' stale or
-        never-written values and finish requests on arbitrary tokens.
-        """
-        was_suspended = self.is_suspended
+    def resume(self) -> None:
+        """Resume as megatron-core does, then point the controller at the new request metadata
+        (``compat.rebind_request_metadata``: 0.16 and 0.17 keep stale references)."""
+        was_suspended = compat.is_suspended(self)
         super().resume()
+        compat.leave_inference_mode()
         if was_suspended:
-            metadata = self.controller._request_metadata
-            for label, _, on_gpu in self.context.request_metadata_types:
-                if on_gpu:
-                    metadata[label] = self.context.request_metadata[label]
+            compat.rebind_request_metadata(self.controller, self.context)
+
+    async def async_forward(self):
+        """One megatron-core step, in ``InferenceMode``."""
+        with compat.inference_mode():
+            return await super().async_forward()
+
+    async def async_bookkeep(self, *args, **kwargs):
+        """megatron-core's bookkeeping of a step, in ``InferenceMode``."""
+        with compat.inference_mode():
+            return await super().async_bookkeep(*args, **kwargs)
 
 
 def build_megatron_engine(
@@ -169,37 +186,30 @@ def build_megatron_engine(
     block_bytes = dtype.itemsize * 2 * layers * config.block_size_tokens * kv_heads // tp
     block_bytes *= mc.kv_channels
     blocks = config.max_requests * math.ceil(config.max_seq_len / config.block_size_tokens) + 4
-    context = DynamicInferenceContext(
-        params_dtype=dtype,
+    context = compat.build_context(
+        mc,
         num_layers=layers,
-        kv_channels=mc.kv_channels,
-        num_attention_heads=kv_heads,
+        kv_heads=kv_heads,
+        params_dtype=dtype,
         max_sequence_length=config.max_seq_len,
         buffer_size_gb=blocks * block_bytes / 1024**3,
         max_requests=config.max_requests,
         max_tokens=config.tokens_per_step(),
         block_size_tokens=config.block_size_tokens,
-        materialize_only_last_token_logits=True,
-        use_flashinfer_fused_rope=False,
-        unified_memory_level=0,
+        kv_cache_mode=config.kv_cache_mode,
     )
-    wrapped = GPTInferenceWrapper(
+    wrapped = compat.wrap_model(
         model,
-        InferenceWrapperConfig(
-            hidden_size=mc.hidden_size,
-            params_dtype=dtype,
-            inference_batch_times_seqlen_threshold=-1,
-            padded_vocab_size=padded_vocab_size,
-            inference_max_requests=config.max_requests,
-            inference_max_seq_length=config.max_seq_len,
-        ),
         context,
+        hidden_size=mc.hidden_size,
+        params_dtype=dtype,
+        padded_vocab_size=padded_vocab_size,
+        max_requests=config.max_requests,
+        max_sequence_length=config.max_seq_len,
     )
     wrapped.prep_model_for_inference()
     controller = SeededSamplingController(wrapped, _NoTextTokenizer(config.eos_id), sampler)
-    return SteppedDynamicInferenceEngine(
-        controller, context, random_seed=0, enable_chunked_prefill=False
-    )
+    return SteppedDynamicInferenceEngine(controller, context)
 
 
 def build_dynamic_step_group(

@@ -17,7 +17,9 @@ runner differs:
   of the tempered policy, as the trainer recomputes it.
 * When a generation window closes (``end_window``, called by the ``StepGroup`` on every rank) the
   runner suspends megatron-core's engine (its KV memory is released during the training step) and
-  resumes it at the next window (active requests are re-prefilled under the new weights).
+  resumes it at the next window (active requests are re-prefilled under the new weights): the
+  ``recompute`` KV-cache mode, the default. ``persist`` keeps the cache (no suspend), ``offload``
+  (megatron-core 0.17+) moves it to host memory and back (``DynamicEngineConfig.kv_cache_mode``).
 
 Rows the scheduler leaves out of a step (keyed requests outside the window target while unkeyed
 requests step) are still advanced by megatron-core, which steps every active request: their
@@ -61,8 +63,12 @@ class DynamicEngineConfig:
     """Most tokens in one forward (prefill budget); default: enough for every request's longest
     prompt, capped at 16384 and never below ``max_seq_len``. Chunked prefill is off, so a prompt
     always fits in one step."""
-    release_memory_between_windows: bool = True
-    """Suspend megatron-core's engine (free its KV memory) while the trainer trains."""
+    kv_cache_mode: str = "recompute"
+    """What a window's end does with megatron-core's KV cache while the trainer trains
+    (``compat.KV_CACHE_MODES``): ``recompute`` frees it (the engine is suspended; requests in
+    flight are prefilled again under the new weights at the next window), ``persist`` keeps it
+    (the engine is not suspended), ``offload`` (megatron-core 0.17+) moves it to host memory and
+    back (suspended, requests continue on their old keys and values)."""
 
     def tokens_per_step(self) -> int:
         """The resolved ``max_tokens_per_step``."""
@@ -218,9 +224,10 @@ class DynamicEngineRowRunner:
         return results
 
     def end_window(self, idle: bool = False) -> None:
-        """The generation window closed on this rank: release megatron-core's KV memory (it
-        re-prefills the requests in flight, so ``idle`` changes nothing here)."""
-        if self.config.release_memory_between_windows and not self._suspended:
+        """The generation window closed on this rank: suspend megatron-core's engine, which
+        frees or offloads its KV memory by ``config.kv_cache_mode`` (``persist``: nothing to do;
+        ``idle`` changes nothing here)."""
+        if self.config.kv_cache_mode != "persist" and not self._suspended:
             self.engine.suspend()
             self._suspended = True
 

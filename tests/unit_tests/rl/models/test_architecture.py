@@ -90,6 +90,17 @@ def test_toy_model_is_expressible_and_builds_the_same_model_bitwise(tp1):
     assert tiny_args().model.max_position_embeddings == TOY.max_position_embeddings
 
 
+def test_megatron_core_builds_the_mlp_without_rewrapping_the_spec(tp1, caplog):
+    """megatron-core 0.18+ rewraps a ``ModuleSpec`` of ``MLP`` into ``MLP.as_mlp_submodule`` and
+    warns at every model build: the spec gives it that call directly there."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="megatron.core.transformer.transformer_layer"):
+        model = build_gpt_model(TOY, transformer_config(TOY), layer_spec(TOY, SDPASpecProvider()))
+    assert not [r for r in caplog.records if "Rewrapping" in r.getMessage()]
+    assert type(model.decoder.layers[0].mlp).__name__ == "MLP"
+
+
 def test_default_spec_uses_megatron_cores_layer_norm_and_no_qk_norm():
     spec = gpt_layer_spec(SDPASpecProvider())
     assert spec == gpt_layer_spec(SDPASpecProvider(), qk_layernorm=False, normalization="LayerNorm")

@@ -248,13 +248,19 @@ def reference_installed(monkeypatch):
 
 
 def fake_attention_module():
-    """What ``Attention.flash_decode_and_prefill`` reads from ``self`` (inference, no MLA)."""
+    """What ``Attention.flash_decode_and_prefill`` reads from ``self`` (inference, no MLA; 0.19
+    also reads the layer number, for sliding windows, and which flash-attn generation to run)."""
+    from megatron.core.transformer.attention import Attention
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
-    return types.SimpleNamespace(
-        training=False, batch_invariant_mode=False, softmax_scale=None, config=config
-    )
+    module = types.SimpleNamespace(
+        training=False, batch_invariant_mode=False, softmax_scale=None, config=config,
+        layer_number=1, flash_attention_version=None,
+    )  # fmt: skip
+    if hasattr(Attention, "_resolve_flash_version"):
+        module._resolve_flash_version = types.MethodType(Attention._resolve_flash_version, module)
+    return module
 
 
 def test_megatron_core_prefill_path_uses_the_reference(reference_installed):
