@@ -45,7 +45,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tools.benchmarks.common import REPO, machine, subprocess_env  # noqa: E402
 
 ENV_CONFIG = REPO / "examples" / "rl" / "environment_configs" / "arithmetic.yaml"
-RUNS = (("ours L=0", 0), ("ours L=2", 2), ("TRL", None))
+RUNS: tuple[tuple[str, int | None, tuple[str, ...]], ...] = (
+    ("ours L=0", 0, ()),
+    ("ours L=2", 2, ()),
+    ("TRL", None, ()),
+    # The loss variants of the policy-gradient issue, on the L=0 command (same everything else).
+    ("ours GSPO L=0", 0, ("--policy-loss", "gspo", "--loss-agg-mode", "seq-mean-token-mean")),
+    (
+        "ours Dr.GRPO L=0",
+        0,
+        ("--loss-agg-mode", "seq-mean-token-sum-norm", "--scale-rewards", "none"),
+    ),
+)
+DEFAULT_RUNS = ("ours L=0", "ours L=2", "TRL")
 
 
 def shared_flags(opts: argparse.Namespace) -> list[str]:
@@ -62,8 +74,11 @@ def shared_flags(opts: argparse.Namespace) -> list[str]:
     ]  # fmt: skip
 
 
-def ours_command(lag: int, opts: argparse.Namespace, ckpt: Path, out: Path) -> list[str]:
-    """``pretrain_grpo.py`` with the recipe's flags (the README's command) at forced lag ``lag``."""
+def ours_command(
+    lag: int, opts: argparse.Namespace, ckpt: Path, out: Path, extra: tuple[str, ...] = ()
+) -> list[str]:
+    """``pretrain_grpo.py`` with the recipe's flags (the README's command) at forced lag ``lag``,
+    then ``extra`` (a loss variant's flags)."""
     return [
         sys.executable, str(REPO / "pretrain_grpo.py"),
         "--hf-checkpoint", str(ckpt),
@@ -84,15 +99,18 @@ def ours_command(lag: int, opts: argparse.Namespace, ckpt: Path, out: Path) -> l
         "--metrics-file", str(out / "metrics.jsonl"),
         "--val-dump-dir", str(out / "eval"),
         "--plot-file", "none",
+        *extra,
     ]  # fmt: skip
 
 
-def run_ours(lag: int, opts: argparse.Namespace, ckpt: Path, out: Path) -> dict[str, Any]:
+def run_ours(
+    lag: int, opts: argparse.Namespace, ckpt: Path, out: Path, extra: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """Train at forced lag ``lag``; the per-step records and the evaluations at their times."""
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "train.log", "w") as log:
         subprocess.run(
-            ours_command(lag, opts, ckpt, out), cwd=REPO, env=subprocess_env(opts.threads),
+            ours_command(lag, opts, ckpt, out, extra), cwd=REPO, env=subprocess_env(opts.threads),
             stdout=log, stderr=subprocess.STDOUT, check=True,
         )  # fmt: skip
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -260,7 +278,14 @@ def main() -> None:
     parser.add_argument("--eval-prompts", type=int, default=200)
     parser.add_argument("--eval-samples", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--only", nargs="+", choices=[n for n, _ in RUNS], default=None)
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=[n for n, _, _ in RUNS],
+        default=None,
+        help=f"Runs to make (default: {', '.join(DEFAULT_RUNS)}); the others keep "
+        "their numbers from the existing recipe.json.",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--work", type=Path, default=None, help="Keep the runs' files here.")
     opts = parser.parse_args()
@@ -273,15 +298,16 @@ def main() -> None:
     res = json.loads(previous.read_text()) if opts.only and previous.exists() else {"runs": {}}
     with tempfile.TemporaryDirectory() as tmp:
         work = opts.work or Path(tmp)
-        for name, lag in RUNS:
-            if opts.only and name not in opts.only:
+        for name, lag, extra in RUNS:
+            if name not in (opts.only or DEFAULT_RUNS):
                 continue
             print(f"recipe: {name}", flush=True)
             out = work / name.replace(" ", "_").replace("=", "")
-            run = run_trl(opts, ckpt, out) if lag is None else run_ours(lag, opts, ckpt, out)
+            run = run_trl(opts, ckpt, out) if lag is None else run_ours(lag, opts, ckpt, out, extra)
             res["runs"][name] = {
                 **run, "significant": significant(run["evals"]), "started": started,
                 "settings": {k: v for k, v in vars(opts).items() if k not in ("out", "work", "only")},
+                "extra_flags": list(extra),
             }  # fmt: skip
     res.update(
         started=started, machine=machine(), checkpoint=SMOLLM2.filename,
