@@ -59,10 +59,16 @@ def train(nproc: int, *flags: str, timeout: float = 600) -> tuple[list[dict], st
 
 
 def assert_trained(metrics: list[dict], steps: int = 5) -> None:
+    """``steps`` steps, each batch trained one collection after its submission (lag 1), finite; a
+    gradient wherever a group's rewards differ (a batch whose every group has equal rewards has
+    zero advantages, so a zero gradient: seen on an H200, where the tiny model's rewards came out
+    all equal in one of five steps), and in some step."""
     assert [m["step"] for m in metrics] == list(range(steps))
     for m in metrics:
-        assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) and m["grad_norm"] > 0
-        assert m["staleness_max"] == min(m["step"], 1)
+        assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]), m
+        assert m["grad_norm"] > 0 or m["zero_variance_group_fraction"] == 1.0, m
+        assert m["batch_staleness"] == min(m["batch_id"], 1), m
+    assert any(m["grad_norm"] > 0 for m in metrics), metrics
 
 
 def test_five_steps_on_the_dynamic_engine():
@@ -82,7 +88,8 @@ def test_iterations_entropy_and_is_correction():
         1, "--grpo-iterations", "2", "--grpo-entropy-term-weight", "0.01",
         "--rl-inference-logprobs-is-correction", "--train-iters", "4", "--global-batch-size", "8",
     )  # fmt: skip
-    assert_trained(metrics)
+    assert_trained(metrics, steps=4)
+    assert [m["batch_id"] for m in metrics] == [0, 0, 0, 0]  # 16 rollouts, 8 a step, 2 iterations
     assert all(m["entropy"] > 0 and math.isfinite(m["is_kl"]) for m in metrics)
 
 

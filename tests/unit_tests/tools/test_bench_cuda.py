@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -62,6 +63,14 @@ def torch_equal(a, b) -> bool:
     return torch.equal(a, b)
 
 
+def standalone_env() -> dict[str, str]:
+    """This process's environment without a distributed world's variables: an in-process test
+    before this one may have left ``MASTER_PORT`` naming a port that is still held (seen on an
+    H200: the tool's rendezvous failed with EADDRINUSE)."""
+    world = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    return {k: v for k, v in os.environ.items() if k not in world}
+
+
 @pytest.mark.gpu
 def test_a_short_run_reports_throughput_and_mfu():
     proc = subprocess.run(
@@ -69,7 +78,7 @@ def test_a_short_run_reports_throughput_and_mfu():
          "--num-attention-heads", "4", "--seq-length", "256", "--prompt-len", "32",
          "--gen-tokens", "32", "--gen-requests", "8", "--batch-size", "8",
          "--micro-batch-size", "4", "--train-steps", "2", "--warmup-steps", "1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env=standalone_env(),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout[proc.stdout.index("{") :])

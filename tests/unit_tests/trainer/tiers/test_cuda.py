@@ -4,6 +4,9 @@ on one GPU. The whole tier also runs on CPU under a CUDA emulation in
 
 from __future__ import annotations
 
+import os
+from unittest import mock
+
 import pytest
 import torch
 from grpo_testing.models import VOCAB
@@ -85,9 +88,10 @@ def test_the_cuda_policy_refuses_packing_with_the_transformer_engine_spec(cpu_wo
 def cuda_world():
     from megatron.trainer.initialize import initialize_distributed, shutdown_distributed
 
-    ctx = initialize_distributed(train_args())
-    yield ctx
-    shutdown_distributed()
+    with mock.patch.dict(os.environ):  # the world's variables do not outlive the test
+        ctx = initialize_distributed(train_args())
+        yield ctx
+        shutdown_distributed()
 
 
 def train_step(tier, state, batch):
