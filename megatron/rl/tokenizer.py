@@ -153,10 +153,18 @@ class HuggingFaceTokenizer:
         end = next((i for i, t in enumerate(tokens) if t in stops), len(tokens))
         return self._tok.decode(list(tokens[:end]), skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        """The text of one token, special tokens included (``decode`` drops them)."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """The prompt text of ``messages`` ({"role", "content"} dicts) rendered by the template."""
+        """The prompt text of ``messages`` ({"role", "content", ...} dicts) rendered by the
+        template, with ``tools`` (OpenAI function schemas) where the template renders them."""
         if not self._tok.chat_template:
             from megatron.rl.models.hf.errors import HFCheckpointError
 
@@ -165,12 +173,14 @@ class HuggingFaceTokenizer:
                 "turned into a prompt (use plain-text prompts or add a chat template)"
             )
         return self._tok.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
         )
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """Token ids of the chat prompt of ``messages`` (no special tokens added twice)."""
-        text = self.apply_chat_template(messages)
+        text = self.apply_chat_template(messages, tools=tools)
         return list(self._tok.encode(text, add_special_tokens=False))
 
 

@@ -8,10 +8,18 @@ their own modules: ``megatron.rl.wire_completions`` and ``megatron.rl.wire_chat`
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import json
+from typing import Annotated, Any, Literal
 
 import httpx
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 MAX_ID = 2**31 - 1
 """Largest batch id, group index, sample index or policy version on the wire."""
@@ -46,11 +54,81 @@ class SamplingParams(WireModel):
     )
 
 
-class ChatMessage(WireModel):
-    """One message of a chat prompt, rendered into prompt text by the tokenizer's chat template."""
+class ToolCallFunction(WireModel):
+    """The function an assistant's tool call names, OpenAI's schema."""
 
-    role: Literal["system", "user", "assistant"]
+    name: str = Field(min_length=1, max_length=256)
+    arguments: str = Field(max_length=MAX_TOKENS, description="The arguments as JSON text.")
+
+
+class ToolCall(WireModel):
+    """One tool call of an assistant message (OpenAI's ``tool_calls[i]``)."""
+
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(WireModel):
+    """One message of a chat prompt, rendered into prompt text by the tokenizer's chat template.
+
+    OpenAI's tool-calling shapes: an ``assistant`` message may carry ``tool_calls`` (its
+    ``content`` then often ``null``, read as empty), and a ``tool`` message answers one call
+    (``tool_call_id``, optionally the tool's ``name``).
+    """
+
+    role: Literal["system", "user", "assistant", "tool"]
     content: str = Field(max_length=MAX_TOKENS)
+    tool_calls: list[ToolCall] | None = Field(
+        None, max_length=64, exclude_if=lambda v: v is None, description="assistant only"
+    )
+    tool_call_id: str | None = Field(
+        None, max_length=256, exclude_if=lambda v: v is None, description="tool only"
+    )
+    name: str | None = Field(None, max_length=256, exclude_if=lambda v: v is None)
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _null_content(cls, value: Any) -> Any:
+        return "" if value is None else value
+
+    @model_validator(mode="after")
+    def _roles(self) -> "ChatMessage":
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"'tool_calls' belongs to assistant messages, not {self.role!r}")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError(f"'tool_call_id' belongs to tool messages, not {self.role!r}")
+        return self
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it: tool-call arguments as objects where they are
+        JSON objects (Hugging Face's convention), None fields left out."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls is not None:
+            out["tool_calls"] = [
+                {
+                    "type": "function",
+                    "id": call.id,
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _json_object_or_text(call.function.arguments),
+                    },
+                }
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+def _json_object_or_text(text: str) -> Any:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 def check_chat_messages(messages: list[ChatMessage], field: str = "messages") -> None:

@@ -127,7 +127,7 @@ def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage]) -> tuple[str,
             "prompt given as chat messages cannot be rendered; give the environment's prompt as "
             "text, or use a tokenizer with a chat template"
         )
-    dicts = [m.model_dump() for m in messages]
+    dicts = [m.template_dict() for m in messages]
     try:
         text = tokenizer.apply_chat_template(dicts, add_generation_prompt=True)
         ids = tokenizer.encode_chat(dicts)

@@ -107,10 +107,10 @@ def test_inference_request_messages_are_a_third_exclusive_form(kwargs):
     "messages, needle",
     [
         pytest.param([], "'messages' must not be empty", id="empty"),
-        pytest.param([{"role": "tool", "content": "x"}], "messages.0.role", id="unknown-role"),
+        pytest.param([{"role": "robot", "content": "x"}], "messages.0.role", id="unknown-role"),
         pytest.param([{"role": "user"}], "messages.0.content", id="no-content"),
         pytest.param(
-            [{"role": "user", "content": "x", "name": "bob"}], "messages.0.name", id="extra-field"
+            [{"role": "user", "content": "x", "audio": "bob"}], "messages.0.audio", id="extra-field"
         ),
         pytest.param(
             [{"role": "user", "content": "x" * (MAX_TOKENS // 2 + 1)}] * 2,

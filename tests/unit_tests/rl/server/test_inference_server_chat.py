@@ -188,12 +188,12 @@ USER = [{"role": "user", "content": "1+1="}]
         pytest.param({"messages": []}, "field 'messages'", id="no-messages"),
         pytest.param({"max_tokens": 3}, "field 'messages'", id="missing-messages"),
         pytest.param(
-            {"messages": [{"role": "tool", "content": "x"}]}, "field 'messages.0.role'", id="role"
+            {"messages": [{"role": "robot", "content": "x"}]}, "field 'messages.0.role'", id="role"
         ),
         pytest.param(
-            {"messages": [{"role": "user", "content": "x", "name": "a"}]},
-            "field 'messages.0.name'",
-            id="message-name",
+            {"messages": [{"role": "user", "content": "x", "audio": "a"}]},
+            "field 'messages.0.audio'",
+            id="message-extra-field",
         ),
         pytest.param(
             {"messages": USER},
