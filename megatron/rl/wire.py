@@ -181,6 +181,21 @@ class InferenceRequest(WireModel):
         description="Text tokenized by the trainer and appended after 'prompt_tokens' (the "
         "environment's answer in a multi-turn rollout).",
     )
+    suffix_messages: list[ChatMessage] | None = Field(
+        None,
+        max_length=MAX_CHAT_MESSAGES,
+        exclude_if=lambda v: v is None,
+        description="Chat messages appended after 'prompt_tokens' token-exactly: the template's "
+        "tokens for them and the next assistant turn's generation prompt, rendered by the "
+        "trainer (the environment's messages in a chat rollout; chat_continuation.py).",
+    )
+    tools: list[dict[str, Any]] | None = Field(
+        None,
+        max_length=128,
+        exclude_if=lambda v: v is None,
+        description="OpenAI function-tool schemas, rendered by the chat template with "
+        "'messages' or 'suffix_messages'.",
+    )
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     seed: Seed = Field(0, description="Seed of this request's sampling RNG.")
     rollout_key: RolloutKey | None = Field(None, description="The rollout this request serves.")
@@ -210,6 +225,12 @@ class InferenceRequest(WireModel):
                 raise ValueError("'prompt_suffix' must not be empty")
             if len(self.prompt_tokens) + len(self.prompt_suffix) > MAX_TOKENS:
                 raise ValueError(f"'prompt_tokens' plus 'prompt_suffix' exceed {MAX_TOKENS}")
+        if self.suffix_messages is not None:
+            if self.prompt_tokens is None or self.prompt_suffix is not None:
+                raise ValueError("'suffix_messages' needs 'prompt_tokens' and no 'prompt_suffix'")
+            check_chat_messages(self.suffix_messages, "suffix_messages")
+        if self.tools is not None and self.messages is None and self.suffix_messages is None:
+            raise ValueError("'tools' needs 'messages' or 'suffix_messages'")
         if self.continued and self.rollout_key is None:
             raise ValueError("'continued' needs 'rollout_key'")
         return self

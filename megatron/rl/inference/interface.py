@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 from megatron.rl.async_utils import gather_all
+from megatron.rl.inference.chat_continuation import environment_tokens
 from megatron.rl.inference.protocol import InferenceEngine, InvalidInferenceRequest
 from megatron.rl.seeding import derive_seed
 from megatron.rl.tokenizer import Tokenizer
@@ -90,7 +92,7 @@ class LocalInferenceInterface(InferenceInterface):
         ``messages`` through the chat template, ``prompt_tokens`` (checked) + tokenized
         ``prompt_suffix``, or the tokenized ``prompt``."""
         if request.messages is not None:
-            text, ids = render_chat(self.tokenizer, request.messages)
+            text, ids = render_chat(self.tokenizer, request.messages, request.tools)
             return ids, text
         if request.prompt_tokens is None:
             return self._encode(request.prompt, "prompt"), None
@@ -102,6 +104,10 @@ class LocalInferenceInterface(InferenceInterface):
             )
         if request.prompt_suffix is not None:
             prompt += self._encode(request.prompt_suffix, "prompt_suffix", continuation=True)
+        if request.suffix_messages is not None:
+            prompt += environment_tokens(
+                self.tokenizer, request.suffix_messages, prompt, request.tools
+            )
         return prompt, None
 
     def _encode(self, text: str, field: str, continuation: bool = False) -> list[int]:
@@ -112,9 +118,11 @@ class LocalInferenceInterface(InferenceInterface):
             raise InvalidInferenceRequest(f"{field}: {exc}") from None
 
 
-def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage]) -> tuple[str, list[int]]:
-    """The prompt text and token ids of ``messages``, rendered by the tokenizer's chat template
-    with the assistant's generation prompt.
+def render_chat(
+    tokenizer: Tokenizer, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None
+) -> tuple[str, list[int]]:
+    """The prompt text and token ids of ``messages`` (and ``tools``, OpenAI function schemas),
+    rendered by the tokenizer's chat template with the assistant's generation prompt.
 
     Raises ``InvalidInferenceRequest`` when the tokenizer has no chat template (``CharTokenizer``,
     or a Hugging Face tokenizer without one) or the template refuses the conversation.
@@ -129,8 +137,12 @@ def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage]) -> tuple[str,
         )
     dicts = [m.template_dict() for m in messages]
     try:
-        text = tokenizer.apply_chat_template(dicts, add_generation_prompt=True)
-        ids = tokenizer.encode_chat(dicts)
+        if tools is None:  # tokenizers of tests and tools may not take ``tools``
+            text = tokenizer.apply_chat_template(dicts, add_generation_prompt=True)
+            ids = tokenizer.encode_chat(dicts)
+        else:
+            text = tokenizer.apply_chat_template(dicts, add_generation_prompt=True, tools=tools)
+            ids = tokenizer.encode_chat(dicts, tools=tools)
     except Exception as exc:  # jinja2 errors, the template's raise_exception, ...
         raise InvalidInferenceRequest(
             f"messages: the tokenizer's chat template cannot render them: {exc}"
