@@ -7,13 +7,14 @@ inference server calls it, and so can other routes that generate chat turns.
 Tool calls (decoding is never constrained; the parser reads what the model wrote):
 
 * no ``tools``, or ``tool_choice`` ``"none"``: nothing is parsed; the text is the content.
-* ``"auto"`` (the default with tools): the parser splits the text into content (null when
-  nothing but calls) and ``tool_calls``; ``finish_reason`` is ``"tool_calls"`` when any call is
-  returned.
+* ``"auto"`` (the default with tools): the parser splits the text into content (the text around
+  the calls, stripped; null when nothing but calls) and ``tool_calls``; ``finish_reason`` is
+  ``"tool_calls"`` when any call is returned. A message without a returned call is the generated
+  text unchanged, with the ``finish_reason`` it was generated with.
 * ``"required"``: as ``auto``; when the model wrote no parsable call the text is returned with
   the ``finish_reason`` it generated (``stop``/``length``): nothing forces a call.
 * a named function: as ``auto``, but only calls to that function are returned; calls to others
-  are dropped and counted in ``tool_call_errors``.
+  are dropped and counted in ``tool_call_errors`` (if no call is left, the message is the text).
 * ``parallel_tool_calls`` false: only the first call is returned (the rest are dropped, not
   counted: the model did call them correctly).
 
@@ -114,8 +115,8 @@ def tool_call_message(
         calls.append(ToolCall(id=f"call_{next(ids)}", function=function))
     if not body.parallel_tool_calls:
         calls = calls[:1]
-    if not calls:
-        return ChatCompletionMessage(content=content), out.finish_reason, errors
+    if not calls:  # nothing to return as a call: the text as generated
+        return ChatCompletionMessage(content=out.text), out.finish_reason, errors
     message = ChatCompletionMessage(content=content or None, tool_calls=calls)
     return message, "tool_calls", errors
 
