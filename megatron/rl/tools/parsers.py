@@ -143,3 +143,15 @@ def tool_call_parser(name: str) -> ToolCallParser:
         raise ValueError(
             f"unknown tool-call parser {name!r}; known: {', '.join(sorted(PARSERS))}"
         ) from None
+
+
+def detect_parser(chat_template: str | None) -> str | None:
+    """The parser a chat template teaches: ``hermes`` when it writes ``<tool_call>`` tags,
+    ``llama3_json`` when it uses Llama 3's ``<|python_tag|>``/``ipython`` role, else None."""
+    if not chat_template:
+        return None
+    if "<tool_call>" in chat_template:
+        return "hermes"
+    if "<|python_tag|>" in chat_template or "ipython" in chat_template:
+        return "llama3_json"
+    return None

@@ -251,3 +251,18 @@ def test_an_assistant_turn_becomes_an_openai_message_with_its_calls(tok):
     message = turn.message()
     assert message.content == "thinking" and message.tool_calls[0].id == "call_3_0"
     assert json.loads(message.tool_calls[0].function.arguments) == {"x": 1}
+
+
+@pytest.mark.parametrize(
+    "template, name",
+    [
+        pytest.param("{{ '<tool_call>' }}{{ tool }}", "hermes", id="hermes"),
+        pytest.param("{% if m.role == 'ipython' %}<|python_tag|>{% endif %}", "llama3_json", id="llama3"),
+        pytest.param("<|user|>{{ content }}", None, id="none"),
+        pytest.param(None, None, id="no-template"),
+    ],
+)  # fmt: skip
+def test_the_parser_is_detected_from_the_chat_template(template, name):
+    from megatron.rl.tools.parsers import detect_parser
+
+    assert detect_parser(template) == name
