@@ -7,6 +7,11 @@ A case is a folder ``test_cases/<name>/`` holding ``model_config.yaml``::
     env_server: |                                 # optional: serve this env config from a real
       - agent_type: digits                        #   uvicorn env server; the trainer reaches it
         env_id: copy                              #   through `remote` agents
+    env_config: |                                 # optional: this env config, in process
+      - agent_type: digits
+    tiny_hf_checkpoint: {family: qwen2, seed: 1}  # optional: train a tiny random Hugging Face
+                                                  #   checkpoint (megatron.rl.models.hf.tiny)
+                                                  #   made for the run (--hf-checkpoint)
     resume: {save-interval: 10, kill-after-step: 12}   # optional: save every 10 steps, kill -9
                                                   #   the job once step 12 is logged, resume
     requires: [transfer_queue, ray]               # optional: modules the case needs (an extra);
@@ -265,6 +270,16 @@ def run_case(name: str) -> list[dict]:
     nproc, args = case["nproc_per_node"], dict(case["args"])
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         workdir = Path(tmp)
+        if "tiny_hf_checkpoint" in case:
+            from megatron.rl.models.hf.tiny import make_tiny_checkpoint
+
+            tiny = case["tiny_hf_checkpoint"]
+            args["hf-checkpoint"] = make_tiny_checkpoint(
+                tiny["family"], workdir / "tiny_hf", seed=tiny.get("seed", 0)
+            )
+        if "env_config" in case:
+            args["env-config"] = workdir / "envs.yaml"
+            args["env-config"].write_text(case["env_config"])
         if "env_server" in case:
             url, _ = stack.enter_context(env_server(workdir, case["env_server"]))
             entries = yaml.safe_load(case["env_server"])
