@@ -129,10 +129,13 @@ async def run_episode(
             rollout_key=key,
             continued=key is not None and len(responses) + 1 < max_turns,
         )
-    return _assemble(responses, observations)
+    return assemble_episode(responses, observations)
 
 
-def _assemble(responses: list[InferenceResponse], observations: list[str]) -> Episode:
+def assemble_episode(responses: list[InferenceResponse], observations: list[str]) -> Episode:
+    """The episode of a rollout's turns: each turn's prompt must extend the history so far
+    (``ValueError`` naming the turn otherwise); what it adds is environment tokens (mask False),
+    its generated tokens carry the loss (mask True)."""
     tokens = list(responses[0].prompt_tokens)
     mask = [False] * len(tokens)
     logprobs: list[float] = []

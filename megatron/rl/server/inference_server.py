@@ -5,7 +5,8 @@ the ``LocalInferenceInterface`` over the engine that serves local agents too) as
 OpenAI completions API: ``POST /v1/completions`` (``wire_completions.CompletionRequest``) and
 ``POST /v1/chat/completions`` (``wire_chat.ChatCompletionRequest``; the messages are rendered by
 the tokenizer's chat template, and a tokenizer without one answers 422 naming it), plus
-``GET /v1/models`` (the one model served, ``model_name``, in OpenAI's list format). Requests go
+``GET /v1/models`` (the one model served, ``model_name``, in OpenAI's list format), and one
+OpenAI base URL per agent session, ``/sessions/{token}/v1`` (``sessions.py``). Requests go
 into the same engine queue as local ones, so they belong to the same batches, follow the same
 forced-lag schedule and return the same per-token logprobs and policy versions.
 
@@ -24,6 +25,7 @@ from megatron.rl.auth import require_api_key
 from megatron.rl.inference.interface import InferenceInterface
 from megatron.rl.inference.protocol import EngineError, InvalidInferenceRequest
 from megatron.rl.server.http import ERROR_RESPONSES, install_error_handlers
+from megatron.rl.server.sessions import install_session_routes
 from megatron.rl.tokenizer import Tokenizer
 from megatron.rl.wire import InferenceRequest, InferenceResponse
 from megatron.rl.wire_chat import (
@@ -149,6 +151,7 @@ def create_inference_app(
         """A multi-turn rollout sends no further turn (after a request with ``continued``)."""
         return EndRolloutResponse(awaited=await inference.end_rollout(body.rollout_key))
 
+    install_session_routes(app, inference, tokenizer, model_name)  # agent sessions' base URLs
     return app
 
 
