@@ -92,6 +92,14 @@ class ChatMessage(WireModel):
     def _null_content(cls, value: Any) -> Any:
         return "" if value is None else value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _calls_without_content(cls, data: Any) -> Any:
+        """An assistant message of tool calls only may leave ``content`` out (OpenAI's shape)."""
+        if isinstance(data, dict) and "content" not in data and data.get("tool_calls"):
+            return {**data, "content": ""}
+        return data
+
     @model_validator(mode="after")
     def _roles(self) -> "ChatMessage":
         if self.tool_calls is not None and self.role != "assistant":

@@ -140,7 +140,10 @@ def inference_server_config(cfg: RunConfig) -> InferenceServerConfig:
     if key is not None and cfg.inference.api_key_file is not None:
         os.environ[API_KEY_ENV] = key
     return InferenceServerConfig(
-        cfg.inference.inference_server_host, cfg.inference.inference_server_port, key
+        cfg.inference.inference_server_host,
+        cfg.inference.inference_server_port,
+        key,
+        cfg.inference.tool_call_parser,
     )
 
 

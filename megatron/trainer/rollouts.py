@@ -55,6 +55,8 @@ class InferenceServerConfig:
     """Port to bind (0: a free one)."""
     api_key: str | None = field(default=None, repr=False)
     """The job's shared key, required from clients (``megatron.rl.auth``); None: no key."""
+    tool_call_parser: str = "auto"
+    """How chat completions read tool calls (``--tool-call-parser``: a parser, auto or none)."""
 
 
 @dataclass(frozen=True)
@@ -138,7 +140,12 @@ class RolloutSource:
     async def _start(self) -> None:
         if self.agent.requires_inference_server:
             cfg = self.server_config
-            app = create_inference_app(self.inference, self.tokenizer, api_key=cfg.api_key)
+            app = create_inference_app(
+                self.inference,
+                self.tokenizer,
+                api_key=cfg.api_key,
+                tool_call_parser=cfg.tool_call_parser,
+            )
             if cfg.api_key is None and not is_loopback(cfg.host):
                 logger.warning(
                     "the inference server listens on %s without a key: anyone who reaches it "

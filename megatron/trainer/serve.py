@@ -62,7 +62,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 def build_serve_parser() -> argparse.ArgumentParser:
     """The trainer's flags (model, checkpoint, tokenizer, ``--inference-max-requests``,
-    ``--rl-api-key-file``, ...) plus the server's own."""
+    ``--rl-api-key-file``, ``--tool-call-parser``, ...) plus the server's own."""
     parser = command_parser(
         PROG,
         "Serve a Hugging Face (--hf-checkpoint) or trainer (--load) checkpoint on the trainer's "
@@ -137,7 +137,13 @@ def serve(cfg: RunConfig, own: argparse.Namespace) -> None:
         )  # fmt: skip
         name, key = own.served_model_name or default_model_name(cfg), served_key(cfg)
         inference = LocalInferenceInterface(host.engine, loaded.tokenizer)
-        app = create_inference_app(inference, loaded.tokenizer, model_name=name, api_key=key)
+        app = create_inference_app(
+            inference,
+            loaded.tokenizer,
+            model_name=name,
+            api_key=key,
+            tool_call_parser=cfg.inference.tool_call_parser,
+        )
         host.window(lambda: listen_until_stopped(app, own.host, own.port, name, key is not None))
     finally:
         if host is not None:

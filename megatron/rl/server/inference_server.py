@@ -4,9 +4,12 @@
 the ``LocalInferenceInterface`` over the engine that serves local agents too) as a subset of the
 OpenAI completions API: ``POST /v1/completions`` (``wire_completions.CompletionRequest``) and
 ``POST /v1/chat/completions`` (``wire_chat.ChatCompletionRequest``; the messages are rendered by
-the tokenizer's chat template, and a tokenizer without one answers 422 naming it), plus
-``GET /v1/models`` (the one model served, ``model_name``, in OpenAI's list format), and one
-OpenAI base URL per agent session, ``/sessions/{token}/v1`` (``sessions.py``). Requests go
+the tokenizer's chat template, and a tokenizer without one answers 422 naming it; ``tools`` are
+rendered by the template and the model's tool calls parsed out of its text by the
+``tool_call_parser``, see ``chat_responses``), plus ``GET /v1/models`` (the one model served,
+``model_name``, in OpenAI's list format), ``GET /metrics`` (running tool-call counts,
+``wire_chat.ToolCallMetrics``) and one OpenAI base URL per agent session,
+``/sessions/{token}/v1`` (``sessions.py``). Requests go
 into the same engine queue as local ones, so they belong to the same batches, follow the same
 forced-lag schedule and return the same per-token logprobs and policy versions.
 
@@ -24,17 +27,20 @@ from fastapi import FastAPI, HTTPException
 from megatron.rl.auth import require_api_key
 from megatron.rl.inference.interface import InferenceInterface
 from megatron.rl.inference.protocol import EngineError, InvalidInferenceRequest
+from megatron.rl.server.chat_responses import (
+    ToolCallCounter,
+    chat_completion_response,
+    completion_usage,
+)
 from megatron.rl.server.http import ERROR_RESPONSES, install_error_handlers
 from megatron.rl.server.sessions import install_session_routes
 from megatron.rl.tokenizer import Tokenizer
+from megatron.rl.tools.parsers import AUTO, resolve_tool_call_parser
 from megatron.rl.wire import InferenceRequest, InferenceResponse
 from megatron.rl.wire_chat import (
-    ChatChoiceLogprobs,
-    ChatCompletionChoice,
-    ChatCompletionMessage,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatTokenLogprob,
+    ToolCallMetrics,
 )
 from megatron.rl.wire_completions import (
     CompletionChoice,
@@ -54,10 +60,15 @@ def create_inference_app(
     tokenizer: Tokenizer,
     model_name: str = "policy",
     api_key: str | None = None,
+    tool_call_parser: str = AUTO,
 ) -> FastAPI:
-    """A FastAPI app with ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
-    ``POST /v1/chat/completions`` and ``POST /v1/rollouts/end`` over ``inference``; with
-    ``api_key`` every request needs it as a bearer token (401 otherwise)."""
+    """A FastAPI app with ``GET /health``, ``GET /metrics``, ``GET /v1/models``,
+    ``POST /v1/completions``, ``POST /v1/chat/completions`` and ``POST /v1/rollouts/end`` over
+    ``inference``; with ``api_key`` every request needs it as a bearer token (401 otherwise).
+    ``tool_call_parser``: a parser name, ``auto`` (the tokenizer's chat template decides) or
+    ``none`` (``ValueError`` for another)."""
+    parser = resolve_tool_call_parser(tool_call_parser, getattr(tokenizer, "chat_template", None))
+    counter = ToolCallCounter()
     app = FastAPI(title="megatron-rl inference server", version="1")
     install_error_handlers(app)
     require_api_key(app, api_key)
@@ -79,6 +90,11 @@ def create_inference_app(
     async def health() -> dict[str, str]:
         """Liveness."""
         return {"status": "ok"}
+
+    @app.get("/metrics", response_model=ToolCallMetrics, responses=ERROR_RESPONSES)
+    async def metrics() -> ToolCallMetrics:
+        """Running counts of chat choices, returned tool calls and tool-call errors."""
+        return counter.snapshot()
 
     @app.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
     async def models() -> ModelList:
@@ -123,56 +139,25 @@ def create_inference_app(
     )
     async def chat_completions(body: ChatCompletionRequest) -> ChatCompletionResponse:
         """Generate ``n`` assistant messages for the conversation with the current policy; the
-        messages are rendered by the trainer tokenizer's chat template."""
-        outs = await generate(body.to_inference_request(), body.n)
-        choices = [
-            ChatCompletionChoice(
-                index=index,
-                message=ChatCompletionMessage(content=out.text),
-                finish_reason=out.finish_reason,
-                logprobs=chat_logprobs(tokenizer, out) if body.logprobs else None,
-                token_ids=out.tokens,
-                prompt_token_ids=out.prompt_tokens,
-                policy_versions=out.policy_versions,
-                prompt_text=out.prompt_text or "",
+        messages (and ``tools``) are rendered by the trainer tokenizer's chat template and tool
+        calls parsed out of the text (``chat_responses``)."""
+        if parser is None and body.effective_tool_choice not in ("none", "auto"):
+            raise HTTPException(
+                422,
+                "field 'tool_choice': this server parses no tool calls (--tool-call-parser "
+                "none); give 'auto' or 'none'",
             )
-            for index, out in enumerate(outs)
-        ]
-        return ChatCompletionResponse(
-            id=f"chatcmpl-{next(ids)}",
-            created=int(time.time()),
-            model=body.model or model_name,
-            choices=choices,
-            usage=completion_usage(outs),
+        outs = await generate(body.to_inference_request(), body.n)
+        response = chat_completion_response(
+            body, outs, tokenizer, parser, response_id=f"chatcmpl-{next(ids)}", model=model_name
         )
+        counter.record(response)
+        return response
 
     @app.post("/v1/rollouts/end", response_model=EndRolloutResponse, responses=ERROR_RESPONSES)
     async def end_rollout(body: EndRolloutRequest) -> EndRolloutResponse:
         """A multi-turn rollout sends no further turn (after a request with ``continued``)."""
         return EndRolloutResponse(awaited=await inference.end_rollout(body.rollout_key))
 
-    install_session_routes(app, inference, tokenizer, model_name)  # agent sessions' base URLs
+    install_session_routes(app, inference, tokenizer, model_name, parser)  # agents' base URLs
     return app
-
-
-def completion_usage(outs: list[InferenceResponse]) -> CompletionUsage:
-    """OpenAI's ``usage`` of the ``n`` samples of one prompt: the prompt counted once, the
-    completions summed."""
-    prompt_tokens = len(outs[0].prompt_tokens)
-    completion_tokens = sum(len(out.tokens) for out in outs)
-    return CompletionUsage(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens,
-    )
-
-
-def chat_logprobs(tokenizer: Tokenizer, out: InferenceResponse) -> ChatChoiceLogprobs:
-    """OpenAI's ``logprobs.content``: one entry per generated token (the stop token included)."""
-    content = []
-    for token, logprob in zip(out.tokens, out.logprobs):
-        piece = tokenizer.decode([token])
-        content.append(
-            ChatTokenLogprob(token=piece, logprob=logprob, bytes=list(piece.encode("utf-8")))
-        )
-    return ChatChoiceLogprobs(content=content)

@@ -7,7 +7,10 @@
   ``wire_chat.ChatCompletionRequest`` (what the ``openai`` client sends); ``n`` must be 1 and the
   RL extensions ``rollout_key`` and ``ignore_eos`` are refused (the session has its own); the
   sampling parameters are the session's (``temperature``, ``top_p``, ``top_k``, ``seed`` are
-  ignored) and ``max_tokens`` only lowers its budget. A conversation that does not continue the
+  ignored) and ``max_tokens`` only lowers its budget. ``tools`` are rendered by the chat template
+  and must be the same on every turn; the model's tool calls are parsed out of its text as on
+  ``/v1/chat/completions`` (``chat_responses``), and the agent echoes the assistant message with
+  its ``tool_calls`` in the next turn's messages. A conversation that does not continue the
   session is a 400 naming the message, a finished or failed session a 409, an unknown token a
   404; each of them ends the session.
 * ``GET /sessions/{token}/v1/models``: the served model, as ``GET /v1/models``.
@@ -19,35 +22,30 @@ So an agent written against the ``openai`` package works unchanged with
 from __future__ import annotations
 
 import itertools
-import time
 
 from fastapi import FastAPI, HTTPException
 
 from megatron.rl.inference.interface import InferenceInterface
 from megatron.rl.inference.protocol import EngineError
-from megatron.rl.inference.sessions import (
-    SESSIONS_PREFIX,
-    SessionError,
-    SessionTurn,
-    session_registry,
-)
+from megatron.rl.inference.sessions import SESSIONS_PREFIX, SessionError, session_registry
+from megatron.rl.server.chat_responses import chat_completion_response
 from megatron.rl.server.http import ERROR_RESPONSES
+from megatron.rl.tokenizer import Tokenizer
+from megatron.rl.tools.parsers import ToolCallParser
 from megatron.rl.wire import ChatMessage, InferenceResponse
-from megatron.rl.wire_chat import (
-    ChatChoiceLogprobs,
-    ChatCompletionChoice,
-    ChatCompletionMessage,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatTokenLogprob,
-)
-from megatron.rl.wire_completions import CompletionUsage, ModelCard, ModelList
+from megatron.rl.wire_chat import ChatCompletionRequest, ChatCompletionResponse
+from megatron.rl.wire_completions import ModelCard, ModelList
 
 
 def install_session_routes(
-    app: FastAPI, inference: InferenceInterface, tokenizer, model_name: str = "policy"
+    app: FastAPI,
+    inference: InferenceInterface,
+    tokenizer: Tokenizer,
+    model_name: str = "policy",
+    parser: ToolCallParser | None = None,
 ) -> None:
-    """Add the session routes (module docstring) for the sessions of ``inference``."""
+    """Add the session routes (module docstring) for the sessions of ``inference``; ``parser``
+    parses the model's tool calls as on ``/v1/chat/completions`` (None: never)."""
     registry = session_registry(inference)
     registry.served = True
     ids = itertools.count()
@@ -67,33 +65,36 @@ def install_session_routes(
     )
     async def session_chat(token: str, body: ChatCompletionRequest) -> ChatCompletionResponse:
         """The session's next assistant turn for the agent's conversation."""
-        refused = _refused_field(body)
+        refused = _refused_field(body, parser)
         if refused is not None:
             _check(lambda: registry.get(token))
             await registry.fail(token, refused)
             raise HTTPException(400, f"session: {refused}")
+        answers: list[ChatCompletionResponse] = []
+
+        def reply(out: InferenceResponse) -> ChatMessage:
+            """The answer's assistant message, as the agent will echo it."""
+            answer = chat_completion_response(
+                body, [out], tokenizer, parser, response_id=f"chatcmpl-s{next(ids)}",
+                model=model_name,
+            )  # fmt: skip
+            answers.append(answer)
+            message = answer.choices[0].message
+            return ChatMessage(
+                role="assistant", content=message.content, tool_calls=message.tool_calls
+            )
+
         max_tokens = body.max_completion_tokens or body.max_tokens
         try:
-            turn = await registry.chat(token, body.messages, None, max_tokens, assistant_message)
+            await registry.chat(token, body.messages, body.tool_schemas(), max_tokens, reply)
         except SessionError as exc:
             raise HTTPException(exc.status, f"session: {exc}") from None
         except EngineError as exc:
             raise HTTPException(503, f"inference engine unavailable: {exc}") from None
-        return ChatCompletionResponse(
-            id=f"chatcmpl-session-{next(ids)}",
-            created=int(time.time()),
-            model=body.model or model_name,
-            choices=[_choice(tokenizer, turn, body.logprobs)],
-            usage=_usage(turn.response),
-        )
+        return answers[-1]
 
 
-def assistant_message(response: InferenceResponse) -> ChatMessage:
-    """The assistant message an agent is answered with: the generated text."""
-    return ChatMessage(role="assistant", content=response.text)
-
-
-def _refused_field(body: ChatCompletionRequest) -> str | None:
+def _refused_field(body: ChatCompletionRequest, parser: ToolCallParser | None) -> str | None:
     """Why a session refuses ``body`` (naming the field), or None."""
     if body.n != 1:
         return "field 'n': a session generates one sample per request (n=1)"
@@ -101,6 +102,8 @@ def _refused_field(body: ChatCompletionRequest) -> str | None:
         return "field 'rollout_key': a session's requests carry the session's rollout key"
     if body.ignore_eos:
         return "field 'ignore_eos': a session's sampling parameters are the environment's"
+    if parser is None and body.effective_tool_choice not in ("none", "auto"):
+        return "field 'tool_choice': this server parses no tool calls; give 'auto' or 'none'"
     return None
 
 
@@ -109,32 +112,3 @@ def _check(get):
         return get()
     except SessionError as exc:
         raise HTTPException(exc.status, f"session: {exc}") from None
-
-
-def _choice(tokenizer, turn: SessionTurn, logprobs: bool) -> ChatCompletionChoice:
-    out = turn.response
-    content = None
-    if logprobs:
-        content = ChatChoiceLogprobs(
-            content=[
-                ChatTokenLogprob(token=p, logprob=lp, bytes=list(p.encode("utf-8")))
-                for p, lp in zip((tokenizer.decode([t]) for t in out.tokens), out.logprobs)
-            ]
-        )
-    return ChatCompletionChoice(
-        message=ChatCompletionMessage(content=turn.message.content),
-        finish_reason=out.finish_reason,
-        logprobs=content,
-        token_ids=out.tokens,
-        prompt_token_ids=out.prompt_tokens,
-        policy_versions=out.policy_versions,
-        prompt_text=out.prompt_text or "",
-    )
-
-
-def _usage(out: InferenceResponse) -> CompletionUsage:
-    return CompletionUsage(
-        prompt_tokens=len(out.prompt_tokens),
-        completion_tokens=len(out.tokens),
-        total_tokens=len(out.prompt_tokens) + len(out.tokens),
-    )

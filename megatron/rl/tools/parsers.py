@@ -22,6 +22,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+MAX_NAME_LENGTH = 256
+"""Longest function name a call may have (``wire.ToolCallFunction``'s bound)."""
+
 
 @dataclass(frozen=True)
 class ParsedCall:
@@ -51,9 +54,10 @@ class ToolCallParser(Protocol):
 
 
 def _call(obj: Any, argument_keys: tuple[str, ...]) -> ParsedCall | None:
-    """``obj`` as a call: a JSON object with a non-empty string ``name`` and an object (or a JSON
+    """``obj`` as a call: a JSON object with a string ``name`` (1-``MAX_NAME_LENGTH`` characters) and an object (or a JSON
     string holding one) under the first of ``argument_keys`` present (absent: no arguments)."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+    name = obj.get("name") if isinstance(obj, dict) else None
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_LENGTH:
         return None
     arguments: Any = {}
     for key in argument_keys:
@@ -63,9 +67,9 @@ def _call(obj: Any, argument_keys: tuple[str, ...]) -> ParsedCall | None:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, or nested too deep for the decoder
             return None
-    return ParsedCall(obj["name"], arguments) if isinstance(arguments, dict) else None
+    return ParsedCall(name, arguments) if isinstance(arguments, dict) else None
 
 
 class HermesParser:
@@ -82,7 +86,7 @@ class HermesParser:
             kept.append(text[end : match.start()])
             try:
                 call = _call(json.loads(match.group(1)), ("arguments", "parameters"))
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # not JSON, or nested too deep
                 call = None
             if call is None:
                 malformed += 1
@@ -115,7 +119,7 @@ class Llama3JsonParser:
         while True:
             try:
                 obj, pos = decoder.raw_decode(body, pos)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # not JSON, or nested too deep
                 return ParsedMessage(text.strip(), (), 1)
             call = _call(obj, ("parameters", "arguments"))
             if call is None:
@@ -126,9 +130,10 @@ class Llama3JsonParser:
                 return ParsedMessage("", tuple(calls), 0)
             if not rest.startswith(";"):
                 return ParsedMessage(text.strip(), (), 1)
-            pos = len(body) - len(rest) + 1
-            while pos < len(body) and body[pos].isspace():
-                pos += 1
+            rest = rest[1:].lstrip()
+            if not rest:  # a trailing separator
+                return ParsedMessage("", tuple(calls), 0)
+            pos = len(body) - len(rest)
 
 
 PARSERS: dict[str, ToolCallParser] = {p.name: p for p in (HermesParser(), Llama3JsonParser())}
@@ -143,3 +148,42 @@ def tool_call_parser(name: str) -> ToolCallParser:
         raise ValueError(
             f"unknown tool-call parser {name!r}; known: {', '.join(sorted(PARSERS))}"
         ) from None
+
+
+AUTO = "auto"
+"""Parser choice: the one the tokenizer's chat template teaches (``detect_tool_call_parser``)."""
+NONE = "none"
+"""Parser choice: no tool-call parsing (generated text is returned as text)."""
+DEFAULT_PARSER = "hermes"
+"""What ``auto`` picks when the chat template names no known format (the most common one)."""
+
+
+def parser_choices() -> tuple[str, ...]:
+    """The values of a parser option: ``auto``, ``none`` and the registry's names."""
+    return (AUTO, NONE, *sorted(PARSERS))
+
+
+def detect_tool_call_parser(chat_template: str | None) -> str:
+    """The parser name for a chat template: ``hermes`` when it writes ``<tool_call>``,
+    ``llama3_json`` when it writes ``<|python_tag|>`` or an ``ipython`` role (Llama 3.1+), else
+    ``DEFAULT_PARSER`` (also for no template)."""
+    template = chat_template or ""
+    if "<tool_call>" in template:
+        return "hermes"
+    if "<|python_tag|>" in template or "ipython" in template:
+        return "llama3_json"
+    return DEFAULT_PARSER
+
+
+def resolve_tool_call_parser(choice: str, chat_template: str | None) -> ToolCallParser | None:
+    """The parser an option value selects: None for ``none``, the template's for ``auto``, else
+    the named one (``ValueError`` naming the known values for an unknown name)."""
+    if choice == NONE:
+        return None
+    if choice == AUTO:
+        choice = detect_tool_call_parser(chat_template)
+    if choice not in PARSERS:
+        raise ValueError(
+            f"unknown tool-call parser {choice!r}; known: {', '.join(parser_choices())}"
+        )
+    return PARSERS[choice]

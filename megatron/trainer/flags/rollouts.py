@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from megatron.rl.tools.parsers import DEFAULT_PARSER, parser_choices
 from megatron.trainer.flags.megatron_lm import aliases_of
 from megatron.trainer.flags.option import Section, option
 
@@ -141,6 +142,17 @@ class Inference(Section):
         "(401 without) and remote environments send it to env servers. Default: the environment "
         "variable MEGATRON_RL_API_KEY; neither: no key (keep servers on loopback).",
         parse=str,
+    )
+    tool_call_parser: str = option(
+        "auto",
+        "How the inference server's /v1/chat/completions reads tool calls out of the generated "
+        "text (for requests with 'tools'): 'hermes' (<tool_call>{json}</tool_call>: Hermes, "
+        "Qwen 2.5/3), 'llama3_json' (Llama 3.1+ JSON calls), 'auto' (the tokenizer's chat "
+        "template decides: <tool_call> -> hermes, <|python_tag|> or ipython -> llama3_json, "
+        f"anything else -> {DEFAULT_PARSER}) or 'none' (text only; tool_choice 'required' or a "
+        "named function is refused). Decoding is not constrained.",
+        flag="--tool-call-parser",
+        choices=parser_choices(),
     )
 
     def problems(self) -> list[str]:

@@ -47,7 +47,7 @@ def episode(client, task) -> tuple[float, list[Any]]:
     completions = []
     for round_ in range(TOOL_ROUNDS + 1):
         completion = client.chat.completions.create(
-            model=task.model, messages=messages, max_tokens=task.max_tokens
+            model=task.model, messages=messages, tools=[CALCULATOR], max_tokens=task.max_tokens
         )
         completions.append(completion)
         message = completion.choices[0].message

@@ -176,7 +176,24 @@ USER = [{"role": "user", "content": "1+1="}]
     "body, needle",
     [
         pytest.param({"messages": USER, "stop": ["\n"]}, "field 'stop'", id="stop"),
-        pytest.param({"messages": USER, "tools": []}, "field 'tools'", id="tools"),
+        pytest.param(
+            {"messages": USER, "tools": [{"type": "code_interpreter"}]},
+            "field 'tools.0.type'",
+            id="non-function-tool",
+        ),
+        pytest.param(
+            {"messages": USER, "tools": [{"type": "function", "function": {"name": "a b"}}]},
+            "field 'tools.0.function.name'",
+            id="tool-name",
+        ),
+        pytest.param(
+            {"messages": USER, "tool_choice": "required"},
+            "'tool_choice' 'required' needs 'tools'",
+            id="required-without-tools",
+        ),
+        pytest.param(
+            {"messages": USER, "tool_choice": "any"}, "field 'tool_choice'", id="tool-choice"
+        ),
         pytest.param({"messages": USER, "top_logprobs": 2}, "field 'top_logprobs'", id="top-2"),
         pytest.param({"messages": USER, "stream": True}, "field 'stream'", id="streaming"),
         pytest.param({"messages": USER, "n": 0}, "field 'n'", id="n-zero"),
