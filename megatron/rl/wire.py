@@ -341,6 +341,14 @@ class TokenRollout(Rollout):
         description="Whether a model turn ended at its budget (finish_reason 'length') instead "
         "of a stop token; None where not recorded.",
     )
+    episode_metrics: dict[str, float] | None = Field(
+        None,
+        max_length=64,
+        exclude_if=lambda value: value is None,
+        description="Per-episode statistics of an agentic rollout by name (a chat episode's "
+        "'turns', 'tool_calls', 'tool_errors', 'truncated'); the trainer logs their means. "
+        "Omitted from the JSON when absent, so other rollouts are the same payload as before.",
+    )
 
     @model_validator(mode="after")
     def _consistent_lengths(self) -> "TokenRollout":

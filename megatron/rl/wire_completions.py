@@ -3,7 +3,9 @@ inference server's text endpoints.
 
 A subset of OpenAI's completions API, shared by the server (``megatron.rl.server.inference_server``)
 and its client (``megatron.rl.inference.remote``), plus the fields RL needs: token ids, policy
-versions, the rollout key and the multi-turn extensions ``prompt_suffix`` and ``continued``.
+versions, the rollout key and the multi-turn extensions ``prompt_suffix``, ``continued`` and, for
+chat episodes, ``messages`` (instead of ``prompt``: a conversation rendered by the chat template,
+sent here when it needs ``continued`` or ``tools``), ``suffix_messages`` and ``tools``.
 Unsupported OpenAI parameters are rejected by name (422), never ignored. ``POST /v1/rollouts/end``
 tells the engine that a rollout sends no more turns; ``GET /v1/models`` lists the one model served
 (OpenAI's list format). The chat endpoint's types are in
@@ -12,12 +14,14 @@ tells the engine that a rollout sends no more turns; ``GET /v1/models`` lists th
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from megatron.rl.wire import (
+    MAX_CHAT_MESSAGES,
     MAX_TOKENS,
+    ChatMessage,
     InferenceRequest,
     InferenceResponse,
     RolloutKey,
@@ -32,7 +36,9 @@ class CompletionRequest(WireModel):
     """``POST /v1/completions`` of the trainer's inference server."""
 
     model: str | None = Field(None, max_length=256, description="Ignored: the trainer's policy.")
-    prompt: str | list[TokenId] = Field(max_length=MAX_TOKENS, description="Text, or token ids.")
+    prompt: str | list[TokenId] | None = Field(
+        None, max_length=MAX_TOKENS, description="Text, or token ids (or 'messages' instead)."
+    )
     max_tokens: int = Field(16, ge=1, le=MAX_TOKENS)
     temperature: float = Field(1.0, ge=0.0, le=1e4)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -55,9 +61,29 @@ class CompletionRequest(WireModel):
     )
     continued: bool = Field(False, description="Extension: see InferenceRequest (n=1).")
     ignore_eos: bool = Field(False, description="Extension: see SamplingParams.")
+    messages: list[ChatMessage] | None = Field(
+        None,
+        max_length=MAX_CHAT_MESSAGES,
+        exclude_if=lambda v: v is None,
+        description="Extension: a conversation instead of 'prompt' (see InferenceRequest).",
+    )
+    suffix_messages: list[ChatMessage] | None = Field(
+        None,
+        max_length=MAX_CHAT_MESSAGES,
+        exclude_if=lambda v: v is None,
+        description="Extension: see InferenceRequest (token 'prompt').",
+    )
+    tools: list[dict[str, Any]] | None = Field(
+        None,
+        max_length=128,
+        exclude_if=lambda v: v is None,
+        description="Extension: see InferenceRequest ('messages' or 'suffix_messages').",
+    )
 
     @model_validator(mode="after")
     def _extensions_consistent(self) -> "CompletionRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("exactly one of 'prompt' and 'messages' must be given")
         if self.prompt_suffix is not None and isinstance(self.prompt, str):
             raise ValueError("'prompt_suffix' needs 'prompt' as token ids")
         if self.continued and (self.rollout_key is None or self.n != 1):
@@ -71,6 +97,9 @@ class CompletionRequest(WireModel):
             prompt=text,
             prompt_tokens=None if text is not None else self.prompt,
             prompt_suffix=self.prompt_suffix,
+            messages=self.messages,
+            suffix_messages=self.suffix_messages,
+            tools=self.tools,
             sampling=SamplingParams(
                 temperature=self.temperature,
                 top_p=self.top_p,
@@ -85,11 +114,8 @@ class CompletionRequest(WireModel):
 
     @classmethod
     def from_inference_request(cls, request: InferenceRequest, n: int = 1) -> "CompletionRequest":
-        """The completion call that serves ``request`` (``n`` samples) remotely, with logprobs.
-
-        A request of chat messages is served by ``ChatCompletionRequest`` (``wire_chat``)."""
-        if request.messages is not None:
-            raise ValueError("a request with 'messages' is a chat completion, not a completion")
+        """The completion call that serves ``request`` (``n`` samples) remotely, with logprobs
+        (every extension the request uses carried: remote == in process)."""
         s = request.sampling
         return cls(
             n=n,
@@ -104,6 +130,9 @@ class CompletionRequest(WireModel):
             rollout_key=request.rollout_key,
             prompt_suffix=request.prompt_suffix,
             continued=request.continued,
+            messages=request.messages,
+            suffix_messages=request.suffix_messages,
+            tools=request.tools,
         )
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from megatron.rl.grpo.filtering import has_reward_variance
 from megatron.rl.grpo.terms import loss_terms
 from megatron.rl.rollout.generator import RolloutBatch
-from megatron.rl.wire import RolloutGroup
+from megatron.rl.wire import RolloutGroup, TokenRollout
 from megatron.trainer.rollouts import CollectedBatch
 from megatron.trainer.step import StepResult
 
@@ -31,6 +31,7 @@ def rollout_metrics(batch: RolloutBatch, step: int) -> dict[str, Any]:
 
     ``reward/<env_id>/<name>``: the mean value (before its weight) of each reward function of an
     environment whose entry lists ``reward_funcs``, over the non-placeholder rollouts it scored.
+    ``episode/<name>_mean``: ``episode_metric_means`` of the non-placeholder rollouts.
     """
     rollouts = [r for g in batch.groups for r in g.rollouts]
     real = [r for r in rollouts if not r.is_placeholder]
@@ -63,8 +64,19 @@ def rollout_metrics(batch: RolloutBatch, step: int) -> dict[str, Any]:
         "completion_tokens_mean": statistics.fmean(lengths),
         **{f"reward_mean/{env}": statistics.fmean(v) for env, v in sorted(per_env.items())},
         **{key: statistics.fmean(v) for key, v in sorted(per_function.items())},
+        **episode_metric_means(real),
         **zero_variance_metrics(batch.groups),
     }
+
+
+def episode_metric_means(rollouts: list[TokenRollout]) -> dict[str, float]:
+    """``episode/<name>_mean``: the mean of each ``episode_metrics`` entry (a chat episode's
+    turns, tool calls, tool errors, truncated) over the rollouts that carry it."""
+    values: dict[str, list[float]] = {}
+    for r in rollouts:
+        for name, value in (r.episode_metrics or {}).items():
+            values.setdefault(name, []).append(value)
+    return {f"episode/{name}_mean": statistics.fmean(v) for name, v in sorted(values.items())}
 
 
 def zero_variance_metrics(groups: list[RolloutGroup]) -> dict[str, float]:

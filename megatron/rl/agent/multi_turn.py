@@ -129,13 +129,24 @@ async def run_episode(
             rollout_key=key,
             continued=key is not None and len(responses) + 1 < max_turns,
         )
-    return assemble_episode(responses, observations)
+    return _assemble(responses, observations)
 
 
-def assemble_episode(responses: list[InferenceResponse], observations: list[str]) -> Episode:
-    """The episode of a rollout's turns: each turn's prompt must extend the history so far
-    (``ValueError`` naming the turn otherwise); what it adds is environment tokens (mask False),
-    its generated tokens carry the loss (mask True)."""
+@dataclass(frozen=True)
+class Trajectory:
+    """The turns of a rollout as one training row (see the module docstring)."""
+
+    tokens: list[int]
+    generation_mask: list[bool]
+    logprobs: list[float]
+    """One per generated token, as ``policy_versions``."""
+    policy_versions: list[int]
+
+
+def assemble_turns(responses: list[InferenceResponse]) -> Trajectory:
+    """One row of the turns: each turn's prompt must extend the history so far (prompt and
+    earlier turns); what it adds (the environment's tokens) is masked, its generated tokens are
+    not. ``ValueError`` when a prompt does not extend the history."""
     tokens = list(responses[0].prompt_tokens)
     mask = [False] * len(tokens)
     logprobs: list[float] = []
@@ -148,7 +159,14 @@ def assemble_episode(responses: list[InferenceResponse], observations: list[str]
         mask += [False] * len(observed) + [True] * len(response.tokens)
         logprobs += response.logprobs
         versions += response.policy_versions
-    return Episode(responses, observations, tokens, mask, logprobs, versions)
+    return Trajectory(tokens, mask, logprobs, versions)
+
+
+def _assemble(responses: list[InferenceResponse], observations: list[str]) -> Episode:
+    row = assemble_turns(responses)
+    return Episode(
+        responses, observations, row.tokens, row.generation_mask, row.logprobs, row.policy_versions
+    )
 
 
 def episode_rollout(

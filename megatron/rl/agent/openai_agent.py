@@ -49,7 +49,7 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from megatron.rl.agent.api import Agent, AgentArgs, placeholder_rollout
-from megatron.rl.agent.multi_turn import assemble_episode, episode_rollout
+from megatron.rl.agent.multi_turn import assemble_turns
 from megatron.rl.agent.user_code import load_function
 from megatron.rl.async_utils import gather_all
 from megatron.rl.auth import API_KEY_ENV
@@ -224,17 +224,39 @@ class OpenAIAgentEnvironment(Agent):
                 raise ValueError("the agent asked for no chat completion")
             if isinstance(reward, bool) or not isinstance(reward, (int, float)):
                 raise ValueError(f"the agent returned {reward!r}, not a number (the reward)")
+            reward = float(reward)
+            if not math.isfinite(reward):
+                raise ValueError(f"the agent returned a reward that is not finite: {reward}")
             responses = [turn.response for turn in session.turns]
-            observations = [
-                _text(
-                    inference, after.prompt_tokens[len(before.prompt_tokens) + len(before.tokens) :]
-                )
-                for before, after in zip(responses, responses[1:])
-            ]
-            episode = assemble_episode(responses, observations)
-            prompt = responses[0].prompt_text or ""
-            return episode_rollout(
-                self.env_id, problem_id, prompt, episode, float(reward), request, sampling
+            row = assemble_turns(responses)  # ValueError if a turn does not extend the history
+            parts = [responses[0].text]
+            for before, after in zip(responses, responses[1:]):
+                added = after.prompt_tokens[len(before.prompt_tokens) + len(before.tokens) :]
+                parts += [_text(inference, added), after.text]
+            truncated = any(r.finish_reason == "length" for r in responses)
+            return TokenRollout(
+                env_id=self.env_id,
+                problem_id=problem_id,
+                prompt=responses[0].prompt_text or "",
+                completion="".join(parts),
+                reward=reward,
+                tokens=row.tokens,
+                generation_mask=row.generation_mask,
+                logprobs=row.logprobs,
+                policy_versions=row.policy_versions,
+                submission_policy_version=request.submission_policy_version,
+                temperature=sampling.temperature,
+                max_tokens=sampling.max_tokens,
+                turn_lengths=[len(r.tokens) for r in responses],
+                truncated=truncated,
+                episode_metrics={
+                    "turns": float(len(session.turns)),
+                    "tool_calls": float(
+                        sum(len(t.message.tool_calls or ()) for t in session.turns)
+                    ),
+                    "tool_errors": float(sum(t.tool_errors for t in session.turns)),
+                    "truncated": float(truncated),
+                },
             )
         except ValueError as exc:
             return placeholder_rollout(self.env_id, request, exc, problem_id)

@@ -25,9 +25,16 @@ class InferenceUnavailable(RuntimeError):
     """The inference server could not be reached or failed; the message names its URL."""
 
 
+def fits_chat_endpoint(request: InferenceRequest) -> bool:
+    """Whether OpenAI's chat API carries all of ``request`` (a request of ``messages``): not a
+    chat episode's first turn (``continued``, ``tools``), which goes to ``/v1/completions``."""
+    return not request.continued and request.tools is None
+
+
 class RemoteInferenceInterface(InferenceInterface):
-    """Generates through ``POST {base_url}/v1/completions`` (prompts of text or token ids) or
-    ``POST {base_url}/v1/chat/completions`` (chat messages) with shared pooled clients."""
+    """Generates through ``POST {base_url}/v1/completions`` (prompts of text or token ids, and
+    chat requests that need its extensions) or ``POST {base_url}/v1/chat/completions`` (chat
+    messages) with shared pooled clients."""
 
     def __init__(
         self,
@@ -70,8 +77,8 @@ class RemoteInferenceInterface(InferenceInterface):
         if not self.keep_rollout_keys and request.rollout_key is not None:
             request = request.model_copy(update={"rollout_key": None, "continued": False})
         body: CompletionRequest | ChatCompletionRequest
-        if request.messages is not None:  # rendered by the trainer's tokenizer
-            path = "/v1/chat/completions"
+        if request.messages is not None and fits_chat_endpoint(request):
+            path = "/v1/chat/completions"  # rendered by the trainer's tokenizer
             body = ChatCompletionRequest.from_inference_request(request, n)
             answer: type[CompletionResponse | ChatCompletionResponse] = ChatCompletionResponse
         else:

@@ -69,6 +69,8 @@ class SessionTurn:
 
     response: InferenceResponse
     message: ChatMessage
+    tool_errors: int = 0
+    """Tool calls the model attempted that the agent did not get as calls (malformed ones)."""
 
 
 @dataclass
@@ -183,9 +185,9 @@ def _json(text: str) -> Any:
         return text
 
 
-Reply = Callable[[InferenceResponse], ChatMessage]
+Reply = Callable[[InferenceResponse], tuple[ChatMessage, int]]
 """The assistant message an agent is answered with for a generated turn (its text, or the tool
-calls parsed out of it)."""
+calls parsed out of it), and the number of malformed tool calls in it."""
 
 
 class SessionRegistry:
@@ -241,7 +243,7 @@ class SessionRegistry:
                 if not session.turns:
                     session.tools = tools
                 response = await self.inference.generate(request)
-                turn = SessionTurn(response, reply(response))
+                turn = SessionTurn(response, *reply(response))
             except (SessionError, InvalidInferenceRequest) as exc:
                 status = exc.status if isinstance(exc, SessionError) else 422
                 session.awaited = session.awaited and not isinstance(exc, InvalidInferenceRequest)

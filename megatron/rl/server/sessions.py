@@ -72,17 +72,19 @@ def install_session_routes(
             raise HTTPException(400, f"session: {refused}")
         answers: list[ChatCompletionResponse] = []
 
-        def reply(out: InferenceResponse) -> ChatMessage:
+        def reply(out: InferenceResponse) -> tuple[ChatMessage, int]:
             """The answer's assistant message, as the agent will echo it."""
             answer = chat_completion_response(
                 body, [out], tokenizer, parser, response_id=f"chatcmpl-s{next(ids)}",
                 model=model_name,
             )  # fmt: skip
             answers.append(answer)
-            message = answer.choices[0].message
-            return ChatMessage(
+            choice = answer.choices[0]
+            message = choice.message
+            echoed = ChatMessage(
                 role="assistant", content=message.content, tool_calls=message.tool_calls
             )
+            return echoed, choice.tool_call_errors
 
         max_tokens = body.max_completion_tokens or body.max_tokens
         try:

@@ -187,3 +187,15 @@ def resolve_tool_call_parser(choice: str, chat_template: str | None) -> ToolCall
             f"unknown tool-call parser {choice!r}; known: {', '.join(parser_choices())}"
         )
     return PARSERS[choice]
+
+
+def detect_parser(chat_template: str | None) -> str | None:
+    """The parser a chat template teaches: ``hermes`` when it writes ``<tool_call>`` tags,
+    ``llama3_json`` when it uses Llama 3's ``<|python_tag|>``/``ipython`` role, else None."""
+    if not chat_template:
+        return None
+    if "<tool_call>" in chat_template:
+        return "hermes"
+    if "<|python_tag|>" in chat_template or "ipython" in chat_template:
+        return "llama3_json"
+    return None

@@ -13,9 +13,37 @@ USER = {"role": "user", "content": "What is 1+1?"}
 KEY = {"batch_id": 0, "index_in_batch": 0, "sample_index": 0}
 
 
-def test_a_chat_request_is_not_a_completion_request():
-    with pytest.raises(ValueError, match="chat completion"):
-        CompletionRequest.from_inference_request(InferenceRequest(messages=[USER]))
+TOOL = {"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    "turn",
+    [
+        pytest.param(
+            InferenceRequest(messages=[USER], tools=[TOOL], rollout_key=KEY, continued=True),
+            id="chat-first-turn",
+        ),
+        pytest.param(
+            InferenceRequest(
+                prompt_tokens=[3, 4],
+                suffix_messages=[{"role": "tool", "content": "2", "tool_call_id": "c0"}],
+                tools=[TOOL],
+                rollout_key=KEY,
+            ),
+            id="chat-later-turn",
+        ),
+    ],
+)
+def test_a_chat_episodes_turns_round_trip_through_a_completion_request(turn):
+    body = CompletionRequest.from_inference_request(turn)
+    assert CompletionRequest.model_validate_json(body.model_dump_json()).to_inference_request() == (
+        turn
+    )
+
+
+def test_a_plain_completion_body_has_no_chat_fields():
+    body = CompletionRequest.from_inference_request(InferenceRequest(prompt="1="))
+    assert not {"messages", "suffix_messages", "tools"} & set(body.model_dump())
 
 
 def test_a_later_turn_round_trips_through_a_completion_request():
@@ -38,6 +66,8 @@ def test_a_later_turn_round_trips_through_a_completion_request():
     [
         pytest.param({"prompt": "1=", "prompt_suffix": "+"}, "token ids", id="suffix-on-text"),
         pytest.param({"prompt": [3], "continued": True}, "'rollout_key'", id="unkeyed"),
+        pytest.param({"prompt": "1=", "messages": [USER]}, "exactly one", id="prompt-and-chat"),
+        pytest.param({}, "exactly one", id="no-prompt"),
         pytest.param(
             {"prompt": [3], "n": 2, "continued": True, "rollout_key": KEY}, "n=1", id="n>1"
         ),

@@ -200,3 +200,29 @@ def test_each_reward_function_is_logged_by_environment_and_name():
     assert {k: v for k, v in record.items() if k.startswith("reward/")} == pytest.approx(
         {"reward/a/format": 1.0, "reward/a/rm": 0.4, "reward/b/rm": -1.0}
     )
+
+
+def test_episode_metrics_are_logged_as_means_over_the_rollouts_that_carry_them():
+    def episode(metrics: dict[str, float] | None, error: str | None = None):
+        return rollout("a", None if error else 0.0).model_copy(
+            update={"episode_metrics": metrics, "error": error}
+        )
+
+    groups = [
+        RolloutGroup(batch_id=0, index_in_batch=0, rollouts=[
+            episode({"turns": 3.0, "tool_errors": 1.0}), episode({"turns": 2.0, "tool_errors": 0.0}),
+            episode(None), episode({"turns": 9.0}, error="env down"),
+        ]),
+    ]  # fmt: skip
+    record = rollout_metrics(RolloutBatch(0, groups, in_flight=1, queue_depth=0), step=0)
+    assert {k: v for k, v in record.items() if k.startswith("episode/")} == {
+        "episode/tool_errors_mean": 0.5,
+        "episode/turns_mean": 2.5,
+    }
+
+
+def test_a_rollout_without_episode_metrics_is_the_same_json_as_before_the_field():
+    plain = rollout("a", 0.0)
+    assert "episode_metrics" not in plain.model_dump_json()
+    tagged = plain.model_copy(update={"episode_metrics": {"turns": 2.0}})
+    assert TokenRollout.model_validate_json(tagged.model_dump_json()) == tagged

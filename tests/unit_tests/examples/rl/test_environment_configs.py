@@ -34,6 +34,7 @@ def at_repo_root(monkeypatch):
         pytest.param("guess", ["guess"], [1.0], id="guess"),
         pytest.param("weighted_rewards", ["math"], [1.0], id="weighted_rewards"),
         pytest.param("llm_judge", ["judged"], [1.0], id="llm_judge"),
+        pytest.param("tool_agent", ["calc"], [1.0], id="tool_agent"),
     ],
 )
 def test_config_loads(at_repo_root, name, env_ids, weights):
@@ -52,8 +53,18 @@ def test_every_config_is_listed():
         "math",
         "mixture",
         "reward_model",
+        "tool_math",
         "weighted_rewards",
     ]
+
+
+def test_tool_math_config_offers_both_tools():
+    """Its chat prompts need a tokenizer with a chat template; its environment is tested under
+    environments/tool_math."""
+    (agent,) = load_env_config(CONFIGS / "tool_math.yaml").agents
+    assert agent.env_id == "tool_math" and agent.args.max_turns == 4
+    problem = agent.make_problem(random.Random(derive_seed(1234, 0, 0)))
+    assert [t["function"]["name"] for t in agent.tools(problem)] == ["calculator", "python"]
 
 
 def test_gsm8k_config_loads_its_sample(at_repo_root, tmp_path, monkeypatch):

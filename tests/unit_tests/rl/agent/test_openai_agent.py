@@ -86,6 +86,10 @@ def test_rollouts_are_the_engines_tokens_over_two_tool_rounds(policy):
     for rollout in group.rollouts:
         assert rollout.error is None and rollout.reward in (0.0, 1.0)
         assert len(rollout.turn_lengths) == 3  # two tool rounds and the answer
+        assert rollout.episode_metrics["turns"] == 3 and rollout.episode_metrics["truncated"] in (
+            0,
+            1,
+        )
     by_tokens = {tuple(r.tokens): r for r in group.rollouts}
     for completions in seen.values():
         turns = [c.choices[0].model_extra for c in completions]

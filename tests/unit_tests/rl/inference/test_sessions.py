@@ -57,8 +57,8 @@ class RecordingInference(InferenceInterface):
         return True
 
 
-def reply(response: InferenceResponse) -> ChatMessage:
-    return ChatMessage(role="assistant", content=response.text)
+def reply(response: InferenceResponse) -> tuple[ChatMessage, int]:
+    return ChatMessage(role="assistant", content=response.text), 0
 
 
 def tool(content: str, call_id: str = "c0") -> ChatMessage:

@@ -132,7 +132,7 @@ def test_rollout_key_and_seed_reach_the_inference_interface():
         pytest.param({"prompt": [2, 999]}, 422, "outside the vocabulary", id="token-out-of-vocab"),
         pytest.param({"prompt": "1" * 20, "max_tokens": 10}, 422, "max_seq_len", id="too-long"),
         pytest.param({"prompt": ""}, 422, "prompt", id="empty-prompt"),
-        pytest.param({"max_tokens": 3}, 422, "field 'prompt'", id="missing-prompt"),
+        pytest.param({"max_tokens": 3}, 422, "exactly one of 'prompt' and 'messages'", id="missing-prompt"),
         pytest.param({"prompt": "1=", "top_p": 0}, 422, "field 'top_p'", id="top-p-zero"),
         pytest.param(
             {"prompt": "1=", "prompt_suffix": "+"}, 422, "token ids", id="suffix-after-text"
