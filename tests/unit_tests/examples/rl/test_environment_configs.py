@@ -53,6 +53,7 @@ def test_every_config_is_listed():
         "math",
         "mixture",
         "reward_model",
+        "tool_agent",
         "tool_math",
         "weighted_rewards",
     ]
