@@ -3,7 +3,7 @@
 Example::
 
     - agent_type: digits          # built-ins: digits, remote, reward_only, prompts, reward_model,
-                                  # llm_judge; or "package.module:Class"
+                                  # llm_judge, openai_agent; or "package.module:Class"
       agent_args: {task: copy, min_digits: 1, max_digits: 3}
       weight: 3
     - agent_type: digits
@@ -31,6 +31,8 @@ the weighted sum of reward functions: built-in ones, user code, a reward model, 
 (``megatron/rl/agent/rewards/functions.py``). ``agent_type: prompts`` (a JSONL file of prompts)
 has no reward of its own and needs them; ``reward_model`` and ``llm_judge`` are a prompt source
 scored by one reward model or judge (``megatron/rl/agent/rewards/environments.py``).
+``openai_agent`` runs a user's agent written against the ``openai`` package
+(``megatron/rl/agent/openai_agent.py``).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ BUILTIN_AGENT_TYPES = {
     "prompts": "megatron.rl.agent.rewards.prompts:PromptsEnvironment",
     "reward_model": "megatron.rl.agent.rewards.environments:RewardModelEnvironment",
     "llm_judge": "megatron.rl.agent.rewards.environments:LLMJudgeEnvironment",
+    "openai_agent": "megatron.rl.agent.openai_agent:OpenAIAgentEnvironment",
 }
 """Short names accepted as ``agent_type``."""
 

@@ -7,8 +7,9 @@ OpenAI completions API: ``POST /v1/completions`` (``wire_completions.CompletionR
 the tokenizer's chat template, and a tokenizer without one answers 422 naming it; ``tools`` are
 rendered by the template and the model's tool calls parsed out of its text by the
 ``tool_call_parser``, see ``chat_responses``), plus ``GET /v1/models`` (the one model served,
-``model_name``, in OpenAI's list format) and ``GET /metrics`` (running tool-call counts,
-``wire_chat.ToolCallMetrics``). Requests go
+``model_name``, in OpenAI's list format), ``GET /metrics`` (running tool-call counts,
+``wire_chat.ToolCallMetrics``) and one OpenAI base URL per agent session,
+``/sessions/{token}/v1`` (``sessions.py``). Requests go
 into the same engine queue as local ones, so they belong to the same batches, follow the same
 forced-lag schedule and return the same per-token logprobs and policy versions.
 
@@ -32,6 +33,7 @@ from megatron.rl.server.chat_responses import (
     completion_usage,
 )
 from megatron.rl.server.http import ERROR_RESPONSES, install_error_handlers
+from megatron.rl.server.sessions import install_session_routes
 from megatron.rl.tokenizer import Tokenizer
 from megatron.rl.tools.parsers import AUTO, resolve_tool_call_parser
 from megatron.rl.wire import InferenceRequest, InferenceResponse
@@ -157,4 +159,5 @@ def create_inference_app(
         """A multi-turn rollout sends no further turn (after a request with ``continued``)."""
         return EndRolloutResponse(awaited=await inference.end_rollout(body.rollout_key))
 
+    install_session_routes(app, inference, tokenizer, model_name, parser)  # agents' base URLs
     return app

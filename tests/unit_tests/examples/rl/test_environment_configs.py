@@ -34,6 +34,7 @@ def at_repo_root(monkeypatch):
         pytest.param("guess", ["guess"], [1.0], id="guess"),
         pytest.param("weighted_rewards", ["math"], [1.0], id="weighted_rewards"),
         pytest.param("llm_judge", ["judged"], [1.0], id="llm_judge"),
+        pytest.param("tool_agent", ["calc"], [1.0], id="tool_agent"),
     ],
 )
 def test_config_loads(at_repo_root, name, env_ids, weights):
@@ -52,6 +53,7 @@ def test_every_config_is_listed():
         "math",
         "mixture",
         "reward_model",
+        "tool_agent",
         "tool_math",
         "weighted_rewards",
     ]

@@ -1,0 +1,116 @@
+"""The inference server's agent-session routes: one OpenAI base URL per rollout.
+
+``install_session_routes(app, inference, tokenizer)`` serves, for every open session of
+``session_registry(inference)`` (``megatron.rl.inference.sessions``):
+
+* ``POST /sessions/{token}/v1/chat/completions``: the session's next turn. The body is
+  ``wire_chat.ChatCompletionRequest`` (what the ``openai`` client sends); ``n`` must be 1 and the
+  RL extensions ``rollout_key`` and ``ignore_eos`` are refused (the session has its own); the
+  sampling parameters are the session's (``temperature``, ``top_p``, ``top_k``, ``seed`` are
+  ignored) and ``max_tokens`` only lowers its budget. ``tools`` are rendered by the chat template
+  and must be the same on every turn; the model's tool calls are parsed out of its text as on
+  ``/v1/chat/completions`` (``chat_responses``), and the agent echoes the assistant message with
+  its ``tool_calls`` in the next turn's messages. A conversation that does not continue the
+  session is a 400 naming the message, a finished or failed session a 409, an unknown token a
+  404; each of them ends the session.
+* ``GET /sessions/{token}/v1/models``: the served model, as ``GET /v1/models``.
+
+So an agent written against the ``openai`` package works unchanged with
+``OpenAI(base_url=f"{server}/sessions/{token}/v1", api_key=...)``.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from fastapi import FastAPI, HTTPException
+
+from megatron.rl.inference.interface import InferenceInterface
+from megatron.rl.inference.protocol import EngineError
+from megatron.rl.inference.sessions import SESSIONS_PREFIX, SessionError, session_registry
+from megatron.rl.server.chat_responses import chat_completion_response
+from megatron.rl.server.http import ERROR_RESPONSES
+from megatron.rl.tokenizer import Tokenizer
+from megatron.rl.tools.parsers import ToolCallParser
+from megatron.rl.wire import ChatMessage, InferenceResponse
+from megatron.rl.wire_chat import ChatCompletionRequest, ChatCompletionResponse
+from megatron.rl.wire_completions import ModelCard, ModelList
+
+
+def install_session_routes(
+    app: FastAPI,
+    inference: InferenceInterface,
+    tokenizer: Tokenizer,
+    model_name: str = "policy",
+    parser: ToolCallParser | None = None,
+) -> None:
+    """Add the session routes (module docstring) for the sessions of ``inference``; ``parser``
+    parses the model's tool calls as on ``/v1/chat/completions`` (None: never)."""
+    registry = session_registry(inference)
+    registry.served = True
+    ids = itertools.count()
+
+    @app.get(
+        SESSIONS_PREFIX + "/{token}/v1/models", response_model=ModelList, responses=ERROR_RESPONSES
+    )
+    async def session_models(token: str) -> ModelList:
+        """The model the session generates with."""
+        _check(lambda: registry.get(token))
+        return ModelList(data=[ModelCard(id=model_name, created=0, owned_by="megatron-rl")])
+
+    @app.post(
+        SESSIONS_PREFIX + "/{token}/v1/chat/completions",
+        response_model=ChatCompletionResponse,
+        responses={**ERROR_RESPONSES, 404: ERROR_RESPONSES[422], 409: ERROR_RESPONSES[422]},
+    )
+    async def session_chat(token: str, body: ChatCompletionRequest) -> ChatCompletionResponse:
+        """The session's next assistant turn for the agent's conversation."""
+        refused = _refused_field(body, parser)
+        if refused is not None:
+            _check(lambda: registry.get(token))
+            await registry.fail(token, refused)
+            raise HTTPException(400, f"session: {refused}")
+        answers: list[ChatCompletionResponse] = []
+
+        def reply(out: InferenceResponse) -> tuple[ChatMessage, int]:
+            """The answer's assistant message, as the agent will echo it."""
+            answer = chat_completion_response(
+                body, [out], tokenizer, parser, response_id=f"chatcmpl-s{next(ids)}",
+                model=model_name,
+            )  # fmt: skip
+            answers.append(answer)
+            choice = answer.choices[0]
+            message = choice.message
+            echoed = ChatMessage(
+                role="assistant", content=message.content, tool_calls=message.tool_calls
+            )
+            return echoed, choice.tool_call_errors
+
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        try:
+            await registry.chat(token, body.messages, body.tool_schemas(), max_tokens, reply)
+        except SessionError as exc:
+            raise HTTPException(exc.status, f"session: {exc}") from None
+        except EngineError as exc:
+            raise HTTPException(503, f"inference engine unavailable: {exc}") from None
+        return answers[-1]
+
+
+def _refused_field(body: ChatCompletionRequest, parser: ToolCallParser | None) -> str | None:
+    """Why a session refuses ``body`` (naming the field), or None."""
+    if body.n != 1:
+        return "field 'n': a session generates one sample per request (n=1)"
+    if body.rollout_key is not None:
+        return "field 'rollout_key': a session's requests carry the session's rollout key"
+    if body.ignore_eos:
+        return "field 'ignore_eos': a session's sampling parameters are the environment's"
+    if parser is None and body.effective_tool_choice not in ("none", "auto"):
+        return "field 'tool_choice': this server parses no tool calls; give 'auto' or 'none'"
+    return None
+
+
+def _check(get):
+    try:
+        return get()
+    except SessionError as exc:
+        raise HTTPException(exc.status, f"session: {exc}") from None
