@@ -315,7 +315,7 @@ class ContinuousBatchingScheduler(CheckpointedScheduling, Admission):
     def _step(self, rows: list[list[RowWork]]) -> bool:
         """Run one engine step; True if it carried keyed rows. Under the window target, keyed
         and unkeyed rows run as two forwards (keyed first), so that no keyed row's batch depends
-        on outside traffic."""
+        on outside traffic; the counters count them as one step."""
 
         def keyed_row(replica: int, w: RowWork) -> bool:
             return self._active[(replica, w.slot)].key is not None
@@ -327,14 +327,12 @@ class ContinuousBatchingScheduler(CheckpointedScheduling, Admission):
                 for want in (True, False)
             ]
         keyed = any(keyed_row(rep, w) for rep, r in enumerate(rows) for w in r)
-        for part in parts:
-            if not any(part):
-                continue
-            start = time.perf_counter()
-            results = self.steps.step(StepPlan(tuple(tuple(r) for r in part)))
-            self.counters.count_step(sum(len(r) for r in part), time.perf_counter() - start)
-            version = self.policy_version()
-            for replica, replica_results in enumerate(results):
+        start = time.perf_counter()
+        results = [self.steps.step(StepPlan(tuple(map(tuple, p)))) for p in parts if any(p)]
+        self.counters.count_step(sum(len(r) for r in rows), time.perf_counter() - start)
+        version = self.policy_version()
+        for part_results in results:
+            for replica, replica_results in enumerate(part_results):
                 for res in replica_results:
                     self._record(self._active[(replica, res.slot)], res, version)
         return keyed
