@@ -5,14 +5,17 @@ while the trainer trains at forced lag 2 under the deterministic schedule."""
 
 from __future__ import annotations
 
+import pytest
+
 from tools.benchmarks.outside_requests import measure
 
 
+@pytest.mark.slow  # two training runs of 24 steps: about a minute on 2 cores
 def test_outside_requests_are_answered_in_a_few_engine_steps_and_leave_the_run_bitwise_equal(
     tmp_path,
 ):
-    result = measure(tmp_path, steps=12, outside_slots=None)
-    assert result["steps"] == 12
+    result = measure(tmp_path, steps=24, outside_slots=None)
+    assert result["steps"] == 24
     assert result["endpoint_key_source"].startswith("--rl-api-key-file ")
     assert result["models"] == ["policy"]  # GET /v1/models through the client, with the key
     routes = [r["route"] for r in result["requests"]]
