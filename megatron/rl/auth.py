@@ -82,6 +82,14 @@ def read_api_key(path: str | None, environ: Mapping[str, str], flag: str) -> str
     return environ.get(API_KEY_ENV) or None
 
 
+def api_key_source(path: str | None, environ: Mapping[str, str], flag: str) -> str:
+    """Where ``read_api_key(path, environ, flag)`` takes the key from, for a log line (never the
+    key): ``"<flag> <path>"``, ``"the environment variable <API_KEY_ENV>"`` or ``"none"``."""
+    if path is not None:
+        return f"{flag} {path}"
+    return f"the environment variable {API_KEY_ENV}" if environ.get(API_KEY_ENV) else "none"
+
+
 def bearer_headers(key: str | None) -> dict[str, str]:
     """The ``Authorization`` header that carries ``key`` (none without a key)."""
     return {"authorization": f"Bearer {key}"} if key else {}

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from megatron.rl.auth import API_KEY_ENV, read_api_key
+from megatron.rl.auth import API_KEY_ENV, api_key_source, read_api_key
 from megatron.rl.eval.runner import EvalConfig
 from megatron.rl.grpo.advantages import AdvantageConfig
 from megatron.rl.grpo.aggregation import LossAggregation
@@ -136,13 +136,16 @@ def inference_server_config(cfg: RunConfig) -> InferenceServerConfig:
     """Where rank 0 serves remote environments, and the job's key (``--rl-api-key-file``, else
     ``MEGATRON_RL_API_KEY``). A key read from the file is also put into that variable, where
     remote agents (``RemoteAgentArgs.api_key_env``) find the key to send to env servers."""
-    key = read_api_key(cfg.inference.api_key_file, os.environ, "--rl-api-key-file")
+    flag = "--rl-api-key-file"
+    source = api_key_source(cfg.inference.api_key_file, os.environ, flag)
+    key = read_api_key(cfg.inference.api_key_file, os.environ, flag)
     if key is not None and cfg.inference.api_key_file is not None:
         os.environ[API_KEY_ENV] = key
     return InferenceServerConfig(
         cfg.inference.inference_server_host,
         cfg.inference.inference_server_port,
         key,
+        source,
         cfg.inference.tool_call_parser,
     )
 
@@ -163,6 +166,7 @@ def scheduler_config(
             config,
             window_target=cfg.inference.deterministic_schedule,
             reward_wait_steps=cfg.inference.reward_wait_steps,
+            outside_slots=-(-cfg.inference.outside_request_slots // dp_size),  # ceil
         )
     return config
 

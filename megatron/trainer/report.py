@@ -113,6 +113,14 @@ def header(
     return "\n".join(lines)
 
 
+def endpoint_line(url: str, key_source: str) -> str:
+    """The line of the trainer's inference server: its OpenAI base URL (the bound port) and where
+    the job's key came from (``auth.api_key_source``; never the key itself)."""
+    if key_source == "none":
+        return f"endpoint     {url}/v1 (OpenAI-style; no key)"
+    return f"endpoint     {url}/v1 (OpenAI-style; bearer key from {key_source})"
+
+
 def kernels_line(missing_kernels: set[str]) -> str:
     """The header line naming the kernel packages megatron-core runs without."""
     names = " and ".join(sorted(missing_kernels))

@@ -5,7 +5,9 @@ and the inference engine (plus the inference server when remote environments nee
 event loop. ``next_batch`` opens a generation window until the generator hands over the next
 ordered batch (on rank 0: it goes to the data plane from there, and each rank fetches only its
 shard by key, ``megatron/rl/dataplane``); the other ranks execute the window's engine steps
-meanwhile. ``checkpoint_state`` is what a checkpoint saves: the pipeline as it stands, nothing
+meanwhile. When an agent needs the inference server, rank 0 starts it before the first window
+and prints its line (``report.endpoint_line``: the bound URL and where the key came from) after
+the run's header. ``checkpoint_state`` is what a checkpoint saves: the pipeline as it stands, nothing
 generated for it, and each rank's KV cache of the requests in flight; on a tier whose engine
 cannot save its cache it is ``drain``, a window that first finishes every submitted batch.
 """
@@ -37,7 +39,7 @@ from megatron.rl.rollout.generator import (
 from megatron.rl.server.http import EmbeddedServer
 from megatron.rl.server.inference_server import create_inference_app
 from megatron.rl.tokenizer import Tokenizer
-from megatron.trainer import inflight
+from megatron.trainer import inflight, report
 from megatron.trainer.generation import GenerationHost
 from megatron.trainer.initialize import ParallelContext, main_rank_value, raise_agreed_failure
 from megatron.trainer.tiers.base import Tier
@@ -55,6 +57,8 @@ class InferenceServerConfig:
     """Port to bind (0: a free one)."""
     api_key: str | None = field(default=None, repr=False)
     """The job's shared key, required from clients (``megatron.rl.auth``); None: no key."""
+    key_source: str = "none"
+    """Where the key came from (``auth.api_key_source``), for the endpoint's line."""
     tool_call_parser: str = "auto"
     """How chat completions read tool calls (``--tool-call-parser``: a parser, auto or none)."""
 
@@ -159,6 +163,7 @@ class RolloutSource:
                     f"{cfg.host}:{cfg.port}: {exc.strerror or exc}"
                 ) from None
             self.inference.base_url = self._server.url
+            print(report.endpoint_line(self._server.url, cfg.key_source), flush=True)
         await self.agent.astart()
         self.generator.start()
 

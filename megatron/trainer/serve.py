@@ -20,7 +20,8 @@ rollouts with: the tier's ``ContinuousBatchingScheduler`` over its row runner, i
 With the job's key (``MEGATRON_RL_API_KEY``, or ``--rl-api-key-file``) every request needs
 ``Authorization: Bearer <key>`` (401 otherwise); listening on another interface than loopback
 without a key is refused. Once listening it prints one line, ``serving <model> at
-http://HOST:PORT/v1 (key required|no key)``; SIGTERM or SIGINT stop it (requests in flight get a
+http://HOST:PORT/v1 (key required, from SOURCE|no key)`` (SOURCE: the flag and file or the
+variable; never the key); SIGTERM or SIGINT stop it (requests in flight get a
 few seconds) with status 0. One process: a torchrun world larger than one is refused.
 """
 
@@ -41,7 +42,7 @@ from megatron.trainer.kernels import kernel_warnings
 with kernel_warnings() as MISSING_KERNELS:  # megatron-core's "not installed" warnings: one line
     from fastapi import FastAPI
 
-    from megatron.rl.auth import API_KEY_ENV, is_loopback, read_api_key
+    from megatron.rl.auth import API_KEY_ENV, api_key_source, is_loopback, read_api_key
     from megatron.rl.inference.interface import LocalInferenceInterface
     from megatron.rl.server.http import EmbeddedServer
     from megatron.rl.server.inference_server import create_inference_app
@@ -97,6 +98,11 @@ def served_key(cfg: RunConfig) -> str | None:
     return read_api_key(cfg.inference.api_key_file, os.environ, "--rl-api-key-file")
 
 
+def served_key_source(cfg: RunConfig) -> str:
+    """Where ``served_key`` takes the key from (``auth.api_key_source``), never the key."""
+    return api_key_source(cfg.inference.api_key_file, os.environ, "--rl-api-key-file")
+
+
 def serve_problems(cfg: RunConfig, own: argparse.Namespace) -> list[str]:
     """The server flags' problems, each naming its flags (the key file is checked already)."""
     errors = []
@@ -144,16 +150,20 @@ def serve(cfg: RunConfig, own: argparse.Namespace) -> None:
             api_key=key,
             tool_call_parser=cfg.inference.tool_call_parser,
         )
-        host.window(lambda: listen_until_stopped(app, own.host, own.port, name, key is not None))
+        source = served_key_source(cfg) if key is not None else None
+        host.window(lambda: listen_until_stopped(app, own.host, own.port, name, source))
     finally:
         if host is not None:
             host.close(host.engine.aclose)
         shutdown_distributed()
 
 
-async def listen_until_stopped(app: FastAPI, host: str, port: int, name: str, keyed: bool) -> None:
-    """Serve ``app`` on ``host:port``, print where, and return after SIGTERM or SIGINT once the
-    server has stopped (the signals are caught before the line is printed)."""
+async def listen_until_stopped(
+    app: FastAPI, host: str, port: int, name: str, key_source: str | None
+) -> None:
+    """Serve ``app`` on ``host:port``, print where (and where the key came from, ``key_source``;
+    None: no key), and return after SIGTERM or SIGINT once the server has stopped (the signals
+    are caught before the line is printed)."""
     with stop_signals() as stopped:
         try:
             server = await EmbeddedServer.start(app, host, port)
@@ -162,7 +172,7 @@ async def listen_until_stopped(app: FastAPI, host: str, port: int, name: str, ke
                 f"--host/--port: cannot listen on {host}:{port}: {exc.strerror or exc}"
             ) from None
         try:
-            keyed_text = "key required" if keyed else "no key"
+            keyed_text = "no key" if key_source is None else f"key required, from {key_source}"
             print(f"serving {name} at {server.url}/v1 ({keyed_text})", flush=True)
             signum = await stopped
             print(f"{signal.Signals(signum).name}: stopping", flush=True)

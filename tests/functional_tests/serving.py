@@ -26,7 +26,9 @@ from megatron.rl.eval.confidence import wilson_interval
 from megatron.rl.eval.passk import mean_pass_at_k
 
 KEY = "job-key-of-the-serve-test"
-SERVING = re.compile(r"^serving (\S+) at (http://127\.0\.0\.1:(\d+)/v1) \((key required|no key)\)$")
+SERVING = re.compile(
+    r"^serving (\S+) at (http://127\.0\.0\.1:(\d+)/v1) \((key required|no key)(?:, from [^)]+)?\)$"
+)
 
 
 RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")

@@ -17,7 +17,7 @@ class SchedulerConfig:
     """Capacity and scheduling limits of the scheduler (per data-parallel replica)."""
 
     max_requests: int = 64
-    """Slots per data-parallel replica: the most requests decoded at once on each."""
+    """Slots per data-parallel replica for keyed requests (rollouts): the most decoded at once."""
     max_seq_len: int = 128
     """Longest prompt + generation a request may reach (the KV cache length)."""
     eos_id: int = 1
@@ -34,10 +34,22 @@ class SchedulerConfig:
     reward_wait_steps: int = 0
     """With ``window_target``: engine steps of later batches' keyed work after the awaited batch
     has finished generating, which ``window_spent`` waits for (the reward-wait budget)."""
+    outside_slots: int = 0
+    """Further slots per replica reserved for unkeyed requests (evaluators, judges, people at the
+    endpoint; ``slots.py``): they are served within a few engine steps whatever the rollouts do,
+    and under ``window_target`` never shift the rollouts' schedule. 0: unkeyed requests wait for
+    a free rollout slot."""
 
     def __post_init__(self) -> None:
         if self.reward_wait_steps < 0:
             raise ValueError(f"reward_wait_steps must be >= 0, got {self.reward_wait_steps}")
+        if self.outside_slots < 0:
+            raise ValueError(f"outside_slots must be >= 0, got {self.outside_slots}")
+
+    @property
+    def num_slots(self) -> int:
+        """KV-cache slots per replica: the rollouts' and the reserved outside ones."""
+        return self.max_requests + self.outside_slots
 
 
 @dataclass

@@ -16,8 +16,9 @@ independent of network or task timing:
 * ``expect_group(batch, index, n)`` announces that group (batch, index) is about to send ``n``
   keyed requests. While any announced request has not arrived, the engine does not step (the
   barrier); ``group_done`` withdraws what a group will no longer send.
-* Waiting requests are admitted in key order (batch, index, sample); unkeyed requests after them,
-  first come first served.
+* Waiting requests are admitted in key order (batch, index, sample); unkeyed requests, first
+  come first served, into the slots reserved for them (``SchedulerConfig.outside_slots``,
+  ``slots.py``), else (none reserved) into rollout slots no keyed request waits for.
 * Multi-turn rollouts: a keyed request sent with ``continued=True`` announces, when it finishes,
   the next turn under the same key (the environment answers in between). The barrier holds until
   that request arrives or ``end_rollout(key)`` says the rollout is over; ``group_done`` withdraws
@@ -26,6 +27,10 @@ independent of network or task timing:
   and then for the reward-wait budget of K steps (``SchedulerConfig.reward_wait_steps``), which
   ``window_spent(b)`` waits for; unkeyed requests always step (``window_budget.py`` decides
   this). ``SchedulerConfig.window_target=False`` turns the target and the barrier off.
+* Unkeyed requests in reserved slots also step at the barrier, and under the window target
+  their rows run in a forward of their own after the keyed rows': so a keyed row's batch, and
+  its tokens, are those of the run without outside requests, and an outside request is answered
+  within its token budget of steps (plus one to admit it) while the engine is resumed.
 
 A barrier that waits longer than ``barrier_timeout_s`` is lifted with a warning (an agent that
 announced requests it never sent): the run goes on, without the determinism guarantee.
@@ -37,6 +42,7 @@ continues it in a new process, whose re-run agents are answered by key (``engine
 from __future__ import annotations
 
 import asyncio
+import collections
 import heapq
 import itertools
 import logging
@@ -55,6 +61,7 @@ from megatron.rl.inference.protocol import (
 )
 from megatron.rl.inference.requests import Request, SchedulerConfig
 from megatron.rl.inference.scheduler_checkpoint import CheckpointedScheduling
+from megatron.rl.inference.slots import Admission, SlotPools
 from megatron.rl.inference.step_group import StepGroup, StepPlan
 from megatron.rl.inference.window_budget import WindowBudget
 from megatron.rl.wire import SamplingParams
@@ -62,7 +69,7 @@ from megatron.rl.wire import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-class ContinuousBatchingScheduler(CheckpointedScheduling):
+class ContinuousBatchingScheduler(CheckpointedScheduling, Admission):
     """Continuous batching over a ``StepGroup`` (``protocol.InferenceEngine``); suspended outside
     generation windows.
 
@@ -79,9 +86,12 @@ class ContinuousBatchingScheduler(CheckpointedScheduling):
         self.steps = steps
         self.config = config
         self.policy_version = policy_version
-        self._waiting: list[Request] = []  # heap by order
+        self._waiting: list[Request] = []  # keyed, heap by order
+        self._outside: collections.deque[Request] = collections.deque()  # unkeyed, by arrival
         self._active: dict[tuple[int, int], Request] = {}
-        self._free = [list(range(config.max_requests)) for _ in range(steps.num_replicas)]
+        self._slots = SlotPools(
+            steps.num_replicas, config.max_requests, config.outside_slots, not config.window_target
+        )
         self._arrivals = 0  # the tie-break of the admission order
         self._turns: dict[Key, int] = {}  # keyed requests per key so far, while its group runs
         self._done_turns: dict[tuple[int, int], list[Request | SavedTurn]] = {}  # for snapshots
@@ -138,9 +148,11 @@ class ContinuousBatchingScheduler(CheckpointedScheduling):
         future = asyncio.get_running_loop().create_future()
         request = Request(order, list(prompt_tokens), sampling, seed, key, future, turn=turn)
         request.continued = continued and key is not None
-        heapq.heappush(self._waiting, request)
         if key is not None:
+            heapq.heappush(self._waiting, request)
             self._arrived(key[:2])
+        else:
+            self._outside.append(request)
         self._wakeup.set()
         return await future
 
@@ -215,7 +227,7 @@ class ContinuousBatchingScheduler(CheckpointedScheduling):
 
     def holds_requests(self) -> bool:
         """Whether a request waits for a slot or holds one."""
-        return bool(self._waiting or self._active)
+        return bool(self._waiting or self._outside or self._active)
 
     def resume(self) -> None:
         """Let the loop step again."""
@@ -237,7 +249,10 @@ class ContinuousBatchingScheduler(CheckpointedScheduling):
                     barrier_since = barrier_since or time.monotonic()
                     waited = time.monotonic() - barrier_since
                     if waited < self.config.barrier_timeout_s:
-                        await self._sleep_until_woken(self.config.barrier_timeout_s - waited)
+                        if self._step_outside_only():  # outside requests step at the barrier
+                            await asyncio.sleep(0)
+                        else:
+                            await self._sleep_until_woken(self.config.barrier_timeout_s - waited)
                         continue
                     logger.warning(
                         "inference engine: announced requests of groups %s (next turns of %s) did "
@@ -282,7 +297,7 @@ class ContinuousBatchingScheduler(CheckpointedScheduling):
             pass
 
     def _queued(self) -> itertools.chain[Request]:
-        return itertools.chain(self._waiting, self._active.values())
+        return itertools.chain(self._waiting, self._outside, self._active.values())
 
     def _awaited_unfinished(self, b: int) -> bool:
         return any(k[0] == b for k in itertools.chain(self._expected, self._continuations)) or any(
@@ -298,17 +313,28 @@ class ContinuousBatchingScheduler(CheckpointedScheduling):
         return rows
 
     def _step(self, rows: list[list[RowWork]]) -> bool:
-        """Run one engine step; True if it carried keyed rows."""
-        keyed = any(
-            self._active[(rep, w.slot)].key is not None for rep, r in enumerate(rows) for w in r
-        )
+        """Run one engine step; True if it carried keyed rows. Under the window target, keyed
+        and unkeyed rows run as two forwards (keyed first), so that no keyed row's batch depends
+        on outside traffic; the counters count them as one step."""
+
+        def keyed_row(replica: int, w: RowWork) -> bool:
+            return self._active[(replica, w.slot)].key is not None
+
+        parts = [rows]
+        if self.config.window_target:
+            parts = [
+                [[w for w in r if keyed_row(rep, w) == want] for rep, r in enumerate(rows)]
+                for want in (True, False)
+            ]
+        keyed = any(keyed_row(rep, w) for rep, r in enumerate(rows) for w in r)
         start = time.perf_counter()
-        results = self.steps.step(StepPlan(tuple(tuple(r) for r in rows)))
+        results = [self.steps.step(StepPlan(tuple(map(tuple, p)))) for p in parts if any(p)]
         self.counters.count_step(sum(len(r) for r in rows), time.perf_counter() - start)
         version = self.policy_version()
-        for replica, replica_results in enumerate(results):
-            for res in replica_results:
-                self._record(self._active[(replica, res.slot)], res, version)
+        for part_results in results:
+            for replica, replica_results in enumerate(part_results):
+                for res in replica_results:
+                    self._record(self._active[(replica, res.slot)], res, version)
         return keyed
 
     def _record(self, req: Request, res: RowResult, version: int) -> None:
@@ -339,26 +365,6 @@ class ContinuousBatchingScheduler(CheckpointedScheduling):
             else:
                 self._expected[group] = left - 1
 
-    def _admit(self) -> None:
-        while self._waiting:
-            replica = max(range(len(self._free)), key=lambda r: (len(self._free[r]), -r))
-            if not self._free[replica]:
-                return
-            req = heapq.heappop(self._waiting)
-            if req.future.done():  # cancelled while waiting
-                continue
-            req.replica, req.slot = replica, self._free[replica].pop(0)
-            self._active[(replica, req.slot)] = req
-
-    def _release(self, req: Request) -> None:
-        del self._active[(req.replica, req.slot)]
-        self._free[req.replica].append(req.slot)
-        self._free[req.replica].sort()
-
-    def _release_cancelled(self) -> None:
-        for req in [r for r in self._active.values() if r.future.done()]:
-            self._release(req)
-
     def _fail_pending(self, message: str, cause: BaseException | None = None) -> None:
         """Fail every queued and active request with an ``EngineError`` of its own.
 
@@ -366,10 +372,11 @@ class ContinuousBatchingScheduler(CheckpointedScheduling):
         task's frames in its traceback as each of them re-raises it.
         """
         self._window.wake_waiters()  # window_spent raises the error
-        for req in [*self._waiting, *self._active.values()]:
+        for req in [*self._waiting, *self._outside, *self._active.values()]:
             if not req.future.done():
                 error = EngineError(message)
                 error.__cause__ = cause
                 req.future.set_exception(error)
         self._waiting.clear()
+        self._outside.clear()
         self._active.clear()

@@ -3,7 +3,7 @@ windows, ``restore`` in a new process, and the replay that answers re-run agents
 (``engine_snapshot.py`` says what is saved and why).
 
 ``CheckpointedScheduling`` is a base of ``ContinuousBatchingScheduler``: its methods use that
-class's scheduling state (``_waiting``, ``_active``, ``_free``, ``_window``, ``_turns``,
+class's scheduling state (``_waiting``, ``_active``, ``_slots``, ``_window``, ``_turns``,
 ``_done_turns``, ``_replay``, ``_adopted``, ...), which only the scheduler's loop and these methods
 change, all on the engine's event loop.
 """
@@ -53,7 +53,7 @@ class CheckpointedScheduling:
             req = restored_request(s, loop.create_future())
             if s.slot >= 0:
                 self._active[(s.replica, s.slot)] = req
-                self._free[s.replica].remove(s.slot)
+                self._slots.claim(s.replica, s.slot)
             else:
                 heapq.heappush(self._waiting, req)
             self._adopted[(s.key, s.turn)] = req

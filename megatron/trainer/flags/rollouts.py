@@ -130,6 +130,18 @@ class Inference(Section):
         "earlier policy versions. 0: later batches step only while the awaited batch generates.",
         minimum=0,
     )
+    outside_request_slots: int = option(
+        4,
+        "KV-cache slots reserved for requests from outside training (to the inference server: "
+        "people, judges, evaluators; anything without a rollout key), on top of "
+        "--inference-max-requests and split over the data-parallel replicas (at least one "
+        "each). With the deterministic schedule such a request is answered within about its "
+        "max_tokens engine steps while the trainer waits for a batch, and the run's tokens are "
+        "the same as without it (its rows run in a forward of their own). 0: outside requests "
+        "wait for a slot the rollouts leave free (at lag > 0, often the whole run) and shift "
+        "the rollouts' schedule.",
+        minimum=0,
+    )
     inference_server_host: str = option(
         "127.0.0.1",
         "Interface of the inference server that remote environments (agent_type: remote) "

@@ -10,7 +10,7 @@ from grpo_testing.fakes import SeededInference
 
 from megatron.rl.agent.env_config import build_agents
 from megatron.rl.agent.remote import RemoteAgent, RemoteAgentArgs, RemoteEnvironmentError
-from megatron.rl.auth import API_KEY_ENV, read_api_key
+from megatron.rl.auth import API_KEY_ENV, api_key_source, read_api_key
 from megatron.rl.http_client import RetryPolicy
 from megatron.rl.server.env_server import EnvServerConfig, create_app, main
 from megatron.rl.server.http import EmbeddedServer
@@ -236,3 +236,18 @@ def test_env_server_cli_refuses_an_unreadable_key_file(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--api-key-file", str(tmp_path / "missing")])
     assert exc.value.code == 2 and "--api-key-file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "path, environ, source",
+    [
+        pytest.param("/run/job.key", {API_KEY_ENV: "s3cret"}, "--flag /run/job.key", id="file"),
+        pytest.param(None, {API_KEY_ENV: "s3cret"}, f"the environment variable {API_KEY_ENV}",
+                     id="variable"),
+        pytest.param(None, {API_KEY_ENV: ""}, "none", id="empty-variable"),
+        pytest.param(None, {}, "none", id="none"),
+    ],
+)  # fmt: skip
+def test_the_key_source_names_the_file_or_variable_never_the_key(path, environ, source):
+    assert api_key_source(path, environ, "--flag") == source
+    assert "s3cret" not in source

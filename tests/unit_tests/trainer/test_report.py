@@ -124,3 +124,16 @@ def test_the_step_line_ends_with_elapsed_and_eta():
     }  # fmt: skip
     line = format_log_line(m, 10, " | elapsed 4s | eta 7s")
     assert line.startswith("step     3/10") and "step 50 ms | elapsed 4s | eta 7s" in line
+
+
+@pytest.mark.parametrize(
+    "source, tail",
+    [
+        pytest.param("none", "(OpenAI-style; no key)", id="no-key"),
+        pytest.param("--rl-api-key-file /k", "(OpenAI-style; bearer key from --rl-api-key-file /k)",
+                     id="file"),
+    ],
+)  # fmt: skip
+def test_the_endpoint_line_gives_the_base_url_and_where_the_key_came_from(source, tail):
+    line = report.endpoint_line("http://127.0.0.1:41234", source)
+    assert line == f"endpoint     http://127.0.0.1:41234/v1 {tail}"

@@ -211,7 +211,7 @@ def build_kv_cache_runner(inputs: RunnerInputs) -> KVCacheRowRunner:
     mc = inputs.model.config
     cache = KVCache(
         num_layers=mc.num_layers,
-        num_slots=inputs.config.max_requests,
+        num_slots=inputs.config.num_slots,
         max_seq_len=inputs.config.max_seq_len,
         num_kv_heads=mc.num_query_groups // inputs.tp_size,
         head_dim=mc.kv_channels,

@@ -242,7 +242,7 @@ def build_dynamic_runner(inputs: RunnerInputs) -> DynamicEngineRowRunner:
     if inputs.padded_vocab_size is None:
         raise ValueError("the megatron_core inference backend needs RunnerInputs.padded_vocab_size")
     config = DynamicEngineConfig(
-        max_requests=inputs.config.max_requests,
+        max_requests=inputs.config.num_slots,  # the reserved outside slots too
         max_seq_len=inputs.config.max_seq_len,
         eos_id=inputs.config.eos_id,
     )
