@@ -214,7 +214,6 @@ class GPTArchitecture:
             if value % tp:
                 _fail(name, f"{value} is not divisible by tensor_model_parallel_size={tp}")
 
-
     def _moe_widths(self) -> list[tuple[str, int]]:
         if self.num_experts is None:
             return []

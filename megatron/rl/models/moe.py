@@ -16,9 +16,12 @@ subclasses here, nothing patched:
   (``last_aux_loss``, ``last_tokens_per_expert``, read by ``moe_statistics``). The aux loss still
   enters the gradient through megatron-core's ``MoEAuxLossAutoScaler`` (its scale: the trainer's
   ``set_aux_loss_scale``), so it also works under full activation recompute.
-* ``MoEAlltoAllTokenDispatcher`` creates a CUDA stream when built; the all-gather dispatcher
-  (``allgather``: gathers tokens over the TP x EP group, reduce-scatters the expert outputs) uses
-  only collectives gloo has, so it is the one used.
+* ``MoEAlltoAllTokenDispatcher`` creates a CUDA stream when built, so the all-gather dispatcher
+  (``allgather``: gathers tokens over the TP x EP group, reduce-scatters the expert outputs) is
+  the one used; megatron-core's gather and reduce-scatter functions allocate their outputs on
+  ``torch.cuda.current_device()``, so with TP x EP > 1 ``GlooAllGatherDispatcher`` does the same
+  two exchanges with device-agnostic autograd functions (reduce-scatter as an all-reduce and a
+  slice: gloo has no reduce-scatter).
 * ``MoELayer`` refuses to train with TP > 1 without sequence parallelism (a performance guard:
   the result is correct, the all-gather sees each replicated token once per TP rank). The CPU
   tier has no sequence parallelism, so ``build_gpt_model`` gives every ``MoELayer`` the class
@@ -41,6 +44,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 __all__ = [
@@ -101,6 +105,68 @@ class CPUSafeRouter(TopKRouter):
         return MoEAuxLossAutoScaler.apply(activation, aux_loss)
 
 
+class _GatherFirstDim(torch.autograd.Function):
+    """All-gather along dim 0 over ``group``; backward: the sum of the gradients, this rank's
+    rows."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(group.size())]
+        torch.distributed.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts)  # (size * n, ...)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _reduce_scatter(grad, ctx.group), None
+
+
+class _ReduceScatterFirstDim(torch.autograd.Function):
+    """Sum over ``group``, then this rank's rows along dim 0; backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return _reduce_scatter(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        parts = [torch.empty_like(grad) for _ in range(ctx.group.size())]
+        torch.distributed.all_gather(parts, grad.contiguous(), group=ctx.group)
+        return torch.cat(parts), None
+
+
+def _reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
+    total = x.contiguous().clone()
+    torch.distributed.all_reduce(total, group=group)
+    return total.chunk(group.size())[group.rank()].contiguous()  # (n / size, ...)
+
+
+class GlooAllGatherDispatcher(MoEAllGatherTokenDispatcher):
+    """megatron-core's all-gather token dispatcher with device-agnostic collectives."""
+
+    def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """Gather tokens, probabilities and the routing map over TP x EP."""
+        group = self.tp_ep_group
+        if group.size() > 1:
+            with torch.no_grad():
+                routing = _GatherFirstDim.apply(self.routing_map.to(torch.uint8), group)
+                self.routing_map = routing.bool()  # (tokens * TP * EP, E)
+            probs = _GatherFirstDim.apply(probs, group)
+            hidden_states = _GatherFirstDim.apply(hidden_states, group)
+        return hidden_states, probs
+
+    def token_combine(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Sum the expert outputs over TP x EP; keep this rank's tokens."""
+        group = self.tp_ep_group
+        if group.size() > 1:
+            dtype = hidden_states.dtype
+            hidden_states = _ReduceScatterFirstDim.apply(
+                hidden_states.to(self.local_probs.dtype), group
+            ).to(dtype)
+        return hidden_states
+
+
 class GatherMoELayer(MoELayer):
     """megatron-core's ``MoELayer`` that also trains at TP > 1 without sequence parallelism
     (the all-gather dispatcher computes the same outputs and gradients; megatron-core refuses
@@ -149,11 +215,14 @@ def moe_mlp_spec(
 
 
 def moe_layers_train_without_sequence_parallel(model: torch.nn.Module) -> torch.nn.Module:
-    """Give each of ``model``'s ``MoELayer`` the class ``GatherMoELayer`` (no state of its own,
-    a different ``forward``); returns ``model``."""
+    """Give each of ``model``'s ``MoELayer`` the class ``GatherMoELayer`` and each all-gather
+    dispatcher the class ``GlooAllGatherDispatcher`` (no state of their own, other methods);
+    returns ``model``."""
     for module in model.modules():
         if type(module) is MoELayer:
             module.__class__ = GatherMoELayer
+        if type(getattr(module, "token_dispatcher", None)) is MoEAllGatherTokenDispatcher:
+            module.token_dispatcher.__class__ = GlooAllGatherDispatcher
     return model
 
 

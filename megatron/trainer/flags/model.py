@@ -204,7 +204,6 @@ class Model(Section):
             errors.append("--tokenizer-model needs --tokenizer-type HuggingFaceTokenizer")
         return errors
 
-
     def _moe_problems(self) -> list[str]:
         if self.num_experts is None:
             moe = ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")
