@@ -78,6 +78,7 @@ def initialize_distributed(cfg: RunConfig) -> ParallelContext:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=cfg.parallelism.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.parallelism.pipeline_model_parallel_size,
+        expert_model_parallel_size=cfg.parallelism.expert_model_parallel_size,
     )
     set_seeds(cfg.training.seed, cuda)
     return ParallelContext(

@@ -188,7 +188,8 @@ def step_metrics(
     ``opsm_masked_sequence_fraction``); ``extra`` from the loop adds dynamic sampling
     (``dynamic_sampling_*``), the sequence-level logprob error (``seq_mult_prob_error_*``,
     ``seq_logprob_error_*``), evaluation (``eval/*``) and, with another advantage estimator,
-    scale or the overlong shaping, ``advantages_*``, ``overlong_*`` and ``truncated_*``.
+    scale or the overlong shaping, ``advantages_*``, ``overlong_*`` and ``truncated_*``. MoE
+    models add ``moe_aux_loss`` (with --moe-aux-loss-coeff > 0) and ``moe_load_imbalance``.
     """
     k = iterations_per_collection
     submitted = [r.submission_policy_version for g in collected.batch.groups for r in g.rollouts]
@@ -276,6 +277,9 @@ def _optional_log_fields(m: dict[str, Any]) -> str:
             + (f" masked {m['truncated_masked_rollouts']}"
                if "truncated_masked_rollouts" in m else "")
         )  # fmt: skip
+    if "moe_load_imbalance" in m:
+        aux = f"aux loss {m['moe_aux_loss']:.3e} " if "moe_aux_loss" in m else ""
+        parts.append(f"moe {aux}load imbalance {m['moe_load_imbalance']:.2f}")
     if "eval/greedy_reward" in m:
         passk = " ".join(
             f"{k[5:]} {v:.3f}"

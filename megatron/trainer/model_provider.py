@@ -38,11 +38,22 @@ def architecture(cfg: RunConfig, vocab_size: int) -> GPTArchitecture:
 
 
 def parallel_overrides(cfg: RunConfig) -> dict:
-    """The TransformerConfig fields of the parallel layout."""
-    return dict(
+    """The TransformerConfig fields of the parallel layout (and of the experts' training)."""
+    fields = dict(
         tensor_model_parallel_size=cfg.parallelism.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.parallelism.pipeline_model_parallel_size,
     )
+    if cfg.architecture_flags.get("num_experts") is not None:
+        coeff = cfg.model.moe_aux_loss_coeff
+        fields.update(
+            expert_model_parallel_size=cfg.parallelism.expert_model_parallel_size,
+            moe_router_load_balancing_type=(
+                cfg.model.moe_router_load_balancing_type if coeff > 0 else "none"
+            ),
+            moe_aux_loss_coeff=coeff,
+            moe_grouped_gemm=cfg.model.moe_grouped_gemm,
+        )
+    return fields
 
 
 def build_model(

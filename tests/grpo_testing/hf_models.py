@@ -34,12 +34,18 @@ def mixed_batch(seed: int = 0, vocab: int = 290) -> tuple[torch.Tensor, torch.Te
     return torch.where(mask, ids, 0), mask
 
 
-def build_hf_model(directory: Path, tp: int = 1) -> tuple[torch.nn.Module, HFModelConfig]:
-    """Our GPTModel of an HF checkpoint at TP ``tp`` (parallel state set up if needed), eval."""
+def build_hf_model(
+    directory: Path, tp: int = 1, ep: int = 1
+) -> tuple[torch.nn.Module, HFModelConfig]:
+    """Our GPTModel of an HF checkpoint at TP ``tp`` and EP ``ep`` (parallel state set up if
+    needed), eval."""
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, expert_model_parallel_size=ep
+        )
     hf = read_hf_config(directory)
-    config = transformer_config(hf.arch, tensor_model_parallel_size=tp)
+    moe = {} if hf.arch.num_experts is None else dict(expert_model_parallel_size=ep)
+    config = transformer_config(hf.arch, tensor_model_parallel_size=tp, **moe)
     model = build_gpt_model(hf.arch, config, layer_spec(hf.arch, SDPASpecProvider()))
     load_hf_checkpoint(model, directory, hf)
     return model.eval(), hf

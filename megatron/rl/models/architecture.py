@@ -30,6 +30,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron.rl.models.gpt_spec import gpt_layer_spec
+from megatron.rl.models.moe import moe_layers_train_without_sequence_parallel, moe_mlp_spec
 from megatron.rl.models.rope import RoPEGPTModel, RopeScaling
 
 __all__ = [
@@ -86,6 +87,22 @@ class GPTArchitecture:
     """Normalize each query and key head (over ``kv_channels``) before RoPE (Qwen3)."""
     untie_embeddings_and_output_weights: bool = False
     """Separate output layer weights instead of reusing the input embedding."""
+    num_experts: int | None = None
+    """Routed experts of every layer's MLP (mixture of experts); None: a dense MLP."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to."""
+    moe_ffn_hidden_size: int | None = None
+    """Width of one expert's MLP; None: ``ffn_hidden_size``."""
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts, then top-k (weights summing to < 1: Qwen3-MoE without
+    ``norm_topk_prob``); False: top-k of the logits, softmax over those k (Mixtral)."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Width of a shared expert every token passes through; None: none."""
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        """Width of one routed expert's MLP (``moe_ffn_hidden_size`` resolved)."""
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
 
     @property
     def head_dim(self) -> int:
@@ -129,7 +146,38 @@ class GPTArchitecture:
         if not self.norm_epsilon > 0:
             _fail("norm_epsilon", f"must be > 0, got {self.norm_epsilon}")
         self._validate_rope()
+        self._validate_moe()
         self._validate_parallel(tensor_model_parallel_size)
+
+    def _validate_moe(self) -> None:
+        if self.num_experts is None:
+            return
+        _positive("num_experts", self.num_experts)
+        _positive("moe_router_topk", self.moe_router_topk)
+        if self.moe_router_topk > self.num_experts:
+            _fail("moe_router_topk", f"{self.moe_router_topk} > num_experts={self.num_experts}")
+        if self.moe_router_topk == 1 and not self.moe_router_pre_softmax:
+            _fail("moe_router_pre_softmax", "top-1 routing needs the softmax before the top-k")
+        if self.moe_ffn_hidden_size is not None:
+            _positive("moe_ffn_hidden_size", self.moe_ffn_hidden_size)
+        if self.moe_shared_expert_intermediate_size is not None:
+            _positive(
+                "moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size
+            )
+
+    def validate_expert_parallel(self, expert_model_parallel_size: int) -> None:
+        """Raise ValueError unless the experts split evenly over ``expert_model_parallel_size``."""
+        _positive("expert_model_parallel_size", expert_model_parallel_size)
+        if expert_model_parallel_size == 1:
+            return
+        if self.num_experts is None:
+            _fail("num_experts", "None (a dense MLP) cannot be split over expert-parallel ranks")
+        if self.num_experts % expert_model_parallel_size:
+            _fail(
+                "num_experts",
+                f"{self.num_experts} is not divisible by expert_model_parallel_size="
+                f"{expert_model_parallel_size}",
+            )
 
     def _validate_rope(self) -> None:
         if not 0 < self.rotary_percent <= 1:
@@ -161,9 +209,20 @@ class GPTArchitecture:
             ("num_query_groups", self.query_groups),
             ("ffn_hidden_size", self.ffn_hidden_size),
             ("vocab_size", self.vocab_size),
+            *self._moe_widths(),
         ):
             if value % tp:
                 _fail(name, f"{value} is not divisible by tensor_model_parallel_size={tp}")
+
+    def _moe_widths(self) -> list[tuple[str, int]]:
+        if self.num_experts is None:
+            return []
+        widths = [("moe_ffn_hidden_size", self.expert_ffn_hidden_size)]
+        if self.moe_shared_expert_intermediate_size is not None:
+            widths.append(
+                ("moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size)
+            )
+        return widths
 
 
 def _fail(field: str, message: str) -> None:
@@ -207,6 +266,17 @@ def transformer_config(arch: GPTArchitecture, **tier_overrides) -> TransformerCo
         gradient_accumulation_fusion=False,
         cuda_graph_scope=[],  # megatron-core's value for "the whole layer" ("full" is deprecated)
     )
+    if arch.num_experts is not None:
+        fields.update(
+            num_moe_experts=arch.num_experts,
+            moe_router_topk=arch.moe_router_topk,
+            moe_ffn_hidden_size=arch.expert_ffn_hidden_size,
+            moe_router_pre_softmax=arch.moe_router_pre_softmax,
+            moe_shared_expert_intermediate_size=arch.moe_shared_expert_intermediate_size,
+            moe_token_dispatcher_type="allgather",  # the dispatcher that runs over gloo
+            moe_router_load_balancing_type="none",  # the tier's training options set the aux loss
+            moe_aux_loss_coeff=0.0,
+        )
     fields.update(tier_overrides)
     return TransformerConfig(**fields)
 
@@ -224,12 +294,23 @@ _CONFIG_FIELDS = {
     "add_bias_linear": "add_bias_linear",
     "add_qkv_bias": "add_qkv_bias",
     "qk_layernorm": "qk_layernorm",
+    "num_experts": "num_moe_experts",
 }
 
 
-def layer_spec(arch: GPTArchitecture, backend: BackendSpecProvider) -> ModuleSpec:
-    """The transformer layer spec of ``arch`` (its normalization and QK norm) from ``backend``."""
-    return gpt_layer_spec(backend, qk_layernorm=arch.qk_layernorm, normalization=arch.normalization)
+def layer_spec(
+    arch: GPTArchitecture, backend: BackendSpecProvider, moe_grouped_gemm: bool = False
+) -> ModuleSpec:
+    """The transformer layer spec of ``arch`` (its normalization, QK norm, experts) from
+    ``backend``; ``moe_grouped_gemm``: the backend's grouped GEMM for the experts."""
+    moe = None
+    if arch.num_experts is not None:
+        moe = moe_mlp_spec(
+            backend, arch.moe_shared_expert_intermediate_size is not None, moe_grouped_gemm
+        )
+    return gpt_layer_spec(
+        backend, qk_layernorm=arch.qk_layernorm, normalization=arch.normalization, moe=moe
+    )
 
 
 def build_gpt_model(
@@ -243,7 +324,8 @@ def build_gpt_model(
 
     ``config`` must come from ``transformer_config(arch, ...)``: a field that disagrees with
     ``arch`` is refused by name. Learned absolute positions build megatron-core's ``GPTModel``;
-    RoPE builds ``RoPEGPTModel``, which honours per-row ``position_ids``.
+    RoPE builds ``RoPEGPTModel``, which honours per-row ``position_ids``. Mixture-of-experts
+    layers train at TP > 1 without sequence parallelism (``moe.GatherMoELayer``).
     """
     arch.validate(config.tensor_model_parallel_size)
     for ours, theirs in _CONFIG_FIELDS.items():
@@ -264,10 +346,12 @@ def build_gpt_model(
         position_embedding_type=arch.position_embedding_type,
     )
     if arch.position_embedding_type == "learned_absolute":
-        return GPTModel(**kwargs)
-    return RoPEGPTModel(
-        **kwargs,
-        rotary_base=arch.rotary_base,
-        rotary_percent=arch.rotary_percent,
-        llama3_scaling=arch.rope_scaling,
-    )
+        model = GPTModel(**kwargs)
+    else:
+        model = RoPEGPTModel(
+            **kwargs,
+            rotary_base=arch.rotary_base,
+            rotary_percent=arch.rotary_percent,
+            llama3_scaling=arch.rope_scaling,
+        )
+    return moe_layers_train_without_sequence_parallel(model)

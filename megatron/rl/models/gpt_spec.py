@@ -163,14 +163,18 @@ def mlp_spec(submodules: MLPSubmodules) -> ModuleSpec | MLPBuilder:
 
 
 def gpt_layer_spec(
-    backend: BackendSpecProvider, qk_layernorm: bool = False, normalization: str = "LayerNorm"
+    backend: BackendSpecProvider,
+    qk_layernorm: bool = False,
+    normalization: str = "LayerNorm",
+    moe: ModuleSpec | None = None,
 ) -> ModuleSpec:
     """A dense GPT layer (self-attention + MLP, pre-norm) built from ``backend``'s modules.
 
     ``normalization`` (``LayerNorm`` or ``RMSNorm``) picks the norm modules; it must equal the
     ``TransformerConfig.normalization`` the model is built with (Transformer Engine's fused
     norm-linear modules and ``WrappedTorchNorm`` read the kind from the config). ``qk_layernorm``
-    adds a norm of each query and key head (over the head dimension).
+    adds a norm of each query and key head (over the head dimension). ``moe``: the mixture of
+    experts that replaces the dense MLP (``moe.moe_mlp_spec``; its norm is never fused).
     """
     if normalization not in ("LayerNorm", "RMSNorm"):
         raise ValueError(f"normalization must be 'LayerNorm' or 'RMSNorm', got {normalization!r}")
@@ -180,6 +184,8 @@ def gpt_layer_spec(
     qk_norm = backend.layer_norm(rms_norm=rms, for_qk=True) if qk_layernorm else IdentityOp
     qkv = backend.column_parallel_layer_norm_linear() if fused else backend.column_parallel_linear()
     fc1 = backend.column_parallel_layer_norm_linear() if fused else backend.column_parallel_linear()
+    mlp = mlp_spec(MLPSubmodules(linear_fc1=fc1, linear_fc2=backend.row_parallel_linear()))
+    mlp_fused = fused and moe is None
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -196,8 +202,8 @@ def gpt_layer_spec(
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=IdentityOp if fused else layer_norm,
-            mlp=mlp_spec(MLPSubmodules(linear_fc1=fc1, linear_fc2=backend.row_parallel_linear())),
+            pre_mlp_layernorm=IdentityOp if mlp_fused else layer_norm,
+            mlp=mlp if moe is None else moe,
             mlp_bda=get_bias_dropout_add,
         ),
     )

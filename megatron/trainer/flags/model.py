@@ -42,6 +42,11 @@ ARCHITECTURE_FLAGS = {
     "qk_layernorm": "qk_layernorm",
     "untie_embeddings_and_output_weights": "untie_embeddings_and_output_weights",
     "max_position_embeddings": "max_position_embeddings",
+    "num_experts": "num_experts",
+    "moe_router_topk": "moe_router_topk",
+    "moe_ffn_hidden_size": "moe_ffn_hidden_size",
+    "moe_router_pre_softmax": "moe_router_pre_softmax",
+    "moe_shared_expert_intermediate_size": "moe_shared_expert_intermediate_size",
 }
 """The options ``config.json`` decides under ``--hf-checkpoint``."""
 LLAMA3_SCALING = dict(
@@ -59,7 +64,7 @@ class Model(Section):
     hf_checkpoint: str | None = option(
         None,
         "Hugging Face model directory (config.json + safetensors; Llama 2/3, Qwen2/2.5, Qwen3, "
-        "Mistral): sets the architecture and loads the weights.",
+        "Mistral, Qwen3-MoE, Mixtral): sets the architecture and loads the weights.",
         parse=str,
         common=True,
         spellings=("TRL: model_name_or_path", "NeMo-RL: policy.model_name"),
@@ -125,6 +130,48 @@ class Model(Section):
     untie_embeddings_and_output_weights: bool = option(
         False, "Separate output layer weights instead of the input embedding's.", switch=True
     )
+    num_experts: int | None = option(
+        None,
+        "Mixture of experts: routed experts in every layer's MLP (megatron-core's MoELayer; "
+        "default: a dense MLP).",
+        parse=int,
+        minimum=1,
+        resume=True,
+    )
+    moe_router_topk: int = option(2, "Experts each token is routed to.", minimum=1, resume=True)
+    moe_ffn_hidden_size: int | None = option(
+        None, "Width of one expert's MLP (default: --ffn-hidden-size).", parse=int, minimum=1
+    )
+    moe_router_pre_softmax: bool = option(
+        False,
+        "Softmax over all experts before the top-k (the k weights sum to < 1); default: top-k of "
+        "the logits, then a softmax over those k (Mixtral; Qwen3-MoE with norm_topk_prob).",
+        switch=True,
+    )
+    moe_shared_expert_intermediate_size: int | None = option(
+        None,
+        "Width of a shared expert every token also passes through (default: none).",
+        parse=int,
+        minimum=1,
+    )
+    moe_router_load_balancing_type: str = option(
+        "aux_loss",
+        "Load-balancing loss of the router: aux_loss (over the micro-batch), seq_aux_loss (per "
+        "sequence) or none; weighted by --moe-aux-loss-coeff.",
+        choices=("aux_loss", "seq_aux_loss", "none"),
+    )
+    moe_aux_loss_coeff: float = option(
+        0.0,
+        "Weight of the load-balancing loss in the training loss (0: none; logged as "
+        "moe_aux_loss when > 0).",
+        minimum=0,
+    )
+    moe_grouped_gemm: bool = option(
+        False,
+        "All local experts in one grouped GEMM (Transformer Engine's, CUDA tier only); default: "
+        "one MLP per expert in turn (megatron-core's SequentialMLP).",
+        switch=True,
+    )
     seq_length: int = option(
         32,
         "Longest prompt + completion, in tokens (also the KV-cache length).",
@@ -150,10 +197,25 @@ class Model(Section):
                 errors.append("--num-query-groups needs --group-query-attention")
             if self.use_rope_scaling and self.position_embedding_type != "rope":
                 errors.append("--use-rope-scaling needs --position-embedding-type rope")
+            errors += self._moe_problems()
         if self.tokenizer_type == "HuggingFaceTokenizer" and self.tokenizer_model is None:
             errors.append("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model DIR")
         if self.tokenizer_type == "CharTokenizer" and self.tokenizer_model is not None:
             errors.append("--tokenizer-model needs --tokenizer-type HuggingFaceTokenizer")
+        return errors
+
+    def _moe_problems(self) -> list[str]:
+        if self.num_experts is None:
+            moe = ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")
+            return [f"--{n.replace('_', '-')} needs --num-experts" for n in moe if getattr(self, n)]
+        errors = []
+        if self.moe_router_topk > self.num_experts:
+            errors.append(
+                f"--moe-router-topk ({self.moe_router_topk}) must not exceed --num-experts "
+                f"({self.num_experts})"
+            )
+        if self.moe_router_topk == 1 and not self.moe_router_pre_softmax:
+            errors.append("--moe-router-topk 1 needs --moe-router-pre-softmax (as in Megatron-LM)")
         return errors
 
 
@@ -242,6 +304,11 @@ def gpt_architecture(model: Model, hf: HFModelConfig | None, vocab_size: int) ->
         add_qkv_bias=model.add_qkv_bias,
         qk_layernorm=model.qk_layernorm,
         untie_embeddings_and_output_weights=model.untie_embeddings_and_output_weights,
+        num_experts=model.num_experts,
+        moe_router_topk=model.moe_router_topk,
+        moe_ffn_hidden_size=model.moe_ffn_hidden_size,
+        moe_router_pre_softmax=model.moe_router_pre_softmax,
+        moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
     )
 
 

@@ -259,10 +259,42 @@ def _layout_problems(run: RunConfig, cuda: bool) -> list[str]:
             f"--inference-max-requests ({run.inference.max_requests}) must be divisible by the "
             f"data-parallel size ({run.data_parallel_size})"
         )
+    errors += _expert_problems(run, cuda)
     if p.use_distributed_optimizer and not cuda:
         errors.append(
             "--use-distributed-optimizer is not supported on CPU: it needs the CUDA tier "
             "(megatron-core's distributed optimizer is CUDA-only)"
+        )
+    return errors
+
+
+def _expert_problems(run: RunConfig, cuda: bool) -> list[str]:
+    """Experts against the layout and the tier."""
+    errors = []
+    arch, ep = run.architecture_flags, run.parallelism.expert_model_parallel_size
+    experts = arch["num_experts"]
+    if ep > 1 and experts is None:
+        errors.append(f"--expert-model-parallel-size {ep} needs --num-experts")
+    elif ep > 1 and experts % ep:
+        errors.append(
+            f"--num-experts ({experts}) must be divisible by --expert-model-parallel-size ({ep})"
+        )
+    if ep > 1 and run.data_parallel_size % ep:
+        errors.append(
+            f"--expert-model-parallel-size ({ep}) must divide the data-parallel size "
+            f"({run.data_parallel_size}): expert-parallel ranks are data-parallel ranks"
+        )
+    if ep > 1 and not cuda:
+        errors.append(
+            f"--expert-model-parallel-size {ep} is not supported for training on CPU: the CPU "
+            "tier reduces every gradient over all data-parallel ranks and its rollout engine "
+            "steps each rank alone; use 1 (EP models build and run on gloo, see "
+            "docs/architecture.md)"
+        )
+    if run.model.moe_grouped_gemm and not cuda:
+        errors.append(
+            "--moe-grouped-gemm is not supported on CPU: the grouped GEMM is Transformer "
+            "Engine's (CUDA); the CPU tier runs one MLP per expert"
         )
     return errors
 

@@ -26,6 +26,12 @@ class Parallelism(Section):
     pipeline_model_parallel_size: int = option(
         1, "PP degree (must be 1 on CPU).", minimum=1, common=True
     )
+    expert_model_parallel_size: int = option(
+        1,
+        "EP degree: the experts of --num-experts split over this many data-parallel ranks "
+        "(tokens all-gathered over TP x EP; CUDA tier only for training).",
+        minimum=1,
+    )
     use_distributed_optimizer: bool = option(
         False,
         "Shard the optimizer state over the data-parallel ranks (megatron-core's distributed "

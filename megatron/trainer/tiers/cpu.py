@@ -9,7 +9,8 @@
 * Optimizer: torch's fused AdamW, a flattened DP gradient all-reduce and a TP-aware gradient clip
   (``megatron/trainer/optimizer.py``): megatron-core's DDP and optimizers hard-code CUDA.
 * Policy (``CPUPolicy``): micro-batches run one after the other; in ``train`` each
-  backpropagates its share of the global token-mean loss.
+  backpropagates its share of the global token-mean loss; with routed experts, the aux loss's
+  gradient is the mean over the global batch's micro-batches (``moe_step.py``).
 * Rollouts: the scheduler over ``KVCacheRowRunner``s, each with its own per-slot KV cache.
 * Checkpoints: one ``torch.save`` file per tensor-parallel rank, written by data-parallel rank 0:
   ``iter_XXXXXXX/mp_rank_XX/model_optim_rng.pt`` (model, optimizer, LR schedule, RNG, flags).
@@ -48,6 +49,11 @@ from megatron.trainer.forward import (
     padded_rows,
 )
 from megatron.trainer.initialize import ParallelContext
+from megatron.trainer.moe_step import (
+    MoEStepStats,
+    set_micro_batch_aux_loss_scale,
+    with_moe_metrics,
+)
 from megatron.trainer.nonfinite import LossCheck
 from megatron.trainer.optimizer import (
     allreduce_gradients,
@@ -228,6 +234,8 @@ class CPUPolicy(Policy):
         sums = NamedSums.zeros(keys)
         denom = max(loss_fn.normalizer(update.batch), 1)
         check = LossCheck(config.check_finite and not eval_mode, ctx.rank)
+        moe = MoEStepStats(model)  # nothing for a dense model
+        set_micro_batch_aux_loss_scale(model, len(update.micro_batches), ctx.dp_size, ctx.device)
         with torch.set_grad_enabled(not eval_mode):
             for micro in update.micro_batches:
                 with self._precision():  # the forward; its backward runs as autograd recorded it
@@ -235,6 +243,7 @@ class CPUPolicy(Policy):
                         model, micro.data, config.vocab_size, ctx, config.packing_capacity,
                         loss_fn.needs_entropy,
                     )  # fmt: skip
+                moe.record()
                 out = loss_fn(micro, logprobs, entropy)  # (b, t) -> sums
                 check.record(out.loss_sum)
                 if not eval_mode:
@@ -254,7 +263,8 @@ class CPUPolicy(Policy):
             result = Update(sums, grad_norm, lr)
         groups = [ctx.dp_group] if ctx.dp_size > 1 else []
         caches = [m.cache for m in update.micro_batches]
-        return step_result(result, loss_fn, caches, update.batch, groups, ctx.device, start)
+        stepped = step_result(result, loss_fn, caches, update.batch, groups, ctx.device, start)
+        return with_moe_metrics(stepped, moe.metrics(ctx.dp_group, None, ctx.device))
 
 
 class TorchShards(CheckpointShards):

@@ -152,7 +152,7 @@ class CUDATier(Tier):
         model = build_gpt_model(
             arch,
             config,
-            layer_spec(arch, select_backend(cuda=True)),
+            layer_spec(arch, select_backend(cuda=True), cfg.model.moe_grouped_gemm),
             pre_process=parallel_state.is_pipeline_first_stage(),
             post_process=parallel_state.is_pipeline_last_stage(),
         )

@@ -12,7 +12,10 @@ logits: the forward-only methods keep them, ``train`` hands them to the ``LossFu
   megatron-core's ``finalize_model_grads`` divides the DP-reduced gradients by the global number
   of loss tokens, the CPU tier's global token mean (by the global number of sequences with a
   per-sequence ``--loss-agg-mode``: each micro-batch reports its ``LossFunction.normalizer``). The scheduler steps first (update k uses the
-  schedule's value at k + 1), then the optimizer, as on CPU.
+  schedule's value at k + 1), then the optimizer, as on CPU. With routed experts the schedule
+  also sets the aux loss's gradient weight (``MoEAuxLossAutoScaler``): per token, as the policy
+  loss (the router multiplies each micro-batch's aux loss by its token count, and the gradients
+  are divided by the global loss-token count), where the CPU tier averages over micro-batches.
 * Results of the forward-only methods exist on the last pipeline stage; they are broadcast to the
   other stages, then gathered over data parallelism, so every rank returns the whole batch's.
 * Pipeline stages exchange activations of one shape: micro-batches keep the batch's full width,
@@ -45,6 +48,7 @@ from megatron.trainer.forward import (
     padded_rows,
 )
 from megatron.trainer.initialize import ParallelContext
+from megatron.trainer.moe_step import MoEStepStats, with_moe_metrics
 from megatron.trainer.nonfinite import LossCheck
 from megatron.trainer.policy import (
     LossFunction,
@@ -186,6 +190,7 @@ class CUDAPolicy(Policy):
         keys = update_keys(loss_fn)
         sums: list[NamedSums] = []  # one per micro-batch (last stage only)
         check = LossCheck(config.check_finite and not eval_mode, ctx.rank)
+        moe = MoEStepStats(model)  # nothing for a dense model
 
         def loss(micro: MicroBatch, inputs: ModelInputs, logits: torch.Tensor):
             """The loss *sum* of a micro-batch, its token count, and its metric sums."""
@@ -206,7 +211,7 @@ class CUDAPolicy(Policy):
         items = [(m.data, m) for m in update.micro_batches]
         try:
             with torch.set_grad_enabled(not eval_mode):
-                self._schedule(model, items, loss, mbs, forward_only=eval_mode)
+                self._schedule(model, items, loss, mbs, eval_mode, moe.record)
         except RuntimeError as exc:  # megatron-core's gradient check, on this rank alone
             error = check.megatron_core_error(exc)
             if error is None:
@@ -227,7 +232,9 @@ class CUDAPolicy(Policy):
         if self.pipeline > 1:  # only the last stage computed the loss
             groups.append(parallel_state.get_pipeline_model_parallel_group())
         caches = [m.cache for m in update.micro_batches]
-        return step_result(result, loss_fn, caches, update.batch, groups, ctx.device, start)
+        stepped = step_result(result, loss_fn, caches, update.batch, groups, ctx.device, start)
+        stages = parallel_state.get_pipeline_model_parallel_group() if self.pipeline > 1 else None
+        return with_moe_metrics(stepped, moe.metrics(ctx.dp_group, stages, ctx.device))
 
     # ----------------------------------------------------------------- the schedule
 
@@ -238,9 +245,11 @@ class CUDAPolicy(Policy):
         consume: Consume,
         mbs: int,
         forward_only: bool,
+        after_forward: Callable[[], None] | None = None,
     ) -> None:
         """Run megatron-core's schedule over ``items`` ((micro-batch, key) pairs): each
-        micro-batch forward through this stage, ``consume(key, inputs, logits)`` on the last."""
+        micro-batch forward through this stage, then ``after_forward()``, and
+        ``consume(key, inputs, logits)`` on the last."""
         ctx, capacity = self.ctx, self.config.packing_capacity
         micros = [micro for micro, _ in items]
         rows, seq_length, packed = mbs, int(micros[0].input_ids.shape[1]), None
@@ -259,6 +268,8 @@ class CUDAPolicy(Policy):
             micro, key = next(data_iterator)
             inputs = model_inputs(micro, ctx.device, capacity, packed)
             output = stage(inputs.ids, inputs.positions, inputs.mask)  # last stage: logits
+            if after_forward is not None:
+                after_forward()
             return output, functools.partial(consume, key, inputs)
 
         get_forward_backward_func()(

@@ -127,9 +127,12 @@ class SafetensorsSource:
             return sl[start:stop] if dim == 0 else sl[:, start:stop]
 
 
-def check_hf_tensors(source: SafetensorsSource, arch: GPTArchitecture, vocab_size: int) -> None:
-    """Every implied tensor present with its shape and nothing unknown, else HFCheckpointError."""
-    expected = hf_tensor_shapes(arch, vocab_size)
+def check_hf_tensors(
+    source: SafetensorsSource, arch: GPTArchitecture, vocab_size: int, family: str | None = None
+) -> None:
+    """Every implied tensor present with its shape and nothing unknown, else HFCheckpointError
+    (``family`` names the experts of a mixture of experts)."""
+    expected = hf_tensor_shapes(arch, vocab_size, family)
     for name, shape in expected.items():
         actual = source.shape(name)
         if actual is None:
@@ -159,12 +162,19 @@ def load_hf_checkpoint(
     hf: HFModelConfig,
     tp_rank: int | None = None,
     tp_size: int | None = None,
+    ep_rank: int | None = None,
+    ep_size: int | None = None,
 ) -> None:
     """Copy an HF checkpoint's weights into this TP rank's ``model`` (built from ``hf.arch``).
 
-    TP rank and size default to megatron-core's parallel state. Only this rank's slices are
-    read; values are cast to the parameters' dtypes. One pipeline stage only.
+    TP (and, for a mixture of experts, EP) rank and size default to megatron-core's parallel
+    state. Only this rank's slices (and local experts) are read; values are cast to the
+    parameters' dtypes. One pipeline stage only.
     """
+    if ep_size is None:
+        ep_size = _parallel_state_or("get_expert_model_parallel_world_size", 1)
+    if ep_rank is None:
+        ep_rank = _parallel_state_or("get_expert_model_parallel_rank", 0)
     if tp_size is None:
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
     if tp_rank is None:
@@ -174,12 +184,14 @@ def load_hf_checkpoint(
     if not (getattr(model, "pre_process", True) and getattr(model, "post_process", True)):
         raise ValueError("load_hf_checkpoint: pipeline-parallel stages are not supported")
     source = SafetensorsSource(directory)
-    check_hf_tensors(source, hf.arch, hf.vocab_size)
+    check_hf_tensors(source, hf.arch, hf.vocab_size, hf.family)
     targets = {
         k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")
     }
     fused = any(k.endswith("linear_qkv.layer_norm_weight") for k in targets)
-    shard = megatron_shard_readers(hf.arch, source, hf.vocab_size, tp_rank, tp_size, fused)
+    shard = megatron_shard_readers(
+        hf.arch, source, hf.vocab_size, tp_rank, tp_size, fused, hf.family, ep_rank, ep_size
+    )
     if set(shard) != set(targets):
         raise ValueError(
             f"model does not match {directory}/config.json: model-only tensors "
@@ -197,13 +209,25 @@ def load_hf_checkpoint(
             targets[name].copy_(value)
 
 
+def _parallel_state_or(getter: str, default: int) -> int:
+    """megatron-core's parallel-state value ``getter`` when it is initialized, else ``default``."""
+    if not parallel_state.model_parallel_is_initialized():
+        return default
+    return getattr(parallel_state, getter)()
+
+
 def gather_tensor_parallel_state_dicts(
     model: torch.nn.Module, group: dist.ProcessGroup | None = None
 ) -> list[dict[str, torch.Tensor]]:
-    """The CPU state dicts of every TP rank of ``model``, in rank order (collective over TP)."""
+    """The CPU state dicts of every TP rank of ``model``, in rank order (collective over TP).
+
+    With expert parallelism the experts of every EP rank are gathered too (collective over EP)
+    and named by their global index: the result is laid out as an EP=1 model.
+    """
     local = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     if group is None and parallel_state.model_parallel_is_initialized():
         group = parallel_state.get_tensor_model_parallel_group()
+    local = _gather_experts(local)
     size = dist.get_world_size(group) if dist.is_initialized() else 1
     if size == 1:
         return [{k: v.detach().cpu().clone() for k, v in local.items()}]
@@ -213,6 +237,27 @@ def gather_tensor_parallel_state_dicts(
         dist.all_gather(parts, tensor.detach().contiguous(), group=group)
         for rank, part in enumerate(parts):
             out[rank][name] = part.cpu()
+    return out
+
+
+_LOCAL_EXPERT = re.compile(r"(.*\.local_experts\.)(\d+)(\..*)")
+
+
+def _gather_experts(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``local`` with every EP rank's local experts, renamed to their global index."""
+    ep = _parallel_state_or("get_expert_model_parallel_world_size", 1)
+    experts = {k: v for k, v in local.items() if _LOCAL_EXPERT.fullmatch(k)}
+    if ep == 1 or not experts:
+        return local
+    count = 1 + max(int(_LOCAL_EXPERT.fullmatch(k).group(2)) for k in experts)
+    out = {k: v for k, v in local.items() if k not in experts}
+    group = parallel_state.get_expert_model_parallel_group()
+    for name, tensor in experts.items():
+        parts = [torch.empty_like(tensor) for _ in range(ep)]
+        dist.all_gather(parts, tensor.detach().contiguous(), group=group)
+        head, index, tail = _LOCAL_EXPERT.fullmatch(name).groups()
+        for rank, part in enumerate(parts):
+            out[f"{head}{rank * count + int(index)}{tail}"] = part
     return out
 
 
@@ -239,7 +284,7 @@ def export_hf(
     """
     shards = [state_dicts] if isinstance(state_dicts, Mapping) else list(state_dicts)
     vocab_size = vocab_size or arch.vocab_size
-    tensors = hf_from_megatron(arch, shards, vocab_size)
+    tensors = hf_from_megatron(arch, shards, vocab_size, family)
     if dtype is not None:
         tensors = {k: v.to(dtype) for k, v in tensors.items()}
     dtype_name = str(next(iter(tensors.values())).dtype).removeprefix("torch.")

@@ -103,6 +103,7 @@ def hf_model_config(
     _check_sliding_window(cfg, family, max_positions, fail)
     add_bias_linear, add_qkv_bias = _biases(cfg, family, fail)
     rotary_base, scaling = _rope(cfg, fail)
+    moe = _experts(cfg, family, fail)
     vocab = cfg["vocab_size"]
     arch = GPTArchitecture(
         num_layers=cfg["num_hidden_layers"],
@@ -125,6 +126,7 @@ def hf_model_config(
         untie_embeddings_and_output_weights=not cfg.get(
             "tie_word_embeddings", family.tie_word_embeddings
         ),
+        **moe,
     )
     try:
         arch.validate()
@@ -138,6 +140,26 @@ def hf_model_config(
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=cfg.get("eos_token_id"),
     )
+
+
+def _experts(cfg: dict, family: HFFamily, fail: _Fail) -> dict[str, Any]:
+    """The ``GPTArchitecture`` MoE fields of a mixture-of-experts family's ``config.json``."""
+    names = family.moe
+    if names is None:
+        return {}
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if not isinstance(experts, int) or experts < 1:
+        raise fail("num_experts", f"missing or not a positive integer: {experts!r}")
+    topk, width = cfg.get("num_experts_per_tok", 2), cfg.get(names.expert_width_key)
+    for key, value in (("num_experts_per_tok", topk), (names.expert_width_key, width)):
+        if not isinstance(value, int) or value < 1:
+            raise fail(key, f"missing or not a positive integer: {value!r}")
+    try:
+        settings = names.settings(cfg)
+    except ValueError as err:
+        key = str(err).split("=", 1)[0]
+        raise fail(key, str(err)) from None
+    return dict(num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=width, **settings)
 
 
 def _check_sliding_window(cfg: dict, family: HFFamily, max_positions: int, fail: _Fail) -> None:
@@ -224,6 +246,20 @@ def check_family(arch: GPTArchitecture, family: str) -> None:
     )
     if not entry.bias_linear:
         wanted.update(add_bias_linear=False)
+    if entry.moe is None and arch.num_experts is not None:
+        raise ValueError(
+            f"GPTArchitecture.num_experts={arch.num_experts} cannot be exported as "
+            f"{entry.architectures[0]} (a dense model; needs None)"
+        )
+    if entry.moe is not None:
+        if arch.num_experts is None:
+            raise ValueError(
+                f"GPTArchitecture.num_experts=None cannot be exported as {entry.architectures[0]} "
+                "(a mixture of experts)"
+            )
+        wanted.update(moe_shared_expert_intermediate_size=None)
+        if arch.moe_router_pre_softmax not in entry.moe.pre_softmax:
+            wanted.update(moe_router_pre_softmax=entry.moe.pre_softmax[0])
     for field, value in wanted.items():
         if getattr(arch, field) != value:
             raise ValueError(

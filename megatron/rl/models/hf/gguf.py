@@ -41,7 +41,7 @@ from megatron.rl.models.hf.families import families
 SOURCE_FILE = "gguf_source.json"
 """Written into every converted directory: where the weights came from."""
 SUPPORTED_MODEL_TYPES = tuple(
-    model_type for family in families() for model_type in family.model_types
+    model_type for family in families() if family.moe is None for model_type in family.model_types
 )
 """``model_type`` values of GGUF files whose transformers model ``--hf-checkpoint`` reads (those
 of every ``HFFamily``)."""

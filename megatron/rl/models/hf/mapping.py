@@ -51,6 +51,27 @@ import torch
 
 from megatron.rl.models.architecture import GPTArchitecture
 from megatron.rl.models.hf.errors import HFCheckpointError
+from megatron.rl.models.hf.experts import (
+    expert_readers,
+    hf_expert_shapes,
+    hf_experts_from_megatron,
+)
+from megatron.rl.models.hf.families.base import MoENames
+
+
+def moe_names(arch: GPTArchitecture, family: str | None) -> MoENames | None:
+    """The expert names of ``family`` for a mixture-of-experts ``arch`` (None for a dense one);
+    ValueError if the family has no experts or none is given."""
+    if arch.num_experts is None:
+        return None
+    from megatron.rl.models.hf.families import family_named
+
+    if family is None:
+        raise ValueError("a mixture-of-experts architecture needs its Hugging Face family")
+    names = family_named(family).moe
+    if names is None:
+        raise ValueError(f"family {family!r} has no mixture of experts")
+    return names
 
 
 class TensorSource(Protocol):
@@ -86,8 +107,12 @@ class DictSource:
         return self.tensors[name].narrow(dim, start, stop - start)
 
 
-def hf_tensor_shapes(arch: GPTArchitecture, vocab_size: int) -> dict[str, tuple[int, ...]]:
-    """Every tensor an HF checkpoint of ``arch`` with ``vocab_size`` rows holds, with its shape."""
+def hf_tensor_shapes(
+    arch: GPTArchitecture, vocab_size: int, family: str | None = None
+) -> dict[str, tuple[int, ...]]:
+    """Every tensor an HF checkpoint of ``arch`` with ``vocab_size`` rows holds, with its shape
+    (``family`` names the experts of a mixture of experts)."""
+    experts = moe_names(arch, family)
     h, d, ffn = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
     q_rows, kv_rows = arch.num_attention_heads * d, arch.query_groups * d
     shapes = {"model.embed_tokens.weight": (vocab_size, h), "model.norm.weight": (h,)}
@@ -103,17 +128,21 @@ def hf_tensor_shapes(arch: GPTArchitecture, vocab_size: int) -> dict[str, tuple[
                 p + "self_attn.k_proj.weight": (kv_rows, h),
                 p + "self_attn.v_proj.weight": (kv_rows, h),
                 p + "self_attn.o_proj.weight": (h, q_rows),
-                p + "mlp.gate_proj.weight": (ffn, h),
-                p + "mlp.up_proj.weight": (ffn, h),
-                p + "mlp.down_proj.weight": (h, ffn),
             }
         )
+        if experts is not None:
+            shapes.update(hf_expert_shapes(arch, experts, i))
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (ffn, h)
+            shapes[p + "mlp.up_proj.weight"] = (ffn, h)
+            shapes[p + "mlp.down_proj.weight"] = (h, ffn)
         if arch.add_bias_linear or arch.add_qkv_bias:
             shapes[p + "self_attn.q_proj.bias"] = (q_rows,)
             shapes[p + "self_attn.k_proj.bias"] = (kv_rows,)
             shapes[p + "self_attn.v_proj.bias"] = (kv_rows,)
         if arch.add_bias_linear:
             shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if arch.add_bias_linear and experts is None:
             shapes[p + "mlp.gate_proj.bias"] = (ffn,)
             shapes[p + "mlp.up_proj.bias"] = (ffn,)
             shapes[p + "mlp.down_proj.bias"] = (h,)
@@ -123,13 +152,14 @@ def hf_tensor_shapes(arch: GPTArchitecture, vocab_size: int) -> dict[str, tuple[
     return shapes
 
 
-def _norm_names(i: int, fused_norms: bool) -> tuple[str, str]:
-    """Names of layer i's input norm and pre-MLP norm weights in the megatron-core model."""
+def _norm_names(i: int, fused_norms: bool, moe: bool = False) -> tuple[str, str]:
+    """Names of layer i's input norm and pre-MLP norm weights in the megatron-core model (a
+    mixture of experts never fuses its norm)."""
     p = f"decoder.layers.{i}."
     if fused_norms:
         return (
             p + "self_attention.linear_qkv.layer_norm_weight",
-            p + "mlp.linear_fc1.layer_norm_weight",
+            p + ("pre_mlp_layernorm.weight" if moe else "mlp.linear_fc1.layer_norm_weight"),
         )
     return p + "input_layernorm.weight", p + "pre_mlp_layernorm.weight"
 
@@ -141,10 +171,14 @@ def megatron_shard_from_hf(
     tp_rank: int = 0,
     tp_size: int = 1,
     fused_norms: bool = False,
+    **experts,
 ) -> dict[str, torch.Tensor]:
     """TP rank ``tp_rank``'s megatron-core tensors of an HF checkpoint (values unchanged): every
-    reader of ``megatron_shard_readers`` called."""
-    readers = megatron_shard_readers(arch, source, vocab_size, tp_rank, tp_size, fused_norms)
+    reader of ``megatron_shard_readers`` called (``experts``: its ``family``, ``ep_rank``,
+    ``ep_size``)."""
+    readers = megatron_shard_readers(
+        arch, source, vocab_size, tp_rank, tp_size, fused_norms, **experts
+    )
     return {name: read() for name, read in readers.items()}
 
 
@@ -155,14 +189,21 @@ def megatron_shard_readers(
     tp_rank: int = 0,
     tp_size: int = 1,
     fused_norms: bool = False,
+    family: str | None = None,
+    ep_rank: int = 0,
+    ep_size: int = 1,
 ) -> dict[str, Callable[[], torch.Tensor]]:
     """For each megatron-core tensor of TP rank ``tp_rank``, what reads it from an HF checkpoint
     when called: a loader that copies them one at a time holds one converted tensor at a time.
 
     ``vocab_size``: rows of the HF embedding; rows up to ``arch.vocab_size`` are zeros.
-    ``fused_norms``: name the input norms as Transformer Engine's fused layers do.
+    ``fused_norms``: name the input norms as Transformer Engine's fused layers do. A mixture of
+    experts: ``family`` names its tensors, EP rank ``ep_rank`` of ``ep_size`` reads its local
+    experts (``experts.py``).
     """
     arch.validate(tp_size)
+    arch.validate_expert_parallel(ep_size)
+    experts = moe_names(arch, family)
     d = arch.head_dim
     groups = arch.query_groups // tp_size  # query groups of this rank
     q_rows = groups * (arch.num_attention_heads // arch.query_groups) * d
@@ -206,7 +247,7 @@ def megatron_shard_readers(
     for i in range(arch.num_layers):
         hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
         hf_attn, attn = hf + "self_attn.", mc + "self_attention."
-        in_norm, mlp_norm = _norm_names(i, fused_norms)
+        in_norm, mlp_norm = _norm_names(i, fused_norms, experts is not None)
         out[in_norm] = partial(read, hf + "input_layernorm.weight")
         out[mlp_norm] = partial(read, hf + "post_attention_layernorm.weight")
         out[attn + "linear_qkv.weight"] = partial(qkv, hf_attn, "weight")
@@ -216,11 +257,15 @@ def megatron_shard_readers(
         if arch.qk_layernorm:
             out[attn + "q_layernorm.weight"] = partial(read, hf_attn + "q_norm.weight")
             out[attn + "k_layernorm.weight"] = partial(read, hf_attn + "k_norm.weight")
+        if arch.add_bias_linear:
+            out[attn + "linear_proj.bias"] = partial(read, hf_attn + "o_proj.bias")
+        if experts is not None:
+            out.update(expert_readers(arch, experts, read, i, r, tp_size, ep_rank, ep_size))
+            continue
         for kind in biases:
             out[mc + f"mlp.linear_fc1.{kind}"] = partial(gate_up, hf + "mlp.", kind)
         out[mc + "mlp.linear_fc2.weight"] = partial(cols, hf + "mlp.down_proj.weight", f_rows)
         if arch.add_bias_linear:
-            out[attn + "linear_proj.bias"] = partial(read, hf_attn + "o_proj.bias")
             out[mc + "mlp.linear_fc2.bias"] = partial(read, hf + "mlp.down_proj.bias")
     return out
 
@@ -239,9 +284,13 @@ def _vocab_rows(
 
 
 def hf_from_megatron(
-    arch: GPTArchitecture, shards: Sequence[Mapping[str, torch.Tensor]], vocab_size: int
+    arch: GPTArchitecture,
+    shards: Sequence[Mapping[str, torch.Tensor]],
+    vocab_size: int,
+    family: str | None = None,
 ) -> dict[str, torch.Tensor]:
-    """HF tensors of a model given as the state dicts of all its TP ranks, in rank order.
+    """HF tensors of a model given as the state dicts of all its TP ranks, in rank order (a
+    mixture of experts: in the layout of EP=1, its tensors named as ``family``'s).
 
     One state dict is a TP=1 model. Local and Transformer Engine norm names are both
     recognized; ``_extra_state`` entries are ignored; any other unknown name is an error.
@@ -251,6 +300,7 @@ def hf_from_megatron(
     arch.validate(tp)
     shards = [{k: v for k, v in s.items() if not k.endswith("_extra_state")} for s in shards]
     fused = "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in shards[0]
+    experts = moe_names(arch, family)
     used: set[str] = set()
     d = arch.head_dim
     groups = arch.query_groups // tp
@@ -277,7 +327,7 @@ def hf_from_megatron(
     for i in range(arch.num_layers):
         hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
         hf_attn, attn = hf + "self_attn.", mc + "self_attention."
-        in_norm, mlp_norm = _norm_names(i, fused)
+        in_norm, mlp_norm = _norm_names(i, fused, experts is not None)
         out[hf + "input_layernorm.weight"] = get(0, in_norm)
         out[hf + "post_attention_layernorm.weight"] = get(0, mlp_norm)
         qkv_kinds = ("weight", "bias") if arch.add_bias_linear or arch.add_qkv_bias else ("weight",)
@@ -295,13 +345,17 @@ def hf_from_megatron(
         if arch.qk_layernorm:
             out[hf_attn + "q_norm.weight"] = get(0, attn + "q_layernorm.weight")
             out[hf_attn + "k_norm.weight"] = get(0, attn + "k_layernorm.weight")
+        if arch.add_bias_linear:
+            out[hf_attn + "o_proj.bias"] = get(0, attn + "linear_proj.bias")
+        if experts is not None:
+            out.update(hf_experts_from_megatron(arch, experts, get, tp, i))
+            continue
         for kind in biases:
             halves = [get(r, mc + f"mlp.linear_fc1.{kind}").chunk(2) for r in range(tp)]
             out[hf + f"mlp.gate_proj.{kind}"] = torch.cat([g for g, _ in halves])
             out[hf + f"mlp.up_proj.{kind}"] = torch.cat([u for _, u in halves])
         out[hf + "mlp.down_proj.weight"] = cat(mc + "mlp.linear_fc2.weight", 1)
         if arch.add_bias_linear:
-            out[hf_attn + "o_proj.bias"] = get(0, attn + "linear_proj.bias")
             out[hf + "mlp.down_proj.bias"] = get(0, mc + "mlp.linear_fc2.bias")
     unknown = sorted(set(shards[0]) - used)
     if unknown:

@@ -18,6 +18,8 @@ between them:
 * ``qwen3``: QK norm, ``head_dim`` 32 != hidden/heads (16), untied;
 * ``mistral``: grouped-query attention, ``sliding_window`` equal to ``max_position_embeddings``
   (accepted: it never masks).
+* ``qwen3_moe``: Qwen3 attention, 4 experts of width 24, top 2, ``norm_topk_prob``;
+* ``mixtral``: 4 experts, top 2, grouped-query attention.
 
 Every parameter is random (weights and biases N(0, ``init_std``), norm weights 1 + N(0, 0.1)),
 so a mapping mistake anywhere changes the logits. Token ids: 0 ``<|pad|>``, 1 ``<|bos|>``,
@@ -49,7 +51,8 @@ def _recipe(family: str) -> tuple[HFFamily, TinyRecipe]:
 
 
 TINY_FAMILIES = tuple(_recipes())
-"""The tiny recipes' names: ``llama``, ``llama3``, ``qwen2``, ``qwen3``, ``mistral``."""
+"""The tiny recipes' names: ``llama``, ``llama3``, ``qwen2``, ``qwen3``, ``mistral``,
+``qwen3_moe``, ``mixtral``."""
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|end|>", "<|system|>", "<|user|>"]
 SPECIAL_TOKENS += ["<|assistant|>"]
 CHAT_TEMPLATE = (

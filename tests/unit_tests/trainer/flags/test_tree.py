@@ -106,6 +106,7 @@ def test_the_resume_options_are_the_ones_declared_resume():
     assert flags == {
         "--rl-forced-lag", "--grpo-prompts-per-step", "--grpo-group-size", "--seed",
         "--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size",
+        "--num-experts", "--moe-router-topk",
         "--grpo-filter-groups-with-same-reward", "--grpo-max-generation-rounds",
         "--val-split-fraction",
     }  # fmt: skip

@@ -44,6 +44,32 @@ class TinyRecipe:
 
 
 @dataclass(frozen=True)
+class MoENames:
+    """How a mixture-of-experts family names its experts and reads its router settings.
+
+    Tensors of layer ``i``: ``model.layers.i.<block>.gate.weight`` (the router, (experts, hidden))
+    and ``model.layers.i.<block>.experts.<j>.<gate|up|down>.weight`` per expert ``j``.
+    """
+
+    block: str
+    """The MLP block's name: ``mlp`` (Qwen3-MoE) or ``block_sparse_moe`` (Mixtral)."""
+    gate: str
+    """An expert's gate projection (``gate_proj``; Mixtral ``w1``)."""
+    up: str
+    """An expert's up projection (``up_proj``; Mixtral ``w3``)."""
+    down: str
+    """An expert's down projection (``down_proj``; Mixtral ``w2``)."""
+    expert_width_key: str
+    """The ``config.json`` key of one expert's width (``moe_intermediate_size``; Mixtral
+    ``intermediate_size``)."""
+    pre_softmax: tuple[bool, ...]
+    """The ``moe_router_pre_softmax`` values its routers can express."""
+    settings: Callable[[Mapping[str, Any]], dict[str, Any]]
+    """``config.json`` -> ``{"moe_router_pre_softmax": ...}``; raises ValueError naming the
+    ``config.json`` key of a layout it does not support."""
+
+
+@dataclass(frozen=True)
 class HFFamily:
     """One Hugging Face model family: what ``config.py``, ``tiny.py`` and the exporter look up.
 
@@ -90,3 +116,5 @@ class HFFamily:
     """The family of an architecture no ``exported_for`` accepts (exactly one family: Llama)."""
     tiny: tuple[TinyRecipe, ...] = ()
     """Its tiny random test models (``tiny.py``), in ``TINY_FAMILIES`` order."""
+    moe: MoENames | None = None
+    """Mixture of experts in every layer (Qwen3-MoE, Mixtral); None: dense MLPs."""

@@ -35,7 +35,12 @@ def config_keys(arch: GPTArchitecture) -> dict[str, Any]:
 
 def exported_for(arch: GPTArchitecture) -> bool:
     """QKV bias without biases elsewhere and without QK norm."""
-    return arch.add_qkv_bias and not arch.add_bias_linear and not arch.qk_layernorm
+    return (
+        arch.add_qkv_bias
+        and not arch.add_bias_linear
+        and not arch.qk_layernorm
+        and arch.num_experts is None
+    )
 
 
 def tiny(common: dict[str, Any]) -> dict[str, Any]:

@@ -28,8 +28,8 @@ def config_keys(arch: GPTArchitecture) -> dict[str, Any]:
 
 
 def exported_for(arch: GPTArchitecture) -> bool:
-    """QK norm."""
-    return arch.qk_layernorm
+    """QK norm, dense MLPs."""
+    return arch.qk_layernorm and arch.num_experts is None
 
 
 def tiny(common: dict[str, Any]) -> dict[str, Any]:

@@ -38,13 +38,17 @@ def tiny_config_json(family: HFFamily, recipe: str) -> dict:
 
 def test_the_registry_lists_exactly_the_family_modules_of_the_package():
     modules = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in ("__init__", "base"))
-    assert sorted(f.name for f in families()) == modules == ["llama", "mistral", "qwen2", "qwen3"]
-    assert [f.name for f in families()] == ["llama", "qwen2", "qwen3", "mistral"]  # by ``order``
+    assert sorted(f.name for f in families()) == modules == [
+        "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe"
+    ]  # fmt: skip
+    assert [f.name for f in families()] == [
+        "llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral"
+    ]  # by ``order``; fmt: skip
 
 
 def test_tiny_recipes_keep_their_order():
     """``tests/grpo_testing/hf_models.py`` seeds each tiny checkpoint by its index here."""
-    assert TINY_FAMILIES == ("llama", "llama3", "qwen2", "qwen3", "mistral")
+    assert TINY_FAMILIES == ("llama", "llama3", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
     assert TINY_FAMILIES == tuple(recipe.name for _, recipe in RECIPES)
 
 
@@ -81,13 +85,15 @@ def test_an_unknown_family_is_refused_naming_the_supported_ones():
     with pytest.raises(HFCheckpointError) as err:
         family_of("gpt2")
     assert str(err.value) == (
-        "model_type 'gpt2' is not supported (supported: llama, qwen2, qwen3, mistral)"
+        "model_type 'gpt2' is not supported (supported: llama, qwen2, qwen3, mistral, qwen3_moe, "
+        "mixtral)"
     )
     with pytest.raises(HFCheckpointError) as err:
         family_of({"architectures": ["GPT2LMHeadModel"]}, "/ckpt/config.json")
     assert str(err.value) == (
         "/ckpt/config.json: architectures: 'GPT2LMHeadModel' is not supported (supported: "
-        "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM)"
+        "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, "
+        "Qwen3MoeForCausalLM, MixtralForCausalLM)"
     )
     with pytest.raises(HFCheckpointError, match="architectures: expected one entry, got None"):
         family_of({"model_type": "llama"})
@@ -139,7 +145,9 @@ def extra_module(tmp_path, monkeypatch):
 
 def test_adding_a_module_adds_its_family(extra_module):
     extra_module("falcon", FALCON.format(name="falcon", model_type="falcon"))
-    assert [f.name for f in families()] == ["llama", "qwen2", "qwen3", "mistral", "falcon"]
+    assert [f.name for f in families()] == [
+        "llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "falcon"
+    ]  # fmt: skip
     assert family_of("falcon").architectures == ("FalconForCausalLM",)
     assert "falcon" in str(pytest.raises(HFCheckpointError, family_of, "gpt2").value)
 

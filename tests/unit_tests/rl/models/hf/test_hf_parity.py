@@ -94,11 +94,16 @@ def test_tp2_ranks_hold_shards_and_reassemble_bitwise(family, tiny_hf_checkpoint
     rank0 = tp2_results[0][family]
     hf = read_hf_config(directory)
     qkv = rank0["local_shapes"]["decoder.layers.0.self_attention.linear_qkv.weight"]
+    if hf.arch.num_experts is not None:  # each TP rank holds half of every expert's width
+        fc1 = rank0["local_shapes"][
+            "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"
+        ]
+        assert fc1[0] == hf.arch.expert_ffn_hidden_size  # [gate/2; up/2]
     assert qkv[0] == original["model.layers.0.self_attn.q_proj.weight"].shape[0] // 2 + (
         original["model.layers.0.self_attn.k_proj.weight"].shape[0]
     )  # half of q rows + half of k and v rows
     assert len(rank0["shards"]) == 2
-    rebuilt = hf_from_megatron(hf.arch, rank0["shards"], hf.vocab_size)
+    rebuilt = hf_from_megatron(hf.arch, rank0["shards"], hf.vocab_size, hf.family)
     assert set(rebuilt) == set(original)
     for name, tensor in original.items():
         assert torch.equal(rebuilt[name], tensor), name

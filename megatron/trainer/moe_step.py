@@ -1,0 +1,91 @@
+"""The mixture-of-experts part of a training update: the aux loss's gradient weight and the
+step's ``moe_aux_loss`` / ``moe_load_imbalance`` metrics (none for a dense model).
+
+The CPU tier runs its micro-batches itself, so it sets the weight of the aux loss's gradient
+(megatron-core's ``MoEAuxLossAutoScaler``) as megatron-core's schedule does without
+``calculate_per_token_loss``: 1 / (micro-batches x data-parallel ranks), the gradient of the
+mean aux loss over the global batch's micro-batches (the DP gradients are summed). The CUDA
+tier runs megatron-core's schedule, which sets that weight itself before each backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from megatron.rl.models.moe import CPUSafeRouter, moe_statistics, set_aux_loss_scale
+from megatron.trainer.step import StepResult
+
+
+def has_moe_layers(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (or its wrapper) has routed experts."""
+    return any(isinstance(m, CPUSafeRouter) for m in model.modules())
+
+
+def set_micro_batch_aux_loss_scale(
+    model: torch.nn.Module, micro_batches: int, dp_size: int, device: torch.device
+) -> None:
+    """Weight each micro-batch's aux-loss gradient by 1 / (``micro_batches`` x ``dp_size``)
+    (a no-op for a dense model)."""
+    if has_moe_layers(model):
+        set_aux_loss_scale(1.0 / max(micro_batches * dp_size, 1), device)
+
+
+class MoEStepStats:
+    """The routers' statistics of each micro-batch forward of one update (``record``), reduced
+    to the step's metrics (``metrics``)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.enabled = has_moe_layers(model)
+        self.aux: list[float] = []
+        self.imbalance: list[float] = []
+
+    def record(self) -> None:
+        """Keep the statistics of the forward that just ran."""
+        if not self.enabled:
+            return
+        stats = moe_statistics(self.model)
+        if "moe_aux_loss" in stats:
+            self.aux.append(stats["moe_aux_loss"])
+        if "moe_load_imbalance" in stats:
+            self.imbalance.append(stats["moe_load_imbalance"])
+
+    def metrics(
+        self,
+        dp_group: dist.ProcessGroup | None,
+        stage_group: dist.ProcessGroup | None,
+        device: torch.device,
+    ) -> dict[str, float]:
+        """``moe_aux_loss``: the mean over micro-batches (and DP ranks) of the summed layers'
+        coefficient-weighted aux losses (summed over pipeline stages: ``stage_group``);
+        ``moe_load_imbalance``: the largest max/mean tokens-per-expert ratio of any layer and
+        micro-batch. Collective over the given groups; {} for a dense model."""
+        if not self.enabled:
+            return {}
+        aux = torch.tensor(
+            [sum(self.aux) / max(len(self.aux), 1), float(bool(self.aux))],
+            dtype=torch.float64, device=device,
+        )  # fmt: skip
+        imbalance = torch.tensor([max(self.imbalance, default=0.0)], device=device)
+        if stage_group is not None:
+            dist.all_reduce(aux[:1], group=stage_group)
+            dist.all_reduce(imbalance, op=dist.ReduceOp.MAX, group=stage_group)
+        if dp_group is not None and dist.get_world_size(dp_group) > 1:
+            dist.all_reduce(aux, group=dp_group)
+            dist.all_reduce(imbalance, op=dist.ReduceOp.MAX, group=dp_group)
+        out = {}
+        if aux[1] > 0:
+            out["moe_aux_loss"] = float(aux[0] / aux[1])
+        if self.imbalance:
+            out["moe_load_imbalance"] = float(imbalance[0])
+        return out
+
+
+def with_moe_metrics(result: StepResult, metrics: dict[str, float]) -> StepResult:
+    """``result`` with ``metrics`` added to its metrics (unchanged when there are none)."""
+    if not metrics:
+        return result
+    return dataclasses.replace(result, metrics={**result.metrics, **metrics})
