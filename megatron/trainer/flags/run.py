@@ -291,6 +291,12 @@ def _expert_problems(run: RunConfig, cuda: bool) -> list[str]:
             "steps each rank alone; use 1 (EP models build and run on gloo, see "
             "docs/architecture.md)"
         )
+    if experts is not None and not arch["disable_bias_linear"]:
+        errors.append(
+            "--num-experts needs --disable-bias-linear: experts with linear biases are not "
+            "supported (megatron-core's expert MLP adds its bias in place on a view, which fails "
+            "in the backward pass; Qwen3-MoE and Mixtral have none)"
+        )
     if run.model.moe_grouped_gemm and not cuda:
         errors.append(
             "--moe-grouped-gemm is not supported on CPU: the grouped GEMM is Transformer "

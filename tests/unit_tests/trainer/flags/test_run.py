@@ -119,6 +119,37 @@ def test_the_default_min_lr_follows_a_small_lr():
             ["--rl-reward-wait-steps", "-1"], 1, "--rl-reward-wait-steps", id="negative-budget"
         ),
         pytest.param(
+            ["--num-experts", "4", "--moe-router-topk", "5", "--disable-bias-linear"],
+            1,
+            "--moe-router-topk",
+            id="topk-above-experts",
+        ),
+        pytest.param(
+            ["--num-experts", "4", "--moe-router-topk", "1", "--disable-bias-linear"],
+            1,
+            "--moe-router-pre-softmax",
+            id="top1-without-pre-softmax",
+        ),
+        pytest.param(
+            ["--moe-ffn-hidden-size", "32"], 1, "needs --num-experts", id="moe-no-experts"
+        ),
+        pytest.param(["--num-experts", "4"], 1, "--disable-bias-linear", id="experts-with-biases"),
+        pytest.param(
+            ["--expert-model-parallel-size", "2"], 2, "needs --num-experts", id="ep-no-experts"
+        ),
+        pytest.param(
+            ["--num-experts", "3", "--disable-bias-linear", "--expert-model-parallel-size", "2"],
+            2,
+            "divisible by --expert-model-parallel-size",
+            id="experts-not-divisible-by-ep",
+        ),
+        pytest.param(
+            ["--num-experts", "4", "--disable-bias-linear", "--moe-grouped-gemm"],
+            1,
+            "--moe-grouped-gemm",
+            id="grouped-gemm-on-cpu",
+        ),
+        pytest.param(
             ["--rl-reward-wait-steps", "8", "--no-rl-deterministic-schedule"],
             1,
             "--no-rl-deterministic-schedule",
