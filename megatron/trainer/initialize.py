@@ -54,8 +54,15 @@ def initialize_distributed(cfg: RunConfig) -> ParallelContext:
     """
     cuda = torch.cuda.is_available()
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        # One process, not started by a launcher: a world of its own on a fresh port (a
+        # MASTER_PORT inherited from a shell or a parent process may name a port still held).
+        os.environ.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+        )
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if cuda:
         torch.cuda.set_device(local_rank)
