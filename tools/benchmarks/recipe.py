@@ -225,7 +225,7 @@ def markdown(res: dict[str, Any]) -> str:
         first, last = run["evals"][0], run["evals"][-1]
         ci = lambda e: f"{e['greedy_ci95'][0]:.1%}-{e['greedy_ci95'][1]:.1%}"  # noqa: E731
         lines.append(
-            f"| {name} | {last['step']} | {last['seconds'] / 60:.1f} min | "
+            f"| {name} | {last['step']} | {last['seconds'] / 60:.1f} min{'*' if 'note' in run else ''} | "
             f"{first['greedy_accuracy']:.1%} ({ci(first)}) | "
             f"{last['greedy_accuracy']:.1%} ({ci(last)}) | "
             f"{'yes' if above_start_interval(run['evals']) else 'no'} / "
@@ -234,7 +234,8 @@ def markdown(res: dict[str, Any]) -> str:
             f"{first[f'pass@{k}']:.1%} -> {last[f'pass@{k}']:.1%} | "
             f"{first['greedy_truncated_fraction']:.0%} -> {last['greedy_truncated_fraction']:.0%} |"
         )
-    return "\n".join(lines)
+    notes = [f"\n\\* {name}: {run['note']}" for name, run in res["runs"].items() if "note" in run]
+    return "\n".join(lines + notes)
 
 
 def plot(res: dict[str, Any], path: Path) -> None:
