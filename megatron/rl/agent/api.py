@@ -140,6 +140,16 @@ class RewardFunctionError(Exception):
     first error)."""
 
 
+def problem_sampling(sampling: SamplingParams, problem: Problem) -> SamplingParams:
+    """``sampling`` with the problem's own token budget, where it has one (validated: an
+    environment cannot send a bad budget)."""
+    if problem.max_tokens is None:
+        return sampling
+    return SamplingParams.model_validate(
+        {**sampling.model_dump(), "max_tokens": problem.max_tokens}
+    )
+
+
 def placeholder_rollout(
     env_id: str, request: GroupedRolloutRequest, error: BaseException | str, problem_id: str = "?"
 ) -> TokenRollout:
@@ -230,11 +240,7 @@ class SingleTurnEnvironment(Agent):
         path = (request.batch_id, request.index_in_batch)
         try:
             problem = self.problem_for(request)
-            sampling = request.sampling
-            if problem.max_tokens is not None:  # validated: an env cannot send a bad budget
-                sampling = SamplingParams.model_validate(
-                    {**sampling.model_dump(), "max_tokens": problem.max_tokens}
-                )
+            sampling = problem_sampling(request.sampling, problem)
             group_request = InferenceRequest(
                 prompt=problem.prompt,
                 messages=None if problem.messages is None else list(problem.messages),

@@ -26,12 +26,11 @@ and the tools that failed as the environment reports them) and whether limits cu
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from megatron.rl.agent.multi_turn import TurnError, assemble_turns
+from megatron.rl.agent.multi_turn import Trajectory, TurnError, assemble_turns, turns_rollout
 from megatron.rl.inference.interface import InferenceInterface
 from megatron.rl.seeding import derive_seed
 from megatron.rl.tools.parsers import ParsedMessage, ToolCallParser
@@ -212,25 +211,14 @@ def chat_episode_rollout(
 ) -> TokenRollout:
     """The training rollout of a finished chat episode (its reward must be finite), with its
     ``episode_metrics``."""
-    if not math.isfinite(reward):
-        raise ValueError(f"reward is not finite: {reward}")
-    return TokenRollout(
-        env_id=env_id,
-        problem_id=problem_id,
-        prompt=prompt,
-        completion=episode.transcript,
-        reward=reward,
-        tokens=episode.tokens,
-        generation_mask=episode.generation_mask,
-        logprobs=episode.logprobs,
-        policy_versions=episode.policy_versions,
-        submission_policy_version=request.submission_policy_version,
-        temperature=sampling.temperature,
-        max_tokens=sampling.max_tokens,
-        turn_lengths=[len(t.response.tokens) for t in episode.turns],
-        truncated=any(t.response.finish_reason == "length" for t in episode.turns),
-        episode_metrics=episode.metrics,
+    row = Trajectory(
+        episode.tokens, episode.generation_mask, episode.logprobs, episode.policy_versions
     )
+    responses = [t.response for t in episode.turns]
+    return turns_rollout(
+        env_id, problem_id, prompt, episode.transcript, responses, row, reward, request, sampling,
+        episode.metrics,
+    )  # fmt: skip
 
 
 def prompt_text(messages: Sequence[ChatMessage], tools: list[dict[str, Any]] | None) -> str:

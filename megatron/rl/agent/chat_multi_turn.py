@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from megatron.rl.agent.api import Agent, Problem, placeholder_rollout
+from megatron.rl.agent.api import Agent, Problem, placeholder_rollout, problem_sampling
 from megatron.rl.agent.chat_episode import (
     ChatEpisode,
     ChatTurn,
@@ -36,7 +36,6 @@ from megatron.rl.wire import (
     InferenceRequest,
     RolloutGroup,
     RolloutKey,
-    SamplingParams,
     TokenRollout,
 )
 
@@ -94,11 +93,7 @@ class ChatMultiTurnEnvironment(Agent):
             problem = self.make_problem(random.Random(seed))
             if problem.messages is None:
                 raise ValueError(f"problem {problem.problem_id!r} has no chat messages")
-            sampling = request.sampling
-            if problem.max_tokens is not None:
-                sampling = SamplingParams.model_validate(
-                    {**sampling.model_dump(), "max_tokens": problem.max_tokens}
-                )
+            sampling = problem_sampling(request.sampling, problem)
             tools = self.tools(problem)
             first = InferenceRequest(
                 messages=list(problem.messages),

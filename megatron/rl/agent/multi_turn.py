@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from pydantic import Field
 
-from megatron.rl.agent.api import Agent, AgentArgs, Problem, placeholder_rollout
+from megatron.rl.agent.api import Agent, AgentArgs, Problem, placeholder_rollout, problem_sampling
 from megatron.rl.async_utils import gather_all
 from megatron.rl.inference.interface import InferenceInterface, sample_request
 from megatron.rl.inference.protocol import InvalidInferenceRequest
@@ -169,6 +169,41 @@ def _assemble(responses: list[InferenceResponse], observations: list[str]) -> Ep
     )
 
 
+def turns_rollout(
+    env_id: str,
+    problem_id: str,
+    prompt: str,
+    completion: str,
+    responses: list[InferenceResponse],
+    row: Trajectory,
+    reward: float,
+    request: GroupedRolloutRequest,
+    sampling: SamplingParams,
+    episode_metrics: dict[str, float] | None = None,
+) -> TokenRollout:
+    """The training rollout of the model turns ``responses`` assembled as ``row`` (its reward must
+    be finite): what text, chat and agent episodes share."""
+    if not math.isfinite(reward):
+        raise ValueError(f"reward is not finite: {reward}")
+    return TokenRollout(
+        env_id=env_id,
+        problem_id=problem_id,
+        prompt=prompt,
+        completion=completion,
+        reward=reward,
+        tokens=row.tokens,
+        generation_mask=row.generation_mask,
+        logprobs=row.logprobs,
+        policy_versions=row.policy_versions,
+        submission_policy_version=request.submission_policy_version,
+        temperature=sampling.temperature,
+        max_tokens=sampling.max_tokens,
+        turn_lengths=[len(r.tokens) for r in responses],
+        truncated=any(r.finish_reason == "length" for r in responses),
+        episode_metrics=episode_metrics,
+    )
+
+
 def episode_rollout(
     env_id: str,
     problem_id: str,
@@ -179,24 +214,13 @@ def episode_rollout(
     sampling: SamplingParams,
 ) -> TokenRollout:
     """The training rollout of a finished episode (its reward must be finite)."""
-    if not math.isfinite(reward):
-        raise ValueError(f"reward is not finite: {reward}")
-    return TokenRollout(
-        env_id=env_id,
-        problem_id=problem_id,
-        prompt=prompt,
-        completion=episode.transcript,
-        reward=reward,
-        tokens=episode.tokens,
-        generation_mask=episode.generation_mask,
-        logprobs=episode.logprobs,
-        policy_versions=episode.policy_versions,
-        submission_policy_version=request.submission_policy_version,
-        temperature=sampling.temperature,
-        max_tokens=sampling.max_tokens,
-        turn_lengths=[len(r.tokens) for r in episode.responses],
-        truncated=any(r.finish_reason == "length" for r in episode.responses),
+    row = Trajectory(
+        episode.tokens, episode.generation_mask, episode.logprobs, episode.policy_versions
     )
+    return turns_rollout(
+        env_id, problem_id, prompt, episode.transcript, episode.responses, row, reward, request,
+        sampling,
+    )  # fmt: skip
 
 
 class MultiTurnArgs(AgentArgs):
@@ -242,11 +266,7 @@ class MultiTurnEnvironment(Agent):
         seed = derive_seed(request.seed, *path)
         try:
             problem = self.make_problem(random.Random(seed))
-            sampling = request.sampling
-            if problem.max_tokens is not None:
-                sampling = SamplingParams.model_validate(
-                    {**sampling.model_dump(), "max_tokens": problem.max_tokens}
-                )
+            sampling = problem_sampling(request.sampling, problem)
         except Exception as exc:  # the environment's own code failed: mask the whole group
             rollouts = [placeholder_rollout(self.env_id, request, exc)] * request.group_size
             return RolloutGroup(batch_id=path[0], index_in_batch=path[1], rollouts=rollouts)

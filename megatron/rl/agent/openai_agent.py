@@ -49,7 +49,7 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from megatron.rl.agent.api import Agent, AgentArgs, placeholder_rollout
-from megatron.rl.agent.multi_turn import assemble_turns
+from megatron.rl.agent.multi_turn import assemble_turns, turns_rollout
 from megatron.rl.agent.user_code import load_function
 from megatron.rl.async_utils import gather_all
 from megatron.rl.auth import API_KEY_ENV
@@ -234,30 +234,16 @@ class OpenAIAgentEnvironment(Agent):
                 added = after.prompt_tokens[len(before.prompt_tokens) + len(before.tokens) :]
                 parts += [_text(inference, added), after.text]
             truncated = any(r.finish_reason == "length" for r in responses)
-            return TokenRollout(
-                env_id=self.env_id,
-                problem_id=problem_id,
-                prompt=responses[0].prompt_text or "",
-                completion="".join(parts),
-                reward=reward,
-                tokens=row.tokens,
-                generation_mask=row.generation_mask,
-                logprobs=row.logprobs,
-                policy_versions=row.policy_versions,
-                submission_policy_version=request.submission_policy_version,
-                temperature=sampling.temperature,
-                max_tokens=sampling.max_tokens,
-                turn_lengths=[len(r.tokens) for r in responses],
-                truncated=truncated,
-                episode_metrics={
-                    "turns": float(len(session.turns)),
-                    "tool_calls": float(
-                        sum(len(t.message.tool_calls or ()) for t in session.turns)
-                    ),
-                    "tool_errors": float(sum(t.tool_errors for t in session.turns)),
-                    "truncated": float(truncated),
-                },
-            )
+            metrics = {
+                "turns": float(len(session.turns)),
+                "tool_calls": float(sum(len(t.message.tool_calls or ()) for t in session.turns)),
+                "tool_errors": float(sum(t.tool_errors for t in session.turns)),
+                "truncated": float(truncated),
+            }
+            return turns_rollout(
+                self.env_id, problem_id, responses[0].prompt_text or "", "".join(parts),
+                responses, row, reward, request, sampling, metrics,
+            )  # fmt: skip
         except ValueError as exc:
             return placeholder_rollout(self.env_id, request, exc, problem_id)
 
