@@ -2,42 +2,28 @@
 
 Everything that crosses a process boundary (HTTP between the trainer and an env server, the
 pickled batch broadcast from rank 0 to the other ranks) is one of these models, so server and
-client validate against the same definitions. The inference server's OpenAI-style endpoints have
-their own modules: ``megatron.rl.wire_completions`` and ``megatron.rl.wire_chat``.
+client validate against the same definitions. The limits and ``WireModel`` are in
+``megatron.rl.wire_base``, chat messages and tool calls in ``megatron.rl.wire_messages`` (both
+importable from here too); the inference server's OpenAI-style endpoints have their own modules:
+``megatron.rl.wire_completions`` and ``megatron.rl.wire_chat``.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 import httpx
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Field,
-    field_validator,
-    model_validator,
+from pydantic import AfterValidator, Field, model_validator
+
+from megatron.rl.wire_base import (
+    MAX_CHAT_MESSAGES,
+    MAX_ID,
+    MAX_TOKENS,
+    Seed,
+    TokenId,
+    WireModel,
 )
-
-MAX_ID = 2**31 - 1
-"""Largest batch id, group index, sample index or policy version on the wire."""
-MAX_TOKENS = 1 << 20
-"""Largest prompt (characters or tokens) and generation budget a request may ask for: every
-size on the wire is bounded, so no single request can make a server allocate without limit."""
-MAX_CHAT_MESSAGES = 1024
-"""Most messages in one chat prompt; their contents together are bounded by ``MAX_TOKENS``
-characters."""
-Seed = Annotated[int, Field(ge=0, lt=2**63)]
-TokenId = Annotated[int, Field(ge=0, le=MAX_ID)]
-
-
-class WireModel(BaseModel):
-    """Base for wire types: unknown fields and non-finite floats are rejected (a 4xx, not a
-    silent ``null`` after a JSON round trip)."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+from megatron.rl.wire_messages import ChatMessage, check_chat_messages
 
 
 class SamplingParams(WireModel):
@@ -52,101 +38,6 @@ class SamplingParams(WireModel):
         description="Generate exactly max_tokens: EOS and the other stop tokens do not end the "
         "generation (the same work for every request).",
     )
-
-
-class ToolCallFunction(WireModel):
-    """The function an assistant's tool call names, OpenAI's schema."""
-
-    name: str = Field(min_length=1, max_length=256)
-    arguments: str = Field(max_length=MAX_TOKENS, description="The arguments as JSON text.")
-
-
-class ToolCall(WireModel):
-    """One tool call of an assistant message (OpenAI's ``tool_calls[i]``)."""
-
-    id: str = Field(min_length=1, max_length=256)
-    type: Literal["function"] = "function"
-    function: ToolCallFunction
-
-
-class ChatMessage(WireModel):
-    """One message of a chat prompt, rendered into prompt text by the tokenizer's chat template.
-
-    OpenAI's tool-calling shapes: an ``assistant`` message may carry ``tool_calls`` (its
-    ``content`` then often ``null``, read as empty), and a ``tool`` message answers one call
-    (``tool_call_id``, optionally the tool's ``name``).
-    """
-
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str = Field(max_length=MAX_TOKENS)
-    tool_calls: list[ToolCall] | None = Field(
-        None, max_length=64, exclude_if=lambda v: v is None, description="assistant only"
-    )
-    tool_call_id: str | None = Field(
-        None, max_length=256, exclude_if=lambda v: v is None, description="tool only"
-    )
-    name: str | None = Field(None, max_length=256, exclude_if=lambda v: v is None)
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _null_content(cls, value: Any) -> Any:
-        return "" if value is None else value
-
-    @model_validator(mode="before")
-    @classmethod
-    def _calls_without_content(cls, data: Any) -> Any:
-        """An assistant message of tool calls only may leave ``content`` out (OpenAI's shape)."""
-        if isinstance(data, dict) and "content" not in data and data.get("tool_calls"):
-            return {**data, "content": ""}
-        return data
-
-    @model_validator(mode="after")
-    def _roles(self) -> "ChatMessage":
-        if self.tool_calls is not None and self.role != "assistant":
-            raise ValueError(f"'tool_calls' belongs to assistant messages, not {self.role!r}")
-        if self.tool_call_id is not None and self.role != "tool":
-            raise ValueError(f"'tool_call_id' belongs to tool messages, not {self.role!r}")
-        return self
-
-    def template_dict(self) -> dict[str, Any]:
-        """The message as chat templates read it: tool-call arguments as objects where they are
-        JSON objects (Hugging Face's convention), None fields left out."""
-        out: dict[str, Any] = {"role": self.role, "content": self.content}
-        if self.tool_calls is not None:
-            out["tool_calls"] = [
-                {
-                    "type": "function",
-                    "id": call.id,
-                    "function": {
-                        "name": call.function.name,
-                        "arguments": _json_object_or_text(call.function.arguments),
-                    },
-                }
-                for call in self.tool_calls
-            ]
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        if self.name is not None:
-            out["name"] = self.name
-        return out
-
-
-def _json_object_or_text(text: str) -> Any:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return text
-    return value if isinstance(value, dict) else text
-
-
-def check_chat_messages(messages: list[ChatMessage], field: str = "messages") -> None:
-    """Raise ``ValueError`` naming ``field`` if ``messages`` is empty or its contents together
-    exceed ``MAX_TOKENS`` characters."""
-    if not messages:
-        raise ValueError(f"'{field}' must not be empty")
-    total = sum(len(m.content) for m in messages)
-    if total > MAX_TOKENS:
-        raise ValueError(f"'{field}' has {total} characters of content; at most {MAX_TOKENS}")
 
 
 class RolloutKey(WireModel):

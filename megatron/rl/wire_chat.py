@@ -38,11 +38,11 @@ from megatron.rl.wire import (
     RolloutKey,
     SamplingParams,
     Seed,
-    ToolCall,
     WireModel,
     check_chat_messages,
 )
 from megatron.rl.wire_completions import CompletionUsage
+from megatron.rl.wire_messages import ToolCall
 
 DEFAULT_MAX_TOKENS = 16
 """Generation budget when neither ``max_tokens`` nor ``max_completion_tokens`` is given (the

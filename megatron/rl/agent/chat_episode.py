@@ -41,9 +41,8 @@ from megatron.rl.wire import (
     InferenceResponse,
     SamplingParams,
     TokenRollout,
-    ToolCall,
-    ToolCallFunction,
 )
+from megatron.rl.wire_messages import ToolCall, ToolCallFunction
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from megatron.rl.tokenizer import Tokenizer
 from megatron.rl.tools.parsers import ParsedMessage, ToolCallParser
-from megatron.rl.wire import InferenceResponse, ToolCall, ToolCallFunction
+from megatron.rl.wire import InferenceResponse
 from megatron.rl.wire_chat import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -47,6 +47,7 @@ from megatron.rl.wire_chat import (
     ToolCallMetrics,
 )
 from megatron.rl.wire_completions import CompletionUsage
+from megatron.rl.wire_messages import ToolCall, ToolCallFunction
 
 
 def chat_completion_response(

@@ -23,9 +23,8 @@ from megatron.rl.wire import (
     InferenceResponse,
     RolloutKey,
     SamplingParams,
-    ToolCall,
-    ToolCallFunction,
 )
+from megatron.rl.wire_messages import ToolCall, ToolCallFunction
 
 KEY = RolloutKey(batch_id=3, index_in_batch=1, sample_index=2)
 SAMPLING = SamplingParams(temperature=0.7, max_tokens=5)
