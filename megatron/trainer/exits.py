@@ -3,7 +3,7 @@
 ``run_main(main)`` runs the program and maps what ends it to what is printed and the status:
 
 * the last step: nothing, 0;
-* ``UsageError`` (bad flags): argparse's or ``flags.run.resolve``'s messages on global rank 0, 2;
+* ``UsageError`` (bad flags): argparse's or ``flags.resolve.resolve``'s messages on global rank 0, 2;
 * ``SystemExit(int)`` (a stop on SIGTERM/SIGINT: 128 + signum) and Ctrl-C before the handlers
   are installed (130): nothing more, that status;
 * ``SystemExit(str)`` and ``expected_errors()`` (bad input, an unreadable checkpoint, failing
@@ -45,7 +45,7 @@ rank failed and reports it)."""
 
 
 class UsageError(SystemExit):
-    """Bad flags: ``message`` (argparse's, or every problem ``flags.run.resolve`` found) is printed
+    """Bad flags: ``message`` (argparse's, or every problem ``flags.resolve.resolve`` found) is printed
     as it is, status 2."""
 
     def __init__(self, message: str) -> None:

@@ -5,7 +5,7 @@ help; ``--help`` lists the options users change most, ``--help-all`` every one. 
 reads the command line in one pass (``command_line.py``: Megatron-LM's flags accepted, respelled
 or refused, unknown flags with the closest of ours, argparse's own errors, a ``--config`` run
 file's keys) and exits with status 2 and every problem in one message, never the usage block;
-then ``run.resolve`` returns the frozen ``RunConfig`` or every problem of the values, again in one
+then ``resolve.resolve`` returns the frozen ``RunConfig`` or every problem of the values, again in one
 message. Parsing imports neither torch nor megatron-core.
 """
 
@@ -28,7 +28,8 @@ from megatron.trainer.flags.command_line import (
 )
 from megatron.trainer.flags.megatron_lm import add_refused_flags
 from megatron.trainer.flags.option import add_section, default_text
-from megatron.trainer.flags.run import SECTIONS, RunConfig, resolve, term_options
+from megatron.trainer.flags.resolve import resolve
+from megatron.trainer.flags.run import SECTIONS, RunConfig, term_options
 from megatron.trainer.flags.run_file import CONFIG_FLAG, RUN_CONFIG_FILE, file_tokens
 
 DESCRIPTION = "GRPO post-training of a Megatron-Core GPT with forced-lag streaming rollouts."

@@ -1,4 +1,4 @@
-"""Output paths (``flags/output.py``): ``flags.run.resolve`` probes every path a run will write and
+"""Output paths (``flags/output.py``): ``flags.resolve.resolve`` probes every path a run will write and
 refuses an unusable one at start-up, leaving nothing behind."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``flags.run.resolve``: derived values, and every bad combination of options reported
+"""``flags.resolve.resolve``: derived values, and every bad combination of options reported
 at once, each message naming the flag(s) at fault."""
 
 from __future__ import annotations
