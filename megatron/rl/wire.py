@@ -240,6 +240,14 @@ class TokenRollout(Rollout):
         "'turns', 'tool_calls', 'tool_errors', 'truncated'); the trainer logs their means. "
         "Omitted from the JSON when absent, so other rollouts are the same payload as before.",
     )
+    routed_experts: list[list[int]] | None = Field(
+        None,
+        exclude_if=lambda value: value is None,
+        description="The experts the engine's MoE routers chose for each input position "
+        "(len(tokens) - 1 entries: every token but the last), each the top-k expert ids of "
+        "every MoE layer, layer-major; None where not recorded. Omitted from the JSON when "
+        "absent.",
+    )
 
     @model_validator(mode="after")
     def _consistent_lengths(self) -> "TokenRollout":

@@ -11,7 +11,9 @@ the micro-batch's targets.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +30,7 @@ from megatron.rl.models.hidden_states import (
     output_weight,
     supports_hidden_states,
 )
+from megatron.rl.models.routing_replay import clear_targets, set_routing_targets
 from megatron.trainer.initialize import ParallelContext
 
 
@@ -45,6 +48,9 @@ class ModelInputs:
     """Where the packed tokens came from (None: not packed)."""
     width: int
     """t: the micro-batch's width, the width of its per-token outputs."""
+    routes: torch.Tensor | None = None
+    """(r, s, L * k) int16 the engine's experts at each token, laid out as ``ids`` (-1: none
+    recorded); None: the micro-batch has no record."""
 
 
 def packed_layout(micro: TrainBatch, capacity: int, shape: tuple[int, int] | None = None):
@@ -66,15 +72,32 @@ def model_inputs(
     packed_shape: tuple[int, int] | None = None,
 ) -> ModelInputs:
     """The model inputs of ``micro`` on ``device``, packed when ``packing_capacity`` is given."""
-    width = micro.input_ids.shape[1]
+    width, routes = micro.input_ids.shape[1], micro.routed_experts
     if packing_capacity is None:
         ids = micro.input_ids.to(device)  # (b, t)
         positions = torch.arange(ids.shape[1], device=device)[None, :].expand_as(ids)  # (b, t)
-        return ModelInputs(ids, positions, None, None, width)
+        return ModelInputs(ids, positions, None, None, width, routes)
     layout = packed_layout(micro, packing_capacity, packed_shape)
     ids = layout.pack(micro.input_ids).to(device)  # (r, s)
     mask = layout.attention_mask().to(device)  # (r, 1, s, s)
-    return ModelInputs(ids, layout.position_ids.to(device), mask, layout, width)
+    packed_routes = None if routes is None else layout.pack(routes, fill=-1)  # (r, s, L * k)
+    return ModelInputs(ids, layout.position_ids.to(device), mask, layout, width, packed_routes)
+
+
+@contextlib.contextmanager
+def routes_cleared(model: torch.nn.Module) -> Iterator[None]:
+    """Forwards of ``model`` that may be handed routes (``routed_forward``); on exit they are
+    forgotten, so that no later forward (the engine's) compares with or replays them."""
+    try:
+        yield
+    finally:
+        clear_targets(model)
+
+
+def routed_forward(model: torch.nn.Module, inputs: ModelInputs) -> None:
+    """Hand ``model``'s next forward the engine's routes of ``inputs`` (what the forward does
+    with them is the model's routing mode: ``routing_replay.configure_routing``)."""
+    set_routing_targets(model, inputs.routes)
 
 
 def token_outputs(
@@ -135,6 +158,7 @@ def forward_outputs(
     the (tokens, vocab) logits and their softmax for the backward pass.
     """
     rows, width = inputs.ids.shape
+    routed_forward(model, inputs)
     weight = output_weight(model) if supports_hidden_states(model) else None
     if weight is None or rows * width * weight.shape[0] <= chunk_elements:
         logits = model(inputs.ids, inputs.positions, inputs.mask)  # (r, s, V/tp)

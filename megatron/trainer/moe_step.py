@@ -1,5 +1,12 @@
 """The mixture-of-experts part of a training update: the aux loss's gradient weight and the
-step's ``moe_aux_loss`` / ``moe_load_imbalance`` metrics (none for a dense model).
+step's ``moe_aux_loss`` / ``moe_load_imbalance`` / ``moe_routing_mismatch`` metrics (none for a
+dense model).
+
+``moe_routing_mismatch`` (with ``--record-rollout-routing`` or ``--use-rollout-routing-replay``)
+is the share of the update's tokens with an engine record whose trainer routing (the router's
+own top-k under the weights being trained, before any replay) differs from the engine's in at
+least one MoE layer: at forced lag 0 on the first iteration, the routing mismatch between the
+engine and pi_old.
 
 The CPU tier runs its micro-batches itself, so it sets the weight of the aux loss's gradient
 (megatron-core's ``MoEAuxLossAutoScaler``) as megatron-core's schedule does without
@@ -16,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.rl.models.moe import CPUSafeRouter, moe_statistics, set_aux_loss_scale
+from megatron.rl.models.routing_replay import routing_mismatch
 from megatron.trainer.step import StepResult
 
 
@@ -42,11 +50,17 @@ class MoEStepStats:
         self.enabled = has_moe_layers(model)
         self.aux: list[float] = []
         self.imbalance: list[float] = []
+        self.routing = [0, 0]
+        """Tokens whose routing differs from the engine's record, tokens with a record."""
+        if self.enabled:
+            routing_mismatch(model)  # counts of earlier forwards (pi_old up front) do not count
 
     def record(self) -> None:
         """Keep the statistics of the forward that just ran."""
         if not self.enabled:
             return
+        differing, compared = routing_mismatch(self.model)
+        self.routing = [self.routing[0] + differing, self.routing[1] + compared]
         stats = moe_statistics(self.model)
         if "moe_aux_loss" in stats:
             self.aux.append(stats["moe_aux_loss"])
@@ -62,7 +76,9 @@ class MoEStepStats:
         """``moe_aux_loss``: the mean over micro-batches (and DP ranks) of the summed layers'
         coefficient-weighted aux losses (summed over pipeline stages: ``stage_group``);
         ``moe_load_imbalance``: the largest max/mean tokens-per-expert ratio of any layer and
-        micro-batch. Collective over the given groups; {} for a dense model."""
+        micro-batch; ``moe_routing_mismatch``: differing / compared tokens over DP ranks (absent
+        when no token has an engine record). Collective over the given groups; {} for a dense
+        model."""
         if not self.enabled:
             return {}
         aux = torch.tensor(
@@ -70,13 +86,17 @@ class MoEStepStats:
             dtype=torch.float64, device=device,
         )  # fmt: skip
         imbalance = torch.tensor([max(self.imbalance, default=0.0)], device=device)
+        routing = torch.tensor(self.routing, dtype=torch.float64, device=device)
         if stage_group is not None:
             dist.all_reduce(aux[:1], group=stage_group)
             dist.all_reduce(imbalance, op=dist.ReduceOp.MAX, group=stage_group)
         if dp_group is not None and dist.get_world_size(dp_group) > 1:
             dist.all_reduce(aux, group=dp_group)
             dist.all_reduce(imbalance, op=dist.ReduceOp.MAX, group=dp_group)
+            dist.all_reduce(routing, group=dp_group)
         out = {}
+        if routing[1] > 0:
+            out["moe_routing_mismatch"] = float(routing[0] / routing[1])
         if aux[1] > 0:
             out["moe_aux_loss"] = float(aux[0] / aux[1])
         if self.imbalance:

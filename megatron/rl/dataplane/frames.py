@@ -24,6 +24,7 @@ DTYPES: dict[str, torch.dtype] = {
         torch.bool,
         torch.uint8,
         torch.int8,
+        torch.int16,
         torch.int32,
         torch.int64,
         torch.float16,

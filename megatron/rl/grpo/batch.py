@@ -53,6 +53,10 @@ class TrainBatch:
     """(B,) float32 sampling temperature of each rollout."""
     lengths: torch.Tensor
     """(B,) int64 number of real (non-padding) input positions."""
+    routed_experts: torch.Tensor | None = None
+    """(B, T, L * k) int16 experts the engine's MoE routers chose at each input position (every
+    MoE layer's top-k, layer-major), -1 where nothing was recorded; None: no row has a record
+    (``megatron/rl/models/routing_replay.py``)."""
     global_counts: GlobalCounts | None = None
     """Set on one data-parallel rank's shard of a global batch (its rows only); None when the
     batch is the whole global batch."""
@@ -118,6 +122,7 @@ class TrainBatch:
             advantages=self.advantages[start:stop],
             temperature=self.temperature[start:stop],
             lengths=self.lengths[start:stop],
+            routed_experts=_rows_of(self.routed_experts, slice(start, stop), width),
         )
 
     def select(self, rows: torch.Tensor) -> "TrainBatch":
@@ -130,12 +135,22 @@ class TrainBatch:
             advantages=self.advantages[rows],
             temperature=self.temperature[rows],
             lengths=self.lengths[rows],
+            routed_experts=None if self.routed_experts is None else self.routed_experts[rows],
         )
 
 
-SAMPLE_FIELDS = ("tokens", "loss_mask", "inference_logprobs", "temperature", "reward")
+def _rows_of(routes: torch.Tensor | None, rows: slice, width: int) -> torch.Tensor | None:
+    """``routes[rows, :width]`` (None stays None)."""
+    return None if routes is None else routes[rows, :width]
+
+
+SAMPLE_FIELDS = (
+    "tokens", "loss_mask", "inference_logprobs", "temperature", "reward", "routed_experts",
+)  # fmt: skip
 """Fields of one rollout as a sample (``rollout_sample``); ``advantages`` is added per group."""
-TRAIN_FIELDS = ("tokens", "loss_mask", "inference_logprobs", "temperature", "advantages")
+TRAIN_FIELDS = (
+    "tokens", "loss_mask", "inference_logprobs", "temperature", "advantages", "routed_experts",
+)  # fmt: skip
 """The fields ``rows_from_samples`` builds training rows from."""
 
 
@@ -145,11 +160,13 @@ def rollout_sample(rollout: TokenRollout) -> dict[str, torch.Tensor]:
     ``tokens`` (n + 1,) int64 is the trajectory (inputs ``[:-1]``, targets ``[1:]``), or empty for
     a row that carries nothing (a placeholder, fewer than two tokens); ``loss_mask`` (n,) bool
     marks generated targets; ``inference_logprobs`` (generated,) float32 their logprobs;
-    ``temperature`` float32 and ``reward`` float64 are scalars.
+    ``temperature`` float32 and ``reward`` float64 are scalars; ``routed_experts`` (n * L * k,)
+    int16 the engine's experts at each input position, flattened (empty when not recorded).
     """
     r = rollout
     empty = torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.bool), torch.zeros(0)
     tokens, loss_mask, logprobs = empty
+    routes = torch.zeros(0, dtype=torch.int16)
     if not r.is_placeholder:
         if r.generation_mask and r.generation_mask[0]:
             raise ValueError(f"rollout {r.env_id}/{r.problem_id} starts with a generated token")
@@ -157,12 +174,15 @@ def rollout_sample(rollout: TokenRollout) -> dict[str, torch.Tensor]:
             tokens = torch.tensor(r.tokens)
             loss_mask = torch.tensor(r.generation_mask[1:])  # aligned with targets
             logprobs = torch.tensor(r.logprobs, dtype=torch.float32)
+            if r.routed_experts:
+                routes = torch.tensor(r.routed_experts, dtype=torch.int16).view(-1)  # (n * L * k,)
     return {
         "tokens": tokens,
         "loss_mask": loss_mask,
         "inference_logprobs": logprobs,
         "temperature": torch.tensor(r.temperature, dtype=torch.float32),
         "reward": torch.tensor(r.reward, dtype=torch.float64),
+        "routed_experts": routes,
     }
 
 
@@ -235,6 +255,7 @@ def rows_from_samples(
     loss_mask = torch.zeros(rows, width)
     old_logprobs = torch.zeros(rows, width)
     lengths = torch.zeros(rows, dtype=torch.long)
+    routes = padded_routes(samples.get("routed_experts"), tokens, width)
     for b, (row, generated, logprobs) in enumerate(
         zip(tokens, samples["loss_mask"], samples["inference_logprobs"])
     ):
@@ -254,7 +275,25 @@ def rows_from_samples(
         advantages=torch.stack(list(samples["advantages"])) if rows else torch.zeros(0),
         temperature=torch.stack(list(samples["temperature"])) if rows else torch.zeros(0),
         lengths=lengths,
+        routed_experts=routes,
     )
+
+
+def padded_routes(
+    routes: Sequence[torch.Tensor] | None, tokens: Sequence[torch.Tensor], width: int
+) -> torch.Tensor | None:
+    """(rows, width, L * k) int16 from each sample's flat (n * L * k,) routes, -1 where a row has
+    none or past its n inputs; None when no sample has routes."""
+    if routes is None or not any(len(r) for r in routes):
+        return None
+    sizes = {len(r) // (len(t) - 1) for r, t in zip(routes, tokens) if len(r)}
+    if len(sizes) != 1:
+        raise ValueError(f"rollouts record routes of different sizes per token: {sorted(sizes)}")
+    out = torch.full((len(tokens), width, sizes.pop()), -1, dtype=torch.int16)
+    for b, (r, t) in enumerate(zip(routes, tokens)):
+        if len(r):
+            out[b, : len(t) - 1] = r.view(len(t) - 1, -1)
+    return out
 
 
 def build_train_batch(groups: list[RolloutGroup], pad_id: int) -> TrainBatch:

@@ -23,9 +23,16 @@ import torch
 
 from megatron.rl.models.moe import CPUSafeRouter
 
+ROUTING_MODES = ("off", "measure", "replay")
+"""What a policy's forwards do with the routes recorded by the engine: nothing, compare
+(``routing_mismatch``), or compare and route by them."""
+
 __all__ = [
+    "ROUTING_MODES",
     "RoutingReplay",
     "clear_routing",
+    "clear_targets",
+    "configure_routing",
     "recorded_routes",
     "routing_mismatch",
     "routing_replays",
@@ -39,6 +46,8 @@ class RoutingReplay:
     seam)."""
 
     def __init__(self) -> None:
+        self.mode = "off"
+        """``ROUTING_MODES``: what ``set_routing_targets`` does with a model's record."""
         self.record = False
         """Keep the top-k of each forward in ``recorded``."""
         self.recorded: torch.Tensor | None = None
@@ -114,23 +123,44 @@ def recorded_routes(model: torch.nn.Module) -> torch.Tensor | None:
     return torch.stack(recorded, dim=1).to(torch.int16)  # (rows, L, k)
 
 
-def set_routing_targets(model: torch.nn.Module, routes: torch.Tensor | None, replay: bool) -> None:
-    """Compare the next forwards' routing with ``routes`` (r, s, L, k) (-1: no record), laid out
-    as the model's (r, s) input, and with ``replay`` route by it; None: route freely. The targets
-    stay until the next call, so a recomputed forward (activation recompute) sees them too."""
+def configure_routing(model: torch.nn.Module, mode: str) -> None:
+    """Give ``model``'s forwards the ``ROUTING_MODES`` ``mode`` for the routes they are handed
+    (``set_routing_targets``)."""
+    if mode not in ROUTING_MODES:
+        raise ValueError(f"routing mode must be one of {ROUTING_MODES}, got {mode!r}")
+    for r in routing_replays(model):
+        r.mode = mode
+
+
+def set_routing_targets(model: torch.nn.Module, routes: torch.Tensor | None) -> None:
+    """Hand the next forwards of ``model`` the recorded ``routes``: (r, s, L * k) or
+    (r, s, L, k) expert ids laid out as the model's (r, s) input, -1 where nothing was recorded;
+    None: no record. What the forwards do with them is the model's mode (``configure_routing``):
+    nothing (``off``), compare (``measure``), or compare and route by them (``replay``). The
+    targets stay until the next call (a recomputed forward sees them too)."""
     replays = routing_replays(model)
-    if routes is None:
+    mode = replays[0].mode if replays else "off"
+    if routes is None or mode == "off":
         for r in replays:
             r.target, r.replay = None, False
         return
-    rows, width, layers, k = routes.shape
-    if layers != len(replays):
+    layers = len(replays)
+    if routes.dim() == 3:
+        if routes.shape[-1] % layers:
+            raise ValueError(
+                f"routing replay: a route of {routes.shape[-1]} experts does not split over the "
+                f"model's {layers} MoE layers"
+            )
+        routes = routes.unflatten(-1, (layers, routes.shape[-1] // layers))
+    rows, width, recorded_layers, k = routes.shape
+    if recorded_layers != layers:
         raise ValueError(
-            f"routing replay: the routes record {layers} MoE layers, the model has {len(replays)}"
+            f"routing replay: the routes record {recorded_layers} MoE layers, the model has "
+            f"{layers}"
         )
     flat = routes.transpose(0, 1).reshape(width * rows, layers, k).long()  # (s * r, L, k)
     for layer, r in enumerate(replays):
-        r.target, r.replay = flat[:, layer], replay
+        r.target, r.replay = flat[:, layer], mode == "replay"
 
 
 def routing_mismatch(model: torch.nn.Module) -> tuple[int, int]:
@@ -153,7 +183,14 @@ def routing_mismatch(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def clear_routing(model: torch.nn.Module) -> None:
-    """Stop recording, comparing and replaying on every router of ``model``."""
+    """Stop recording, comparing and replaying on every router of ``model`` (its mode stays)."""
     for r in routing_replays(model):
         r.record, r.recorded, r.target, r.replay = False, None, None, False
         r.known, r.differs = [], []
+
+
+def clear_targets(model: torch.nn.Module) -> None:
+    """Forget the routes handed to ``model``'s forwards (``set_routing_targets``) and the
+    mismatch counts; recording (the engine's) is left as it is."""
+    for r in routing_replays(model):
+        r.target, r.replay, r.known, r.differs = None, False, [], []

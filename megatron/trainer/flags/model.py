@@ -172,6 +172,19 @@ class Model(Section):
         "one MLP per expert in turn (megatron-core's SequentialMLP).",
         switch=True,
     )
+    use_rollout_routing_replay: bool = option(
+        False,
+        "Rollout routing replay (R3): the engine records the experts each MoE router chose for "
+        "every token it feeds, and the trainer's forwards (pi_old and the update) route the "
+        "recorded tokens the same way; logs moe_routing_mismatch.",
+        switch=True,
+    )
+    record_rollout_routing: bool = option(
+        False,
+        "Record the engine's expert choices and log moe_routing_mismatch (the share of tokens "
+        "the trainer routes differently in some MoE layer) without replaying them.",
+        switch=True,
+    )
     seq_length: int = option(
         32,
         "Longest prompt + completion, in tokens (also the KV-cache length).",
@@ -203,6 +216,14 @@ class Model(Section):
         if self.tokenizer_type == "CharTokenizer" and self.tokenizer_model is not None:
             errors.append("--tokenizer-model needs --tokenizer-type HuggingFaceTokenizer")
         return errors
+
+    @property
+    def routing_mode(self) -> str:
+        """What the policy's forwards do with the engine's recorded routes
+        (``routing_replay.ROUTING_MODES``)."""
+        if self.use_rollout_routing_replay:
+            return "replay"
+        return "measure" if self.record_rollout_routing else "off"
 
     def _moe_problems(self) -> list[str]:
         if self.num_experts is None:

@@ -128,12 +128,32 @@ def _layout_problems(run: RunConfig, cuda: bool) -> list[str]:
             f"data-parallel size ({run.data_parallel_size})"
         )
     errors += _expert_problems(run, cuda)
+    errors += _routing_problems(run)
     if p.use_distributed_optimizer and not cuda:
         errors.append(
             "--use-distributed-optimizer is not supported on CPU: it needs the CUDA tier "
             "(megatron-core's distributed optimizer is CUDA-only)"
         )
     return errors
+
+
+def _routing_problems(run: RunConfig) -> list[str]:
+    """Recorded routes against the model and the layout."""
+    flag = next(
+        (f"--{n.replace('_', '-')}" for n in ("use_rollout_routing_replay", "record_rollout_routing")
+         if getattr(run.model, n)),
+        None,
+    )  # fmt: skip
+    if flag is None:
+        return []
+    if run.architecture_flags["num_experts"] is None:
+        return [f"{flag} needs an MoE model (--num-experts or an MoE --hf-checkpoint)"]
+    if run.parallelism.pipeline_model_parallel_size > 1:
+        return [
+            f"{flag} is not supported with --pipeline-model-parallel-size > 1: a token's routing "
+            "is compared over all MoE layers, which pipeline stages split"
+        ]
+    return []
 
 
 def _expert_problems(run: RunConfig, cuda: bool) -> list[str]:

@@ -33,6 +33,7 @@ import torch
 from megatron.rl.grpo.batch import TrainBatch
 from megatron.rl.inference.backends import RunnerInputs
 from megatron.rl.models.recompute import recompute_layers
+from megatron.rl.models.routing_replay import configure_routing
 from megatron.trainer import model_provider
 from megatron.trainer.checkpointing import (
     CheckpointShards,
@@ -47,6 +48,8 @@ from megatron.trainer.forward import (
     micro_topk,
     model_inputs,
     padded_rows,
+    routed_forward,
+    routes_cleared,
 )
 from megatron.trainer.initialize import ParallelContext
 from megatron.trainer.moe_step import (
@@ -107,6 +110,7 @@ class CPUTier(Tier):
             load(model)
         if self.cfg.training.recompute_granularity == "full":
             recompute_layers(model)
+        configure_routing(model, self.cfg.model.routing_mode)  # the engine's routes: R3
         return model
 
     def build_reference(self, vocab_size, initialize=True):
@@ -183,6 +187,7 @@ class CPUPolicy(Policy):
         model = self.state.model
 
         def topk(micro: TrainBatch, inputs: ModelInputs):
+            routed_forward(model, inputs)
             logits = model(inputs.ids, inputs.positions, inputs.mask)  # (r, s, V/tp)
             return micro_topk(logits, inputs, k, self.config.vocab_size, self.ctx.tp_group)
 
@@ -212,7 +217,7 @@ class CPUPolicy(Policy):
         mbs = self.config.micro_batch_size if mbs is None else mbs
         model.eval()
         parts = []
-        with torch.no_grad(), self._precision():
+        with torch.no_grad(), self._precision(), routes_cleared(model):
             for micro in data_parallel_micro_batches(data, self.ctx, mbs):
                 inputs = model_inputs(micro, self.ctx.device, self.config.packing_capacity)
                 parts.append(outputs(micro, inputs))
@@ -236,7 +241,7 @@ class CPUPolicy(Policy):
         check = LossCheck(config.check_finite and not eval_mode, ctx.rank)
         moe = MoEStepStats(model)  # nothing for a dense model
         set_micro_batch_aux_loss_scale(model, len(update.micro_batches), ctx.dp_size, ctx.device)
-        with torch.set_grad_enabled(not eval_mode):
+        with torch.set_grad_enabled(not eval_mode), routes_cleared(model):
             for micro in update.micro_batches:
                 with self._precision():  # the forward; its backward runs as autograd recorded it
                     logprobs, entropy = policy_logprobs(

@@ -47,6 +47,7 @@ from megatron.rl.models.architecture import (
     transformer_config,
 )
 from megatron.rl.models.gpt_spec import SDPASpecProvider, select_backend
+from megatron.rl.models.routing_replay import configure_routing
 from megatron.trainer.checkpointing import CheckpointShards
 from megatron.trainer.model_provider import architecture, padded_vocab_size, parallel_overrides
 from megatron.trainer.optimizer import build_scheduler
@@ -171,6 +172,7 @@ class CUDATier(Tier):
         ddp = DistributedDataParallel(config=config, ddp_config=ddp_config(cfg), module=model)
         config.no_sync_func = ddp.no_sync
         config.finalize_model_grads_func = finalize_model_grads
+        configure_routing(ddp, cfg.model.routing_mode)  # the engine's routes: R3
         return ddp
 
     def build_reference(self, vocab_size, initialize=True):

@@ -46,6 +46,8 @@ from megatron.trainer.forward import (
     micro_topk,
     model_inputs,
     padded_rows,
+    routed_forward,
+    routes_cleared,
 )
 from megatron.trainer.initialize import ParallelContext
 from megatron.trainer.moe_step import MoEStepStats, with_moe_metrics
@@ -267,17 +269,19 @@ class CUDAPolicy(Policy):
         def forward_step(data_iterator, stage: torch.nn.Module):
             micro, key = next(data_iterator)
             inputs = model_inputs(micro, ctx.device, capacity, packed)
+            routed_forward(stage, inputs)
             output = stage(inputs.ids, inputs.positions, inputs.mask)  # last stage: logits
             if after_forward is not None:
                 after_forward()
             return output, functools.partial(consume, key, inputs)
 
-        get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(items),
-            model=[model],
-            num_microbatches=len(items),
-            seq_length=seq_length,
-            micro_batch_size=rows,
-            forward_only=forward_only,
-        )
+        with routes_cleared(model):
+            get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(items),
+                model=[model],
+                num_microbatches=len(items),
+                seq_length=seq_length,
+                micro_batch_size=rows,
+                forward_only=forward_only,
+            )
