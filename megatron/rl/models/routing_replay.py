@@ -51,7 +51,8 @@ class RoutingReplay:
         self.record = False
         """Keep the top-k of each forward in ``recorded``."""
         self.recorded: torch.Tensor | None = None
-        """(rows, k) int64 experts chosen by the last forward (when ``record``)."""
+        """(rows, k) int64 experts the last forward routed to (when ``record``; replayed ones
+        included)."""
         self.target: torch.Tensor | None = None
         """(rows, k) int64 experts to compare with (and, with ``replay``, to route by); a row of
         -1 has no record and keeps the router's own choice."""
@@ -75,10 +76,10 @@ class RoutingReplay:
         values, indices = default_compute_topk(
             scores, topk, num_groups=num_groups, group_topk=group_topk
         )  # (rows, k) each
-        if self.record:
-            self.recorded = indices.detach()
         target = self.target
         if target is None:
+            if self.record:
+                self.recorded = indices.detach()
             return values, indices
         if target.shape != indices.shape:
             raise ValueError(
@@ -93,6 +94,8 @@ class RoutingReplay:
         if self.replay:
             indices = torch.where(known[:, None], target, indices)  # (rows, k)
             values = scores.gather(1, indices)
+        if self.record:  # the experts the forward used
+            self.recorded = indices.detach()
         return values, indices
 
 
