@@ -19,9 +19,11 @@ from megatron.rl.wire_base import (
     MAX_CHAT_MESSAGES,
     MAX_ID,
     MAX_TOKENS,
+    Routes,
     Seed,
     TokenId,
     WireModel,
+    check_routes,
 )
 from megatron.rl.wire_messages import ChatMessage, check_chat_messages
 
@@ -147,6 +149,21 @@ class InferenceResponse(WireModel):
     prompt_text: str | None = Field(
         None, description="The prompt rendered from chat messages (None for other prompts)."
     )
+    routed_experts: Routes | None = Field(
+        None,
+        max_length=2 * MAX_TOKENS,
+        exclude_if=lambda value: value is None,
+        description="Routing replay (MoE policies, when the engine records it): the experts each "
+        "MoE layer chose for every position the engine fed, those of prompt_tokens + tokens but "
+        "the last generated token (never fed), each a flat list of layers x top-k ids. Omitted "
+        "when not recorded.",
+    )
+
+    @model_validator(mode="after")
+    def _routes_cover_fed_positions(self) -> "InferenceResponse":
+        fed = len(self.prompt_tokens) + len(self.tokens) - 1
+        check_routes(self.routed_experts, fed, "routed_experts", "fed position")
+        return self
 
 
 class GroupedRolloutRequest(WireModel):
@@ -240,6 +257,15 @@ class TokenRollout(Rollout):
         "'turns', 'tool_calls', 'tool_errors', 'truncated'); the trainer logs their means. "
         "Omitted from the JSON when absent, so other rollouts are the same payload as before.",
     )
+    routed_experts: Routes | None = Field(
+        None,
+        max_length=MAX_TOKENS,
+        exclude_if=lambda value: value is None,
+        description="Routing replay: the experts the engine's routers chose for each input "
+        "position (every token but the last; in a multi-turn rollout the route of the first "
+        "request that fed it), each a flat list of MoE layers x top-k ids. Omitted when not "
+        "recorded.",
+    )
 
     @model_validator(mode="after")
     def _consistent_lengths(self) -> "TokenRollout":
@@ -255,6 +281,7 @@ class TokenRollout(Rollout):
                 f"'turn_lengths' must add up to the generated tokens ({generated}), got "
                 f"{self.turn_lengths}"
             )
+        check_routes(self.routed_experts, len(self.tokens) - 1, "routed_experts", "input position")
         return self
 
     @property
