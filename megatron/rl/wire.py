@@ -153,10 +153,8 @@ class InferenceResponse(WireModel):
         None,
         max_length=2 * MAX_TOKENS,
         exclude_if=lambda value: value is None,
-        description="Routing replay (MoE policies, when the engine records it): the experts each "
-        "MoE layer chose for every position the engine fed, those of prompt_tokens + tokens but "
-        "the last generated token (never fed), each a flat list of layers x top-k ids. Omitted "
-        "when not recorded.",
+        description="Routing replay: the experts each MoE layer chose for each position fed "
+        "(prompt_tokens + tokens but the last), flat layers x top-k ids; omitted if unrecorded.",
     )
 
     @model_validator(mode="after")
@@ -261,10 +259,8 @@ class TokenRollout(Rollout):
         None,
         max_length=MAX_TOKENS,
         exclude_if=lambda value: value is None,
-        description="Routing replay: the experts the engine's routers chose for each input "
-        "position (every token but the last; in a multi-turn rollout the route of the first "
-        "request that fed it), each a flat list of MoE layers x top-k ids. Omitted when not "
-        "recorded.",
+        description="Routing replay: per input position (every token but the last), the "
+        "experts of the first request that fed it, flat layers x top-k ids; omitted if unrecorded.",
     )
 
     @model_validator(mode="after")

@@ -11,6 +11,7 @@ import torch
 from megatron.core import parallel_state
 
 from megatron.rl.inference.backends import RunnerInputs
+from megatron.rl.inference.cpu.cached_forward import CachedForward
 from megatron.rl.inference.cpu.kv_cache import KVCache
 from megatron.rl.inference.cpu.kv_cache_runner import KVCacheRowRunner, build_kv_cache_runner
 from megatron.rl.inference.protocol import GenerationOutput, RowWork
@@ -156,3 +157,14 @@ def test_a_dense_model_records_nothing(single_rank_world):
     runner = KVCacheRowRunner(model, cache, 64, record_routing=True)
     assert not runner.record_routing
     assert runner.run([RowWork(0, (5, 9), 0, 1.0, 1.0, 0, seed=1)])[0].routes is None
+
+
+def test_recording_refuses_a_forward_that_bypasses_the_routers(moe_model, monkeypatch):
+    """Were the plain program ever to run an MoE model, its routers would record nothing: the
+    runner says so instead of returning no routes."""
+    monkeypatch.setattr(CachedForward, "of", classmethod(lambda cls, *args: object()))
+    c = moe_model.config
+    cache = KVCache(c.num_layers, 2, 16, c.num_query_groups, c.kv_channels, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="record_routing: the runner's cached forward"):
+        KVCacheRowRunner(moe_model, cache, VOCAB, record_routing=True)
+    assert KVCacheRowRunner(moe_model, cache, VOCAB).cached_forward is not None  # not recording
