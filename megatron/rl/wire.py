@@ -19,9 +19,11 @@ from megatron.rl.wire_base import (
     MAX_CHAT_MESSAGES,
     MAX_ID,
     MAX_TOKENS,
+    Routes,
     Seed,
     TokenId,
     WireModel,
+    check_routes,
 )
 from megatron.rl.wire_messages import ChatMessage, check_chat_messages
 
@@ -147,6 +149,19 @@ class InferenceResponse(WireModel):
     prompt_text: str | None = Field(
         None, description="The prompt rendered from chat messages (None for other prompts)."
     )
+    routed_experts: Routes | None = Field(
+        None,
+        max_length=2 * MAX_TOKENS,
+        exclude_if=lambda value: value is None,
+        description="Routing replay: the experts each MoE layer chose for each position fed "
+        "(prompt_tokens + tokens but the last), flat layers x top-k ids; omitted if unrecorded.",
+    )
+
+    @model_validator(mode="after")
+    def _routes_cover_fed_positions(self) -> "InferenceResponse":
+        fed = len(self.prompt_tokens) + len(self.tokens) - 1
+        check_routes(self.routed_experts, fed, "routed_experts", "fed position")
+        return self
 
 
 class GroupedRolloutRequest(WireModel):
@@ -240,13 +255,12 @@ class TokenRollout(Rollout):
         "'turns', 'tool_calls', 'tool_errors', 'truncated'); the trainer logs their means. "
         "Omitted from the JSON when absent, so other rollouts are the same payload as before.",
     )
-    routed_experts: list[list[int]] | None = Field(
+    routed_experts: Routes | None = Field(
         None,
+        max_length=MAX_TOKENS,
         exclude_if=lambda value: value is None,
-        description="The experts the engine's MoE routers chose for each input position "
-        "(len(tokens) - 1 entries: every token but the last), each the top-k expert ids of "
-        "every MoE layer, layer-major; None where not recorded. Omitted from the JSON when "
-        "absent.",
+        description="Routing replay: per input position (every token but the last), the "
+        "experts of the first request that fed it, flat layers x top-k ids; omitted if unrecorded.",
     )
 
     @model_validator(mode="after")
@@ -263,6 +277,7 @@ class TokenRollout(Rollout):
                 f"'turn_lengths' must add up to the generated tokens ({generated}), got "
                 f"{self.turn_lengths}"
             )
+        check_routes(self.routed_experts, len(self.tokens) - 1, "routed_experts", "input position")
         return self
 
     @property

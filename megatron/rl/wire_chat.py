@@ -36,6 +36,7 @@ from megatron.rl.wire import (
     InferenceRequest,
     InferenceResponse,
     RolloutKey,
+    Routes,
     SamplingParams,
     Seed,
     WireModel,
@@ -279,6 +280,12 @@ class ChatCompletionChoice(WireModel):
         description="Extension: tool calls the model attempted that were not returned (malformed "
         "ones, left in the content as text; calls to a function tool_choice did not name).",
     )
+    routed_experts: Routes | None = Field(
+        None,
+        max_length=2 * MAX_TOKENS,
+        exclude_if=lambda v: v is None,
+        description="Extension: see InferenceResponse (omitted when not recorded).",
+    )
 
 
 class ChatCompletionResponse(WireModel):
@@ -311,6 +318,7 @@ class ChatCompletionResponse(WireModel):
                     policy_versions=choice.policy_versions,
                     finish_reason=choice.finish_reason,
                     prompt_text=choice.prompt_text,
+                    routed_experts=choice.routed_experts,
                 )
             )
         return responses

@@ -25,6 +25,7 @@ from megatron.rl.wire import (
     InferenceRequest,
     InferenceResponse,
     RolloutKey,
+    Routes,
     SamplingParams,
     Seed,
     TokenId,
@@ -165,6 +166,12 @@ class CompletionChoice(WireModel):
     token_ids: list[int] = Field(description="Extension: generated token ids (EOS included).")
     prompt_token_ids: list[int] = Field(description="Extension: the tokenized prompt.")
     policy_versions: list[int] = Field(description="Extension: policy version of each token.")
+    routed_experts: Routes | None = Field(
+        None,
+        max_length=2 * MAX_TOKENS,
+        exclude_if=lambda v: v is None,
+        description="Extension: see InferenceResponse (omitted when not recorded).",
+    )
 
 
 class CompletionUsage(WireModel):
@@ -199,6 +206,7 @@ class CompletionResponse(WireModel):
                     logprobs=choice.logprobs.token_logprobs,
                     policy_versions=choice.policy_versions,
                     finish_reason=choice.finish_reason,
+                    routed_experts=choice.routed_experts,
                 )
             )
         return responses

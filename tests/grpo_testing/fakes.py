@@ -7,6 +7,7 @@ import math
 import random
 
 import httpx
+import torch
 from pydantic import Field
 
 from megatron.rl.agent.api import Problem
@@ -70,13 +71,23 @@ class FlakyDigits(DigitTaskEnvironment):
         return super().reward(problem, completion)
 
 
+def fake_route(seed: int, position: int) -> list[int]:
+    """``FakeSteps``' route of the token a request of ``seed`` feeds at ``position``: 2 layers x
+    top-2 expert ids, flat."""
+    return [(seed * 7 + position * 3 + j) % 11 for j in range(4)]
+
+
 class FakeSteps:
     """A ``StepGroup`` stand-in: records every plan and "samples" token 2 + (seed + position) % 7
-    for each row (EOS, id 1, at the position ``eos_at[seed]`` if given)."""
+    for each row (EOS, id 1, at the position ``eos_at[seed]`` if given); with ``routes``, each
+    row's ``RowResult.routes`` are ``fake_route`` of the positions it fed, (n, 2, 2)."""
 
-    def __init__(self, num_replicas: int = 1, eos_at: dict[int, int] | None = None) -> None:
+    def __init__(
+        self, num_replicas: int = 1, eos_at: dict[int, int] | None = None, routes: bool = False
+    ) -> None:
         self.num_replicas = num_replicas
         self.eos_at = eos_at or {}
+        self.routes = routes
         self.plans = []
         self.fail_on_step: int | None = None
 
@@ -91,7 +102,14 @@ class FakeSteps:
                 position = row.start + len(row.tokens)  # position of the sampled token
                 eos = self.eos_at.get(row.seed) == position
                 token = 1 if eos else 2 + (row.seed + position) % 7
-                out.append(RowResult(slot=row.slot, token=token, logprob=-0.1 * position))
+                fed = range(row.start, position)
+                routes = None
+                if self.routes:
+                    flat = [fake_route(row.seed, p) for p in fed]
+                    routes = torch.tensor(flat, dtype=torch.int16).view(len(fed), 2, 2)
+                out.append(
+                    RowResult(slot=row.slot, token=token, logprob=-0.1 * position, routes=routes)
+                )
             results.append(out)
         return results
 

@@ -353,4 +353,5 @@ class SingleTurnEnvironment(Agent):
             turn_lengths=[len(response.tokens)],
             truncated=response.finish_reason == "length",
             reward_components=components,
+            routed_experts=response.routed_experts,
         )

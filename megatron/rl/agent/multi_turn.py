@@ -162,6 +162,18 @@ def assemble_turns(responses: list[InferenceResponse]) -> Trajectory:
     return Trajectory(tokens, mask, logprobs, versions)
 
 
+def assemble_routes(responses: list[InferenceResponse]) -> list[list[int]] | None:
+    """The routes of the turns' row (``assemble_turns``) at every input position: each position
+    takes the route of the first turn that fed it (turn 0's whole record, then what each later
+    turn's prompt added and its generated tokens but the last). None unless every turn has one."""
+    if any(r.routed_experts is None for r in responses):
+        return None
+    routes: list[list[int]] = []
+    for response in responses:  # a turn feeds prompt + tokens[:-1]; the earlier ones come first
+        routes += response.routed_experts[len(routes) :]
+    return routes
+
+
 def _assemble(responses: list[InferenceResponse], observations: list[str]) -> Episode:
     row = assemble_turns(responses)
     return Episode(
@@ -201,6 +213,7 @@ def turns_rollout(
         turn_lengths=[len(r.tokens) for r in responses],
         truncated=any(r.finish_reason == "length" for r in responses),
         episode_metrics=episode_metrics,
+        routed_experts=assemble_routes(responses),
     )
 
 

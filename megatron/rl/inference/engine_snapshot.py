@@ -6,10 +6,10 @@ the current policy version instead of the later ones the uninterrupted run uses)
 is saved as it is (``EngineSnapshot``):
 
 * every keyed request still waiting or holding a slot: its prompt, sampling parameters and seed,
-  the tokens, logprobs and policy versions generated so far, its slot and its place in the
-  admission order; the KV cache of those slots is saved by each rank next to it (the runner's
-  ``export_slots``), so the continuation is bitwise the one the uninterrupted run computes (the
-  cache holds keys and values of older policy versions, as it does in that run);
+  the tokens, logprobs, policy versions (and recorded expert routes) so far, its slot and its
+  place in the admission order; the KV cache of those slots is saved by each rank next to it
+  (the runner's ``export_slots``), so the continuation is bitwise the one the uninterrupted run
+  computes (the cache holds keys and values of older policy versions, as it does in that run);
 * every finished turn of a group whose agent has not returned yet (its agent may still be
   computing rewards or waiting for the environment between turns);
 * the free slots, the arrival counter and the generation window of the awaited batch.
@@ -64,6 +64,9 @@ class SavedTurn(BaseModel):
     """None: still waiting (``slot`` -1) or holding ``slot`` of ``replica``."""
     replica: int = -1
     slot: int = -1
+    routed_experts: list[list[int]] | None = None
+    """Routing replay: the routes of the positions fed so far, flat per position (None: not
+    recorded, or a snapshot from before routes were saved)."""
 
     def cached_positions(self) -> int:
         """Positions of its slot's KV cache that hold its keys and values (the prompt and every

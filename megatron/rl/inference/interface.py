@@ -81,6 +81,7 @@ class LocalInferenceInterface(InferenceInterface):
             policy_versions=out.policy_versions,
             finish_reason=out.finish_reason,
             prompt_text=prompt_text,
+            routed_experts=out.routed_experts,
         )
 
     async def end_rollout(self, key: RolloutKey) -> bool:

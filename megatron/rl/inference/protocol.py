@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
+import torch
+
 from megatron.rl.inference.keys import Key
 from megatron.rl.wire import SamplingParams
 
@@ -41,6 +43,9 @@ class GenerationOutput:
     """Policy version that generated each token."""
     finish_reason: Literal["stop", "length"]
     """"stop": EOS sampled; "length": ``max_tokens`` reached."""
+    routed_experts: list[list[int]] | None = None
+    """Routing replay (``SchedulerConfig.record_routing``, MoE models): per position the request
+    fed (prompt + tokens[:-1]), the experts of every MoE layer, flat layer-major (L * k ids)."""
 
 
 class EngineError(RuntimeError):
@@ -84,6 +89,9 @@ class RowResult:
     slot: int
     token: int
     logprob: float
+    routes: torch.Tensor | None = None
+    """(n_fed, L, k) int16: the experts each of the L MoE layers chose for each token this row fed
+    (None: routing not recorded)."""
 
 
 @runtime_checkable

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+import torch
+
 from megatron.rl.inference.engine_snapshot import SavedTurn
 from megatron.rl.inference.protocol import Key, RowWork
 from megatron.rl.wire import SamplingParams
@@ -39,6 +41,10 @@ class SchedulerConfig:
     endpoint; ``slots.py``): they are served within a few engine steps whatever the rollouts do,
     and under ``window_target`` never shift the rollouts' schedule. 0: unkeyed requests wait for
     a free rollout slot."""
+    record_routing: bool = False
+    """Routing replay: runners record the experts each MoE router chose for every token fed
+    (``RowResult.routes``) and finished requests return them (``GenerationOutput.routed_experts``);
+    a model without routers records nothing."""
 
     def __post_init__(self) -> None:
         if self.reward_wait_steps < 0:
@@ -68,6 +74,23 @@ class Request:
     versions: list[int] = field(default_factory=list)
     turn: int = 0
     """Requests of the same key before this one (the turns of a multi-turn rollout)."""
+    routes: list[torch.Tensor] = field(default_factory=list, compare=False)
+    """Routing replay: the routes of the positions fed so far, in order, as (n, L * k) int16
+    chunks (the prompt's, then one per decode step)."""
+
+    def add_routes(self, routes: torch.Tensor | None) -> None:
+        """Keep a step's (n_fed, L, k) routes (None: not recorded)."""
+        if routes is not None:
+            self.routes.append(routes.reshape(routes.shape[0], -1))  # (n_fed, L * k)
+
+    def routed_experts(self) -> list[list[int]] | None:
+        """The routes of every position fed so far (the prompt and the generated tokens but the
+        last), flat per position; None unless each of them was recorded (e.g. resumed from a
+        snapshot that did not save routes)."""
+        fed = len(self.prompt) + len(self.tokens) - 1 if self.tokens else 0
+        if not self.routes or sum(len(r) for r in self.routes) != fed:
+            return None
+        return torch.cat(self.routes).tolist()
 
     def __lt__(self, other: "Request") -> bool:
         return self.order < other.order
@@ -96,12 +119,14 @@ def saved_turn(turn: Request | SavedTurn) -> SavedTurn:
         continued=r.continued, order=r.order, tokens=r.tokens, logprobs=r.logprobs,
         versions=r.versions, finish_reason=reason,
         replica=-1 if reason else r.replica, slot=-1 if reason else r.slot,
+        routed_experts=r.routed_experts(),
     )  # fmt: skip
 
 
 def restored_request(s: SavedTurn, future: asyncio.Future) -> Request:
     """A snapshot's in-flight request as the scheduler queues it again."""
+    routes = [] if not s.routed_experts else [torch.tensor(s.routed_experts, dtype=torch.int16)]
     return Request(
         tuple(s.order), list(s.prompt), s.sampling, s.seed, s.key, future, s.continued,
-        s.replica, s.slot, list(s.tokens), list(s.logprobs), list(s.versions), s.turn,
+        s.replica, s.slot, list(s.tokens), list(s.logprobs), list(s.versions), s.turn, routes,
     )  # fmt: skip

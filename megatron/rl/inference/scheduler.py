@@ -341,6 +341,7 @@ class ContinuousBatchingScheduler(CheckpointedScheduling, Admission):
         req.tokens.append(res.token)
         req.logprobs.append(res.logprob)
         req.versions.append(version)
+        req.add_routes(res.routes)
         self.counters.generated_tokens += 1
         stop = res.token == self.config.eos_id or res.token in self.config.extra_stop_ids
         if stop and not req.sampling.ignore_eos:
@@ -355,7 +356,11 @@ class ContinuousBatchingScheduler(CheckpointedScheduling, Admission):
                 self._done_turns.setdefault(req.key[:2], []).append(req)  # replays this turn
             if req.continued:  # before any further step: the barrier now awaits the next turn
                 self._continuations.add(req.key)
-            req.future.set_result(GenerationOutput(req.tokens, req.logprobs, req.versions, reason))
+            req.future.set_result(
+                GenerationOutput(
+                    req.tokens, req.logprobs, req.versions, reason, req.routed_experts()
+                )
+            )
 
     def _arrived(self, group: tuple[int, int]) -> None:
         left = self._expected.get(group)

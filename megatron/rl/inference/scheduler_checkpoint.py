@@ -74,8 +74,9 @@ class CheckpointedScheduling:
         if saved.continued:  # as when it finished: the barrier awaits the next turn
             self._continuations.add(key)
         return GenerationOutput(
-            list(saved.tokens), list(saved.logprobs), list(saved.versions), saved.finish_reason
-        )
+            list(saved.tokens), list(saved.logprobs), list(saved.versions), saved.finish_reason,
+            saved.routed_experts,
+        )  # fmt: skip
 
     def _drop_mismatched(self) -> None:
         """Free the saved requests that came back different (``Replay.dropped``)."""

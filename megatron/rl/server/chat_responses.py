@@ -80,6 +80,7 @@ def chat_completion_response(
                 policy_versions=out.policy_versions,
                 prompt_text=out.prompt_text or "",
                 tool_call_errors=errors,
+                routed_experts=out.routed_experts,
             )
         )
     return ChatCompletionResponse(

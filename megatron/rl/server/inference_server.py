@@ -124,6 +124,7 @@ def create_inference_app(
                     token_ids=out.tokens,
                     prompt_token_ids=out.prompt_tokens,
                     policy_versions=out.policy_versions,
+                    routed_experts=out.routed_experts,
                 )
             )
         return CompletionResponse(

@@ -6,6 +6,10 @@ logits are gathered, and every TP rank draws the same uniforms, so no broadcast 
 needed inside a replica. The uniform of a request's token at position p is a pure function of
 (request seed, p) (``token_uniform``): no RNG state lives in the runner, and a token never
 depends on which requests share its batch.
+
+Routing replay (``record_routing``, MoE models): the runner records the experts each router chose
+for every token a row feeds and returns them with the row's token (``RowResult.routes``). MoE
+models run their own forward (``CachedForward.of`` declines them), one per kind of row.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from megatron.rl.inference.cpu.cached_forward import CachedForward
 from megatron.rl.inference.cpu.kv_cache import KVCache
 from megatron.rl.inference.protocol import RowResult, RowWork
 from megatron.rl.inference.sampling import sample_tokens, token_uniform
+from megatron.rl.models.routing_replay import recorded_routes, routing_replays, start_recording
 
 if TYPE_CHECKING:
     from megatron.rl.inference.backends import RunnerInputs
@@ -58,6 +63,7 @@ class KVCacheRowRunner:
         vocab_size: int,
         tp_group: dist.ProcessGroup | None = None,
         compute_dtype: torch.dtype | None = None,
+        record_routing: bool = False,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -71,6 +77,14 @@ class KVCacheRowRunner:
         # The model's computation as one plain program (same values, a fraction of the Python
         # overhead); None for models it does not reproduce, which run their own forward.
         self.cached_forward = CachedForward.of(model, tp_group, compute_dtype)
+        self.record_routing = record_routing and bool(routing_replays(model))
+        """Routing replay: each ``RowResult`` carries the routes of the tokens its row fed (a
+        model without routers records nothing)."""
+        if self.record_routing and self.cached_forward is not None:
+            raise ValueError(
+                "record_routing: the runner's cached forward does not run the model's routers, "
+                "so it cannot record their routes; this model must run its own forward"
+            )
 
     @torch.no_grad()
     def run(self, rows: list[RowWork]) -> list[RowResult]:
@@ -83,7 +97,7 @@ class KVCacheRowRunner:
             return []
         if self.cached_forward is not None:  # packed tokens: one pass for every kind of row
             unique, source = shared_prompts(rows)
-            logits = self._forward_last_logits([rows[i] for i in unique])  # (U, V)
+            logits, _ = self._forward_last_logits([rows[i] for i in unique])  # (U, V)
             if len(unique) < len(rows):  # a group's samples: one prefill, the KV copied
                 self._copy_prompts(rows, unique, source)
                 logits = logits[torch.tensor(source)]  # (B, V)
@@ -93,11 +107,16 @@ class KVCacheRowRunner:
         decode = [i for i, r in enumerate(rows) if len(r.tokens) == 1]
         prefill = [i for i, r in enumerate(rows) if len(r.tokens) > 1]
         parts = [self._forward_last_logits([rows[i] for i in b]) for b in (decode, prefill) if b]
+        routes = None
+        if self.record_routing:  # (n_fed, L, k) per row, in row order
+            by_row = dict(zip(decode + prefill, [r for _, part in parts for r in part]))
+            routes = [by_row[b] for b in range(len(rows))]
         if len(parts) == 1:  # one kind of row: already in row order
-            logits = parts[0]  # (B, V)
+            logits = parts[0][0]  # (B, V)
         else:
-            logits = torch.cat(parts)[torch.argsort(torch.tensor(decode + prefill))]  # (B, V)
-        return self._sample(rows, logits)
+            order = torch.argsort(torch.tensor(decode + prefill))
+            logits = torch.cat([part for part, _ in parts])[order]  # (B, V)
+        return self._sample(rows, logits, routes)
 
     def _copy_prompts(self, rows: list[RowWork], unique: list[int], source: list[int]) -> None:
         """Give each row whose prompt was prefilled in another row's slot that slot's keys and
@@ -160,8 +179,11 @@ class KVCacheRowRunner:
             cache.keys[:, slot, :, :n] = keys.to(cache.keys.device, cache.keys.dtype)
             cache.values[:, slot, :, :n] = values.to(cache.values.device, cache.values.dtype)
 
-    def _forward_last_logits(self, rows: list[RowWork]) -> torch.Tensor:
-        """Full-vocabulary logits at each row's last new token: (B, V_padded) float32."""
+    def _forward_last_logits(
+        self, rows: list[RowWork]
+    ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """Full-vocabulary logits at each row's last new token: (B, V_padded) float32; with
+        ``record_routing`` the (len(tokens), L, k) routes of each row's tokens (else None)."""
         width = max(len(r.tokens) for r in rows)
         ids = torch.tensor([r.tokens + (0,) * (width - len(r.tokens)) for r in rows])  # (B, T)
         starts = torch.tensor([r.start for r in rows])
@@ -176,9 +198,30 @@ class KVCacheRowRunner:
             if self.cached_forward is not None:
                 logits = self.cached_forward(ids.to(dev), positions.to(dev), step)  # (B, V/tp)
             else:
+                if self.record_routing:
+                    start_recording(self.model)
                 out = self.model(ids.to(dev), positions.to(dev), None)  # (B, T, V/tp)
                 logits = out[torch.arange(len(rows), device=dev), (lengths - 1).to(dev)]
-        return self._gather_vocab(logits.float())
+        routes = self._row_routes(rows, width) if self.record_routing else None
+        return self._gather_vocab(logits.float()), routes
+
+    def _row_routes(self, rows: list[RowWork], width: int) -> list[torch.Tensor]:
+        """Each row's (len(tokens), L, k) int16 routes from the last forward over the
+        right-padded (B, width) rows (router rows are sequence-major: ``s * B + b``); stops the
+        recording."""
+        recorded = recorded_routes(self.model)  # (width * B, L, k)
+        for replay in routing_replays(self.model):
+            replay.record, replay.recorded = False, None
+        batch = len(rows)
+        if recorded is None or recorded.shape[0] != width * batch:
+            got = None if recorded is None else tuple(recorded.shape)
+            raise RuntimeError(
+                f"record_routing: the forward over {batch} rows of {width} tokens recorded "
+                f"routes of shape {got}, not ({width * batch}, layers, topk) (sequence "
+                "parallelism splits the tokens over ranks: it cannot be recorded here)"
+            )
+        grid = recorded.cpu().view(width, batch, *recorded.shape[1:])  # (T, B, L, k)
+        return [grid[: len(r.tokens), b].clone() for b, r in enumerate(rows)]
 
     def _gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """(B, V/tp) vocab-parallel logits -> (B, V_padded), padding ids masked to -inf."""
@@ -189,7 +232,12 @@ class KVCacheRowRunner:
         logits[:, self.vocab_size :] = float("-inf")
         return logits.cpu()
 
-    def _sample(self, rows: list[RowWork], logits: torch.Tensor) -> list[RowResult]:
+    def _sample(
+        self,
+        rows: list[RowWork],
+        logits: torch.Tensor,
+        routes: list[torch.Tensor] | None = None,
+    ) -> list[RowResult]:
         uniforms = torch.tensor([token_uniform(r.seed, r.start + len(r.tokens)) for r in rows])
         tokens, logprobs = sample_tokens(
             logits,
@@ -198,9 +246,10 @@ class KVCacheRowRunner:
             top_k=torch.tensor([r.top_k for r in rows]),
             uniforms=uniforms,
         )
+        routes = routes or [None] * len(rows)
         return [
-            RowResult(slot=r.slot, token=int(t), logprob=float(lp))
-            for r, t, lp in zip(rows, tokens.tolist(), logprobs.tolist())
+            RowResult(slot=r.slot, token=int(t), logprob=float(lp), routes=rt)
+            for r, t, lp, rt in zip(rows, tokens.tolist(), logprobs.tolist(), routes)
         ]
 
 
@@ -219,5 +268,6 @@ def build_kv_cache_runner(inputs: RunnerInputs) -> KVCacheRowRunner:
         device=inputs.device,
     )
     return KVCacheRowRunner(
-        inputs.model, cache, inputs.vocab_size, inputs.tp_group, inputs.compute_dtype
-    )
+        inputs.model, cache, inputs.vocab_size, inputs.tp_group, inputs.compute_dtype,
+        record_routing=inputs.config.record_routing,
+    )  # fmt: skip

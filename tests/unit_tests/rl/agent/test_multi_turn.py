@@ -9,10 +9,15 @@ import random
 
 import httpx
 import pytest
-from grpo_testing.fakes import FakeSteps
+from grpo_testing.fakes import FakeSteps, fake_route
 
 from megatron.rl.agent.api import Problem
-from megatron.rl.agent.multi_turn import MultiTurnArgs, MultiTurnEnvironment, run_episode
+from megatron.rl.agent.multi_turn import (
+    MultiTurnArgs,
+    MultiTurnEnvironment,
+    assemble_routes,
+    run_episode,
+)
 from megatron.rl.http_client import ClientPool
 from megatron.rl.inference.interface import LocalInferenceInterface
 from megatron.rl.inference.remote import RemoteInferenceInterface
@@ -20,7 +25,13 @@ from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, Schedul
 from megatron.rl.seeding import derive_seed
 from megatron.rl.server.inference_server import create_inference_app
 from megatron.rl.tokenizer import CharTokenizer
-from megatron.rl.wire import GroupedRolloutRequest, InferenceRequest, RolloutKey, SamplingParams
+from megatron.rl.wire import (
+    GroupedRolloutRequest,
+    InferenceRequest,
+    InferenceResponse,
+    RolloutKey,
+    SamplingParams,
+)
 
 TOK = CharTokenizer()
 SEED, BATCH, INDEX, GROUP = 99, 3, 1, 8
@@ -57,9 +68,10 @@ def request(group_size: int = GROUP) -> GroupedRolloutRequest:
     )  # fmt: skip
 
 
-def run_group(env: MultiTurnEnvironment, remote: bool = False):
-    """The group and the engine's step plans, through the local interface or over HTTP."""
-    steps = FakeSteps()
+def run_group(env: MultiTurnEnvironment, remote: bool = False, routes: bool = False):
+    """The group and the engine's step plans, through the local interface or over HTTP
+    (``routes``: the engine records ``fake_route`` routes)."""
+    steps = FakeSteps(routes=routes)
 
     async def run():
         engine = ContinuousBatchingScheduler(
@@ -192,3 +204,44 @@ def test_rollouts_record_each_turns_length_and_the_budget_that_cut_them():
         assert rollout.max_tokens == 2
         assert rollout.turn_lengths == [2] * (sum(mask) // 2)
         assert rollout.truncated is True
+
+
+def expected_routes(k: int) -> list[list[int]]:
+    """Rollout k's route at each input position: that of the first turn that fed it (turn t
+    feeds from where turn t - 1 stopped up to its own last generated token, excluded)."""
+    tokens, mask = expected_rollout(k)
+    turn0 = derive_seed(derive_seed(SEED, BATCH, INDEX), k)
+    ends = [i + 1 for i in range(len(mask)) if mask[i] and (i + 1 == len(mask) or not mask[i + 1])]
+    routes: list[list[int]] = []
+    for t, end in enumerate(ends):
+        seed = turn0 if t == 0 else derive_seed(turn0, t)
+        routes += [fake_route(seed, p) for p in range(len(routes), end - 1)]
+    assert len(routes) == len(tokens) - 1
+    return routes
+
+
+@pytest.mark.parametrize(
+    "remote", [pytest.param(False, id="in_process"), pytest.param(True, id="http")]
+)
+def test_each_input_position_takes_the_route_of_the_first_turn_that_fed_it(remote):
+    group, _ = run_group(Countdown(), remote=remote, routes=True)
+    assert any(sum(r.generation_mask) > 2 for r in group.rollouts)  # multi-turn rollouts
+    for k, rollout in enumerate(group.rollouts):
+        assert rollout.routed_experts == expected_routes(k)
+    plain, _ = run_group(Countdown(), remote=remote)
+    assert all(r.routed_experts is None for r in plain.rollouts)
+
+
+def test_routes_of_turns_are_none_unless_every_turn_has_them():
+    def turn(prompt, tokens, routes):
+        return InferenceResponse(
+            prompt_tokens=prompt, tokens=tokens, text="", logprobs=[0.0] * len(tokens),
+            policy_versions=[0] * len(tokens), finish_reason="length", routed_experts=routes,
+        )  # fmt: skip
+
+    first = turn([1, 2], [3, 4], [[0], [1], [2]])  # fed 1, 2, 3
+    second = turn([1, 2, 3, 4, 9], [5, 6], [[7], [7], [7], [4], [9], [5]])  # fed 1..5
+    assert assemble_routes([first, second]) == [[0], [1], [2], [4], [9], [5]]
+    assert assemble_routes([first]) == first.routed_experts
+    unrecorded = second.model_copy(update={"routed_experts": None})
+    assert assemble_routes([first, unrecorded]) is None

@@ -12,6 +12,7 @@ import math
 import random
 
 import pytest
+from grpo_testing.fakes import fake_route
 
 from megatron.rl.agent.api import Problem, SingleTurnEnvironment
 from megatron.rl.environments.digits import positional_match_reward
@@ -35,9 +36,11 @@ def fake_text(seed: int) -> str:
     return str(seed % 1000)
 
 
-def fake_response(prompt: str, seed: int) -> InferenceResponse:
+def fake_response(prompt: str, seed: int, routes: bool = False) -> InferenceResponse:
     tokens = TOK.encode(fake_text(seed)) + [TOK.eos_id]
+    fed = len(TOK.encode(prompt)) + len(tokens) - 1
     return InferenceResponse(
+        routed_experts=[fake_route(seed, p) for p in range(fed)] if routes else None,
         prompt_tokens=TOK.encode(prompt),
         tokens=tokens,
         text=TOK.decode(tokens),
@@ -50,9 +53,12 @@ def fake_response(prompt: str, seed: int) -> InferenceResponse:
 class FakeInference(InferenceInterface):
     """Records requests; answers from the seed, finishing in an order unrelated to submission."""
 
-    def __init__(self, raise_for: dict[int, BaseException] | None = None) -> None:
+    def __init__(
+        self, raise_for: dict[int, BaseException] | None = None, routes: bool = False
+    ) -> None:
         self.requests: list[InferenceRequest] = []
         self.raise_for = raise_for or {}
+        self.routes = routes
 
     async def generate(self, request: InferenceRequest) -> InferenceResponse:
         self.requests.append(request)
@@ -61,7 +67,7 @@ class FakeInference(InferenceInterface):
         error = self.raise_for.get(request.rollout_key.sample_index)
         if error is not None:
             raise error
-        return fake_response(request.prompt, request.seed)
+        return fake_response(request.prompt, request.seed, self.routes)
 
 
 class EchoEnvironment(SingleTurnEnvironment):
@@ -143,6 +149,19 @@ def test_group_rollouts_carry_tokens_masks_logprobs_and_rewards():
         assert rollout.reward == positional_match_reward(problem.answer, fake_text(seed))
         assert rollout.submission_policy_version == 7
         assert rollout.temperature == 0.7
+
+
+@pytest.mark.parametrize(
+    "routes", [pytest.param(True, id="recorded"), pytest.param(False, id="not_recorded")]
+)
+def test_rollouts_carry_the_routes_of_their_response(routes):
+    env = EchoEnvironment()
+    group = run(env, FakeInference(routes=routes))
+    problem = expected_problem(env)
+    for rollout, seed in zip(group.rollouts, sample_seeds()):
+        want = fake_response(problem.prompt, seed, routes).routed_experts
+        assert rollout.routed_experts == want
+        assert want is None or len(want) == len(rollout.tokens) - 1
 
 
 def test_each_request_has_rollout_key_and_derived_seed():

@@ -2,8 +2,8 @@
 in a new engine, and the agents' requests sent again and answered by key (``engine_snapshot.py``).
 
 The scheduler runs over ``FakeSteps`` (token 2 + (seed + position) % 7, stateless like the real
-sampler), so the steps themselves can be compared; the runner's KV cache export is tested on the
-tiny model.
+sampler, and a route per fed position), so the steps themselves can be compared; the runner's KV
+cache export is tested on the tiny model.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import logging
 
 import pytest
 import torch
-from grpo_testing.fakes import FakeSteps
+from grpo_testing.fakes import FakeSteps, fake_route
 from grpo_testing.models import VOCAB, tiny_gpt
 
 from megatron.rl.inference.cpu.kv_cache import KVCache
@@ -39,6 +39,7 @@ class Job:
     def __init__(self, engine: ContinuousBatchingScheduler, version: list[int]) -> None:
         self.engine, self.version = engine, version
         self.outputs: dict = {}
+        self.prompts: dict = {}
         self.tasks: list[asyncio.Task] = []
         self.by_batch: dict[int, list[asyncio.Task]] = {}
 
@@ -50,6 +51,7 @@ class Job:
                 key=key, continued=turn < turns - 1,
             )  # fmt: skip
             self.outputs[(key, turn)] = out
+            self.prompts[(key, turn)] = prompt
             prompt = prompt + out.tokens + [5]  # the environment answers between turns
             await asyncio.sleep(0)
 
@@ -83,7 +85,7 @@ async def window(job: Job, batch: int) -> None:
 
 def started_job() -> tuple[FakeSteps, list[int], Job]:
     """An engine at version 0 with batches 0 and 1 submitted."""
-    steps, version = FakeSteps(), [0]
+    steps, version = FakeSteps(routes=True), [0]
     engine = engine_of(steps, version)
     engine.start()
     job = Job(engine, version)
@@ -121,7 +123,7 @@ async def saved_after_batch_0() -> EngineSnapshot:
 
 async def resumed(snapshot: EngineSnapshot, prompt: list[int] | None = None) -> tuple:
     """A new engine restored from ``snapshot``; batch 1's agents run again from the start."""
-    steps, version = FakeSteps(), [1]
+    steps, version = FakeSteps(routes=True), [1]
     engine = engine_of(steps, version)
     engine.start()
     engine.restore(snapshot)
@@ -133,7 +135,7 @@ async def resumed(snapshot: EngineSnapshot, prompt: list[int] | None = None) -> 
         held = engine.holds_requests()
     finally:
         await engine.aclose()
-    return job.outputs, steps.plans, held
+    return job.outputs, steps.plans, held, job.prompts
 
 
 def test_a_restored_engine_continues_the_uninterrupted_schedule_exactly():
@@ -144,8 +146,14 @@ def test_a_restored_engine_continues_the_uninterrupted_schedule_exactly():
     assert any(s.tokens for s in snapshot.in_flight)
     assert snapshot.finished and all(s.key[:2] == (1, 0) and s.turn == 0 for s in snapshot.finished)
     assert snapshot == EngineSnapshot.model_validate_json(snapshot.model_dump_json())  # lossless
-    outputs, plans, held = asyncio.run(resumed(snapshot))
-    assert {k: v for k, v in full.items() if k[0][0] == 1} == outputs  # tokens, logprobs, versions
+    assert any(s.routed_experts for s in snapshot.in_flight if s.tokens)
+    outputs, plans, held, prompts = asyncio.run(resumed(snapshot))
+    # tokens, logprobs, versions and the routes (those recorded before the save, then after)
+    assert {k: v for k, v in full.items() if k[0][0] == 1} == outputs
+    for (key, turn), out in outputs.items():
+        fed = len(prompts[(key, turn)]) + len(out.tokens) - 1
+        seed = sum(key) * 10 + turn
+        assert out.routed_experts == [fake_route(seed, p) for p in range(fed)]
     assert plans == full_plans  # the same rows in every step after the save
     assert not held
     versions = {v for out in outputs.values() for v in out.policy_versions}
@@ -155,10 +163,28 @@ def test_a_restored_engine_continues_the_uninterrupted_schedule_exactly():
 def test_a_request_sent_again_with_another_prompt_is_generated_anew_with_a_warning(caplog):
     snapshot = asyncio.run(saved_after_batch_0())
     with caplog.at_level(logging.WARNING):
-        outputs, _, held = asyncio.run(resumed(snapshot, prompt=[9, 9, 9]))
+        outputs, _, held, _ = asyncio.run(resumed(snapshot, prompt=[9, 9, 9]))
     assert "different prompt or sampling than the saved one" in caplog.text
     assert all(set(out.policy_versions) == {1} for (_, turn), out in outputs.items() if turn == 0)
     assert not held  # the saved requests' slots were freed
+
+
+def test_a_snapshot_saved_before_routes_existed_restores_with_no_partial_routes():
+    snapshot = asyncio.run(saved_after_batch_0())
+    payload = snapshot.model_dump(mode="json")
+    for saved in payload["in_flight"] + payload["finished"]:
+        del saved["routed_experts"]
+    old = EngineSnapshot.model_validate(payload)
+    outputs, _, held, prompts = asyncio.run(resumed(old))
+    assert not held
+    started = {(s.key, s.turn) for s in old.in_flight + old.finished if s.tokens}
+    assert started and set(outputs) - started  # some turns began before the save, some after
+    for (key, turn), out in outputs.items():
+        if (key, turn) in started:  # its routes before the save are unknown: none at all
+            assert out.routed_experts is None
+        else:
+            fed = len(prompts[(key, turn)]) + len(out.tokens) - 1
+            assert out.routed_experts == [fake_route(sum(key) * 10 + turn, p) for p in range(fed)]
 
 
 def test_restore_refuses_an_engine_of_another_shape():

@@ -7,7 +7,7 @@ import asyncio
 
 import httpx
 import pytest
-from grpo_testing.fakes import FakeSteps
+from grpo_testing.fakes import FakeSteps, fake_route
 
 from megatron.rl.http_client import ClientPool, RetryPolicy
 from megatron.rl.inference.interface import InferenceInterface, LocalInferenceInterface
@@ -41,9 +41,10 @@ async def two_turns(inference: InferenceInterface):
     return first, second, ended
 
 
-def run_over(remote: bool, work=two_turns, keep_keys: bool = True):
-    """Run ``work`` through the local interface or over HTTP (ASGI transport) to the server."""
-    steps = FakeSteps()
+def run_over(remote: bool, work=two_turns, keep_keys: bool = True, routes: bool = False):
+    """Run ``work`` through the local interface or over HTTP (ASGI transport) to the server
+    (``routes``: the steps record expert routes)."""
+    steps = FakeSteps(routes=routes)
 
     async def run():
         engine = ContinuousBatchingScheduler(
@@ -76,6 +77,19 @@ def test_a_multi_turn_exchange_over_http_equals_the_in_process_one():
     assert second.prompt_tokens == TOK.encode("12=") + first.tokens + TOK.encode("+")
     assert ended is True  # the engine was waiting for a third turn until end_rollout
     assert [r.tokens for r in plans[2].rows[0]] == [tuple(second.prompt_tokens)]
+
+
+@pytest.mark.parametrize(
+    "remote", [pytest.param(False, id="in_process"), pytest.param(True, id="http")]
+)
+def test_recorded_routes_come_back_for_every_fed_position(remote):
+    (first, second, _), _ = run_over(remote, routes=True)
+    for out, seed in ((first, 3), (second, 4)):
+        fed = len(out.prompt_tokens) + len(out.tokens) - 1
+        assert out.routed_experts == [fake_route(seed, p) for p in range(fed)]
+    (plain, _, _), _ = run_over(remote)
+    assert plain.routed_experts is None
+    assert plain.model_copy(update={"routed_experts": first.routed_experts}) == first
 
 
 def test_an_observation_outside_the_alphabet_is_an_invalid_request_naming_the_field():

@@ -1,5 +1,6 @@
 """``RemoteInferenceInterface``: chat messages go to the trainer's ``/v1/chat/completions`` and
-come back exactly as the in-process interface answers them."""
+come back exactly as the in-process interface answers them (the recorded expert routes
+included)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def group(tokenizer, request: InferenceRequest, n: int, remote: bool):
 
     async def run():
         engine = ContinuousBatchingScheduler(
-            FakeSteps(), SchedulerConfig(max_requests=4, max_seq_len=64), lambda: 2
+            FakeSteps(routes=True), SchedulerConfig(max_requests=4, max_seq_len=64), lambda: 2
         )
         engine.start()
         engine.resume()
@@ -70,7 +71,8 @@ def test_messages_are_sent_as_one_chat_completion_and_equal_the_local_answer(tin
     remote, paths = group(tokenizer, chat_request(), 3, remote=True)
     local, _ = group(tokenizer, chat_request(), 3, remote=False)
     assert paths == ["/v1/chat/completions"]
-    assert remote == local
+    assert remote == local  # the recorded routes included
+    assert all(out.routed_experts for out in remote)
     assert remote[0].prompt_text == tokenizer.apply_chat_template(MESSAGES)
 
 
@@ -80,6 +82,7 @@ def test_text_prompts_still_use_completions(tiny_hf_checkpoints):
     remote, paths = group(tokenizer, request, 2, remote=True)
     assert paths == ["/v1/completions"]
     assert remote == group(tokenizer, request, 2, remote=False)[0]
+    assert all(out.routed_experts for out in remote)
 
 
 def test_no_chat_template_on_the_trainer_is_an_invalid_request_naming_it():
