@@ -167,6 +167,7 @@ def scheduler_config(
             window_target=cfg.inference.deterministic_schedule,
             reward_wait_steps=cfg.inference.reward_wait_steps,
             outside_slots=-(-cfg.inference.outside_request_slots // dp_size),  # ceil
+            record_routing=cfg.model.routing_mode != "off",  # routing replay's record
         )
     return config
 

@@ -279,7 +279,12 @@ def _optional_log_fields(m: dict[str, Any]) -> str:
         )  # fmt: skip
     if "moe_load_imbalance" in m:
         aux = f"aux loss {m['moe_aux_loss']:.3e} " if "moe_aux_loss" in m else ""
-        parts.append(f"moe {aux}load imbalance {m['moe_load_imbalance']:.2f}")
+        routing = (
+            f" routing mismatch {m['moe_routing_mismatch']:.4f}"
+            if "moe_routing_mismatch" in m
+            else ""
+        )
+        parts.append(f"moe {aux}load imbalance {m['moe_load_imbalance']:.2f}{routing}")
     if "eval/greedy_reward" in m:
         passk = " ".join(
             f"{k[5:]} {v:.3f}"
