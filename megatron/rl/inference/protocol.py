@@ -26,6 +26,8 @@ from megatron.rl.inference.keys import Key
 from megatron.rl.wire import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from megatron.rl.inference.engine_snapshot import EngineSnapshot
 
 
@@ -84,6 +86,9 @@ class RowResult:
     slot: int
     token: int
     logprob: float
+    routes: torch.Tensor | None = None
+    """(n_fed, L, k) int16 top-k experts per MoE layer (routers in ``model.modules()`` order) of
+    the tokens the row fed in this step; None unless the runner records routing."""
 
 
 @runtime_checkable

@@ -39,6 +39,9 @@ class SchedulerConfig:
     endpoint; ``slots.py``): they are served within a few engine steps whatever the rollouts do,
     and under ``window_target`` never shift the rollouts' schedule. 0: unkeyed requests wait for
     a free rollout slot."""
+    record_routing: bool = False
+    """Runners record each fed token's MoE routes (``RowResult.routes``); a no-op for models
+    without routers."""
 
     def __post_init__(self) -> None:
         if self.reward_wait_steps < 0:
