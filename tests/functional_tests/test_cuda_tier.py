@@ -1,7 +1,7 @@
 """``pretrain_grpo.py`` on the CUDA tier (megatron-core DDP/optimizer, DynamicInferenceEngine).
 
 Every test needs CUDA (``gpu`` marker); multi-GPU cases skip below their GPU count. Each run
-trains the default 2-layer model for a few steps.
+trains the default 2-layer model for a few steps; the MoE tests use a tiny Qwen3-MoE checkpoint.
 """
 
 from __future__ import annotations
@@ -132,3 +132,53 @@ def test_dist_checkpoint_resume_reproduces_the_uninterrupted_run(tmp_path):
     for a, b in zip(whole[3:], resumed):
         assert b["reward_mean"] == pytest.approx(a["reward_mean"], abs=1e-6)
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
+
+
+MOE_ENV = """\
+- agent_type: digits
+  env_id: copy
+  agent_args: {task: copy}
+  reward_funcs: [{function: regex, args: {pattern: "[a-m]"}}]
+"""
+"""Rewards a random tiny model earns (a letter in the completion), so updates have gradients."""
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory) -> Path:
+    from megatron.rl.models.hf.tiny import make_tiny_checkpoint
+
+    return make_tiny_checkpoint("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"), seed=5)
+
+
+def test_moe_dynamic_engine_generates_as_the_local_engine_and_records_routes(moe_checkpoint):
+    """megatron-core's engine on the MoE model: the local engine's greedy tokens, and every row's
+    routes, which together match one full forward's (rounding may flip a near tie)."""
+    cmd = [
+        sys.executable, str(ROOT / "tests/grpo_testing/emulated_dynamic_engine_moe.py"),
+        str(moe_checkpoint), "--device", "cuda",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    runs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    print(runs)
+    assert [r["windows"] for r in runs] == [False, True]
+    for run in runs:
+        greedy = [same for same, g in zip(run["same_tokens"], run["greedy"]) if g]
+        assert greedy and all(greedy), run
+        assert all(run["routes_complete"]), run
+        tokens = sum(run["lengths"]) + 4 * 6  # generated + prompt rows, about
+        assert sum(run["differing_rows"]) <= 0.05 * tokens, run
+    assert runs[1]["re_prefills"] > 0
+
+
+def test_three_moe_steps_on_the_cuda_tier(moe_checkpoint, tmp_path):
+    (tmp_path / "env.yaml").write_text(MOE_ENV)
+    metrics, output = train(
+        1, "--hf-checkpoint", str(moe_checkpoint), "--env-config", str(tmp_path / "env.yaml"),
+        "--train-iters", "3", "--seq-length", "64", "--moe-aux-loss-coeff", "0.01",
+    )  # fmt: skip
+    assert_trained(metrics, steps=3)
+    assert "tier: cuda" in output
+    for m in metrics:
+        assert m["moe_aux_loss"] > 0 and math.isfinite(m["moe_aux_loss"]), m
+        assert m["moe_load_imbalance"] >= 1.0, m

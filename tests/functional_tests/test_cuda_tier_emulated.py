@@ -163,6 +163,52 @@ def test_ref_load_reads_the_cuda_tiers_checkpoint_as_the_cpu_tier_reads_its_own(
     assert cpu[0]["ref_kl"] > 0  # the reference is the trained checkpoint, not the initial weights
 
 
+MOE_ENV = """\
+- agent_type: digits
+  env_id: copy
+  agent_args: {task: copy}
+  reward_funcs: [{function: regex, args: {pattern: "[a-m]"}}]
+"""
+"""The digit task rewarded by a letter in the completion: the tiny random MoE model earns
+rewards that differ within groups, so the updates have gradients (it never copies digits)."""
+
+
+@pytest.fixture(scope="module")
+def moe_args(tmp_path_factory):
+    """A 3-step run of the tiny Qwen3-MoE checkpoint (4 experts, top 2, 2 MoE layers)."""
+    from megatron.rl.models.hf.tiny import make_tiny_checkpoint
+
+    tmp = tmp_path_factory.mktemp("moe")
+    (tmp / "env.yaml").write_text(MOE_ENV)
+    return {
+        **BASE, "hf-checkpoint": make_tiny_checkpoint("qwen3_moe", tmp / "qwen3_moe", seed=5),
+        "env-config": tmp / "env.yaml", "rl-forced-lag": 0, "seq-length": 64,
+        "grpo-prompts-per-step": 2, "grpo-group-size": 2, "micro-batch-size": 2,
+    }  # fmt: skip
+
+
+def test_moe_run_matches_the_cpu_tier(moe_args):
+    """Rollouts of megatron-core's dynamic engine through the MoE layers, and the updates through
+    megatron-core's DDP and optimizer (router and experts), as on the CPU tier."""
+    cpu = run_training(1, moe_args)
+    cuda = run_training(1, moe_args, script=EMULATED)
+    assert_same_run(cpu, cuda)
+    assert all(m["moe_load_imbalance"] == c["moe_load_imbalance"] for m, c in zip(cpu, cuda))
+    assert any(m["grad_norm"] > 0 for m in cuda) and any(m["reward_mean"] > 0 for m in cuda)
+
+
+def test_moe_aux_loss_is_the_cpu_tiers_before_the_first_update(moe_args):
+    """The aux loss's value is the same forward's on both tiers; its gradient weight is not
+    (megatron-core's schedule weights it per token on CUDA, the CPU tier per micro-batch), so
+    only the first step, before any update, is compared."""
+    args = {**moe_args, "moe-aux-loss-coeff": 0.01}
+    cpu, cuda = run_training(1, args), run_training(1, args, script=EMULATED)
+    assert cuda[0]["moe_aux_loss"] == pytest.approx(cpu[0]["moe_aux_loss"], rel=1e-6)
+    assert cuda[0]["reward_mean"] == cpu[0]["reward_mean"]
+    for m in cuda:
+        assert m["moe_aux_loss"] > 0 and math.isfinite(m["loss"]) and m["grad_norm"] > 0
+
+
 def policy_results(nproc: int, flags: list[str]) -> list[dict]:
     """Each rank's ``{tier: results}`` of ``grpo_testing/emulated_cuda_policy.py``."""
     with tempfile.TemporaryDirectory() as out:

@@ -6,7 +6,9 @@ the CPU tier's KV-cache runner; ``build_dynamic_step_group`` puts one under a ``
 The subclasses here adapt megatron-core to being stepped row by row:
 
 * ``SeededSamplingController``: megatron-core's controller sampling with the trainer's
-  ``SeededSampler`` (per-request seeded uniforms).
+  ``SeededSampler`` (per-request seeded uniforms); with ``record_routing``, it also hands the
+  sampler each request's routes of the step (the routers record every forward:
+  ``routing_replay.start_recording``).
 * ``SteppedDynamicInferenceEngine``: the engine on a detached loop (the runner steps it; its
   serving loop never runs), with a fix of megatron-core 0.16/0.17's ``resume`` and
   ``InferenceMode`` (0.18+) on only during its steps.
@@ -36,8 +38,10 @@ from megatron.rl.inference.megatron_core.dynamic_runner import (
     DynamicEngineConfig,
     DynamicEngineRowRunner,
     SeededSampler,
+    split_routes,
 )
 from megatron.rl.inference.step_group import StepGroup
+from megatron.rl.models.routing_replay import recorded_routes, routing_replays, start_recording
 
 if TYPE_CHECKING:
     from megatron.rl.inference.backends import RunnerInputs
@@ -46,9 +50,17 @@ if TYPE_CHECKING:
 class SeededSamplingController(TextGenerationController):
     """megatron-core's controller with the trainer's per-request seeded sampling."""
 
-    def __init__(self, inference_wrapped_model, tokenizer, sampler: SeededSampler):
+    def __init__(
+        self,
+        inference_wrapped_model,
+        tokenizer,
+        sampler: SeededSampler,
+        routed_model: torch.nn.Module | None = None,
+    ):
         super().__init__(inference_wrapped_model, tokenizer)
         self.sampler = sampler
+        self.routed_model = routed_model
+        """The model whose routers record each step (``sampler.record_routing``)."""
 
     def _dynamic_step_sample_bookkeeping(self) -> None:
         """Nothing to prepare: parameters are looked up per request in ``sample`` (megatron-core
@@ -71,6 +83,11 @@ class SeededSamplingController(TextGenerationController):
         ).tolist()
         tokens = self.sampler.sample(last, request_ids, positions)
         compat.sampled_tokens_buffer(self, count, tokens.device)[:count] = tokens
+        if self.sampler.record_routing and self.routed_model is not None:
+            routes = recorded_routes(self.routed_model)  # (padded tokens, L, k)
+            if routes is not None:
+                fed = context.request_query_lengths[active].tolist()
+                self.sampler.keep_routes(split_routes(routes, request_ids, fed))
 
 
 class _NoTextTokenizer:
@@ -208,7 +225,8 @@ def build_megatron_engine(
         max_sequence_length=config.max_seq_len,
     )
     wrapped.prep_model_for_inference()
-    controller = SeededSamplingController(wrapped, _NoTextTokenizer(config.eos_id), sampler)
+    routed = model if sampler.record_routing else None
+    controller = SeededSamplingController(wrapped, _NoTextTokenizer(config.eos_id), sampler, routed)
     return SteppedDynamicInferenceEngine(controller, context)
 
 
@@ -231,6 +249,9 @@ def dynamic_row_runner(
 ) -> DynamicEngineRowRunner:
     """The row runner of this rank: megatron-core's engine on its shard of ``model``."""
     sampler = SeededSampler(vocab_size)
+    if config.record_routing and routing_replays(model):
+        start_recording(model)
+        sampler.record_routing = True
     engine = build_megatron_engine(model, config, vocab_size, padded_vocab_size, sampler)
     return DynamicEngineRowRunner(engine, sampler, config)
 
@@ -245,5 +266,6 @@ def build_dynamic_runner(inputs: RunnerInputs) -> DynamicEngineRowRunner:
         max_requests=inputs.config.num_slots,  # the reserved outside slots too
         max_seq_len=inputs.config.max_seq_len,
         eos_id=inputs.config.eos_id,
+        record_routing=inputs.config.record_routing,
     )
     return dynamic_row_runner(inputs.model, config, inputs.vocab_size, inputs.padded_vocab_size)

@@ -15,6 +15,10 @@ runner differs:
   ``token_uniform(seed, p)`` and samples with ``sample_tokens``, so tokens do not depend on batch
   composition, every TP rank draws the same token without a broadcast, and the logprob is the one
   of the tempered policy, as the trainer recomputes it.
+* With ``record_routing`` (an MoE model), the controller hands the sampler each request's slice
+  of the step's router rows (``split_routes``: the active requests' tokens are packed in request
+  order, ``request_query_lengths`` of each), and every ``RowResult`` carries the routes of the
+  tokens its row fed: the whole prompt for a request's first token, the previous token after.
 * When a generation window closes (``end_window``, called by the ``StepGroup`` on every rank) the
   runner suspends megatron-core's engine (its KV memory is released during the training step) and
   resumes it at the next window (active requests are re-prefilled under the new weights): the
@@ -69,6 +73,9 @@ class DynamicEngineConfig:
     flight are prefilled again under the new weights at the next window), ``persist`` keeps it
     (the engine is not suspended), ``offload`` (megatron-core 0.17+) moves it to host memory and
     back (suspended, requests continue on their old keys and values)."""
+    record_routing: bool = False
+    """Give each ``RowResult`` the MoE routes of the tokens its row fed (``routing_replay``);
+    a no-op for a model without routers."""
 
     def tokens_per_step(self) -> int:
         """The resolved ``max_tokens_per_step``."""
@@ -102,7 +109,10 @@ class SeededSampler:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self.requests: dict[int, RowSampling] = {}
+        self.record_routing = False
+        """The controller hands over each step's routes (``keep_routes``)."""
         self._last: list[tuple[int, int, float]] = []
+        self._routes: dict[int, torch.Tensor] = {}
 
     def sample(
         self, logits: torch.Tensor, request_ids: list[int], positions: list[int]
@@ -132,6 +142,28 @@ class SeededSampler:
         """(request id, token, logprob) of every request the last step sampled, then forget."""
         last, self._last = self._last, []
         return last
+
+    def keep_routes(self, routes: dict[int, torch.Tensor]) -> None:
+        """Request id -> (fed, L, k) routes of the tokens the last step fed (from the
+        controller)."""
+        self._routes = routes
+
+    def take_routes(self) -> dict[int, torch.Tensor]:
+        """The routes ``keep_routes`` got for the last step (empty if none), then forget."""
+        routes, self._routes = self._routes, {}
+        return routes
+
+
+def split_routes(
+    routes: torch.Tensor, request_ids: list[int], query_lengths: list[int]
+) -> dict[int, torch.Tensor]:
+    """Request id -> its (query_length, L, k) rows of one packed step's ``routes`` (rows, L, k):
+    the requests' tokens lie in request order from row 0 (padding rows after them)."""
+    ends = list(itertools.accumulate(query_lengths))
+    if ends and ends[-1] > routes.shape[0]:
+        raise ValueError(f"routes: {routes.shape[0]} router rows for {ends[-1]} fed tokens")
+    starts = [0, *ends[:-1]]
+    return {rid: routes[a:b].cpu() for rid, a, b in zip(request_ids, starts, ends)}
 
 
 def drive(coro: Coroutine) -> Any:
@@ -167,7 +199,9 @@ class _Outstanding:
     """Per-request state of megatron-core requests the runner has added."""
 
     ahead: deque = field(default_factory=deque)
-    """(token, logprob) sampled but not yet asked for by the scheduler."""
+    """(token, logprob, routes or None) sampled but not yet asked for by the scheduler."""
+    sampled: int = 0
+    """Tokens megatron-core sampled for it so far."""
     live: bool = True
     """Still in megatron-core's engine (not finished)."""
     abandoned: bool = False
@@ -217,9 +251,9 @@ class DynamicEngineRowRunner:
         for row, rid in zip(rows, request_ids):
             ahead = self._requests[rid].ahead
             if ahead:
-                token, logprob = ahead.popleft()
+                token, logprob, routes = ahead.popleft()
                 self._slots[row.slot].delivered += 1
-                results.append(RowResult(slot=row.slot, token=token, logprob=logprob))
+                results.append(RowResult(row.slot, token, logprob, routes))
         self._forget_finished()
         return results
 
@@ -295,10 +329,13 @@ class DynamicEngineRowRunner:
         forward = drive(self.engine.async_forward())
         self.steps += 1
         sampled = self.sampler.take() if forward[0] is not None else []
+        routes = self.sampler.take_routes()
         for rid, token, logprob in sampled:
             state = self._requests.get(rid)
             if state is not None and not state.abandoned:
-                state.ahead.append((token, logprob))
+                fed = self._fed_routes(routes.get(rid), first=state.sampled == 0)
+                state.ahead.append((token, logprob, fed))
+                state.sampled += 1
         finished = drive(self.engine.async_bookkeep(*forward))["finished_request_records"]
         for record in finished:
             rid = record.request_id
@@ -314,6 +351,15 @@ class DynamicEngineRowRunner:
                 "dynamic engine: megatron-core could not schedule any waiting request (KV-cache "
                 "buffer or max_tokens_per_step too small for the prompts)"
             )
+
+    @staticmethod
+    def _fed_routes(routes: torch.Tensor | None, first: bool) -> torch.Tensor | None:
+        """The routes of the tokens the scheduler's row fed for this token: all of a prefill
+        for a request's first token, else the last one (a request re-prefilled after a suspend
+        feeds its whole sequence again; the row fed only its previous token)."""
+        if routes is None or first:
+            return routes
+        return routes[-1:]  # (1, L, k)
 
     def _forget_finished(self) -> None:
         bound = {s.request_id for s in self._slots.values()}

@@ -12,6 +12,7 @@ import pickle
 
 import pytest
 import torch
+from grpo_testing.emulated_dynamic_engine_moe import RouteCapture
 from grpo_testing.fake_dynamic import FakeDynamicEngine
 from grpo_testing.models import VOCAB, tiny_gpt
 
@@ -23,6 +24,7 @@ from megatron.rl.inference.megatron_core.dynamic_runner import (
     RowSampling,
     SeededSampler,
     drive,
+    split_routes,
 )
 from megatron.rl.inference.protocol import EngineError, RowWork
 from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig
@@ -258,6 +260,42 @@ def test_sampler_is_seeded_per_request_and_masks_padded_vocabulary():
     assert all(t < 5 for t in together)
     assert [rid for rid, _, _ in sampler.take()] == [7, 8]
     assert sampler.take() == []
+
+
+def test_split_routes_gives_each_request_its_packed_rows():
+    routes = torch.arange(7, dtype=torch.int16).view(7, 1, 1).expand(7, 2, 3)  # (rows, L, k)
+    split = split_routes(routes, [4, 9, 2], [3, 1, 2])  # row 6: padding
+    assert {r: t[:, 0, 0].tolist() for r, t in split.items()} == {4: [0, 1, 2], 9: [3], 2: [4, 5]}
+    assert split[9].shape == (1, 2, 3) and split[9].dtype == torch.int16
+    with pytest.raises(ValueError, match="router rows"):
+        split_routes(routes, [4, 9], [5, 3])
+
+
+def test_each_row_gets_the_routes_of_the_tokens_it_fed(model):
+    """The stand-in feeds a request's whole sequence every step, as megatron-core does when it
+    re-prefills: a request's first token gets the prompt's routes, every later one the routes of
+    its previous token only, so a request's rows together route each fed position once."""
+    sampler = SeededSampler(VOCAB)
+    sample = sampler.sample
+
+    def sample_and_route(logits, request_ids, positions):
+        fed = {
+            r: torch.arange(p, dtype=torch.int16).view(p, 1, 1)
+            for r, p in zip(request_ids, positions)
+        }
+        sampler.keep_routes(fed)  # route of each fed token: its position
+        return sample(logits, request_ids, positions)
+
+    sampler.sample = sample_and_route
+    fake = FakeDynamicEngine(sampler, logits_fn(model), 3, SEQ)
+    capture = RouteCapture(DynamicEngineRowRunner(fake, sampler, DynamicEngineConfig(3, SEQ, EOS)))
+    engine = ContinuousBatchingScheduler(
+        StepGroup(capture), SchedulerConfig(3, SEQ, EOS), lambda: 0
+    )
+    got = asyncio.run(generate_all(engine))
+    for (prompt, *_), output in zip(REQUESTS, got):
+        routes = torch.cat(capture.routes[tuple(prompt)])  # (prompt + generated - 1, 1, 1)
+        assert routes.flatten().tolist() == list(range(len(prompt) + len(output.tokens) - 1))
 
 
 def test_drive_runs_coroutines_that_only_yield_to_the_loop():
