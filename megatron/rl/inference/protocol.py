@@ -28,8 +28,6 @@ from megatron.rl.inference.keys import Key
 from megatron.rl.wire import SamplingParams
 
 if TYPE_CHECKING:
-    import torch
-
     from megatron.rl.inference.engine_snapshot import EngineSnapshot
 
 
