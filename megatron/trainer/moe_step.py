@@ -8,11 +8,15 @@ own top-k under the weights being trained, before any replay) differs from the e
 least one MoE layer: at forced lag 0 on the first iteration, the routing mismatch between the
 engine and pi_old.
 
-The CPU tier runs its micro-batches itself, so it sets the weight of the aux loss's gradient
-(megatron-core's ``MoEAuxLossAutoScaler``) as megatron-core's schedule does without
-``calculate_per_token_loss``: 1 / (micro-batches x data-parallel ranks), the gradient of the
-mean aux loss over the global batch's micro-batches (the DP gradients are summed). The CUDA
-tier runs megatron-core's schedule, which sets that weight itself before each backward.
+Both tiers give the aux loss the gradient of its mean over the global batch's micro-batches:
+each micro-batch's aux loss weighs 1 / (micro-batches x data-parallel ranks) (the DP gradients
+are summed), whatever the policy loss's normalization. The CPU tier runs its micro-batches
+itself and sets that factor as megatron-core's ``MoEAuxLossAutoScaler`` scale (as megatron-core's
+schedule does without ``calculate_per_token_loss``). The CUDA tier runs megatron-core's schedule
+with ``calculate_per_token_loss``, which would weight a micro-batch's aux loss by its routed
+tokens over the global loss-token count N (with a per-sequence loss aggregation, hundreds of
+times the policy loss's weight); instead each router multiplies it by N / (micro-batches x DP)
+(``set_per_token_aux_loss_weight``) and the schedule's division by N leaves the same factor.
 """
 
 from __future__ import annotations
@@ -22,8 +26,14 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from megatron.rl.models.moe import CPUSafeRouter, moe_statistics, set_aux_loss_scale
+from megatron.rl.models.moe import (
+    CPUSafeRouter,
+    moe_statistics,
+    set_aux_loss_scale,
+    set_per_token_aux_loss_weight,
+)
 from megatron.rl.models.routing_replay import routing_mismatch
+from megatron.trainer.initialize import ParallelContext
 from megatron.trainer.step import StepResult
 
 
@@ -39,6 +49,21 @@ def set_micro_batch_aux_loss_scale(
     (a no-op for a dense model)."""
     if has_moe_layers(model):
         set_aux_loss_scale(1.0 / max(micro_batches * dp_size, 1), device)
+
+
+def set_schedule_aux_loss_weight(
+    model: torch.nn.Module, local_normalizer: float, micro_batches: int, ctx: ParallelContext
+) -> None:
+    """Under megatron-core's schedule with ``calculate_per_token_loss`` (every gradient divided
+    by N, the sum over DP ranks of each rank's ``local_normalizer``), weight each micro-batch's
+    aux loss by N / (``micro_batches`` x DP ranks). Collective over DP for an MoE model; a no-op
+    for a dense one."""
+    if not has_moe_layers(model):
+        return
+    total = torch.tensor([float(local_normalizer)], dtype=torch.float64, device=ctx.device)
+    if ctx.dp_size > 1:
+        dist.all_reduce(total, group=ctx.dp_group)
+    set_per_token_aux_loss_weight(model, float(total) / max(micro_batches * ctx.dp_size, 1))
 
 
 class MoEStepStats:

@@ -55,6 +55,7 @@ __all__ = [
     "moe_mlp_spec",
     "moe_statistics",
     "set_aux_loss_scale",
+    "set_per_token_aux_loss_weight",
 ]
 
 
@@ -67,6 +68,10 @@ class CPUSafeRouter(TopKRouter):
     (detached, scalar); None when none was computed."""
     last_tokens_per_expert: torch.Tensor | None = None
     """(num_experts,) tokens routed to each expert by the last forward of this rank."""
+    per_token_loss_weight: float | None = None
+    """Under ``calculate_per_token_loss`` (megatron-core's schedule divides every gradient by the
+    global loss-token count), the factor of this micro-batch's aux loss; None: megatron-core's,
+    the micro-batch's routed tokens (``set_per_token_aux_loss_weight``)."""
 
     def gating(self, input: torch.Tensor) -> torch.Tensor:
         """Router logits (tokens, experts) in the router dtype (``moe_router_dtype``)."""
@@ -101,6 +106,8 @@ class CPUSafeRouter(TopKRouter):
         self.last_aux_loss = value if self.last_aux_loss is None else self.last_aux_loss + value
         if self.calculate_per_token_loss:
             count = valid_token_count if valid_token_count is not None else activation.shape[0]
+            if self.per_token_loss_weight is not None:
+                count = self.per_token_loss_weight
             return MoEAuxLossAutoScaler.apply(activation, aux_loss * count)
         return MoEAuxLossAutoScaler.apply(activation, aux_loss)
 
@@ -224,6 +231,14 @@ def moe_layers_train_without_sequence_parallel(model: torch.nn.Module) -> torch.
         if type(getattr(module, "token_dispatcher", None)) is MoEAllGatherTokenDispatcher:
             module.token_dispatcher.__class__ = GlooAllGatherDispatcher
     return model
+
+
+def set_per_token_aux_loss_weight(model: torch.nn.Module, weight: float | None) -> None:
+    """Under ``calculate_per_token_loss``, weight each micro-batch's aux loss by ``weight`` (the
+    schedule then divides by the loss-token count) instead of by its routed tokens."""
+    for module in model.modules():
+        if isinstance(module, CPUSafeRouter):
+            module.per_token_loss_weight = weight
 
 
 def set_aux_loss_scale(scale: float, device: torch.device) -> None:

@@ -50,7 +50,11 @@ from megatron.trainer.forward import (
     routes_cleared,
 )
 from megatron.trainer.initialize import ParallelContext
-from megatron.trainer.moe_step import MoEStepStats, with_moe_metrics
+from megatron.trainer.moe_step import (
+    MoEStepStats,
+    set_schedule_aux_loss_weight,
+    with_moe_metrics,
+)
 from megatron.trainer.nonfinite import LossCheck
 from megatron.trainer.policy import (
     LossFunction,
@@ -211,6 +215,8 @@ class CUDAPolicy(Policy):
             model.zero_grad_buffer()
             optimizer.zero_grad()
         items = [(m.data, m) for m in update.micro_batches]
+        normalizer = sum(loss_fn.normalizer(m.data) for m in update.micro_batches)
+        set_schedule_aux_loss_weight(model, normalizer, len(items), ctx)
         try:
             with torch.set_grad_enabled(not eval_mode):
                 self._schedule(model, items, loss, mbs, eval_mode, moe.record)
