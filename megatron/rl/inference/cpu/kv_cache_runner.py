@@ -6,6 +6,11 @@ logits are gathered, and every TP rank draws the same uniforms, so no broadcast 
 needed inside a replica. The uniform of a request's token at position p is a pure function of
 (request seed, p) (``token_uniform``): no RNG state lives in the runner, and a token never
 depends on which requests share its batch.
+
+With expert parallelism the replicas of an expert-parallel group run each engine step's forwards
+together (``megatron.rl.models.lockstep``): every step runs a decode forward when any of them has
+decode rows and a prefill forward when any has prefill rows, a replica without such rows running a
+one-token padding forward in its place (also in a step that gives it no rows at all).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from megatron.rl.inference.cpu.cached_forward import CachedForward
 from megatron.rl.inference.cpu.kv_cache import KVCache
 from megatron.rl.inference.protocol import RowResult, RowWork
 from megatron.rl.inference.sampling import sample_tokens, token_uniform
+from megatron.rl.models.lockstep import agreed_counts, expert_lockstep_group, padding_forward
 
 if TYPE_CHECKING:
     from megatron.rl.inference.backends import RunnerInputs
@@ -71,6 +77,8 @@ class KVCacheRowRunner:
         # The model's computation as one plain program (same values, a fraction of the Python
         # overhead); None for models it does not reproduce, which run their own forward.
         self.cached_forward = CachedForward.of(model, tp_group, compute_dtype)
+        self.lockstep_group = expert_lockstep_group(model)
+        """TP x EP group whose ranks run every forward together (None: no expert parallelism)."""
 
     @torch.no_grad()
     def run(self, rows: list[RowWork]) -> list[RowResult]:
@@ -79,7 +87,7 @@ class KVCacheRowRunner:
         The model runs in whatever mode it is in: the owner of the generation window puts it in
         eval mode for the window (not per step: toggling every module costs ~0.25 ms a step).
         """
-        if not rows:
+        if not rows and self.lockstep_group is None:
             return []
         if self.cached_forward is not None:  # packed tokens: one pass for every kind of row
             unique, source = shared_prompts(rows)
@@ -92,7 +100,17 @@ class KVCacheRowRunner:
         # single-token rows are not padded to the longest prompt.
         decode = [i for i, r in enumerate(rows) if len(r.tokens) == 1]
         prefill = [i for i, r in enumerate(rows) if len(r.tokens) > 1]
-        parts = [self._forward_last_logits([rows[i] for i in b]) for b in (decode, prefill) if b]
+        kinds = (decode, prefill)
+        runs = agreed_counts([int(bool(b)) for b in kinds], self.lockstep_group, self.device)
+        parts = []
+        for batch, run in zip(kinds, runs):
+            if batch:
+                parts.append(self._forward_last_logits([rows[i] for i in batch]))
+            elif run:  # another expert-parallel replica runs this forward
+                with self._autocast():
+                    padding_forward(self.model, self.device)
+        if not parts:
+            return []
         if len(parts) == 1:  # one kind of row: already in row order
             logits = parts[0]  # (B, V)
         else:
@@ -170,15 +188,21 @@ class KVCacheRowRunner:
         positions = positions.clamp(max=self.cache.max_seq_len - 1)  # padding stays in range
         slots = torch.tensor([r.slot for r in rows])
         dev = self.device
-        autocast = torch.autocast(dev.type, self.compute_dtype or torch.bfloat16,
-                                  enabled=self.compute_dtype is not None)  # fmt: skip
-        with self.cache.step(slots.to(dev), starts.to(dev), lengths.to(dev)) as step, autocast:
+        with (
+            self.cache.step(slots.to(dev), starts.to(dev), lengths.to(dev)) as step,
+            self._autocast(),
+        ):
             if self.cached_forward is not None:
                 logits = self.cached_forward(ids.to(dev), positions.to(dev), step)  # (B, V/tp)
             else:
                 out = self.model(ids.to(dev), positions.to(dev), None)  # (B, T, V/tp)
                 logits = out[torch.arange(len(rows), device=dev), (lengths - 1).to(dev)]
         return self._gather_vocab(logits.float())
+
+    def _autocast(self) -> torch.autocast:
+        """The forward's precision: ``compute_dtype`` under ``torch.autocast`` (off without)."""
+        dtype = self.compute_dtype or torch.bfloat16
+        return torch.autocast(self.device.type, dtype, enabled=self.compute_dtype is not None)
 
     def _gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """(B, V/tp) vocab-parallel logits -> (B, V_padded), padding ids masked to -inf."""
