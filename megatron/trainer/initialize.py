@@ -34,6 +34,16 @@ class ParallelContext:
     dp_size: int
     tp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
+    ep_rank: int = 0
+    """Expert-parallel rank (``--expert-model-parallel-size``: a DP rank holding 1/EP of the
+    experts)."""
+    ep_size: int = 1
+    expert_dp_rank: int = 0
+    """Rank among the DP ranks that hold the same experts (``dp_rank`` at EP = 1)."""
+    expert_dp_group: dist.ProcessGroup | None = None
+    """Where expert gradients are reduced: DP / EP ranks (None: ``dp_group``)."""
+    expert_model_group: dist.ProcessGroup | None = None
+    """TP x EP ranks that together hold every expert (None: ``tp_group``)."""
 
     @property
     def is_main(self) -> bool:
@@ -98,6 +108,11 @@ def initialize_distributed(cfg: RunConfig) -> ParallelContext:
         dp_size=parallel_state.get_data_parallel_world_size(),
         tp_group=parallel_state.get_tensor_model_parallel_group(),
         dp_group=parallel_state.get_data_parallel_group(),
+        ep_rank=parallel_state.get_expert_model_parallel_rank(),
+        ep_size=parallel_state.get_expert_model_parallel_world_size(),
+        expert_dp_rank=parallel_state.get_expert_data_parallel_rank(),
+        expert_dp_group=parallel_state.get_expert_data_parallel_group(),
+        expert_model_group=parallel_state.get_expert_tensor_and_model_parallel_group(),
     )
 
 

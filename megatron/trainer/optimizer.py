@@ -6,7 +6,10 @@ one CPU thread, against 95-127 ms for the default multi-tensor (``foreach``) imp
 
 megatron-core's DistributedDataParallel and ``get_megatron_optimizer`` hard-code CUDA devices, so
 the CPU tier reduces gradients itself (one flattened all-reduce per step over the data-parallel
-group) and computes the global gradient norm counting each tensor-parallel shard once.
+group) and computes the global gradient norm counting each tensor-parallel shard once. With
+expert parallelism the experts' gradients are reduced over the expert-data-parallel group (the
+DP / EP ranks holding the same experts; megatron-core marks those parameters ``allreduce =
+False``) and their squared norms summed over the TP x EP ranks that together hold every expert.
 """
 
 from __future__ import annotations
@@ -77,11 +80,20 @@ def build_scheduler(optimizer: Any, cfg: RunConfig) -> OptimizerParamScheduler:
     )
 
 
+def is_expert_parallel(param: torch.nn.Parameter) -> bool:
+    """Whether ``param`` is one expert-parallel rank's own (megatron-core's ``allreduce =
+    False``, set on expert weights at EP > 1): reduced over expert data parallelism only."""
+    return not getattr(param, "allreduce", True)
+
+
 def allreduce_gradients(params: list[torch.nn.Parameter], group: dist.ProcessGroup | None) -> None:
-    """Sum gradients over ``group`` (the data-parallel group) with one flattened all-reduce."""
+    """Sum gradients over ``group`` (the data-parallel group, or the expert-data-parallel group
+    for expert-parallel parameters) with one flattened all-reduce."""
     if group is None or dist.get_world_size(group) == 1:
         return
     grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
     flat = torch._utils._flatten_dense_tensors(grads)
     dist.all_reduce(flat, group=group)
     for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
@@ -89,25 +101,44 @@ def allreduce_gradients(params: list[torch.nn.Parameter], group: dist.ProcessGro
 
 
 def clip_grad_norm(
-    params: list[torch.nn.Parameter], max_norm: float, tp_group: dist.ProcessGroup | None
+    params: list[torch.nn.Parameter],
+    max_norm: float,
+    tp_group: dist.ProcessGroup | None,
+    expert_group: dist.ProcessGroup | None = None,
 ) -> float:
-    """Global L2 norm of the gradients over all TP shards; scale them down to ``max_norm``.
+    """Global L2 norm of the gradients over all TP shards and experts; scale them down to
+    ``max_norm``.
 
     Tensor-parallel parameters contribute their shard on every rank; replicated parameters
-    (norms, row-parallel biases) are counted on TP rank 0 only. ``max_norm`` <= 0 only measures.
+    (norms, row-parallel biases) are counted on TP rank 0 only. Expert-parallel parameters
+    (``is_expert_parallel``) are summed over ``expert_group`` (TP x EP) instead of TP; without
+    it they count as the others. ``max_norm`` <= 0 only measures.
     """
     grads = [p.grad for p in params if p.grad is not None]
     owned = [
-        p.grad.detach().float()
+        p
         for p in params
         if p.grad is not None and param_is_not_tensor_parallel_duplicate(p, tp_group)
     ]
-    sq = torch.stack([g.pow(2).sum() for g in owned]).sum() if owned else torch.zeros(())
+    split = expert_group is not None
+    sq = _squared_norm([p.grad for p in owned if not (split and is_expert_parallel(p))])
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         dist.all_reduce(sq, group=tp_group)
+    if split:
+        expert_sq = _squared_norm([p.grad for p in owned if is_expert_parallel(p)])
+        if dist.get_world_size(expert_group) > 1:
+            dist.all_reduce(expert_sq, group=expert_group)
+        sq = sq + expert_sq.to(sq.device)
     norm = float(sq.sqrt())
     if max_norm > 0 and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
         for g in grads:
             g.mul_(scale)
     return norm
+
+
+def _squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The float32 sum of the squares of ``grads`` (scalar; 0 on the CPU for none)."""
+    if not grads:
+        return torch.zeros(())
+    return torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()

@@ -21,7 +21,9 @@ subclasses here, nothing patched:
   the one used; megatron-core's gather and reduce-scatter functions allocate their outputs on
   ``torch.cuda.current_device()``, so with TP x EP > 1 ``GlooAllGatherDispatcher`` does the same
   two exchanges with device-agnostic autograd functions (reduce-scatter as an all-reduce and a
-  slice: gloo has no reduce-scatter).
+  slice: gloo has no reduce-scatter). Expert-parallel ranks run different batches, so it pads
+  each rank's tokens to the group's largest count with tokens routed to no expert (megatron-core
+  requires equal counts) and drops them after the combine.
 * ``MoELayer`` refuses to train with TP > 1 without sequence parallelism (a performance guard:
   the result is correct, the all-gather sees each replicated token once per TP rank). The CPU
   tier has no sequence parallelism, so ``build_gpt_model`` gives every ``MoELayer`` the class
@@ -150,17 +152,26 @@ def _reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
 
 
 class GlooAllGatherDispatcher(MoEAllGatherTokenDispatcher):
-    """megatron-core's all-gather token dispatcher with device-agnostic collectives."""
+    """megatron-core's all-gather token dispatcher with device-agnostic collectives, for token
+    counts that may differ across the TP x EP group (expert-parallel ranks run different
+    batches): each rank's tokens are padded to the group's largest count with tokens routed to
+    no expert, and its own rows are kept after the combine."""
+
+    local_tokens: int = 0
+    """Tokens of this rank in the current dispatch (before padding)."""
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """Gather tokens, probabilities and the routing map over TP x EP."""
         group = self.tp_ep_group
         if group.size() > 1:
+            self.local_tokens = hidden_states.shape[0]
+            pad = _group_max(self.local_tokens, group, hidden_states.device) - self.local_tokens
             with torch.no_grad():
-                routing = _GatherFirstDim.apply(self.routing_map.to(torch.uint8), group)
-                self.routing_map = routing.bool()  # (tokens * TP * EP, E)
-            probs = _GatherFirstDim.apply(probs, group)
-            hidden_states = _GatherFirstDim.apply(hidden_states, group)
+                routing = F.pad(self.routing_map.to(torch.uint8), (0, 0, 0, pad))  # (n', E)
+                routing = _GatherFirstDim.apply(routing, group)
+                self.routing_map = routing.bool()  # (n' * TP * EP, E)
+            probs = _GatherFirstDim.apply(F.pad(probs, (0, 0, 0, pad)), group)
+            hidden_states = _GatherFirstDim.apply(F.pad(hidden_states, (0, 0, 0, pad)), group)
         return hidden_states, probs
 
     def token_combine(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -171,7 +182,15 @@ class GlooAllGatherDispatcher(MoEAllGatherTokenDispatcher):
             hidden_states = _ReduceScatterFirstDim.apply(
                 hidden_states.to(self.local_probs.dtype), group
             ).to(dtype)
+            hidden_states = hidden_states[: self.local_tokens]  # (n, H): padding dropped
         return hidden_states
+
+
+def _group_max(count: int, group, device: torch.device) -> int:
+    """The largest ``count`` over ``group`` (collective)."""
+    value = torch.tensor([count], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=group)
+    return int(value)
 
 
 class GatherMoELayer(MoELayer):

@@ -172,13 +172,6 @@ def _expert_problems(run: RunConfig, cuda: bool) -> list[str]:
             f"--expert-model-parallel-size ({ep}) must divide the data-parallel size "
             f"({run.data_parallel_size}): expert-parallel ranks are data-parallel ranks"
         )
-    if ep > 1 and not cuda:
-        errors.append(
-            f"--expert-model-parallel-size {ep} is not supported for training on CPU: the CPU "
-            "tier reduces every gradient over all data-parallel ranks and its rollout engine "
-            "steps each rank alone; use 1 (EP models build and run on gloo, see "
-            "docs/architecture.md)"
-        )
     if experts is not None and not arch["disable_bias_linear"]:
         errors.append(
             "--num-experts needs --disable-bias-linear: experts with linear biases are not "

@@ -29,7 +29,8 @@ class Parallelism(Section):
     expert_model_parallel_size: int = option(
         1,
         "EP degree: the experts of --num-experts split over this many data-parallel ranks "
-        "(tokens all-gathered over TP x EP; CUDA tier only for training).",
+        "(tokens all-gathered over TP x EP; on CPU, expert gradients reduced over the DP / EP "
+        "ranks holding the same experts).",
         minimum=1,
     )
     use_distributed_optimizer: bool = option(

@@ -13,9 +13,15 @@
   gradient is the mean over the global batch's micro-batches (``moe_step.py``).
 * Rollouts: the scheduler over ``KVCacheRowRunner``s, each with its own per-slot KV cache.
 * Checkpoints: one ``torch.save`` file per tensor-parallel rank, written by data-parallel rank 0:
-  ``iter_XXXXXXX/mp_rank_XX/model_optim_rng.pt`` (model, optimizer, LR schedule, RNG, flags).
+  ``iter_XXXXXXX/mp_rank_XX/model_optim_rng.pt`` (model, optimizer, LR schedule, RNG, flags);
+  with expert parallelism one per (TP, EP) rank, ``mp_rank_XX_YYY``, written by
+  expert-data-parallel rank 0.
+* Expert parallelism (EP > 1): expert gradients are reduced over the expert-data-parallel group
+  and the rest over DP; the ranks of an expert-parallel group run every forward (and backward)
+  together (``megatron/rl/models/lockstep.py``): a rank with fewer micro-batches than another
+  runs one-token padding micro-batches that add nothing to the loss or the gradients.
 
-TP and DP run over gloo; PP and the distributed optimizer are refused at argument validation.
+TP, DP and EP run over gloo; PP and the distributed optimizer are refused at argument validation.
 """
 
 from __future__ import annotations
@@ -32,8 +38,10 @@ import torch
 
 from megatron.rl.grpo.batch import TrainBatch
 from megatron.rl.inference.backends import RunnerInputs
+from megatron.rl.models.lockstep import agreed_counts, expert_lockstep_group, padding_forward
+from megatron.rl.models.moe import set_aux_loss_scale
 from megatron.rl.models.recompute import recompute_layers
-from megatron.rl.models.routing_replay import configure_routing
+from megatron.rl.models.routing_replay import clear_targets, configure_routing
 from megatron.trainer import model_provider
 from megatron.trainer.checkpointing import (
     CheckpointShards,
@@ -62,6 +70,7 @@ from megatron.trainer.optimizer import (
     allreduce_gradients,
     build_optimizer,
     clip_grad_norm,
+    is_expert_parallel,
     load_optimizer_state,
 )
 from megatron.trainer.policy import (
@@ -217,10 +226,12 @@ class CPUPolicy(Policy):
         mbs = self.config.micro_batch_size if mbs is None else mbs
         model.eval()
         parts = []
+        micros = data_parallel_micro_batches(data, self.ctx, mbs)
         with torch.no_grad(), self._precision(), routes_cleared(model):
-            for micro in data_parallel_micro_batches(data, self.ctx, mbs):
+            for micro in micros:
                 inputs = model_inputs(micro, self.ctx.device, self.config.packing_capacity)
                 parts.append(outputs(micro, inputs))
+            self._lockstep_padding(model, len(micros), backward=False)
         width = data.input_ids.shape[1]
         local = [padded_rows(list(p), width) for p in zip(*parts)]
         if data.is_shard:  # this rank's rows only
@@ -254,12 +265,16 @@ class CPUPolicy(Policy):
                 if not eval_mode:
                     (out.loss_sum / denom).backward()
                 sums = sums + NamedSums.of({"loss": out.loss_sum.detach(), **out.metric_sums}, keys)
+            self._lockstep_padding(model, len(update.micro_batches), backward=not eval_mode)
         if eval_mode:
             result = Update(sums, 0.0, optimizer.param_groups[0]["lr"])
         else:
             params = [p for p in model.parameters() if p.requires_grad]
-            allreduce_gradients(params, ctx.dp_group)
-            grad_norm = clip_grad_norm(params, config.clip_grad, ctx.tp_group)
+            experts = [p for p in params if is_expert_parallel(p)]  # none at EP = 1
+            allreduce_gradients([p for p in params if not is_expert_parallel(p)], ctx.dp_group)
+            allreduce_gradients(experts, ctx.expert_dp_group)
+            expert_group = ctx.expert_model_group if experts else None
+            grad_norm = clip_grad_norm(params, config.clip_grad, ctx.tp_group, expert_group)
             check.verify(grad_norm, ctx.device)  # raises before the schedule and the update
             scheduler.step(increment=1)  # update k uses the schedule's value at k + 1
             lr = optimizer.param_groups[0]["lr"]
@@ -271,26 +286,50 @@ class CPUPolicy(Policy):
         stepped = step_result(result, loss_fn, caches, update.batch, groups, ctx.device, start)
         return with_moe_metrics(stepped, moe.metrics(ctx.dp_group, None, ctx.device))
 
+    def _lockstep_padding(self, model: torch.nn.Module, count: int, backward: bool) -> None:
+        """Run one-token padding forwards (and, with ``backward``, their backwards) until this
+        rank has run as many as the most of its expert-parallel group, ``count`` its own (nothing
+        without expert parallelism). Their aux loss is weighted 0 and their output by 0: no
+        gradient, and the routers' statistics were read before."""
+        group = expert_lockstep_group(model)
+        (most,) = agreed_counts([count], group, self.ctx.device)
+        if most > count:
+            clear_targets(model)  # a one-token forward has no recorded routes
+        if backward and most > count:
+            set_aux_loss_scale(0.0, self.ctx.device)  # set again before the next update
+        for _ in range(most - count):
+            with self._precision():
+                logits = padding_forward(model, self.ctx.device)  # (1, 1, V/tp)
+            if backward:
+                (logits.float().sum() * 0.0).backward()
+
 
 class TorchShards(CheckpointShards):
-    """``iter_XXXXXXX/mp_rank_XX/model_optim_rng.pt``: one file per TP rank (DP rank 0 writes)."""
+    """``iter_XXXXXXX/mp_rank_XX/model_optim_rng.pt``: one file per TP rank (DP rank 0 writes);
+    with expert parallelism ``mp_rank_XX_YYY`` per (TP, EP) rank (expert-DP rank 0 writes: each
+    holds its EP rank's experts, the rest as every rank has it)."""
 
     def __init__(self, ctx: ParallelContext) -> None:
         self.ctx = ctx
 
     def path(self, directory: Path) -> Path:
         """This rank's shard file in ``directory``."""
-        return directory / f"mp_rank_{self.ctx.tp_rank:02d}" / "model_optim_rng.pt"
+        name = f"mp_rank_{self.ctx.tp_rank:02d}"
+        if self.ctx.ep_size > 1:
+            name += f"_{self.ctx.ep_rank:03d}"
+        return directory / name / "model_optim_rng.pt"
 
     def write(self, directory: Path, iteration: int, state: TrainState, cfg: dict) -> None:
         """``torch.save`` of the model, optimizer, schedule, RNG and flags (DP rank 0)."""
-        if self.ctx.dp_rank != 0:
+        ctx = self.ctx
+        if (ctx.dp_rank if ctx.ep_size == 1 else ctx.expert_dp_rank) != 0:
             return
         path = self.path(directory)
         path.parent.mkdir(parents=True, exist_ok=True)
         payload = {
             "iteration": iteration,
             "tensor_model_parallel_size": self.ctx.tp_size,
+            "expert_model_parallel_size": self.ctx.ep_size,
             "model": state.model.state_dict(),
             "optimizer": state.optimizer.state_dict(),
             "scheduler": state.scheduler.state_dict(),
@@ -337,5 +376,11 @@ class TorchShards(CheckpointShards):
             raise SystemExit(
                 f"{flag} {root}: saved with --tensor-model-parallel-size "
                 f"{payload['tensor_model_parallel_size']}, this run uses {self.ctx.tp_size}"
+            )
+        saved_ep = payload.get("expert_model_parallel_size", 1)
+        if saved_ep != self.ctx.ep_size:
+            raise SystemExit(
+                f"{flag} {root}: saved with --expert-model-parallel-size {saved_ep}, this run "
+                f"uses {self.ctx.ep_size}"
             )
         return payload

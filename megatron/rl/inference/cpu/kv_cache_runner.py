@@ -10,6 +10,11 @@ depends on which requests share its batch.
 Routing replay (``record_routing``, MoE models): the runner records the experts each router chose
 for every token a row feeds and returns them with the row's token (``RowResult.routes``). MoE
 models run their own forward (``CachedForward.of`` declines them), one per kind of row.
+
+With expert parallelism the replicas of an expert-parallel group run each engine step's forwards
+together (``megatron.rl.models.lockstep``): every step runs a decode forward when any of them has
+decode rows and a prefill forward when any has prefill rows, a replica without such rows running a
+one-token padding forward in its place (also in a step that gives it no rows at all).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from megatron.rl.inference.cpu.cached_forward import CachedForward
 from megatron.rl.inference.cpu.kv_cache import KVCache
 from megatron.rl.inference.protocol import RowResult, RowWork
 from megatron.rl.inference.sampling import sample_tokens, token_uniform
+from megatron.rl.models.lockstep import agreed_counts, expert_lockstep_group, padding_forward
 from megatron.rl.models.routing_replay import recorded_routes, routing_replays, start_recording
 
 if TYPE_CHECKING:
@@ -85,6 +91,8 @@ class KVCacheRowRunner:
                 "record_routing: the runner's cached forward does not run the model's routers, "
                 "so it cannot record their routes; this model must run its own forward"
             )
+        self.lockstep_group = expert_lockstep_group(model)
+        """TP x EP group whose ranks run every forward together (None: no expert parallelism)."""
 
     @torch.no_grad()
     def run(self, rows: list[RowWork]) -> list[RowResult]:
@@ -93,7 +101,7 @@ class KVCacheRowRunner:
         The model runs in whatever mode it is in: the owner of the generation window puts it in
         eval mode for the window (not per step: toggling every module costs ~0.25 ms a step).
         """
-        if not rows:
+        if not rows and self.lockstep_group is None:
             return []
         if self.cached_forward is not None:  # packed tokens: one pass for every kind of row
             unique, source = shared_prompts(rows)
@@ -106,7 +114,17 @@ class KVCacheRowRunner:
         # single-token rows are not padded to the longest prompt.
         decode = [i for i, r in enumerate(rows) if len(r.tokens) == 1]
         prefill = [i for i, r in enumerate(rows) if len(r.tokens) > 1]
-        parts = [self._forward_last_logits([rows[i] for i in b]) for b in (decode, prefill) if b]
+        kinds = (decode, prefill)
+        runs = agreed_counts([int(bool(b)) for b in kinds], self.lockstep_group, self.device)
+        parts = []
+        for batch, run in zip(kinds, runs):
+            if batch:
+                parts.append(self._forward_last_logits([rows[i] for i in batch]))
+            elif run:  # another expert-parallel replica runs this forward
+                with self._autocast():
+                    padding_forward(self.model, self.device)
+        if not parts:
+            return []
         routes = None
         if self.record_routing:  # (n_fed, L, k) per row, in row order
             by_row = dict(zip(decode + prefill, [r for _, part in parts for r in part]))
@@ -192,9 +210,10 @@ class KVCacheRowRunner:
         positions = positions.clamp(max=self.cache.max_seq_len - 1)  # padding stays in range
         slots = torch.tensor([r.slot for r in rows])
         dev = self.device
-        autocast = torch.autocast(dev.type, self.compute_dtype or torch.bfloat16,
-                                  enabled=self.compute_dtype is not None)  # fmt: skip
-        with self.cache.step(slots.to(dev), starts.to(dev), lengths.to(dev)) as step, autocast:
+        with (
+            self.cache.step(slots.to(dev), starts.to(dev), lengths.to(dev)) as step,
+            self._autocast(),
+        ):
             if self.cached_forward is not None:
                 logits = self.cached_forward(ids.to(dev), positions.to(dev), step)  # (B, V/tp)
             else:
@@ -222,6 +241,11 @@ class KVCacheRowRunner:
             )
         grid = recorded.cpu().view(width, batch, *recorded.shape[1:])  # (T, B, L, k)
         return [grid[: len(r.tokens), b].clone() for b, r in enumerate(rows)]
+
+    def _autocast(self) -> torch.autocast:
+        """The forward's precision: ``compute_dtype`` under ``torch.autocast`` (off without)."""
+        dtype = self.compute_dtype or torch.bfloat16
+        return torch.autocast(self.device.type, dtype, enabled=self.compute_dtype is not None)
 
     def _gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """(B, V/tp) vocab-parallel logits -> (B, V_padded), padding ids masked to -inf."""

@@ -144,6 +144,12 @@ def test_the_default_min_lr_follows_a_small_lr():
             id="experts-not-divisible-by-ep",
         ),
         pytest.param(
+            ["--num-experts", "4", "--disable-bias-linear", "--expert-model-parallel-size", "4"],
+            2,
+            "must divide the data-parallel size",
+            id="ep-above-dp",
+        ),
+        pytest.param(
             ["--num-experts", "4", "--disable-bias-linear", "--moe-grouped-gemm"],
             1,
             "--moe-grouped-gemm",
@@ -161,6 +167,11 @@ def test_bad_flags_are_reported_by_name(argv, world_size, flag):
     errors = errors_for(argv, world_size)
     assert errors, "expected a validation error"
     assert any(flag in e for e in errors), errors
+
+
+def test_expert_parallelism_trains_on_cpu():
+    argv = ["--num-experts", "4", "--disable-bias-linear", "--expert-model-parallel-size", "2"]
+    assert errors_for(argv, 2) == []
 
 
 def test_every_problem_is_reported_at_once():
