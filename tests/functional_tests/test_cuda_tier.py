@@ -176,9 +176,31 @@ def test_three_moe_steps_on_the_cuda_tier(moe_checkpoint, tmp_path):
     metrics, output = train(
         1, "--hf-checkpoint", str(moe_checkpoint), "--env-config", str(tmp_path / "env.yaml"),
         "--train-iters", "3", "--seq-length", "64", "--moe-aux-loss-coeff", "0.01",
+        "--use-rollout-routing-replay",
     )  # fmt: skip
     assert_trained(metrics, steps=3)
     assert "tier: cuda" in output
+    print("moe_routing_mismatch", [m["moe_routing_mismatch"] for m in metrics])
     for m in metrics:
         assert m["moe_aux_loss"] > 0 and math.isfinite(m["moe_aux_loss"]), m
         assert m["moe_load_imbalance"] >= 1.0, m
+        assert 0.0 <= m["moe_routing_mismatch"] <= 1.0, m  # the dynamic engine's routes arrived
+
+
+def test_moe_routing_replay_in_bf16_on_policy(moe_checkpoint, tmp_path):
+    """bf16 at forced lag 0: the first step's pi_old is the engine's policy, so its routing and
+    ratio differ from the engine's only by the forward (megatron-core's dynamic engine vs the
+    training forward). Measured without replay, then replayed: the replayed step-0 mismatch KL is
+    no larger."""
+    (tmp_path / "env.yaml").write_text(MOE_ENV)
+    common = (
+        "--hf-checkpoint", str(moe_checkpoint), "--env-config", str(tmp_path / "env.yaml"),
+        "--train-iters", "2", "--seq-length", "64", "--bf16", "--rl-forced-lag", "0",
+    )  # fmt: skip
+    measured, _ = train(1, *common, "--record-rollout-routing")
+    replayed, _ = train(1, *common, "--use-rollout-routing-replay")
+    for name, run in (("measured", measured), ("replayed", replayed)):
+        print(name, [(m["moe_routing_mismatch"], m["mismatch_kl"], m["ratio_mean"]) for m in run])
+    assert measured[0]["reward_mean"] == replayed[0]["reward_mean"]  # the same rollouts
+    assert measured[0]["moe_routing_mismatch"] == replayed[0]["moe_routing_mismatch"]
+    assert replayed[0]["mismatch_kl"] <= measured[0]["mismatch_kl"] + 1e-9

@@ -187,13 +187,21 @@ def moe_args(tmp_path_factory):
     }  # fmt: skip
 
 
-def test_moe_run_matches_the_cpu_tier(moe_args):
+@pytest.mark.parametrize(
+    "replay", [pytest.param(False, id="own-routing"), pytest.param(True, id="routing-replay")]
+)
+def test_moe_run_matches_the_cpu_tier(moe_args, replay):
     """Rollouts of megatron-core's dynamic engine through the MoE layers, and the updates through
-    megatron-core's DDP and optimizer (router and experts), as on the CPU tier."""
-    cpu = run_training(1, moe_args)
-    cuda = run_training(1, moe_args, script=EMULATED)
+    megatron-core's DDP and optimizer (router and experts), as on the CPU tier; with routing
+    replay the dynamic engine's recorded routes reach megatron-core's schedule."""
+    args = {**moe_args, **({"use-rollout-routing-replay": True} if replay else {})}
+    cpu = run_training(1, args)
+    cuda = run_training(1, args, script=EMULATED)
     assert_same_run(cpu, cuda)
     assert all(m["moe_load_imbalance"] == c["moe_load_imbalance"] for m, c in zip(cpu, cuda))
+    if replay:  # lag 0, one update per collection: the engine's routing is pi_old's
+        assert [m["moe_routing_mismatch"] for m in cuda] == [0.0] * len(cuda)
+        assert [m["moe_routing_mismatch"] for m in cpu] == [0.0] * len(cpu)
     assert any(m["grad_norm"] > 0 for m in cuda) and any(m["reward_mean"] > 0 for m in cuda)
 
 

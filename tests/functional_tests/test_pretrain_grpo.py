@@ -89,15 +89,23 @@ def test_lag_0_is_on_policy_at_every_step(runs):
         assert m["queue_depth"] == 0
 
 
-@pytest.mark.parametrize("case", ["lag2_tp2", "lag2_dp2"])
-def test_two_process_runs_match_the_single_process_run(runs, case):
+@pytest.mark.parametrize(
+    "single_case, case",
+    [
+        pytest.param("lag2", "lag2_tp2", id="lag2_tp2"),
+        pytest.param("lag2", "lag2_dp2", id="lag2_dp2"),
+        pytest.param("moe_lag2", "moe_lag2_ep2", id="moe_lag2_ep2"),
+    ],
+)
+def test_two_process_runs_match_the_single_process_run(runs, single_case, case):
     """Rewards are identical (same tokens); losses agree to float32 rounding.
 
     The GRPO loss sums terms whose group-normalized advantages nearly cancel, so a step's loss
     can be ~1e-3 while TP's different reduction order moves it by ~1e-7: relative 1e-4, with an
-    absolute floor of 1e-6 for losses that close to zero.
+    absolute floor of 1e-6 for losses that close to zero. The MoE case at DP=2 x EP=2 holds half
+    of each layer's experts per rank.
     """
-    single, parallel = runs("lag2"), runs(case)
+    single, parallel = runs(single_case), runs(case)
     for a, b in zip(single[:5], parallel[:5]):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
         assert b["reward_mean"] == pytest.approx(a["reward_mean"], rel=1e-4)
