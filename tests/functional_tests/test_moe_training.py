@@ -1,6 +1,7 @@
 """MoE end to end: pretrain_grpo.py on a tiny random Qwen3-MoE checkpoint (4 experts, top 2) with
-the load-balancing aux loss, 3 steps at forced lag 1 on the default digits task: finite loss,
-exact staleness, the MoE metrics, bitwise equal metrics across reruns."""
+the load-balancing aux loss and rollout routing replay, 4 steps at forced lag 2 on the default
+digits task: finite loss, exact staleness, the MoE metrics, bitwise equal metrics across reruns.
+Slow: a tiny MoE with routing replay learns the digit task (the default learning bar)."""
 
 from __future__ import annotations
 
@@ -17,19 +18,21 @@ from megatron.rl.models.hf.tiny import make_tiny_checkpoint
 def runs(tmp_path_factory):
     checkpoint = make_tiny_checkpoint("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"), seed=5)
     args = {
-        "hf-checkpoint": checkpoint, "rl-forced-lag": 1, "train-iters": 3,
+        "hf-checkpoint": checkpoint, "rl-forced-lag": 2, "train-iters": 4,
         "lr-warmup-iters": 1, "seq-length": 64, "grpo-prompts-per-step": 2,
         "grpo-group-size": 2, "micro-batch-size": 2, "seed": 1234, "moe-aux-loss-coeff": 0.01,
+        "use-rollout-routing-replay": True,
     }  # fmt: skip
     return run_training(1, args), run_training(1, args)
 
 
 def test_moe_run_trains_with_exact_staleness_and_reports_the_aux_loss(runs):
     first, _ = runs
-    assert [m["step"] for m in first] == [0, 1, 2]
+    assert [m["step"] for m in first] == [0, 1, 2, 3]
     for m in first:
         assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])
-        assert m["staleness_min"] == m["staleness_max"] == min(m["step"], 1)
+        assert m["staleness_min"] == m["staleness_max"] == min(m["step"], 2)
+        assert 0.0 <= m["moe_routing_mismatch"] <= 1.0  # the engine's routes reached the update
         assert m["moe_aux_loss"] > 0 and math.isfinite(m["moe_aux_loss"])
         assert m["moe_load_imbalance"] >= 1.0
 
@@ -38,7 +41,7 @@ def test_moe_metrics_are_bitwise_equal_across_reruns(runs):
     first, again = runs
     varying = ("seconds", "_per_s", "timestamp")
     keys = [k for k in first[0] if not any(v in k for v in varying)]
-    assert "moe_aux_loss" in keys and "loss" in keys
+    assert {"moe_aux_loss", "moe_routing_mismatch", "loss"} <= set(keys)
     for key in keys:
         assert [m.get(key) for m in again] == [m[key] for m in first], key
 
