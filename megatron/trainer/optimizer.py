@@ -100,6 +100,22 @@ def allreduce_gradients(params: list[torch.nn.Parameter], group: dist.ProcessGro
         grad.copy_(reduced)
 
 
+def allreduce_per_head_norm_gradients(
+    model: torch.nn.Module, tp_group: dist.ProcessGroup | None
+) -> None:
+    """Sum over TP the gradients of the query and key norms (``--qk-layernorm``: one weight that
+    every head shares, so each TP rank's heads contribute part of its gradient), as megatron-core's
+    ``finalize_model_grads`` does; other replicated weights see every token on every TP rank."""
+    if tp_group is None or dist.get_world_size(tp_group) == 1:
+        return
+    params = [
+        p
+        for name, p in model.named_parameters()
+        if p.grad is not None and ("q_layernorm" in name or "k_layernorm" in name)
+    ]
+    allreduce_gradients(params, tp_group)
+
+
 def clip_grad_norm(
     params: list[torch.nn.Parameter],
     max_norm: float,

@@ -26,6 +26,12 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.backends import BackendSpecProvider
 from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    set_tensor_model_parallel_attributes,
+)
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -354,4 +360,29 @@ def build_gpt_model(
             rotary_percent=arch.rotary_percent,
             llama3_scaling=arch.rope_scaling,
         )
+    if not config.perform_initialization:
+        mark_tensor_parallel_weights(model)
     return moe_layers_train_without_sequence_parallel(model)
+
+
+def mark_tensor_parallel_weights(model: torch.nn.Module) -> torch.nn.Module:
+    """Tag the tensor-parallel weights of ``model`` as megatron-core's random init does
+    (``tensor_model_parallel``, ``partition_dim``, ``partition_stride``); returns ``model``.
+
+    megatron-core sets these attributes only while initializing a weight
+    (``perform_initialization``), so a model built without init for a checkpoint load would
+    have TP shards that every gradient-norm computation takes for replicas (counted on TP rank 0
+    only: a wrong norm and a wrong clip at TP > 1). Column-parallel weights and the vocabulary
+    embedding are split along dim 0, row-parallel weights along dim 1.
+    """
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            dim = 0
+        elif isinstance(module, RowParallelLinear):
+            dim = 1
+        else:
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is not None and not getattr(weight, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(weight, True, dim, 1)
+    return model

@@ -68,6 +68,7 @@ from megatron.trainer.moe_step import (
 from megatron.trainer.nonfinite import LossCheck
 from megatron.trainer.optimizer import (
     allreduce_gradients,
+    allreduce_per_head_norm_gradients,
     build_optimizer,
     clip_grad_norm,
     is_expert_parallel,
@@ -270,6 +271,7 @@ class CPUPolicy(Policy):
             result = Update(sums, 0.0, optimizer.param_groups[0]["lr"])
         else:
             params = [p for p in model.parameters() if p.requires_grad]
+            allreduce_per_head_norm_gradients(model, ctx.tp_group)
             experts = [p for p in params if is_expert_parallel(p)]  # none at EP = 1
             allreduce_gradients([p for p in params if not is_expert_parallel(p)], ctx.dp_group)
             allreduce_gradients(experts, ctx.expert_dp_group)

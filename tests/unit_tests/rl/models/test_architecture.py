@@ -210,3 +210,25 @@ def test_fused_backends_get_rms_qk_norms_and_norm_linear_modules():
         FusedNormLinear
     )
     assert attention.q_layernorm is attention.k_layernorm is WrappedTorchNorm
+
+
+@pytest.mark.parametrize(
+    "initialize", [pytest.param(True, id="random-init"), pytest.param(False, id="for-a-load")]
+)
+def test_tensor_parallel_weights_are_tagged_with_or_without_random_init(tp1, initialize):
+    """megatron-core tags TP shards only while initializing them; a model built for a checkpoint
+    load gets the same tags, or every gradient norm at TP > 1 counts its shards once."""
+    config = transformer_config(LLAMA_LIKE, perform_initialization=initialize)
+    model = build_gpt_model(LLAMA_LIKE, config, layer_spec(LLAMA_LIKE, SDPASpecProvider()))
+    tags = {
+        name: (getattr(p, "tensor_model_parallel", False), getattr(p, "partition_dim", -1))
+        for name, p in model.named_parameters()
+    }
+    assert tags["embedding.word_embeddings.weight"] == (True, 0)
+    assert tags["output_layer.weight"] == (True, 0)
+    assert tags["decoder.layers.0.self_attention.linear_qkv.weight"] == (True, 0)
+    assert tags["decoder.layers.0.self_attention.linear_proj.weight"] == (True, 1)
+    assert tags["decoder.layers.1.mlp.linear_fc1.weight"] == (True, 0)
+    assert tags["decoder.layers.1.mlp.linear_fc2.weight"] == (True, 1)
+    assert not tags["decoder.layers.0.self_attention.q_layernorm.weight"][0]  # replicated
+    assert not tags["decoder.final_layernorm.weight"][0]
