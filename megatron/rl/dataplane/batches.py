@@ -62,6 +62,8 @@ def publish_groups(
     samples = [rollout_sample(r) for g in groups for r in g.rollouts]
     keys = sample_keys(step, len(samples))
     fields = {name: [s[name] for s in samples] for name in SAMPLE_FIELDS}
+    if not any(len(routes) for routes in fields["routed_experts"]):
+        del fields["routed_experts"]  # no engine record (dense models): not a field at all
     tags = {
         "length": [max(len(s["tokens"]) - 1, 0) for s in samples],
         "loss_tokens": [int(s["loss_mask"].sum()) for s in samples],
@@ -81,7 +83,8 @@ def shard_batch(
 ) -> TrainBatch:
     """This rank's rows ``mine`` of the global batch ``rows`` (indices of ``meta.keys``), fetched
     by key, as a shard carrying the global batch's counts (collective: every rank calls it)."""
-    samples = plane.fetch(meta.partition, [meta.keys[i] for i in mine], TRAIN_FIELDS)
+    names = tuple(name for name in TRAIN_FIELDS if name in meta.fields)  # routes: when recorded
+    samples = plane.fetch(meta.partition, [meta.keys[i] for i in mine], names)
     batch = rows_from_samples(samples, pad_id, meta.attrs["width"])
     index = torch.as_tensor(list(rows), dtype=torch.long)
     loss_tokens = meta.tag("loss_tokens")[index]

@@ -70,3 +70,10 @@ def test_routes_travel_through_the_data_plane():
     meta = publish_groups(plane, groups, step=0)
     shard = shard_batch(plane, meta, rows=[0, 1], mine=[0, 1], pad_id=0)
     assert torch.equal(shard.routed_experts, build_train_batch(groups, 0).routed_experts)
+
+
+def test_a_batch_without_records_publishes_no_routes_field():
+    plane = make_data_plane("in-process", 0, 1, torch.device("cpu"))
+    meta = publish_groups(plane, [group(0, [rollout([1], [2, 3], 1.0)])], step=0)
+    assert "routed_experts" not in meta.fields and "inference_logprobs" in meta.fields
+    assert shard_batch(plane, meta, rows=[0], mine=[0], pad_id=0).routed_experts is None
