@@ -7,8 +7,8 @@ import pytest
 import torch
 from test_batch import group, placeholder, rollout
 
-from megatron.rl.dataplane.batches import publish_groups, shard_batch
 from megatron.rl.dataplane import make_data_plane
+from megatron.rl.dataplane.batches import publish_groups, shard_batch
 from megatron.rl.grpo.batch import build_train_batch
 from megatron.rl.grpo.packing import pack_sequences
 from megatron.trainer.forward import model_inputs
