@@ -20,7 +20,8 @@ from megatron.trainer.exits import UsageError
 from megatron.trainer.flags.parse import check
 from megatron.trainer.grpo import advantages_of
 from megatron.trainer.initialize import ParallelContext
-from megatron.trainer.metrics import format_log_line, rollout_metrics
+from megatron.trainer.log_line import format_log_line
+from megatron.trainer.metrics import rollout_metrics
 
 
 def resolved(*argv: str):

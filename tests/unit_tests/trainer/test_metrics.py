@@ -9,10 +9,10 @@ from megatron.rl.agent.api import placeholder_rollout
 from megatron.rl.inference.protocol import EngineCounters
 from megatron.rl.rollout.generator import RolloutBatch
 from megatron.rl.wire import GroupedRolloutRequest, RolloutGroup, TokenRollout
+from megatron.trainer.log_line import format_log_line
 from megatron.trainer.metrics import (
     ConstantRewardWarning,
     engine_metrics,
-    format_log_line,
     rollout_metrics,
     zero_variance_metrics,
 )

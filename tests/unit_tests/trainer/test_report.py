@@ -12,7 +12,7 @@ from megatron.rl.tokenizer import CharTokenizer
 from megatron.trainer import report
 from megatron.trainer.flags.parse import build_parser, check
 from megatron.trainer.kernels import kernel_warnings
-from megatron.trainer.metrics import format_duration, format_log_line
+from megatron.trainer.log_line import format_duration, format_log_line
 from megatron.trainer.model_provider import architecture
 
 
