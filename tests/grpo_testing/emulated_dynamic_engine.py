@@ -34,8 +34,9 @@ REQUESTS = [  # prompt, temperature, max_tokens, seed
 ]
 
 
-async def generate(engine, windows: bool):
-    """All requests at once; with ``windows``, suspend and resume every few loop turns."""
+async def generate(engine, windows: bool, requests=None):
+    """All ``requests`` ((prompt, temperature, max_tokens, seed); default ``REQUESTS``) at once;
+    with ``windows``, suspend and resume every few loop turns."""
     from megatron.rl.wire import SamplingParams
 
     engine.start()
@@ -43,7 +44,7 @@ async def generate(engine, windows: bool):
         asyncio.ensure_future(
             engine.generate(p, SamplingParams(temperature=t, max_tokens=n), seed=s)
         )
-        for p, t, n, s in REQUESTS
+        for p, t, n, s in (REQUESTS if requests is None else requests)
     ]
     try:
         while not all(t.done() for t in tasks):

@@ -67,30 +67,6 @@ class RouteCapture:
         self.runner.end_window(idle)
 
 
-async def generate(engine, windows: bool):
-    """All requests at once; with ``windows``, suspend and resume every few loop turns."""
-    from megatron.rl.wire import SamplingParams
-
-    engine.start()
-    tasks = [
-        asyncio.ensure_future(
-            engine.generate(p, SamplingParams(temperature=t, max_tokens=n), seed=s)
-        )
-        for p, t, n, s in REQUESTS
-    ]
-    try:
-        while not all(t.done() for t in tasks):
-            engine.resume()
-            for _ in range(3 if windows else 10_000):
-                await asyncio.sleep(0)
-            if windows:
-                engine.suspend()
-                engine.steps.stop_followers()
-        return [t.result() for t in tasks]
-    finally:
-        await engine.aclose()
-
-
 def full_forward_routes(model, tokens: list[int], device: str) -> torch.Tensor:
     """(T, L, k) routes of one forward of ``tokens`` (batch of one: router row t is token t)."""
     from megatron.rl.models.routing_replay import recorded_routes, start_recording
@@ -139,6 +115,7 @@ def main() -> None:
     else:
         torch.cuda.set_device(0)
     from grpo_testing.distributed import init_single_rank_world
+    from grpo_testing.emulated_dynamic_engine import generate
     from grpo_testing.hf_models import build_hf_model
 
     from megatron.rl.inference.cpu.kv_cache import KVCache
@@ -158,12 +135,12 @@ def main() -> None:
     local = ContinuousBatchingScheduler(
         StepGroup(KVCacheRowRunner(model, cache, hf.vocab_size)), schedule, lambda: 0
     )
-    want = asyncio.run(generate(local, windows=False))
+    want = asyncio.run(generate(local, windows=False, requests=REQUESTS))
     for windows in (False, True):
         config = DynamicEngineConfig(n, 32, eos_id=2, block_size_tokens=8, record_routing=True)
         capture = RouteCapture(de.dynamic_row_runner(model, config, hf.vocab_size, a.vocab_size))
         engine = ContinuousBatchingScheduler(StepGroup(capture), schedule, lambda: 0)
-        got = asyncio.run(generate(engine, windows))
+        got = asyncio.run(generate(engine, windows, requests=REQUESTS))
         diff = max(abs(x - y) for g, w in zip(got, want) for x, y in zip(g.logprobs, w.logprobs))
         run = {
             "windows": windows,
