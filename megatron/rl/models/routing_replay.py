@@ -38,6 +38,7 @@ __all__ = [
     "routing_replays",
     "set_routing_targets",
     "start_recording",
+    "stop_recording",
 ]
 
 
@@ -117,6 +118,12 @@ def start_recording(model: torch.nn.Module) -> None:
         replay.record, replay.recorded = True, None
 
 
+def stop_recording(model: torch.nn.Module) -> None:
+    """Make ``model``'s routers stop keeping their top-k and drop the last record."""
+    for replay in routing_replays(model):
+        replay.record, replay.recorded = False, None
+
+
 def recorded_routes(model: torch.nn.Module) -> torch.Tensor | None:
     """(rows, L, k) int16 experts of the last forward of every router (rows: the forward's tokens
     sequence-major); None for a dense model or before a recorded forward."""
@@ -187,9 +194,8 @@ def routing_mismatch(model: torch.nn.Module) -> tuple[int, int]:
 
 def clear_routing(model: torch.nn.Module) -> None:
     """Stop recording, comparing and replaying on every router of ``model`` (its mode stays)."""
-    for r in routing_replays(model):
-        r.record, r.recorded, r.target, r.replay = False, None, None, False
-        r.known, r.differs = [], []
+    stop_recording(model)
+    clear_targets(model)
 
 
 def clear_targets(model: torch.nn.Module) -> None:

@@ -29,7 +29,12 @@ from megatron.rl.inference.cpu.kv_cache import KVCache
 from megatron.rl.inference.protocol import RowResult, RowWork
 from megatron.rl.inference.sampling import sample_tokens, token_uniform
 from megatron.rl.models.lockstep import agreed_counts, expert_lockstep_group, padding_forward
-from megatron.rl.models.routing_replay import recorded_routes, routing_replays, start_recording
+from megatron.rl.models.routing_replay import (
+    recorded_routes,
+    routing_replays,
+    start_recording,
+    stop_recording,
+)
 
 if TYPE_CHECKING:
     from megatron.rl.inference.backends import RunnerInputs
@@ -229,8 +234,7 @@ class KVCacheRowRunner:
         right-padded (B, width) rows (router rows are sequence-major: ``s * B + b``); stops the
         recording."""
         recorded = recorded_routes(self.model)  # (width * B, L, k)
-        for replay in routing_replays(self.model):
-            replay.record, replay.recorded = False, None
+        stop_recording(self.model)
         batch = len(rows)
         if recorded is None or recorded.shape[0] != width * batch:
             got = None if recorded is None else tuple(recorded.shape)
