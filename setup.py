@@ -44,6 +44,7 @@ setup(
             "math-verify>=0.8,<1",
             "gguf>=0.17,<1",  # SmolLM2-135M-Instruct's GGUF file -> the real-model tests' fixture
             "accelerate>=1.0,<2",
+            "peft>=0.17,<1",  # the LoRA round-trip tests load our adapters with PEFT (0.21.2)
         ],
         # Hugging Face checkpoints and tokenizers (megatron/rl/models/hf, HuggingFaceTokenizer;
         # tested: transformers 5.23.0, safetensors 0.8.0, tokenizers 0.23.3 with torch 2.13.0 CPU
@@ -55,6 +56,7 @@ setup(
             "tokenizers>=0.23.1,<0.24",
             "gguf>=0.17,<1",
             "accelerate>=1.0,<2",
+            "peft>=0.17,<1",  # --save-lora / --lora-checkpoint directories load with PEFT
         ],
         # the LLM judge (agent_type llm_judge, reward function llm_judge) calls any
         # OpenAI-compatible endpoint with the openai client (tested: openai 3.57.0); a reward

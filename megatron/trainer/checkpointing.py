@@ -137,9 +137,15 @@ def iteration_dir(root: str | Path, iteration: int) -> Path:
 
 
 def saved_args(cfg: RunConfig) -> dict[str, Any]:
-    """The scalar options (by argparse dest, the architecture resolved) and derived values
-    stored with a checkpoint; options set to None are left out."""
-    return {k: v for k, v in cfg.flat().items() if isinstance(v, (bool, int, float, str))}
+    """The scalar options (by argparse dest, the architecture resolved), lists of scalars (as
+    tuples: ``--lora-target-modules``) and derived values stored with a checkpoint; options set
+    to None are left out."""
+    scalar = (bool, int, float, str)
+    return {
+        k: v
+        for k, v in cfg.flat().items()
+        if isinstance(v, scalar) or (isinstance(v, tuple) and all(isinstance(x, scalar) for x in v))
+    }
 
 
 def resume_mismatches(saved: dict[str, Any], cfg: RunConfig) -> list[str]:

@@ -45,6 +45,7 @@ from megatron.trainer.flags import run_file
 from megatron.trainer.flags.rollouts import env_config_problems
 from megatron.trainer.flags.run import RunConfig
 from megatron.trainer.hf_io import save_hf, weight_loader
+from megatron.trainer.lora import save_lora
 from megatron.trainer.initialize import (
     ParallelContext,
     initialize_distributed,
@@ -220,11 +221,13 @@ def train(cfg: RunConfig, missing_kernels: set[str] = frozenset()) -> None:
                 stop = rollouts.stop_requested()  # a signal on any rank (collective)
                 if end_of_collection(run, iteration + 1, rollouts, stop, watchdog):
                     break  # --exit-interval
-        watchdog.begin("the end of the run (--save-hf, summary)")
+        watchdog.begin("the end of the run (--save-hf, --save-lora, summary)")
         if cfg.model.save_hf is not None:  # the policy as a Hugging Face directory
             arch = architecture(cfg, run.tokenizer.vocab_size)
             rows = cfg.hf.vocab_size if cfg.hf else run.tokenizer.vocab_size
             save_hf(cfg, run.state.model, arch, rows, ctx)
+        if cfg.lora.save_lora is not None:  # the adapters as a PEFT directory
+            save_lora(cfg, run.state.model, ctx)
         if writer is not None:
             plot = report.write_curves(writer.records, plot_file(cfg)) if plot_file(cfg) else None
             seconds = time.monotonic() - started
@@ -257,11 +260,12 @@ def start_watchdog(cfg: RunConfig, ctx: ParallelContext) -> Watchdog:
 def print_header(run: Run, agent: Agent, missing_kernels: set[str]) -> None:
     """What runs, where it writes (rank 0; counting the parameters is collective)."""
     parameters = report.parameter_count(run.state.model, run.ctx.tp_group)
+    trainable = report.parameter_count(run.state.model, run.ctx.tp_group, trainable=True)
     if run.ctx.is_main:
         arch = architecture(run.cfg, run.tokenizer.vocab_size)
         text = report.header(
             run.cfg, arch, parameters, run.tokenizer, agent, run.tier.describe(),
-            missing_kernels, plot_file(run.cfg),
+            missing_kernels, plot_file(run.cfg), trainable,
         )  # fmt: skip
         print(text, flush=True)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from megatron.core.utils import unwrap_model
 
+from megatron.rl.lora.model import merged_state_dict
 from megatron.rl.models.architecture import GPTArchitecture
 from megatron.rl.models.hf import (
     HFCheckpointError,
@@ -53,11 +54,13 @@ def save_hf(
     ctx: ParallelContext,
 ) -> Path | None:
     """Write the policy to ``--save-hf`` (collective over TP; rank 0 writes); its path on rank 0.
+    A LoRA policy is written merged: each adapted weight is ``W + (alpha / rank) * B @ A``.
 
     ``vocab_size``: the embedding rows to keep (the checkpoint's when the run loaded one, else
     the tokenizer's).
     """
-    shards = gather_tensor_parallel_state_dicts(unwrap_model(model), ctx.tp_group)
+    merged = merged_state_dict(model)  # with LoRA: W + scale * B @ A; else the weights as they are
+    shards = gather_tensor_parallel_state_dicts(unwrap_model(model), ctx.tp_group, merged)
     if not ctx.is_main:
         return None
     family = cfg.hf.family if cfg.hf is not None else export_family(arch)

@@ -9,12 +9,18 @@ shape must match to resume), the reference copies those initial weights, and onl
 ``--load`` overwrite the policy; ``--ref-load`` is simply read again. Building it does not advance
 the run's RNG streams, so a run with the KL term draws the same random numbers as one without.
 The policy reads it through ``Policy.get_reference_policy_logprobs``.
+
+With LoRA (``--lora-rank``) and no ``--ref-load`` the reference is the policy model itself: its
+base weights are frozen, and the policies run reference forwards with every adapter off
+(``megatron.rl.lora.model.base_model``); no second copy of the weights exists.
 """
 
 from __future__ import annotations
 
 import torch
 from megatron.core.utils import unwrap_model
+
+from megatron.rl.lora.model import lora_adapters
 
 from megatron.trainer.checkpointing import iteration_dir, latest_iteration, read_guarded
 from megatron.trainer.flags.run import RunConfig
@@ -36,6 +42,8 @@ def build_reference_model(
     """
     if not needs_reference:
         return None
+    if lora_adapters(policy) is not None and cfg.grpo.ref_load is None:
+        return policy  # the base is frozen in the policy: adapters off (``lora.base_model``)
     devices = [ctx.device] if ctx.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):  # a guard: building draws nothing (no init)
         reference = tier.build_reference(vocab_size, initialize=False)  # every tensor loaded below

@@ -28,11 +28,15 @@ from megatron.trainer import kernels
 from megatron.trainer.flags.run import RunConfig
 
 
-def parameter_count(model: torch.nn.Module, tp_group: dist.ProcessGroup | None) -> int:
-    """Parameters of the whole model: each tensor-parallel shard once, summed over TP and PP
-    (collective)."""
+def parameter_count(
+    model: torch.nn.Module, tp_group: dist.ProcessGroup | None, trainable: bool = False
+) -> int:
+    """Parameters of the whole model (``trainable``: only those with a gradient, the adapters of
+    a LoRA model): each tensor-parallel shard once, summed over TP and PP (collective)."""
     count = sum(
-        p.numel() for p in model.parameters() if param_is_not_tensor_parallel_duplicate(p, tp_group)
+        p.numel()
+        for p in model.parameters()
+        if param_is_not_tensor_parallel_duplicate(p, tp_group) and (p.requires_grad or not trainable)
     )
     total = torch.tensor([count], dtype=torch.long)
     groups = [tp_group] if tp_group is not None and dist.get_world_size(tp_group) > 1 else []
@@ -76,8 +80,10 @@ def header(
     tier_line: str,
     missing_kernels: set[str],
     plot_file: Path | None,
+    trainable: int | None = None,
 ) -> str:
-    """The lines printed before the first step."""
+    """The lines printed before the first step (``trainable``: the parameters trained, when
+    not all of them)."""
     agents = agent.agents if isinstance(agent, MixtureAgent) else [agent]
     weights = agent.weights if isinstance(agent, MixtureAgent) else (1.0,)
     total = sum(weights) or 1.0
@@ -104,13 +110,30 @@ def header(
         f"outputs      metrics {cfg.logging.metrics_file or '(log only)'}, checkpoints "
         f"{cfg.checkpointing.save or '(none)'}"
         + (f", Hugging Face export {cfg.model.save_hf}" if cfg.model.save_hf else "")
+        + (f", PEFT adapters {cfg.lora.save_lora}" if cfg.lora.save_lora else "")
         + (f", curves {plot_file}" if plot_file else ""),
     ]
+    if cfg.lora.enabled:
+        lines.insert(1, lora_line(cfg, parameters, trainable))
     if missing_kernels:
         lines.append(kernels_line(missing_kernels))
     if kernels.notices():
         lines.append(notices_line(kernels.notices()))
     return "\n".join(lines)
+
+
+def lora_line(cfg: RunConfig, parameters: int, trainable: int | None) -> str:
+    """The header line of a LoRA run: rank, scale, targets, what trains and what is frozen."""
+    lora = cfg.lora
+    share = f" ({trainable / parameters:.2%} of all)" if trainable and parameters else ""
+    count = f"{trainable / 1e6:.3f}M trainable{share}" if trainable is not None else "adapters"
+    base = "bf16" if cfg.training.bf16 else "fp32"
+    start = f", from {lora.lora_checkpoint}" if lora.lora_checkpoint else f", init {lora.lora_init}"
+    return (
+        f"lora         rank {lora.lora_rank}, alpha {lora.lora_alpha:g} (scale "
+        f"{lora.lora_alpha / lora.lora_rank:g}) on {' '.join(lora.lora_target_modules)}{start}: "
+        f"{count}; base frozen ({base} linear weights), reference = base"
+    )
 
 
 def endpoint_line(url: str, key_source: str) -> str:
@@ -152,7 +175,8 @@ def summary(
         f"min(batch, {lag}) collections after its submission",
     ]
     written = [("metrics", cfg.logging.metrics_file), ("checkpoints", cfg.checkpointing.save)]
-    written += [("Hugging Face export", cfg.model.save_hf), ("curves", plot_file)]
+    written += [("Hugging Face export", cfg.model.save_hf), ("PEFT adapters", cfg.lora.save_lora)]
+    written += [("curves", plot_file)]
     lines += [f"{name:<12} {path}" for name, path in written if path]
     return "\n".join(lines)
 

@@ -12,8 +12,8 @@ linear-cross-entropy kernels do, ``chunked_token_outputs`` never holds (tokens, 
   are kept.
 * backward, per chunk: z and p = exp(z - lse) recomputed from the saved hidden states, then
   dL/dz = g_lp (onehot(y) - p) - g_H p (log p + H), divided by T; dL/dh = dL/dz W (all-reduced
-  over tensor parallelism, as megatron-core's column-parallel input copy does) and
-  dL/dW += dL/dz^T h.
+  over tensor parallelism, as megatron-core's column-parallel input copy does) and, unless the
+  output layer is frozen (LoRA), dL/dW += dL/dz^T h.
 
 So the peak of the head is a few (c, V/tp) float32 tensors instead of several (N, V/tp). Under
 ``torch.autocast`` the products run in the autocast dtype (bfloat16 on the CPU tier's ``--bf16``),
@@ -101,7 +101,10 @@ class _ChunkedHead(torch.autograd.Function):
         head = _Head(weight, vocab_size, tp_group, dtype)
         operands = head.operand(hidden)
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        wants_weight = ctx.needs_input_grad[1]  # a frozen output layer (LoRA) needs no dL/dW
+        grad_weight = None
+        if wants_weight:
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         g_lp = grad_logprobs.float() if grad_logprobs is not None else None
         g_h = grad_entropy.float() if with_entropy and grad_entropy is not None else None
         for s in range(0, hidden.shape[0], chunk):
@@ -116,12 +119,15 @@ class _ChunkedHead(torch.autograd.Function):
                 log_p = head.finite(z - lse[s:e, None])
                 grad_z.sub_(p * (log_p + entropy[s:e, None]) * g_h[s:e, None])
             grad_z.mul_(inv_temp[s:e, None])
-            g_hidden, g_weight = head.backward(grad_z, operands[s:e])
+            g_hidden, g_weight = head.backward(grad_z, operands[s:e], wants_weight)
             grad_hidden[s:e] = g_hidden  # cast to the hidden states' dtype
-            grad_weight += g_weight
+            if wants_weight:
+                grad_weight += g_weight
         if head.tp_size > 1:
             dist.all_reduce(grad_hidden, group=tp_group)
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None, None, None
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 class _Head:
@@ -185,10 +191,11 @@ class _Head:
         local, held = self._local(targets)
         grad_z.scatter_add_(-1, local[:, None], torch.where(held, g, torch.zeros_like(g))[:, None])
 
-    def backward(self, grad_z: torch.Tensor, hidden: torch.Tensor):
-        """(dL/dh (c, H), dL/dW (V/tp, H) float32) of one chunk (``hidden`` an operand)."""
+    def backward(self, grad_z: torch.Tensor, hidden: torch.Tensor, weight_grad: bool = True):
+        """(dL/dh (c, H), dL/dW (V/tp, H) float32, or None without ``weight_grad``) of one
+        chunk (``hidden`` an operand)."""
         grad_z = self.operand(grad_z)
         with torch.autocast(self.weight.device.type, enabled=False):
             g_hidden = torch.matmul(grad_z, self.weight)
-            g_weight = torch.matmul(grad_z.t(), hidden)
-        return g_hidden, g_weight.float()
+            g_weight = torch.matmul(grad_z.t(), hidden).float() if weight_grad else None
+        return g_hidden, g_weight

@@ -16,6 +16,8 @@ OUTPUT_PATHS = (
     ("--tensorboard-dir", "dir"),
     ("--metrics-file", "file"),
     ("--val-dump-dir", "dir"),
+    ("--save-hf", "dir"),
+    ("--save-lora", "dir"),
 )
 """Every path the run writes, checked at start-up (before anything is built)."""
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from megatron.trainer.flags.lora import resolve_lora
 from megatron.trainer.flags.model import (
     Model,
     architecture_flags,
@@ -52,13 +53,15 @@ def resolve(
     if not unreadable and (missing := tokenizer_directory_problem(model)) is not None:
         errors.append(missing)
     arch = architecture_flags(model, hf)
+    lora, lora_errors = resolve_lora(s["lora"], explicit, gated=bool(arch["swiglu"]))
+    errors += lora_errors
     rollouts = s["grpo"].prompts_per_step * s["grpo"].group_size
     training = training_with_defaults(s["training"], rollouts)
     parallelism = parallelism_with_defaults(
         s["parallelism"], s["training"].watchdog_timeout_minutes
     )
     run = RunConfig(
-        **{**s, "model": model, "training": training, "parallelism": parallelism},
+        **{**s, "model": model, "lora": lora, "training": training, "parallelism": parallelism},
         world_size=world_size,
         started=time.strftime("%Y%m%d-%H%M%S"),
         hf=hf,
@@ -251,6 +254,7 @@ def _across_sections(run: RunConfig, cuda: bool) -> list[str]:
         errors.append(problem)
     if run.model.save_hf is not None:
         errors += _export_problems(run)
+    errors += _lora_problems(run)
     if cuda and run.training.use_sequence_packing:
         from megatron.rl.models.gpt_spec import transformer_engine_importable
 
@@ -278,6 +282,34 @@ def _export_problems(run: RunConfig) -> list[str]:
         why = exportable(gpt_architecture(run.model, None, vocab_size=1))
         if why is not None:
             errors.append(f"--save-hf: this model has no Hugging Face equivalent: {why}")
+    return errors
+
+
+def _lora_problems(run: RunConfig) -> list[str]:
+    """LoRA against the model and the exports."""
+    lora = run.lora
+    if not lora.enabled:
+        return []
+    errors = []
+    mlp = [t for t in lora.lora_target_modules if t in ("gate_proj", "up_proj", "down_proj")]
+    if run.architecture_flags["num_experts"] is not None and mlp:
+        errors.append(
+            f"--lora-target-modules: the MLP projections ({', '.join(mlp)}) of a "
+            "mixture-of-experts model are experts, which take no adapters; give "
+            "--lora-target-modules linear_qkv linear_proj (the attention)"
+        )
+    if lora.save_lora is not None:
+        if run.parallelism.pipeline_model_parallel_size != 1:
+            errors.append("--save-lora supports --pipeline-model-parallel-size 1 only")
+        if run.hf is None:
+            from megatron.rl.models.hf.config import exportable
+
+            why = exportable(gpt_architecture(run.model, None, vocab_size=1))
+            if why is not None:
+                errors.append(
+                    f"--save-lora: this model has no Hugging Face equivalent for PEFT to load "
+                    f"the adapters onto: {why}"
+                )
     return errors
 
 

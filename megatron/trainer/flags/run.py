@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from megatron.trainer.flags.evaluation import Evaluation
 from megatron.trainer.flags.grpo import GRPO, term_options, term_weights
+from megatron.trainer.flags.lora import LoRA
 from megatron.trainer.flags.model import (
     ARCHITECTURE_FLAGS,
     Model,
@@ -33,6 +34,7 @@ SECTIONS: tuple[tuple[str, type[Section]], ...] = (
     ("rollouts", Rollouts),
     ("training", Training),
     ("model", Model),
+    ("lora", LoRA),
     ("checkpointing", Checkpointing),
     ("grpo", GRPO),
     ("evaluation", Evaluation),
@@ -50,6 +52,7 @@ class RunConfig:
     rollouts: Rollouts = field(default_factory=Rollouts)
     training: Training = field(default_factory=Training)
     model: Model = field(default_factory=Model)
+    lora: LoRA = field(default_factory=LoRA)
     checkpointing: Checkpointing = field(default_factory=Checkpointing)
     grpo: GRPO = field(default_factory=GRPO)
     evaluation: Evaluation = field(default_factory=Evaluation)

@@ -38,6 +38,14 @@ import torch
 
 from megatron.rl.grpo.batch import TrainBatch
 from megatron.rl.inference.backends import RunnerInputs
+from megatron.rl.lora.model import (
+    base_fingerprint,
+    base_model,
+    is_adapter_key,
+    load_trainable_state_dict,
+    lora_adapters,
+    trainable_state_dict,
+)
 from megatron.rl.models.lockstep import agreed_counts, expert_lockstep_group, padding_forward
 from megatron.rl.models.moe import set_aux_loss_scale
 from megatron.rl.models.recompute import recompute_layers
@@ -60,6 +68,7 @@ from megatron.trainer.forward import (
     routes_cleared,
 )
 from megatron.trainer.initialize import ParallelContext
+from megatron.trainer.lora import attach_adapters
 from megatron.trainer.moe_step import (
     MoEStepStats,
     set_micro_batch_aux_loss_scale,
@@ -113,11 +122,16 @@ class CPUTier(Tier):
 
     def build_model(self, vocab_size, load=None):
         """Float32 GPT with the SDPA core attention on ``ctx.device``; ``load`` fills its
-        weights (every tensor, so the random initialization is skipped then)."""
+        weights (every tensor, so the random initialization is skipped then). With LoRA the base
+        is frozen and gets its adapters (``megatron/trainer/lora.py``); its frozen linear weights
+        are stored transposed for the engine's products, in bfloat16 under ``--bf16`` (the values
+        autocast computes with)."""
         device = self.ctx.device
         model = model_provider.build_model(self.cfg, vocab_size, device, initialize=load is None)
         if load is not None:
             load(model)
+        base_dtype = torch.bfloat16 if self.cfg.training.bf16 else None  # with LoRA: frozen
+        attach_adapters(model, self.cfg, store_base=True, base_dtype=base_dtype)
         if self.cfg.training.recompute_granularity == "full":
             recompute_layers(model)
         configure_routing(model, self.cfg.model.routing_mode)  # the engine's routes: R3
@@ -188,7 +202,8 @@ class CPUPolicy(Policy):
             raise no_reference_error()
         reference = self.reference
         outputs = self._logprobs(reference)
-        (logprobs,) = self._forward_only(reference, data, micro_batch_size, outputs)
+        with base_model(reference):  # a LoRA policy's own base: adapters off
+            (logprobs,) = self._forward_only(reference, data, micro_batch_size, outputs)
         return logprobs
 
     def get_topk_logits(self, data, k, micro_batch_size=None):
@@ -306,6 +321,36 @@ class CPUPolicy(Policy):
                 (logits.float().sum() * 0.0).backward()
 
 
+def load_model_state(model: torch.nn.Module, payload: dict, root: Path, flag: str) -> None:
+    """A shard's model tensors into ``model``: the whole state dict, or with LoRA the adapters
+    (their base must be the one they were trained on: ``lora_base``); a full model's shard
+    into a LoRA model (``--finetune``) loads its weights as the base, the adapters as they
+    start. ``SystemExit`` naming ``flag`` and ``root`` when the tensors do not fit."""
+    saved = payload["model"]
+    lora_saved = any(is_adapter_key(k) for k in saved)
+    lora_model = lora_adapters(model) is not None
+    try:
+        if lora_saved and not lora_model:
+            raise ValueError(
+                "the checkpoint holds LoRA adapters only (a run with --lora-rank "
+                f"{payload['cfg'].get('lora_rank')}): give the same LoRA flags and its base"
+            )
+        if lora_model and not lora_saved:  # a full model's weights as the frozen base
+            missing, unexpected = model.load_state_dict(saved, strict=False)
+            if unexpected or any(not is_adapter_key(k) for k in missing):
+                raise ValueError(f"missing {missing[:4]}, unexpected {unexpected[:4]}")
+            return
+        if lora_model and payload.get("lora_base") != base_fingerprint(model):
+            raise ValueError(
+                "the adapters were trained on another base model (the base weights' fingerprint "
+                f"{payload.get('lora_base')} differs from this run's {base_fingerprint(model)}): "
+                "give the --hf-checkpoint (or --seed and model flags) of the run that saved them"
+            )
+        load_trainable_state_dict(model, saved)
+    except (RuntimeError, ValueError) as exc:
+        raise SystemExit(f"{flag} {root}: the weights do not fit this model: {exc}") from None
+
+
 class TorchShards(CheckpointShards):
     """``iter_XXXXXXX/mp_rank_XX/model_optim_rng.pt``: one file per TP rank (DP rank 0 writes);
     with expert parallelism ``mp_rank_XX_YYY`` per (TP, EP) rank (expert-DP rank 0 writes: each
@@ -332,13 +377,15 @@ class TorchShards(CheckpointShards):
             "iteration": iteration,
             "tensor_model_parallel_size": self.ctx.tp_size,
             "expert_model_parallel_size": self.ctx.ep_size,
-            "model": state.model.state_dict(),
+            "model": trainable_state_dict(state.model),  # the adapters only, with LoRA
             "optimizer": state.optimizer.state_dict(),
             "scheduler": state.scheduler.state_dict(),
             "torch_rng": torch.get_rng_state(),
             "python_rng": repr(random.getstate()),
             "cfg": cfg,
         }
+        if lora_adapters(state.model) is not None:  # what names the base: its fingerprint
+            payload["lora_base"] = base_fingerprint(state.model)
         write_atomic(path, lambda tmp: torch.save(payload, tmp))
 
     def read(
@@ -352,7 +399,7 @@ class TorchShards(CheckpointShards):
         schedule and RNG."""
         payload = self._load(directory, "--load")
         check_args(payload["cfg"])
-        state.model.load_state_dict(payload["model"])
+        load_model_state(state.model, payload, directory.parent, "--load")
         if options.optimizer:
             load_optimizer_state(state.optimizer, payload["optimizer"])
             state.scheduler.load_state_dict(payload["scheduler"])
@@ -363,11 +410,7 @@ class TorchShards(CheckpointShards):
     def read_model(self, directory: Path, model: torch.nn.Module, flag: str) -> None:
         """Load only the model weights of this rank's shard (``--ref-load``)."""
         payload = self._load(directory, flag)
-        try:
-            model.load_state_dict(payload["model"])
-        except RuntimeError as exc:
-            root = directory.parent
-            raise SystemExit(f"{flag} {root}: the weights do not fit this model: {exc}") from None
+        load_model_state(model, payload, directory.parent, flag)
 
     def _load(self, directory: Path, flag: str) -> dict:
         root, path = directory.parent, self.path(directory)

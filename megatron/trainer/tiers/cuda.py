@@ -49,6 +49,7 @@ from megatron.rl.models.architecture import (
 from megatron.rl.models.gpt_spec import SDPASpecProvider, select_backend
 from megatron.rl.models.routing_replay import configure_routing
 from megatron.trainer.checkpointing import CheckpointShards
+from megatron.trainer.lora import attach_adapters
 from megatron.trainer.model_provider import architecture, padded_vocab_size, parallel_overrides
 from megatron.trainer.optimizer import build_scheduler
 from megatron.trainer.tiers.base import Tier
@@ -144,9 +145,14 @@ class CUDATier(Tier):
 
     # ----------------------------------------------------------------- model, optimizer
 
-    def _stage_model(self, vocab_size, load=None, initialize=True) -> torch.nn.Module:
+    def _stage_model(
+        self, vocab_size, load=None, initialize=True, adapters=False
+    ) -> torch.nn.Module:
         """This stage's GPT on the current CUDA device (``load`` fills its weights before it is
-        cast), in bf16 if asked (``Float16Module``); ``initialize=False``: no random init."""
+        cast), in bf16 if asked (``Float16Module``); ``initialize=False``: no random init;
+        ``adapters``: the run's LoRA adapters, base frozen (``megatron/trainer/lora.py``; under
+        ``--bf16`` ``Float16Module`` casts them too and the optimizer keeps float32 main copies,
+        as for every trained parameter)."""
         cfg = self.cfg
         arch = architecture(cfg, vocab_size)
         config = cuda_transformer_config(cfg, arch, self.transformer_engine, initialize)
@@ -160,6 +166,8 @@ class CUDATier(Tier):
         model.to(self.ctx.device)
         if load is not None:
             load(model)
+        if adapters:
+            attach_adapters(model, cfg)
         if config.bf16:
             model = Float16Module(config, model)
         return model
@@ -167,7 +175,7 @@ class CUDATier(Tier):
     def build_model(self, vocab_size, load=None):
         """This stage's GPT (``_stage_model``) wrapped in DDP."""
         cfg = self.cfg
-        model = self._stage_model(vocab_size, load, initialize=load is None)  # load fills all
+        model = self._stage_model(vocab_size, load, initialize=load is None, adapters=True)
         config = model.config
         ddp = DistributedDataParallel(config=config, ddp_config=ddp_config(cfg), module=model)
         config.no_sync_func = ddp.no_sync

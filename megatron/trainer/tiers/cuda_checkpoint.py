@@ -10,7 +10,8 @@ Every rank writes its shards of the model (keys of the unwrapped ``GPTModel``, s
 does not depend on ``--bf16`` or DDP wrapping) and of the optimizer (``fully_reshardable``: a
 checkpoint loads into any TP/PP/DP layout and with or without ``--use-distributed-optimizer``).
 The LR schedule, the iteration and the flags go to the common part; each model-parallel rank's RNG
-states go to a sharded object. dist_checkpointing's save calls ``torch.cuda.synchronize`` and
+states go to a sharded object. With LoRA only the adapters (and their optimizer state) are saved:
+the frozen base is rebuilt from ``--hf-checkpoint`` (or the seed) as the run that saved them did. dist_checkpointing's save calls ``torch.cuda.synchronize`` and
 therefore runs on CUDA only.
 """
 
@@ -26,6 +27,7 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.utils import unwrap_model
 
+from megatron.rl.lora.model import is_adapter_key, load_trainable_state_dict, lora_adapters
 from megatron.trainer.checkpointing import CheckpointShards, LoadOptions, TrainState
 from megatron.trainer.initialize import ParallelContext
 
@@ -44,7 +46,7 @@ class DistShards(CheckpointShards):
 
     def write(self, directory: Path, iteration: int, state: TrainState, cfg: dict) -> None:
         """Every rank writes its shards; the common part holds the schedule and the flags."""
-        model_sd = unwrap_model(state.model).sharded_state_dict()
+        model_sd = _model_sharded(state.model)
         payload = {
             "model": model_sd,
             "optimizer": state.optimizer.sharded_state_dict(model_sd, metadata=OPTIMIZER_METADATA),
@@ -70,8 +72,7 @@ class DistShards(CheckpointShards):
             )
         common = dist_checkpointing.load_common_state_dict(str(directory))
         check_args(common.get("cfg", {}))
-        unwrapped = unwrap_model(state.model)
-        model_sd = unwrapped.sharded_state_dict()
+        model_sd = _model_sharded(state.model)
         sharded = {"model": model_sd}
         if options.optimizer:
             sharded["optimizer"] = state.optimizer.sharded_state_dict(
@@ -80,7 +81,7 @@ class DistShards(CheckpointShards):
         if options.rng:
             sharded["rng_state"] = _rng_object(None)
         loaded = dist_checkpointing.load(sharded, str(directory), sharded_strategy=None)
-        unwrapped.load_state_dict(loaded["model"])
+        load_trainable_state_dict(state.model, loaded["model"])
         if options.optimizer:
             state.optimizer.load_state_dict(loaded["optimizer"])
             state.scheduler.load_state_dict(loaded["scheduler"])
@@ -97,6 +98,15 @@ class DistShards(CheckpointShards):
         sharded = {"model": unwrapped.sharded_state_dict()}
         loaded = dist_checkpointing.load(sharded, str(directory), sharded_strategy=None)
         unwrapped.load_state_dict(loaded["model"])
+
+
+def _model_sharded(model: torch.nn.Module) -> dict:
+    """The model's ``sharded_state_dict``: with LoRA the adapters' tensors only (the frozen base
+    is the run's ``--hf-checkpoint`` or seed, not saved)."""
+    sharded = unwrap_model(model).sharded_state_dict()
+    if lora_adapters(model) is None:
+        return sharded
+    return {k: v for k, v in sharded.items() if is_adapter_key(k)}
 
 
 def _rng_object(state: Any) -> ShardedObject:

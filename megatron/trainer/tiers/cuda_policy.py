@@ -38,6 +38,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron.rl.grpo.batch import TrainBatch
 from megatron.rl.grpo.packing import pack_sequences
+from megatron.rl.lora.model import base_model
 from megatron.trainer.checkpointing import TrainState
 from megatron.trainer.forward import (
     ModelInputs,
@@ -118,7 +119,8 @@ class CUDAPolicy(Policy):
         """``get_logprobs`` of the reference model (no DDP, eval mode)."""
         if self.reference is None:
             raise no_reference_error()
-        return self._forward_only(self.reference, data, micro_batch_size, self._logprobs)[0]
+        with base_model(self.reference):  # a LoRA policy's own base: adapters off
+            return self._forward_only(self.reference, data, micro_batch_size, self._logprobs)[0]
 
     def get_topk_logits(self, data, k, micro_batch_size=None):
         """Each micro-batch's vocab-parallel top-k on the last stage, broadcast and gathered."""

@@ -42,6 +42,8 @@ from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.identity_op import IdentityOp
 
 from megatron.rl.inference.cpu.kv_cache import KVCacheStep
+from megatron.rl.lora.adapter import LinearAdapter
+from megatron.rl.lora.model import LoRAAdapters, lora_adapters
 from megatron.rl.models.gpt_spec import SDPAColumnParallelLinear, SDPARowParallelLinear
 
 _NORMS = (torch.nn.LayerNorm, torch.nn.RMSNorm)
@@ -77,6 +79,8 @@ class _Layer:
     pre_mlp_norm: torch.nn.Module
     fc1: torch.nn.Module
     fc2: torch.nn.Module
+    adapters: dict[str, LinearAdapter]
+    """LoRA adapters of the layer's linear layers (``linear_qkv``, ...; empty: none)."""
 
 
 class TransposedWeights:
@@ -85,6 +89,9 @@ class TransposedWeights:
     On this CPU a (64, k) x (k, n) product with the weight stored (n, k) and transposed runs at
     ~75% of the speed of the same product with a contiguous (k, n) copy (``tools/benchmarks``
     decode profile); a copy per weight costs the linear layers' memory once more.
+
+    A weight already stored as its contiguous transpose in the wanted dtype (a LoRA run's frozen
+    base, ``megatron.rl.lora.model.store_frozen_linear_weights``) is used as it is, without a copy.
 
     A copy is valid until the weight changes: ``clear`` drops them all (the runner calls it when
     a generation window ends, the only time the trainer updates weights), and each lookup also
@@ -107,6 +114,8 @@ class TransposedWeights:
                 return copy
         dtype = self.dtype or weight.dtype
         source = weight.detach().t()
+        if source.is_contiguous() and source.dtype == dtype:  # stored so (a frozen LoRA base)
+            return source
         copy = torch.empty(source.shape, dtype=dtype, device=source.device).copy_(source)
         self._copies[id(weight)] = (weight, weight._version, weight.data_ptr(), copy)
         return copy
@@ -142,6 +151,8 @@ class CachedForward:
         self.compute_dtype = compute_dtype
         """The autocast dtype the caller runs it under (None: the weights' own)."""
         self.transposed = TransposedWeights(compute_dtype)
+        self.lora = lora_adapters(model)
+        """The model's LoRA adapters (None: none), added while they are active."""
 
     @classmethod
     def of(
@@ -174,7 +185,8 @@ class CachedForward:
         final_norm = getattr(model.decoder, "final_layernorm", None)
         if not isinstance(final_norm, _NORMS) or not _plain_column(model.output_layer):
             return None
-        layers = [_layer_modules(layer) for layer in model.decoder.layers]
+        adapters = lora_adapters(model)
+        layers = [_layer_modules(layer, adapters) for layer in model.decoder.layers]
         if any(layer is None for layer in layers):
             return None
         return cls(model, layers, tp_group, compute_dtype)
@@ -219,9 +231,10 @@ class CachedForward:
         query, key, value = self._qkv(layer, x, rotary)  # (N, 1, heads|groups, d)
         context = step.attend_packed(index, query[:, 0], key[:, 0], value[:, 0], self.softmax_scale)
         context = context[:, None]  # (N, 1, heads * d)
-        hidden = self._residual(self._row_parallel(layer.proj, context), hidden)
+        hidden = self._residual(self._row_parallel(layer, "linear_proj", context), hidden)
         x = _norm(layer.pre_mlp_norm, hidden)
         up = torch.matmul(x, self.transposed(layer.fc1.weight))  # (N, 1, F/tp) or (N, 1, 2F/tp)
+        up = self._adapted(layer, "linear_fc1", x, up)  # before the bias, as its skip_bias_add
         if layer.fc1.bias is not None:
             up = up + layer.fc1.bias
         if self.glu:
@@ -231,7 +244,7 @@ class CachedForward:
             up = self.activation(gate) * linear
         else:
             up = self.activation(up)
-        return self._residual(self._row_parallel(layer.fc2, up), hidden)
+        return self._residual(self._row_parallel(layer, "linear_fc2", up), hidden)
 
     def _qkv(self, layer: _Layer, x: torch.Tensor, rotary: "_Rotary | None"):
         """megatron-core's fused QKV projection split per query group, then the q/k norms and
@@ -244,6 +257,7 @@ class CachedForward:
         mixed = torch.matmul(x, self.transposed(layer.qkv.weight))  # (N, 1, groups*(P+2)*d)
         if layer.qkv.bias is not None:
             mixed = mixed + layer.qkv.bias
+        mixed = self._adapted(layer, "linear_qkv", x, mixed)  # after the bias, as the layer's
         d, per_group = self.head_dim, self.heads // self.groups
         count = mixed.shape[0]
         mixed = mixed.view(count, 1, self.groups, per_group + 2, d)  # P query heads, key, value
@@ -262,13 +276,22 @@ class CachedForward:
             query, key = rotary.apply(query), rotary.apply(key)
         return query, key, value
 
-    def _row_parallel(self, module: torch.nn.Module, x: torch.Tensor):
+    def _row_parallel(self, layer: _Layer, name: str, x: torch.Tensor):
         """A row-parallel projection without its bias: (output summed over TP, bias)."""
+        module = layer.proj if name == "linear_proj" else layer.fc2
         out = torch.matmul(x, self.transposed(module.weight))
         if self.tp_size > 1:
             out = out.contiguous()
             dist.all_reduce(out, group=self.tp_group)
-        return out, module.bias
+        return self._adapted(layer, name, x, out), module.bias
+
+    def _adapted(self, layer: _Layer, name: str, x: torch.Tensor, out: torch.Tensor):
+        """``out`` plus the LoRA adapter of the layer's ``name`` on input ``x`` while the
+        adapters are active (the forward hook's sum, at the same point: ``lora/model.py``)."""
+        adapter = layer.adapters.get(name)
+        if adapter is None or not self.lora.active:
+            return out
+        return out + adapter.delta(x, self.transposed)
 
     @staticmethod
     def _residual(out_bias, residual: torch.Tensor) -> torch.Tensor:
@@ -350,8 +373,9 @@ def _norm_or_none(module) -> torch.nn.Module | None | bool:
     return module if isinstance(module, _NORMS) else False
 
 
-def _layer_modules(layer: torch.nn.Module) -> _Layer | None:
-    """The parameter-holding modules of a layer this program reproduces, or None."""
+def _layer_modules(layer: torch.nn.Module, lora: LoRAAdapters | None = None) -> _Layer | None:
+    """The parameter-holding modules of a layer this program reproduces (and their ``lora``
+    adapters), or None."""
     attention, mlp = getattr(layer, "self_attention", None), getattr(layer, "mlp", None)
     if attention is None or mlp is None or not hasattr(mlp, "linear_fc1"):
         return None
@@ -367,6 +391,7 @@ def _layer_modules(layer: torch.nn.Module) -> _Layer | None:
         return None
     column = (attention.linear_qkv, mlp.linear_fc1)
     row = (attention.linear_proj, mlp.linear_fc2)
+    names = ("linear_qkv", "linear_fc1", "linear_proj", "linear_fc2")
     if not all(_plain_column(m) for m in column):
         return None
     if not all(_plain_row(m) for m in row):
@@ -380,4 +405,15 @@ def _layer_modules(layer: torch.nn.Module) -> _Layer | None:
         pre_mlp_norm=main[1],
         fc1=mlp.linear_fc1,
         fc2=mlp.linear_fc2,
+        adapters=_adapters_of(lora, dict(zip(names, (*column, *row)))),
     )
+
+
+def _adapters_of(
+    lora: LoRAAdapters | None, modules: dict[str, torch.nn.Module]
+) -> dict[str, LinearAdapter]:
+    """The adapters of a layer's linear ``modules`` (by megatron-core name) that have one."""
+    if lora is None:
+        return {}
+    found = {name: lora.adapter_for(module) for name, module in modules.items()}
+    return {name: adapter for name, adapter in found.items() if adapter is not None}

@@ -37,15 +37,19 @@ class KVCache:
         # Head-major per slot: the keys a step reads, (slots, heads, :length, D), are a view that
         # batched matmuls and SDPA take as they are (no gather, no transpose copy).
         shape = (num_layers, num_slots, num_kv_heads, max_seq_len, head_dim)
-        # Reserved, not written: a slot is zeroed on its first use (``step``), so on the CPU only
-        # the pages of slots in use become resident (the OS maps a large allocation's pages on
-        # first touch) and the memory held follows the requests in flight, not ``num_slots``.
+        # Reserved, not written: a slot is zeroed on its first use (``step``), and only up to the
+        # longest context stepped so far, so on the CPU only the pages of slots and positions in
+        # use become resident (the OS maps a large allocation's pages on first touch) and the
+        # memory held follows the requests in flight and their lengths, not ``num_slots`` x
+        # ``max_seq_len``.
         self.keys = torch.empty(shape, dtype=dtype, device=device)
         self.values = torch.empty(shape, dtype=dtype, device=device)
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
         self.zeroed_slots = 0
-        """Slots ``0 .. zeroed_slots - 1`` have been zeroed (the rest were never read)."""
+        """Slots ``0 .. zeroed_slots - 1`` have been zeroed at positions below ``zeroed_len`` (or
+        written there); nothing else was ever read."""
+        self.zeroed_len = 0
 
     def release(self) -> None:
         """Forget every slot (no request may hold one): the keys and values are allocated anew
@@ -54,14 +58,23 @@ class KVCache:
         self.keys = torch.empty_like(self.keys)
         self.values = torch.empty_like(self.values)
         self.zeroed_slots = 0
+        self.zeroed_len = 0
 
     def zero_slots_below(self, end: int) -> None:
-        """Zero slots ``zeroed_slots .. end - 1`` on their first use: the cache then reads as if
-        it had been allocated with zeros."""
+        """Zero slots ``zeroed_slots .. end - 1`` (positions below ``zeroed_len``) on their first
+        use: the cache then reads as if it had been allocated with zeros."""
         if end > self.zeroed_slots:
-            self.keys[:, self.zeroed_slots : end].zero_()
-            self.values[:, self.zeroed_slots : end].zero_()
+            self.keys[:, self.zeroed_slots : end, :, : self.zeroed_len].zero_()
+            self.values[:, self.zeroed_slots : end, :, : self.zeroed_len].zero_()
             self.zeroed_slots = end
+
+    def zero_positions_below(self, length: int) -> None:
+        """Zero positions ``zeroed_len .. length - 1`` of the slots in use so far, before anything
+        reads or writes there (a step's context, a copied or restored prefix)."""
+        if length > self.zeroed_len:
+            self.keys[:, : self.zeroed_slots, :, self.zeroed_len : length].zero_()
+            self.values[:, : self.zeroed_slots, :, self.zeroed_len : length].zero_()
+            self.zeroed_len = length
 
     @contextlib.contextmanager
     def step(
@@ -76,6 +89,7 @@ class KVCache:
         if int((starts + lengths).max()) > self.max_seq_len:
             raise ValueError(f"a request would exceed the KV cache length {self.max_seq_len}")
         self.zero_slots_below(int(slots.max()) + 1)
+        self.zero_positions_below(int((starts + lengths).max()))
         with attention_step(KVCacheStep(self, slots, starts, lengths)) as step:
             yield step
 

@@ -152,6 +152,7 @@ class KVCacheRowRunner:
                 )
         cache = self.cache
         cache.zero_slots_below(max(d for pairs in by_length.values() for d, _ in pairs) + 1)
+        cache.zero_positions_below(max(by_length))
         for length, pairs in by_length.items():
             dst = torch.tensor([d for d, _ in pairs], device=self.device)
             src = torch.tensor([s for _, s in pairs], device=self.device)
@@ -190,6 +191,7 @@ class KVCacheRowRunner:
         cache = self.cache
         expected = (cache.keys.shape[0], cache.keys.shape[2], cache.keys.shape[4])
         cache.zero_slots_below(max(saved) + 1)
+        cache.zero_positions_below(max(keys.shape[2] for keys, _ in saved.values()))
         for slot, (keys, values) in saved.items():
             shape = (keys.shape[0], keys.shape[1], keys.shape[3])
             if shape != expected or keys.shape != values.shape or keys.shape[2] > cache.max_seq_len:

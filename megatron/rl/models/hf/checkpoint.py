@@ -217,14 +217,18 @@ def _parallel_state_or(getter: str, default: int) -> int:
 
 
 def gather_tensor_parallel_state_dicts(
-    model: torch.nn.Module, group: dist.ProcessGroup | None = None
+    model: torch.nn.Module,
+    group: dist.ProcessGroup | None = None,
+    state: Mapping[str, torch.Tensor] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
-    """The CPU state dicts of every TP rank of ``model``, in rank order (collective over TP).
+    """The CPU state dicts of every TP rank of ``model`` (or of each rank's ``state``: a LoRA
+    model's merged weights), in rank order (collective over TP).
 
     With expert parallelism the experts of every EP rank are gathered too (collective over EP)
     and named by their global index: the result is laid out as an EP=1 model.
     """
-    local = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    state = model.state_dict() if state is None else state
+    local = {k: v for k, v in state.items() if not k.endswith("_extra_state")}
     if group is None and parallel_state.model_parallel_is_initialized():
         group = parallel_state.get_tensor_model_parallel_group()
     local = _gather_experts(local)

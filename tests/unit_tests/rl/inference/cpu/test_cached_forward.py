@@ -266,5 +266,7 @@ def test_a_groups_identical_prompts_are_prefilled_once_with_the_same_results(
     )
     alone = KVCacheRowRunner(model, make_cache(model, slots=6), VOCAB)
     runs.append(generate(alone, prompts, 4))
-    assert runs[0] == runs[1]  # bitwise: the same tokens and logprobs
+    # The same tokens; logprobs equal up to the GEMM's rounding, which may depend on how many
+    # rows a product has (bitwise on Intel's AMX kernels, 2e-7 apart on an AMD EPYC's)
+    assert_same_generation(runs[0], runs[1])
     assert len({tuple(t for t, _ in step[:2]) for step in runs[0][1:]}) > 1  # own seeds

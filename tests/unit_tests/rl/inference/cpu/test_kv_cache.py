@@ -212,19 +212,22 @@ def test_slots_read_as_zeros_from_their_first_use():
     cache.keys.fill_(float("nan"))  # what an unwritten allocation may hold
     cache.values.fill_(float("nan"))
     one = torch.tensor([1])
-    with cache.step(torch.tensor([2]), one, one):  # slot 2: slots 0..2 as torch.zeros made them
+    with cache.step(torch.tensor([2]), one, one):  # slot 2, context 2: slots 0..2, positions 0..1
         pass
-    assert cache.zeroed_slots == 3
-    assert torch.equal(cache.keys[:, :3], torch.zeros(2, 3, 1, 4, 2))  # (layers, slots, H, S, D)
-    assert torch.equal(cache.values[:, :3], torch.zeros(2, 3, 1, 4, 2))
-    assert cache.keys[:, 3:].isnan().all()  # never zeroed again, never read
-    cache.keys[:, 0] = 1.0  # a used slot keeps its contents when a later step zeroes new slots
-    with cache.step(torch.tensor([0, 5]), torch.tensor([0, 0]), torch.tensor([1, 1])):
-        pass
-    assert cache.zeroed_slots == 6
-    assert (cache.keys[:, 0] == 1.0).all() and torch.equal(
-        cache.keys[:, 3:6], torch.zeros(2, 3, 1, 4, 2)
-    )
+    assert (cache.zeroed_slots, cache.zeroed_len) == (3, 2)
+    # (layers, slots, H, S, D): what a step may read is as torch.zeros made it
+    assert torch.equal(cache.keys[:, :3, :, :2], torch.zeros(2, 3, 1, 2, 2))
+    assert torch.equal(cache.values[:, :3, :, :2], torch.zeros(2, 3, 1, 2, 2))
+    assert cache.keys[:, 3:].isnan().all()  # never zeroed, never read
+    assert cache.keys[:, :, :, 2:].isnan().all()  # past every context so far: never touched
+    cache.keys[:, 0, :, :2] = 1.0  # a used slot keeps its contents when later steps zero more
+    with cache.step(torch.tensor([0, 5]), torch.tensor([0, 2]), torch.tensor([1, 2])):
+        pass  # slot 5 up to position 3: slots 3..5 and positions 2..3 of every slot used
+    assert (cache.zeroed_slots, cache.zeroed_len) == (6, 4)
+    assert (cache.keys[:, 0, :, :2] == 1.0).all()
+    assert torch.equal(cache.keys[:, 0, :, 2:], torch.zeros(2, 1, 2, 2))
+    assert torch.equal(cache.keys[:, 3:6], torch.zeros(2, 3, 1, 4, 2))
+    assert cache.keys[:, 6:].isnan().all()
 
 
 def resident_mib() -> float:
@@ -238,7 +241,20 @@ def test_cpu_memory_follows_the_slots_in_use_not_the_slots_reserved():
     # 2 x 256 MiB reserved for 512 slots; one slot of 128 KiB per layer is used.
     cache = KVCache(2, 512, 128, 8, 64, torch.float32, torch.device("cpu"))
     one = torch.tensor([1])
-    with cache.step(torch.tensor([0]), torch.tensor([0]), one):
+    with cache.step(torch.tensor([0]), torch.tensor([127]), one):
+        pass
+    assert resident_mib() - before < 64
+    del cache
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_cpu_memory_follows_the_contexts_in_use_not_the_length_reserved():
+    before = resident_mib()
+    # 2 x 256 MiB reserved for 64 slots of 1024 positions; 64 contexts of 16 positions are used
+    # (each head's 16 x 64 float32 keys: one page of the slot's 64 x 4 KiB pages per head).
+    cache = KVCache(2, 64, 1024, 8, 64, torch.float32, torch.device("cpu"))
+    sixteen = torch.full((64,), 16)
+    with cache.step(torch.arange(64), torch.zeros(64, dtype=torch.long), sixteen):
         pass
     assert resident_mib() - before < 64
     del cache
@@ -254,8 +270,8 @@ def resident_mib():
 
 cache = KVCache(2, 128, 128, 8, 64, torch.float32, torch.device("cpu"))  # 2 x 64 MiB
 before = resident_mib()
-with cache.step(torch.arange(128), torch.zeros(128, dtype=torch.long), torch.ones(128)):
-    pass  # every slot zeroed: resident
+with cache.step(torch.arange(128), torch.full((128,), 127), torch.ones(128)):
+    pass  # every slot zeroed over all its 128 positions: resident
 cache.keys[:, 0] = 1.0
 used = resident_mib() - before
 cache.release()

@@ -1,0 +1,316 @@
+"""LoRA on a megatron-core ``GPTModel``, in place: the base frozen, adapters beside its layers.
+
+``apply_lora(model, config)`` freezes every parameter of the model, builds a ``LinearAdapter``
+for each targeted linear layer of each transformer layer (``linear_qkv``, ``linear_proj``, and a
+dense MLP's ``linear_fc1``, ``linear_fc2``; with the Transformer Engine layer spec the same names,
+norms fused), keeps them in a ``LoRAAdapters`` module registered on the model as ``lora`` (state
+dict keys ``lora.layers.<layer>.<module>.lora_A`` and ``.lora_B.<projection>``, ``<layer>`` the
+global 0-based layer number, so the keys do not depend on the pipeline layout), and adds each
+adapter's output to its layer's with a forward hook. Every forward of the model's modules, in
+training, in the reference pass, in megatron-core's inference engines, therefore runs base +
+adapter, and nothing is merged or copied: an optimizer step on the adapters is seen by the next
+forward. The CPU engine's plain-torch forward (``megatron/rl/inference/cpu/cached_forward.py``)
+reads the same adapters through ``LoRAAdapters.adapter_for``.
+
+``adapters_disabled(model)`` switches every adapter off for the duration of a block: the base
+model, which is the reference policy of the KL term (no second copy of the weights).
+
+Mixture-of-experts MLPs get no adapters (``apply_lora`` refuses MLP targets on them); their
+attention layers do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import weakref
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from megatron.core.utils import unwrap_model
+
+from megatron.rl.lora.adapter import LinearAdapter, fused_input_norm, layout_of
+from megatron.rl.lora.config import MODULE_OF, MODULE_PROJECTIONS, LoRAConfig
+
+PREFIX = "lora."
+"""State dict keys of the adapters start with it."""
+
+
+class LoRAAdapters(torch.nn.Module):
+    """A model's adapters: ``layers[str(layer)][module]`` is the ``LinearAdapter`` of that linear
+    layer; ``active`` switches all of them (``adapters_disabled``)."""
+
+    def __init__(self, config: LoRAConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.layers = torch.nn.ModuleDict()
+        self.active = True
+        """Whether the hooks (and the CPU engine) add the adapters' outputs."""
+        self._of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.module_names: dict[tuple[int, str], str] = {}
+        """(layer, module) -> the adapted layer's name in the model (its weight's state-dict key
+        without ``.weight``)."""
+
+    def add(self, layer: int, name: str, module: torch.nn.Module, adapter: LinearAdapter) -> None:
+        """Register ``adapter`` as the adapter of ``module`` (layer ``layer``'s ``name``)."""
+        key = str(layer)
+        if key not in self.layers:
+            self.layers[key] = torch.nn.ModuleDict()
+        self.layers[key][name] = adapter
+        self._of[module] = adapter
+
+    def adapter_for(self, module: torch.nn.Module) -> LinearAdapter | None:
+        """The adapter of a linear layer of the model (None: not adapted)."""
+        return self._of.get(module)
+
+    def adapters(self) -> Iterator[tuple[int, str, LinearAdapter]]:
+        """(layer, module name, adapter) of every adapter, by layer and module order."""
+        for key in sorted(self.layers, key=int):
+            for name in MODULE_PROJECTIONS:
+                if name in self.layers[key]:
+                    yield int(key), name, self.layers[key][name]
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
+        """megatron-core ``dist_checkpointing`` tensors of the adapters: the tensor-parallel
+        shards along their ``partition_dim``, the rest replicated (keys as ``state_dict``'s)."""
+        from megatron.core.utils import (
+            make_sharded_tensor_for_checkpoint,
+            make_tp_sharded_tensor_for_checkpoint,
+        )
+
+        out = {}
+        for name, param in self.named_parameters():
+            key = f"{prefix}{name}"
+            if getattr(param, "tensor_model_parallel", False):
+                out[key] = make_tp_sharded_tensor_for_checkpoint(
+                    param, key, tp_axis=param.partition_dim
+                )
+            else:
+                out[key] = make_sharded_tensor_for_checkpoint(param, key)
+        return out
+
+
+def _linear_layers(layer: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
+    """The adaptable linear layers of a transformer layer: (megatron-core name, module)."""
+    attention, mlp = getattr(layer, "self_attention", None), getattr(layer, "mlp", None)
+    for name in ("linear_qkv", "linear_proj"):
+        if attention is not None and hasattr(attention, name):
+            yield name, getattr(attention, name)
+    for name in ("linear_fc1", "linear_fc2"):
+        if mlp is not None and hasattr(mlp, name):  # a dense MLP (MoE layers have experts)
+            yield name, getattr(mlp, name)
+
+
+def _tp_of(module: torch.nn.Module) -> tuple[dist.ProcessGroup | None, int, int]:
+    """The tensor-parallel group, rank and size of a megatron-core (or Transformer Engine)
+    linear layer."""
+    group = getattr(module, "tp_group", None)
+    if group is None and dist.is_initialized():
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            group = parallel_state.get_tensor_model_parallel_group()
+    if group is None or not dist.is_initialized():
+        return None, 0, 1
+    return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+def apply_lora(model: torch.nn.Module, config: LoRAConfig) -> LoRAAdapters:
+    """Freeze ``model`` (a ``GPTModel``, possibly wrapped) and attach the adapters of ``config``
+    to its targeted layers (see the module docstring); returns them (also ``model.lora``).
+
+    Call it after the base weights are loaded and before DDP wraps the model. The adapters are
+    float32 on the base's device; ``B`` starts at zero, so the model computes what it did.
+    ``ValueError`` when a targeted module exists in no layer (an MoE model's MLP)."""
+    gpt = unwrap_model(model)
+    if isinstance(getattr(gpt, "lora", None), LoRAAdapters):
+        raise ValueError("the model already has LoRA adapters")
+    for param in gpt.parameters():
+        param.requires_grad_(False)
+    adapters = LoRAAdapters(config)
+    names = {id(m): n for n, m in gpt.named_modules()}
+    found: set[str] = set()
+    for layer in gpt.decoder.layers:
+        index = layer.layer_number - 1  # megatron-core numbers layers from 1, over all stages
+        for name, module in _linear_layers(layer):
+            group, rank, size = _tp_of(module)
+            layout = layout_of(name, module, rank, size)
+            present = {p for p, _ in layout.projections}
+            targets = tuple(p for p in config.targets if MODULE_OF[p] == name and p in present)
+            if not targets:
+                continue
+            adapter = LinearAdapter(
+                layout, targets, config.rank, config.scale, group, device=module.weight.device
+            )
+            adapter.reset(config, index)
+            adapters.add(index, name, module, adapter)
+            adapters.module_names[(index, name)] = names[id(module)]
+            found.add(name)
+            fused = hasattr(module, "layer_norm_weight")  # Transformer Engine's LayerNormLinear
+            module.register_forward_hook(_output_hook(adapters, adapter, fused))
+    wanted = {MODULE_OF[p] for p in config.targets}
+    if len(gpt.decoder.layers) and wanted - found:
+        missing = sorted(wanted - found)
+        raise ValueError(
+            f"LoRA targets {missing} are in no layer of this model (a mixture-of-experts MLP "
+            "has experts instead of linear_fc1/linear_fc2: target the attention, linear_qkv and "
+            "linear_proj)"
+        )
+    gpt.lora = adapters
+    return adapters
+
+
+def _output_hook(adapters: LoRAAdapters, adapter: LinearAdapter, fused_norm: bool):
+    """The forward hook adding ``adapter``'s output to its layer's (output, bias) while the
+    adapters are active; with a fused input norm the adapter reads the normalized input."""
+
+    def hook(module, args, output):
+        if not adapters.active:
+            return output
+        x = fused_input_norm(module, args[0]) if fused_norm else args[0]
+        out, bias = output
+        return out + adapter.delta(x), bias
+
+    return hook
+
+
+def lora_adapters(model: torch.nn.Module) -> LoRAAdapters | None:
+    """The adapters of ``model`` (wrapped or not), or None."""
+    found = getattr(unwrap_model(model), "lora", None)
+    return found if isinstance(found, LoRAAdapters) else None
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
+    """Run the base model in the block: every adapter of ``model`` off (nothing for a model
+    without adapters)."""
+    adapters = lora_adapters(model)
+    if adapters is None:
+        yield
+        return
+    previous, adapters.active = adapters.active, False
+    try:
+        yield
+    finally:
+        adapters.active = previous
+
+
+@contextlib.contextmanager
+def base_model(model: torch.nn.Module) -> Iterator[None]:
+    """Run ``model`` as its base in the block: the reference policy of a LoRA model, which is
+    the trained model itself with every adapter off and, for a mixture of experts, its routers'
+    replay off (the reference routes by its own choices, as a separate reference model does).
+    Nothing changes for a model without adapters."""
+    if lora_adapters(model) is None:
+        yield
+        return
+    from megatron.rl.models.routing_replay import routing_replays
+
+    replays = routing_replays(model)
+    modes = [r.mode for r in replays]
+    with adapters_disabled(model):
+        for r in replays:
+            r.mode = "off"
+        try:
+            yield
+        finally:
+            for r, mode in zip(replays, modes):
+                r.mode = mode
+
+
+def is_adapter_key(key: str) -> bool:
+    """Whether a state-dict key of the model is an adapter's."""
+    return key.startswith(PREFIX)
+
+
+def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint of ``model`` must hold: the adapters' tensors when it has adapters, else
+    the whole state dict."""
+    state = unwrap_model(model).state_dict()
+    if lora_adapters(model) is None:
+        return state
+    return {k: v for k, v in state.items() if is_adapter_key(k)}
+
+
+def load_trainable_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load what ``trainable_state_dict`` returned; with adapters, exactly the adapters' keys
+    (``ValueError`` naming missing or unexpected ones) and the base untouched."""
+    gpt = unwrap_model(model)
+    if lora_adapters(model) is None:
+        gpt.load_state_dict(state)
+        return
+    expected = set(trainable_state_dict(model))
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"the adapters do not fit this model: missing {missing[:4]}, unexpected "
+            f"{unexpected[:4]} ({len(missing)} and {len(unexpected)})"
+        )
+    gpt.load_state_dict(state, strict=False)
+
+
+def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's base state dict with every adapter merged into its layer's weight
+    (``W + scale * B @ A``, computed in float32, cast to the weight's dtype); no adapter keys.
+    The whole state dict for a model without adapters."""
+    gpt = unwrap_model(model)
+    state = {k: v for k, v in gpt.state_dict().items() if not is_adapter_key(k)}
+    adapters = lora_adapters(model)
+    if adapters is None:
+        return state
+    for layer, name, adapter in adapters.adapters():
+        key = adapters.module_names[(layer, name)] + ".weight"
+        weight = state[key]
+        merged = weight.float() + adapter.delta_weight().to(weight.device)
+        state[key] = merged.to(weight.dtype).contiguous()
+    return state
+
+
+def base_fingerprint(model: torch.nn.Module) -> str:
+    """A short digest of this rank's frozen base weights (names, shapes, dtypes and 64 values of
+    each): what a LoRA checkpoint records of the base its adapters were trained on."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(unwrap_model(model).state_dict().items()):
+        if is_adapter_key(name) or not isinstance(tensor, torch.Tensor) or name.endswith("_extra_state"):
+            continue
+        flat = tensor.detach().reshape(-1)
+        picks = flat[:: max(1, flat.numel() // 64)][:64].float().cpu()
+        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
+        digest.update(picks.numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def trainable_parameters(model: torch.nn.Module) -> int:
+    """Parameters with a gradient on this rank (the adapters, in a LoRA model)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def store_frozen_linear_weights(model: torch.nn.Module, dtype: torch.dtype | None = None) -> int:
+    """Store the frozen weights of ``model``'s linear layers for products ``x @ W^T``: as the
+    contiguous (in, out) transpose (the parameter stays the (out, in) view of it), and in
+    ``dtype`` when given. Returns the number of parameters stored so.
+
+    The CPU tier does this with LoRA. The transposed layout is the one a row-major GEMM reads
+    fastest, so the CPU engine takes these weights as they are instead of keeping a transposed
+    copy of each during a generation window (``TransposedWeights``). ``dtype`` bfloat16 is
+    ``--bf16``: every product of those weights runs in bfloat16 under autocast, which casts a
+    float32 weight to exactly the values stored here, so nothing computed changes and half the
+    memory goes. Biases, norms, the embedding (and an output layer tied to it) keep their
+    layout and dtype."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    gpt = unwrap_model(model)
+    shared = None
+    if getattr(gpt, "share_embeddings_and_output_weights", False):
+        shared = gpt.shared_embedding_or_output_weight()
+    stored = 0
+    for module in gpt.modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)) or weight is None:
+            continue
+        if weight is shared or weight.requires_grad or weight.dim() != 2:
+            continue
+        weight.data = weight.data.to(dtype or weight.dtype).t().contiguous().t()
+        stored += weight.numel()
+    return stored
