@@ -95,6 +95,7 @@ def test_lag_0_is_on_policy_at_every_step(runs):
         pytest.param("lag2", "lag2_tp2", id="lag2_tp2"),
         pytest.param("lag2", "lag2_dp2", id="lag2_dp2"),
         pytest.param("moe_lag2", "moe_lag2_ep2", id="moe_lag2_ep2"),
+        pytest.param("lora_lag2", "lora_lag2_tp2", id="lora_lag2_tp2"),
     ],
 )
 def test_two_process_runs_match_the_single_process_run(runs, single_case, case):
@@ -103,7 +104,7 @@ def test_two_process_runs_match_the_single_process_run(runs, single_case, case):
     The GRPO loss sums terms whose group-normalized advantages nearly cancel, so a step's loss
     can be ~1e-3 while TP's different reduction order moves it by ~1e-7: relative 1e-4, with an
     absolute floor of 1e-6 for losses that close to zero. The MoE case at DP=2 x EP=2 holds half
-    of each layer's experts per rank.
+    of each layer's experts per rank; the LoRA case at TP=2 splits each adapter as its layer.
     """
     single, parallel = runs(single_case), runs(case)
     for a, b in zip(single[:5], parallel[:5]):
