@@ -104,7 +104,8 @@ def resolve_lora(lora: LoRA, explicit: frozenset[str], gated: bool) -> tuple[LoR
     that contradicts the directory is refused, naming both), the default alpha filled in and the
     targets spelled as projections (``target_projections``; ``gated``: the model's MLP is
     SwiGLU); the problems found. Options are off (no change) when neither ``--lora-rank`` nor
-    ``--lora-checkpoint`` is given; LoRA options given then are refused."""
+    ``--lora-checkpoint`` is given; LoRA options set to other values than their defaults then are
+    refused."""
     errors: list[str] = []
     if lora.lora_checkpoint is not None:
         try:
@@ -133,10 +134,11 @@ def resolve_lora(lora: LoRA, explicit: frozenset[str], gated: bool) -> tuple[LoR
             lora, lora_rank=saved.rank, lora_alpha=saved.alpha, lora_target_modules=saved.targets
         )
     if not lora.enabled:
+        defaults = LoRA()
         unused = [
             f"--{name.replace('_', '-')}"
             for name in ("lora_alpha", "lora_target_modules", "lora_init", "save_lora")
-            if name in explicit
+            if getattr(lora, name) != getattr(defaults, name)
         ]
         if unused:
             errors.append(f"{', '.join(unused)} need --lora-rank > 0 (or --lora-checkpoint)")

@@ -198,3 +198,50 @@ def test_tensor_parallel_adapters_equal_one_rank():
         torch.testing.assert_close(second["grads"][key], grad, atol=1e-6, rtol=1e-4, msg=key)
         nonzero += bool(grad.abs().max() > 0)
     assert nonzero == len(single["grads"])
+
+
+class FusedNormLinear(torch.nn.Module):
+    """What the adapter hook sees of Transformer Engine's ``LayerNormLinear`` (megatron-core's
+    ``TELayerNormColumnParallelLinear``): the input norm's parameters on the linear layer, the
+    un-normalized input, an (output, bias) result."""
+
+    def __init__(self, normalization: str, zero_centered_gamma: bool) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.weight = torch.nn.Parameter(torch.randn(6, 4, generator=g))
+        self.layer_norm_weight = torch.nn.Parameter(torch.rand(4, generator=g) + 0.5)
+        self.layer_norm_bias = torch.nn.Parameter(torch.randn(4, generator=g))
+        self.normalization, self.zero_centered_gamma, self.eps = normalization, zero_centered_gamma, 1e-5
+
+    def normed(self, x):
+        w = self.layer_norm_weight + (1 if self.zero_centered_gamma else 0)
+        if self.normalization == "RMSNorm":
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * w
+        mean, var = x.mean(-1, keepdim=True), x.var(-1, unbiased=False, keepdim=True)
+        return (x - mean) / torch.sqrt(var + self.eps) * w + self.layer_norm_bias
+
+    def forward(self, x):
+        return self.normed(x) @ self.weight.t(), None
+
+
+@pytest.mark.parametrize("normalization", ["RMSNorm", "LayerNorm"])
+@pytest.mark.parametrize("zero_centered", [False, True], ids=["gamma", "zero-centered-gamma"])
+def test_a_fused_norm_linear_layer_feeds_its_adapter_the_normalized_input(normalization, zero_centered):
+    from megatron.rl.lora.adapter import Layout, LinearAdapter
+    from megatron.rl.lora.model import LoRAAdapters, _output_hook
+
+    module = FusedNormLinear(normalization, zero_centered)
+    layout = Layout("linear_fc1", (("gate_proj", 3), ("up_proj", 3)), 4, 0, 1)
+    adapter = LinearAdapter(layout, ("gate_proj", "up_proj"), 2, 1.5, None)
+    with torch.no_grad():
+        adapter.lora_A.normal_(generator=torch.Generator().manual_seed(1))
+        for b in adapter.lora_B.values():
+            b.normal_(generator=torch.Generator().manual_seed(2))
+    adapters = LoRAAdapters(LoRAConfig(rank=2, alpha=3.0))
+    module.register_forward_hook(_output_hook(adapters, adapter, fused_norm=True))
+    x = torch.randn(5, 2, 4, generator=torch.Generator().manual_seed(3))  # (s, b, hidden)
+    out, _ = module(x)
+    expected = module.normed(x) @ (module.weight + adapter.delta_weight()).t()
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    adapters.active = False
+    torch.testing.assert_close(module(x)[0], module.normed(x) @ module.weight.t())

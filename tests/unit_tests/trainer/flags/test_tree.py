@@ -108,5 +108,5 @@ def test_the_resume_options_are_the_ones_declared_resume():
         "--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size",
         "--num-experts", "--moe-router-topk",
         "--grpo-filter-groups-with-same-reward", "--grpo-max-generation-rounds",
-        "--val-split-fraction",
+        "--val-split-fraction", "--lora-rank", "--lora-alpha", "--lora-target-modules",
     }  # fmt: skip
