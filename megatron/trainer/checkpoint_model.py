@@ -13,6 +13,11 @@ tier the device picks, from one of two checkpoints:
   ``config.json`` (whose weights are then not read); policy version N. Saved architecture flags
   that differ from the command's are refused by name before any tensor is read.
 
+With LoRA (``--lora-checkpoint DIR``, a PEFT adapter directory, or a LoRA run's ``--lora-rank``
+flags with ``--load`` of its checkpoint) the model is built as the trainer builds it: the base
+from ``--hf-checkpoint`` (or the seed), the adapters on it, unmerged; a LoRA checkpoint's
+adapters must have been trained on that base (its fingerprint is checked).
+
 The model is the tier's forward-only model (``Tier.build_reference``: no DDP, no optimizer, no
 random initialization, since the checkpoint fills every tensor), in eval mode without gradients.
 One process only: the commands refuse a torchrun world larger than one.
@@ -50,7 +55,7 @@ from megatron.trainer.model_provider import architecture
 from megatron.trainer.tiers import Tier, select_tier
 
 CHECKPOINT_FLAGS = (*ARCHITECTURE_FLAGS, "group_query_attention", "use_rope_scaling")
-CHECKPOINT_FLAGS += ("rope_scaling_factor", "make_vocab_size_divisible_by")
+CHECKPOINT_FLAGS += ("rope_scaling_factor", "make_vocab_size_divisible_by", "lora_rank", "lora_alpha")
 """Flags a trainer checkpoint's weights must have been saved with to fit the command's model."""
 
 
@@ -117,13 +122,20 @@ def load_checkpoint_model(cfg: RunConfig, ctx: ParallelContext) -> CheckpointMod
     ``SystemExit`` naming the flag."""
     tier = select_tier(cfg, ctx)
     tokenizer = config.tokenizer(cfg)
-    model = tier.build_reference(tokenizer.vocab_size, initialize=False)  # the load fills it
+    if cfg.lora.enabled:  # base + adapters as the trainer builds them (--lora-checkpoint's)
+        model = tier.build_model(tokenizer.vocab_size, weight_loader(cfg))
+    else:
+        model = tier.build_reference(tokenizer.vocab_size, initialize=False)  # the load fills it
     if cfg.checkpointing.load is not None:
         version = read_trainer_weights(cfg, tier, model)
         source = f"--load {cfg.checkpointing.load} (iteration {version})"
+    elif cfg.lora.enabled:
+        version, source = 0, f"--hf-checkpoint {cfg.model.hf_checkpoint}"
     else:
         weight_loader(cfg)(unwrap_model(model))
         version, source = 0, f"--hf-checkpoint {cfg.model.hf_checkpoint}"
+    if cfg.lora.lora_checkpoint is not None and cfg.checkpointing.load is None:
+        source += f" + adapter --lora-checkpoint {cfg.lora.lora_checkpoint}"
     model.eval()
     model.requires_grad_(False)
     return CheckpointModel(tier, tokenizer, model, version, source)
