@@ -16,6 +16,9 @@ rollouts with: the tier's ``ContinuousBatchingScheduler`` over its row runner, i
   With no request in flight the engine's loop sleeps until one arrives.
 * Every token reports the checkpoint's policy version (its iteration; 0 for a Hugging Face
   checkpoint).
+* ``--lora NAME=DIR ...`` (one or more, cpu tier) serves PEFT adapter directories beside the base: a
+  request's ``model`` names one (404 for a name not served), the base answers its own name; rows
+  of different adapters step together, one forward per adapter.
 
 With the job's key (``MEGATRON_RL_API_KEY``, or ``--rl-api-key-file``) every request needs
 ``Authorization: Bearer <key>`` (401 otherwise); listening on another interface than loopback
@@ -44,6 +47,9 @@ with kernel_warnings() as MISSING_KERNELS:  # megatron-core's "not installed" wa
 
     from megatron.rl.auth import API_KEY_ENV, api_key_source, is_loopback, read_api_key
     from megatron.rl.inference.interface import LocalInferenceInterface
+    from megatron.rl.lora.config import AdapterConfigError, LoRAConfig, read_adapter_config
+    from megatron.rl.lora.model import add_named_adapters
+    from megatron.rl.lora.peft import AdapterLoadError, load_adapter_directory
     from megatron.rl.server.http import EmbeddedServer
     from megatron.rl.server.inference_server import create_inference_app
     from megatron.trainer import config
@@ -84,6 +90,14 @@ def build_serve_parser() -> argparse.ArgumentParser:
         "--port", type=int, default=8000, help="Port to listen on (0: a free one, printed)."
     )
     g.add_argument(
+        "--lora",
+        nargs="+",
+        default=[],
+        metavar="NAME=DIR",
+        help="Serve each PEFT adapter directory DIR on the base model as model NAME (one or more: "
+        "a request's model field picks one, the base answers its own name; cpu tier).",
+    )
+    g.add_argument(
         "--served-model-name",
         type=str,
         default=None,
@@ -110,6 +124,7 @@ def serve_problems(cfg: RunConfig, own: argparse.Namespace) -> list[str]:
         errors.append(f"--port must be in [0, 65535], got {own.port}")
     if own.served_model_name is not None and not own.served_model_name.strip():
         errors.append("--served-model-name must not be empty")
+    errors += lora_problems(cfg, own.lora)
     if served_key(cfg) is None and not is_loopback(own.host):
         errors.append(
             f"--host {own.host} is reachable from other machines: set {API_KEY_ENV} or "
@@ -117,6 +132,49 @@ def serve_problems(cfg: RunConfig, own: argparse.Namespace) -> list[str]:
             "127.0.0.1)"
         )
     return errors
+
+
+def named_adapters(values: list[str]) -> dict[str, str]:
+    """``--lora NAME=DIR`` values -> {name: directory} (``ValueError`` naming a bad one)."""
+    named: dict[str, str] = {}
+    for value in values:
+        name, sep, directory = value.partition("=")
+        if not sep or not name.strip() or not directory:
+            raise ValueError(f"--lora {value!r}: expected NAME=DIR")
+        if name in named:
+            raise ValueError(f"--lora: the name {name!r} is given twice")
+        named[name] = directory
+    return named
+
+
+def lora_problems(cfg: RunConfig, values: list[str]) -> list[str]:
+    """Why the ``--lora`` adapters cannot be served (each message naming the flag)."""
+    if not values:
+        return []
+    if cfg.lora.enabled:
+        return ["--lora with --lora-checkpoint or --lora-rank: give every adapter as --lora NAME=DIR"]
+    try:
+        named = named_adapters(values)
+    except ValueError as err:
+        return [str(err)]
+    errors = []
+    for name, directory in named.items():
+        try:
+            read_adapter_config(directory)
+        except AdapterConfigError as err:
+            errors.append(f"--lora {name}={directory}: {err}")
+    return errors
+
+
+def load_named_adapters(model, named: dict[str, str]) -> None:
+    """Each ``--lora`` directory as a named adapter set on ``model``."""
+    for name, directory in named.items():
+        saved = read_adapter_config(directory)
+        config = LoRAConfig(rank=saved.rank, alpha=saved.alpha, targets=saved.targets)
+        try:
+            load_adapter_directory(add_named_adapters(model, name, config), directory)
+        except (AdapterLoadError, ValueError) as err:
+            raise SystemExit(f"{PROG}: error: --lora {name}={directory}: {err}") from None
 
 
 def parse_serve_args(
@@ -132,7 +190,16 @@ def serve(cfg: RunConfig, own: argparse.Namespace) -> None:
     host = None
     try:
         loaded = load_checkpoint_model(cfg, ctx)
+        named = named_adapters(own.lora)
+        if named and loaded.tier.name != "cpu":
+            raise SystemExit(
+                f"{PROG}: error: --lora: several adapters are served by the cpu tier only "
+                "(megatron-core's engine steps every request with one set of weights)"
+            )
+        load_named_adapters(loaded.model, named)
         print(describe(loaded, cfg, ctx, MISSING_KERNELS), flush=True)
+        if named:
+            print(f"adapters     {', '.join(f'{n} ({d})' for n, d in named.items())}", flush=True)
         throughput = dataclasses.replace(
             config.scheduler_config(cfg, ctx.dp_size, loaded.tokenizer, training=False),
             window_target=False,
@@ -143,12 +210,16 @@ def serve(cfg: RunConfig, own: argparse.Namespace) -> None:
         )  # fmt: skip
         name, key = own.served_model_name or default_model_name(cfg), served_key(cfg)
         inference = LocalInferenceInterface(host.engine, loaded.tokenizer)
+        adapters = {
+            n: LocalInferenceInterface(host.engine, loaded.tokenizer, adapter=n) for n in named
+        }
         app = create_inference_app(
             inference,
             loaded.tokenizer,
             model_name=name,
             api_key=key,
             tool_call_parser=cfg.inference.tool_call_parser,
+            adapters=adapters,
         )
         source = served_key_source(cfg) if key is not None else None
         host.window(lambda: listen_until_stopped(app, own.host, own.port, name, source))

@@ -95,3 +95,72 @@ def test_a_lora_checkpoint_without_its_lora_flags_is_refused_naming_them(trained
             "--load", str(trained["ck"])]  # fmt: skip
     proc = run("megatron.trainer.evaluate", argv)
     assert_one_message(proc, 1, "--lora-rank", "(here: 0)")
+
+
+def merged_copy(base: Path, adapter: Path, out: Path, scale_b: float = 1.0) -> tuple[Path, Path]:
+    """A second adapter (``adapter``'s with every B times ``scale_b``) and the Hugging Face
+    directory of ``base`` with it merged (PEFT's ``merge_and_unload``)."""
+    import shutil
+
+    import torch
+    import transformers
+    from peft import PeftModel
+    from safetensors.torch import load_file, save_file
+
+    other = out / "adapter"
+    other.mkdir(parents=True)
+    shutil.copy2(adapter / "adapter_config.json", other)
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    scaled = {k: v * scale_b if "lora_B" in k else v for k, v in tensors.items()}
+    save_file(scaled, str(other / "adapter_model.safetensors"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(model, other).merge_and_unload()
+    merged.save_pretrained(out / "merged")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (base / name).is_file():
+            shutil.copy2(base / name, out / "merged" / name)
+    return other, out / "merged"
+
+
+def test_several_adapters_are_served_by_name_in_one_engine(trained, tiny, tmp_path):
+    """``--lora NAME=DIR NAME=DIR``: each name generates with its adapter (what its merged model
+    generates), the base with none, concurrently in one engine; an unknown name is a 404."""
+    import concurrent.futures
+
+    import openai
+
+    pytest.importorskip("peft")
+    other, other_merged = merged_copy(tiny, trained["lora"], tmp_path, scale_b=-1.0)
+    served = start_server(
+        ["--hf-checkpoint", str(tiny), "--seq-length", "64", "--lora", f"tuned={trained['lora']}",
+         f"flipped={other}", "--served-model-name", "base"],  # fmt: skip
+        command_env(),
+    )
+    try:
+        client = served.client(key="x")
+        assert [m.id for m in client.models.list().data] == ["base", "tuned", "flipped"]
+
+        def ask(model: str):
+            return client.completions.create(
+                model=model, prompt="copy: 1234 -> ", max_tokens=8, temperature=0
+            ).choices[0]
+
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:  # in the same engine steps
+            choices = list(pool.map(ask, ["tuned", "base", "flipped"] * 2))
+        for choice, expected in zip(choices, [trained["hf"], tiny, other_merged] * 2):
+            assert_greedy(expected, choice, 8)
+        assert len({tuple(c.model_extra["token_ids"]) for c in choices[:3]}) > 1
+        with pytest.raises(openai.NotFoundError) as err:
+            ask("missing")
+        assert "the model 'missing' is not served here ('base', 'tuned', 'flipped')" in err.value.response.text
+        assert served.stop(signal.SIGTERM) == 0
+    finally:
+        if served.proc.poll() is None:
+            served.proc.kill()
+
+
+def test_serve_refuses_a_bad_adapter_naming_the_flag(tiny, tmp_path):
+    proc = run("megatron.trainer.serve", ["--hf-checkpoint", str(tiny), "--lora", f"x={tmp_path}"])
+    assert_one_message(proc, 2, f"--lora x={tmp_path}", "not a PEFT adapter directory")
+    proc = run("megatron.trainer.serve", ["--hf-checkpoint", str(tiny), "--lora", "no-equals"])
+    assert_one_message(proc, 2, "--lora 'no-equals': expected NAME=DIR")

@@ -79,8 +79,10 @@ def ours_flags(
     return flags + (["--bf16"] if bf16 else []) + (["--recompute-granularity", "full"] * recompute)
 
 
-def run_trl(bf16: bool, opts: argparse.Namespace, ckpt: Path, log: Path, tmp: Path) -> dict:
-    """One TRL run's summary (``trl_worker.py``)."""
+def run_trl(
+    bf16: bool, opts: argparse.Namespace, ckpt: Path, log: Path, tmp: Path, extra: list[str] = ()
+) -> dict:
+    """One TRL run's summary (``trl_worker.py``; ``extra``: its further flags, e.g. LoRA's)."""
     import subprocess
 
     from tools.benchmarks.common import subprocess_env
@@ -92,7 +94,7 @@ def run_trl(bf16: bool, opts: argparse.Namespace, ckpt: Path, log: Path, tmp: Pa
         "--env-config", str(ENV_CONFIG), "--val-split-fraction", "0", "--steps", str(opts.steps),
         "--prompts", str(opts.prompts), "--group-size", str(opts.group_size),
         "--micro-batch-size", str(opts.micro_batch_size), "--ignore-eos", "--lr", str(opts.lr),
-    ] + (["--bf16"] if bf16 else [])  # fmt: skip
+    ] + (["--bf16"] if bf16 else []) + list(extra)  # fmt: skip
     with open(log, "w", encoding="utf-8") as out:
         proc = subprocess.run(
             cmd, cwd=tmp, env=subprocess_env(opts.threads), stdout=out,

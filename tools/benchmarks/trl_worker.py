@@ -84,6 +84,14 @@ def main() -> None:
         help="Train this Hugging Face checkpoint with its tokenizer instead of the GPT-2 model.",
     )
     parser.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="Train PEFT LoRA adapters of this rank (GRPOTrainer's peft_config) on every linear "
+        "layer of the transformer blocks (q, k, v, o, gate, up, down), base frozen; 0: full.",
+    )
+    parser.add_argument("--lora-alpha", type=float, default=None, help="Default: --lora-rank.")
+    parser.add_argument(
         "--ignore-eos",
         action="store_true",
         help="Every completion is --max-new-tokens long (generate's min_new_tokens: EOS is not "
@@ -215,6 +223,17 @@ def main() -> None:
             if logs and "reward" in logs:
                 rewards.append(float(logs["reward"]))
 
+    peft_config = None
+    if opts.lora_rank > 0:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(
+            r=opts.lora_rank,
+            lora_alpha=opts.lora_alpha or opts.lora_rank,
+            lora_dropout=0.0,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+            task_type="CAUSAL_LM",
+        )
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=reward,
@@ -222,6 +241,7 @@ def main() -> None:
         train_dataset=dataset,
         processing_class=tokenizer,
         callbacks=[StepClock()],
+        peft_config=peft_config,
     )
     trainer.train()
     Path(opts.summary).write_text(

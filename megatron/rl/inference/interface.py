@@ -56,9 +56,14 @@ def sample_request(request: InferenceRequest, i: int) -> InferenceRequest:
 class LocalInferenceInterface(InferenceInterface):
     """Tokenizes requests and runs them on the trainer's own ``InferenceEngine``."""
 
-    def __init__(self, engine: InferenceEngine, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self, engine: InferenceEngine, tokenizer: Tokenizer, adapter: str | None = None
+    ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
+        self.adapter = adapter
+        """The named LoRA adapter set every request generates with (a multi-adapter server's
+        model; None: the engine's model as it is)."""
 
     async def generate(self, request: InferenceRequest) -> InferenceResponse:
         """Run ``request`` on the engine and detokenize the result."""
@@ -70,8 +75,9 @@ class LocalInferenceInterface(InferenceInterface):
             if engine_key is not None:  # an awaited next turn arrived, unusable: stop waiting
                 self.engine.end_rollout(engine_key)
             raise
+        adapter = {} if self.adapter is None else {"adapter": self.adapter}
         out = await self.engine.generate(
-            prompt, request.sampling, request.seed, engine_key, request.continued
+            prompt, request.sampling, request.seed, engine_key, request.continued, **adapter
         )
         return InferenceResponse(
             prompt_tokens=prompt,

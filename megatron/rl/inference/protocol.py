@@ -80,6 +80,9 @@ class RowWork:
     ignore_eos: bool = False
     """The request runs to its budget: stop tokens do not end it (``SamplingParams.ignore_eos``;
     runners that terminate requests themselves must not stop it at EOS)."""
+    adapter: str | None = None
+    """The named LoRA adapter set the row generates with (a multi-adapter server's request;
+    None: the model's own weights and adapters)."""
 
 
 @dataclass(frozen=True)
@@ -165,6 +168,7 @@ class InferenceEngine(BatchScheduler, Protocol):
         seed: int,
         key: Key | None = None,
         continued: bool = False,
+        adapter: str | None = None,
     ) -> GenerationOutput:
         """Generate a completion of ``prompt_tokens``; resolves when it stops.
 
@@ -173,6 +177,7 @@ class InferenceEngine(BatchScheduler, Protocol):
         ``InvalidInferenceRequest`` for a request that cannot be served and ``EngineError`` once
         the engine failed or was closed. ``continued`` (keyed requests): another turn of the
         rollout may follow under ``key``; the deterministic schedule waits for it.
+        ``adapter``: a named LoRA adapter set to generate with (unkeyed requests).
         """
         ...
 

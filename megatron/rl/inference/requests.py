@@ -74,6 +74,8 @@ class Request:
     versions: list[int] = field(default_factory=list)
     turn: int = 0
     """Requests of the same key before this one (the turns of a multi-turn rollout)."""
+    adapter: str | None = None
+    """The named LoRA adapter set it generates with (``RowWork.adapter``)."""
     routes: list[torch.Tensor] = field(default_factory=list, compare=False)
     """Routing replay: the routes of the positions fed so far, in order, as (n, L * k) int16
     chunks (the prompt's, then one per decode step)."""
@@ -103,7 +105,7 @@ class Request:
             slot=self.slot, tokens=tuple(self.prompt if first else self.tokens[-1:]),
             start=0 if first else len(self.prompt) + len(self.tokens) - 1,
             temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=self.seed,
-            max_tokens=s.max_tokens, ignore_eos=s.ignore_eos,
+            max_tokens=s.max_tokens, ignore_eos=s.ignore_eos, adapter=self.adapter,
         )  # fmt: skip
 
 

@@ -116,11 +116,14 @@ class ContinuousBatchingScheduler(CheckpointedScheduling, Admission):
         seed: int,
         key: Key | None = None,
         continued: bool = False,
+        adapter: str | None = None,
     ) -> GenerationOutput:
         """Generate a completion of ``prompt_tokens``; resolves when it stops.
 
         ``continued`` (keyed requests only): the rollout may send its next turn under ``key``
         once this one finished; the engine waits for it (see the module docstring).
+        ``adapter``: the named LoRA adapter set to generate with (unkeyed requests of a
+        multi-adapter server; the row runner must offer it).
         """
         if key is not None and key in self._continuations:  # the awaited turn, valid or not
             self._continuations.discard(key)
@@ -146,7 +149,11 @@ class ContinuousBatchingScheduler(CheckpointedScheduling, Admission):
         arrival, self._arrivals = self._arrivals, self._arrivals + 1
         order = (0, *key, arrival) if key is not None else (1, arrival)
         future = asyncio.get_running_loop().create_future()
-        request = Request(order, list(prompt_tokens), sampling, seed, key, future, turn=turn)
+        if adapter is not None and key is not None:
+            raise InvalidInferenceRequest("a rollout (keyed request) generates with the policy: no adapter")
+        request = Request(
+            order, list(prompt_tokens), sampling, seed, key, future, turn=turn, adapter=adapter
+        )
         request.continued = continued and key is not None
         if key is not None:
             heapq.heappush(self._waiting, request)

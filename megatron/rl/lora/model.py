@@ -39,11 +39,16 @@ PREFIX = "lora."
 
 class LoRAAdapters(torch.nn.Module):
     """A model's adapters: ``layers[str(layer)][module]`` is the ``LinearAdapter`` of that linear
-    layer; ``active`` switches all of them (``adapters_disabled``)."""
+    layer; ``active`` switches all of them (``adapters_disabled``).
 
-    def __init__(self, config: LoRAConfig) -> None:
+    A server may hold further named sets beside them (``named``, ``add_named_adapters``, not in
+    the state dict) and pick one for a forward (``selected``); ``adapter_for`` answers with the
+    selected set's adapter."""
+
+    def __init__(self, config: LoRAConfig | None) -> None:
         super().__init__()
         self.config = config
+        """The trained set's (None: a served model whose base answers without one)."""
         self.layers = torch.nn.ModuleDict()
         self.active = True
         """Whether the hooks (and the CPU engine) add the adapters' outputs."""
@@ -51,6 +56,10 @@ class LoRAAdapters(torch.nn.Module):
         self.module_names: dict[tuple[int, str], str] = {}
         """(layer, module) -> the adapted layer's name in the model (its weight's state-dict key
         without ``.weight``)."""
+        self.named: dict[str, LoRAAdapters] = {}
+        """Further adapter sets by name (a multi-adapter server's), on the same layers."""
+        self.selected: str | None = None
+        """The named set forwards use (None: this set)."""
 
     def add(self, layer: int, name: str, module: torch.nn.Module, adapter: LinearAdapter) -> None:
         """Register ``adapter`` as the adapter of ``module`` (layer ``layer``'s ``name``)."""
@@ -61,8 +70,12 @@ class LoRAAdapters(torch.nn.Module):
         self._of[module] = adapter
 
     def adapter_for(self, module: torch.nn.Module) -> LinearAdapter | None:
-        """The adapter of a linear layer of the model (None: not adapted)."""
-        return self._of.get(module)
+        """The adapter a forward adds to a linear layer of the model now: the selected set's,
+        None while the adapters are off or where the set has none."""
+        if not self.active:
+            return None
+        chosen = self if self.selected is None else self.named[self.selected]
+        return chosen._of.get(module)
 
     def adapters(self) -> Iterator[tuple[int, str, LinearAdapter]]:
         """(layer, module name, adapter) of every adapter, by layer and module order."""
@@ -126,9 +139,38 @@ def apply_lora(model: torch.nn.Module, config: LoRAConfig) -> LoRAAdapters:
     gpt = unwrap_model(model)
     if isinstance(getattr(gpt, "lora", None), LoRAAdapters):
         raise ValueError("the model already has LoRA adapters")
+    adapters = _install(gpt, LoRAAdapters(config))
+    _build(gpt, adapters, config)
+    return adapters
+
+
+def add_named_adapters(model: torch.nn.Module, name: str, config: LoRAConfig) -> LoRAAdapters:
+    """A further adapter set ``name`` on ``model``'s layers (a multi-adapter server's), beside
+    its own (none: the base answers unadapted); forwards use it inside ``selected_adapters``.
+    Freezes the model; returns the new set (``B`` zero until loaded)."""
+    gpt = unwrap_model(model)
+    adapters = lora_adapters(gpt) or _install(gpt, LoRAAdapters(None))
+    if name in adapters.named:
+        raise ValueError(f"adapter {name!r} is already on the model")
+    adapters.named[name] = _build(gpt, LoRAAdapters(config), config)
+    return adapters.named[name]
+
+
+def _install(gpt: torch.nn.Module, adapters: LoRAAdapters) -> LoRAAdapters:
+    """Freeze ``gpt``, hook every adaptable linear layer to add ``adapters.adapter_for`` it,
+    and register ``adapters`` as ``gpt.lora``."""
     for param in gpt.parameters():
         param.requires_grad_(False)
-    adapters = LoRAAdapters(config)
+    for layer in gpt.decoder.layers:
+        for _, module in _linear_layers(layer):
+            fused = hasattr(module, "layer_norm_weight")  # Transformer Engine's LayerNormLinear
+            module.register_forward_hook(_output_hook(adapters, fused))
+    gpt.lora = adapters
+    return adapters
+
+
+def _build(gpt: torch.nn.Module, adapters: LoRAAdapters, config: LoRAConfig) -> LoRAAdapters:
+    """Fill ``adapters`` with ``config``'s adapters of ``gpt``'s targeted layers."""
     names = {id(m): n for n, m in gpt.named_modules()}
     found: set[str] = set()
     for layer in gpt.decoder.layers:
@@ -147,8 +189,6 @@ def apply_lora(model: torch.nn.Module, config: LoRAConfig) -> LoRAAdapters:
             adapters.add(index, name, module, adapter)
             adapters.module_names[(index, name)] = names[id(module)]
             found.add(name)
-            fused = hasattr(module, "layer_norm_weight")  # Transformer Engine's LayerNormLinear
-            module.register_forward_hook(_output_hook(adapters, adapter, fused))
     wanted = {MODULE_OF[p] for p in config.targets}
     if len(gpt.decoder.layers) and wanted - found:
         missing = sorted(wanted - found)
@@ -157,16 +197,16 @@ def apply_lora(model: torch.nn.Module, config: LoRAConfig) -> LoRAAdapters:
             "has experts instead of linear_fc1/linear_fc2: target the attention, linear_qkv and "
             "linear_proj)"
         )
-    gpt.lora = adapters
     return adapters
 
 
-def _output_hook(adapters: LoRAAdapters, adapter: LinearAdapter, fused_norm: bool):
-    """The forward hook adding ``adapter``'s output to its layer's (output, bias) while the
-    adapters are active; with a fused input norm the adapter reads the normalized input."""
+def _output_hook(adapters: LoRAAdapters, fused_norm: bool):
+    """The forward hook adding the layer's current adapter's output (``adapter_for``) to its
+    (output, bias); with a fused input norm the adapter reads the normalized input."""
 
     def hook(module, args, output):
-        if not adapters.active:
+        adapter = adapters.adapter_for(module)
+        if adapter is None:
             return output
         x = fused_input_norm(module, args[0]) if fused_norm else args[0]
         out, bias = output
@@ -217,6 +257,24 @@ def base_model(model: torch.nn.Module) -> Iterator[None]:
         finally:
             for r, mode in zip(replays, modes):
                 r.mode = mode
+
+
+@contextlib.contextmanager
+def selected_adapters(model: torch.nn.Module, name: str | None) -> Iterator[None]:
+    """Forwards of ``model`` in the block use the named adapter set ``name`` (None: the model's
+    own set, which for a multi-adapter server is the base)."""
+    adapters = lora_adapters(model)
+    if adapters is None and name is None:
+        yield
+        return
+    if adapters is None or (name is not None and name not in adapters.named):
+        known = [] if adapters is None else sorted(adapters.named)
+        raise KeyError(f"no LoRA adapter {name!r} on the model (adapters: {known})")
+    previous, adapters.selected = adapters.selected, name
+    try:
+        yield
+    finally:
+        adapters.selected = previous
 
 
 def is_adapter_key(key: str) -> bool:

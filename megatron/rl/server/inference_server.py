@@ -19,6 +19,8 @@ for a batch; a request sent during a training step is answered when the next win
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import itertools
 import time
 
@@ -61,26 +63,48 @@ def create_inference_app(
     model_name: str = "policy",
     api_key: str | None = None,
     tool_call_parser: str = AUTO,
+    adapters: Mapping[str, InferenceInterface] | None = None,
 ) -> FastAPI:
     """A FastAPI app with ``GET /health``, ``GET /metrics``, ``GET /v1/models``,
     ``POST /v1/completions``, ``POST /v1/chat/completions`` and ``POST /v1/rollouts/end`` over
     ``inference``; with ``api_key`` every request needs it as a bearer token (401 otherwise).
     ``tool_call_parser``: a parser name, ``auto`` (the tokenizer's chat template decides) or
-    ``none`` (``ValueError`` for another)."""
+    ``none`` (``ValueError`` for another).
+
+    ``adapters`` (a multi-adapter server): further models by name, each generating with its
+    named LoRA adapter set; a request's ``model`` picks one, ``model_name`` (or no model) is
+    ``inference``'s, any other name is answered 404 naming the models served. Without
+    ``adapters`` every request is ``inference``'s, whatever model it names."""
     parser = resolve_tool_call_parser(tool_call_parser, getattr(tokenizer, "chat_template", None))
     counter = ToolCallCounter()
     app = FastAPI(title="megatron-rl inference server", version="1")
     install_error_handlers(app)
     require_api_key(app, api_key)
     ids = itertools.count()
-    served = ModelCard(id=model_name, created=int(time.time()), owned_by="megatron-rl")
+    created = int(time.time())
+    by_name = dict(adapters or {})
+    served = [ModelCard(id=name, created=created, owned_by="megatron-rl")
+              for name in (model_name, *by_name)]  # fmt: skip
 
-    async def generate(request: InferenceRequest, n: int) -> list[InferenceResponse]:
-        """``n`` samples of ``request``; the caller's faults are 422, the engine's 503."""
+    def pick(model: str | None) -> tuple[InferenceInterface, str]:
+        """The interface and the answer's model name of a request's ``model`` (404: unknown)."""
+        if not by_name or model in (None, "", model_name):
+            return inference, model or model_name
+        if model in by_name:
+            return by_name[model], model
+        names = ", ".join(repr(card.id) for card in served)
+        raise HTTPException(404, f"field 'model': the model {model!r} is not served here ({names})")
+
+    async def generate(
+        request: InferenceRequest, n: int, model: str | None = None
+    ) -> list[InferenceResponse]:
+        """``n`` samples of ``request`` by ``model``; the caller's faults are 422 (404 for an
+        unknown model), the engine's 503."""
+        chosen, _ = pick(model)
         try:
             if n == 1:
-                return [await inference.generate(request)]
-            return await inference.generate_group(request, n)
+                return [await chosen.generate(request)]
+            return await chosen.generate_group(request, n)
         except InvalidInferenceRequest as exc:
             raise HTTPException(422, str(exc)) from None
         except EngineError as exc:
@@ -98,8 +122,8 @@ def create_inference_app(
 
     @app.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
     async def models() -> ModelList:
-        """The model this server generates with (requests may name any ``model``)."""
-        return ModelList(data=[served])
+        """The models this server generates with (the base, then the named adapters)."""
+        return ModelList(data=served)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
     async def completions(body: CompletionRequest) -> CompletionResponse:
@@ -108,7 +132,7 @@ def create_inference_app(
             request = body.to_inference_request()
         except ValueError as exc:
             raise HTTPException(422, f"field 'prompt': {exc}") from None
-        outs = await generate(request, body.n)
+        outs = await generate(request, body.n, body.model)
         choices = []
         for index, out in enumerate(outs):
             logprobs = None
@@ -130,7 +154,7 @@ def create_inference_app(
         return CompletionResponse(
             id=f"cmpl-{next(ids)}",
             created=int(time.time()),
-            model=body.model or model_name,
+            model=pick(body.model)[1],
             choices=choices,
             usage=completion_usage(outs),
         )
@@ -148,9 +172,10 @@ def create_inference_app(
                 "field 'tool_choice': this server parses no tool calls (--tool-call-parser "
                 "none); give 'auto' or 'none'",
             )
-        outs = await generate(body.to_inference_request(), body.n)
+        outs = await generate(body.to_inference_request(), body.n, body.model)
+        name = pick(body.model)[1] if by_name else model_name
         response = chat_completion_response(
-            body, outs, tokenizer, parser, response_id=f"chatcmpl-{next(ids)}", model=model_name
+            body, outs, tokenizer, parser, response_id=f"chatcmpl-{next(ids)}", model=name
         )
         counter.record(response)
         return response

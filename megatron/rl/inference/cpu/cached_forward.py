@@ -42,8 +42,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.identity_op import IdentityOp
 
 from megatron.rl.inference.cpu.kv_cache import KVCacheStep
-from megatron.rl.lora.adapter import LinearAdapter
-from megatron.rl.lora.model import LoRAAdapters, lora_adapters
+from megatron.rl.lora.model import lora_adapters
 from megatron.rl.models.gpt_spec import SDPAColumnParallelLinear, SDPARowParallelLinear
 
 _NORMS = (torch.nn.LayerNorm, torch.nn.RMSNorm)
@@ -67,6 +66,10 @@ _CONFIG_REQUIREMENTS = {
 """TransformerConfig values the plain program assumes (anything else: the model's own forward)."""
 
 
+_MODULE_FIELDS = {"linear_qkv": "qkv", "linear_proj": "proj", "linear_fc1": "fc1", "linear_fc2": "fc2"}
+"""megatron-core's name of a linear layer -> its ``_Layer`` field."""
+
+
 @dataclass(frozen=True)
 class _Layer:
     """The modules of one transformer layer that hold parameters (None: absent)."""
@@ -79,8 +82,6 @@ class _Layer:
     pre_mlp_norm: torch.nn.Module
     fc1: torch.nn.Module
     fc2: torch.nn.Module
-    adapters: dict[str, LinearAdapter]
-    """LoRA adapters of the layer's linear layers (``linear_qkv``, ...; empty: none)."""
 
 
 class TransposedWeights:
@@ -185,8 +186,7 @@ class CachedForward:
         final_norm = getattr(model.decoder, "final_layernorm", None)
         if not isinstance(final_norm, _NORMS) or not _plain_column(model.output_layer):
             return None
-        adapters = lora_adapters(model)
-        layers = [_layer_modules(layer, adapters) for layer in model.decoder.layers]
+        layers = [_layer_modules(layer) for layer in model.decoder.layers]
         if any(layer is None for layer in layers):
             return None
         return cls(model, layers, tp_group, compute_dtype)
@@ -286,10 +286,12 @@ class CachedForward:
         return self._adapted(layer, name, x, out), module.bias
 
     def _adapted(self, layer: _Layer, name: str, x: torch.Tensor, out: torch.Tensor):
-        """``out`` plus the LoRA adapter of the layer's ``name`` on input ``x`` while the
-        adapters are active (the forward hook's sum, at the same point: ``lora/model.py``)."""
-        adapter = layer.adapters.get(name)
-        if adapter is None or not self.lora.active:
+        """``out`` plus the current LoRA adapter of the layer's ``name`` on input ``x``
+        (``LoRAAdapters.adapter_for``: the forward hook's sum, at the same point)."""
+        if self.lora is None:
+            return out
+        adapter = self.lora.adapter_for(getattr(layer, _MODULE_FIELDS[name]))
+        if adapter is None:
             return out
         return out + adapter.delta(x, self.transposed)
 
@@ -373,9 +375,8 @@ def _norm_or_none(module) -> torch.nn.Module | None | bool:
     return module if isinstance(module, _NORMS) else False
 
 
-def _layer_modules(layer: torch.nn.Module, lora: LoRAAdapters | None = None) -> _Layer | None:
-    """The parameter-holding modules of a layer this program reproduces (and their ``lora``
-    adapters), or None."""
+def _layer_modules(layer: torch.nn.Module) -> _Layer | None:
+    """The parameter-holding modules of a layer this program reproduces, or None."""
     attention, mlp = getattr(layer, "self_attention", None), getattr(layer, "mlp", None)
     if attention is None or mlp is None or not hasattr(mlp, "linear_fc1"):
         return None
@@ -391,7 +392,6 @@ def _layer_modules(layer: torch.nn.Module, lora: LoRAAdapters | None = None) -> 
         return None
     column = (attention.linear_qkv, mlp.linear_fc1)
     row = (attention.linear_proj, mlp.linear_fc2)
-    names = ("linear_qkv", "linear_fc1", "linear_proj", "linear_fc2")
     if not all(_plain_column(m) for m in column):
         return None
     if not all(_plain_row(m) for m in row):
@@ -405,15 +405,4 @@ def _layer_modules(layer: torch.nn.Module, lora: LoRAAdapters | None = None) -> 
         pre_mlp_norm=main[1],
         fc1=mlp.linear_fc1,
         fc2=mlp.linear_fc2,
-        adapters=_adapters_of(lora, dict(zip(names, (*column, *row)))),
     )
-
-
-def _adapters_of(
-    lora: LoRAAdapters | None, modules: dict[str, torch.nn.Module]
-) -> dict[str, LinearAdapter]:
-    """The adapters of a layer's linear ``modules`` (by megatron-core name) that have one."""
-    if lora is None:
-        return {}
-    found = {name: lora.adapter_for(module) for name, module in modules.items()}
-    return {name: adapter for name, adapter in found.items() if adapter is not None}

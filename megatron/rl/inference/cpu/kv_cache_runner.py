@@ -28,6 +28,7 @@ from megatron.rl.inference.cpu.cached_forward import CachedForward
 from megatron.rl.inference.cpu.kv_cache import KVCache
 from megatron.rl.inference.protocol import RowResult, RowWork
 from megatron.rl.inference.sampling import sample_tokens, token_uniform
+from megatron.rl.lora.model import selected_adapters
 from megatron.rl.models.lockstep import agreed_counts, expert_lockstep_group, padding_forward
 from megatron.rl.models.routing_replay import (
     recorded_routes,
@@ -105,7 +106,25 @@ class KVCacheRowRunner:
 
         The model runs in whatever mode it is in: the owner of the generation window puts it in
         eval mode for the window (not per step: toggling every module costs ~0.25 ms a step).
+        Rows of different named LoRA adapter sets (``RowWork.adapter``, a multi-adapter
+        server's) run in one forward per set, each with its set selected.
         """
+        sets = sorted({r.adapter for r in rows if r.adapter is not None})
+        if not sets:
+            return self._run(rows)
+        if self.lockstep_group is not None:
+            raise ValueError("per-request LoRA adapters are not supported with expert parallelism")
+        results: dict[int, RowResult] = {}
+        for name in [None, *sets]:
+            chosen = [i for i, r in enumerate(rows) if r.adapter == name]
+            if chosen:
+                with selected_adapters(self.model, name):
+                    done = self._run([rows[i] for i in chosen])
+                results.update(zip(chosen, done))
+        return [results[i] for i in range(len(rows))]
+
+    def _run(self, rows: list[RowWork]) -> list[RowResult]:
+        """``run`` of rows that share their adapter set (the one selected)."""
         if not rows and self.lockstep_group is None:
             return []
         if self.cached_forward is not None:  # packed tokens: one pass for every kind of row

@@ -234,6 +234,12 @@ class DynamicEngineRowRunner:
         """Advance each row's request and return the token of every row that has one."""
         if not rows:
             return []
+        named = sorted({r.adapter for r in rows if r.adapter is not None})
+        if named:
+            raise ValueError(
+                f"LoRA adapters {named} per request are served by the cpu backend only: "
+                "megatron-core's engine steps every request with the model's own adapters"
+            )
         if self._suspended:
             self.engine.resume()
             self._suspended = False

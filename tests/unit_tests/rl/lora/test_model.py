@@ -238,7 +238,8 @@ def test_a_fused_norm_linear_layer_feeds_its_adapter_the_normalized_input(normal
         for b in adapter.lora_B.values():
             b.normal_(generator=torch.Generator().manual_seed(2))
     adapters = LoRAAdapters(LoRAConfig(rank=2, alpha=3.0))
-    module.register_forward_hook(_output_hook(adapters, adapter, fused_norm=True))
+    adapters.add(0, "linear_fc1", module, adapter)
+    module.register_forward_hook(_output_hook(adapters, fused_norm=True))
     x = torch.randn(5, 2, 4, generator=torch.Generator().manual_seed(3))  # (s, b, hidden)
     out, _ = module(x)
     expected = module.normed(x) @ (module.weight + adapter.delta_weight()).t()
