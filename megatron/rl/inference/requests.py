@@ -130,5 +130,6 @@ def restored_request(s: SavedTurn, future: asyncio.Future) -> Request:
     routes = [] if not s.routed_experts else [torch.tensor(s.routed_experts, dtype=torch.int16)]
     return Request(
         tuple(s.order), list(s.prompt), s.sampling, s.seed, s.key, future, s.continued,
-        s.replica, s.slot, list(s.tokens), list(s.logprobs), list(s.versions), s.turn, routes,
+        s.replica, s.slot, list(s.tokens), list(s.logprobs), list(s.versions), s.turn,
+        routes=routes,
     )  # fmt: skip
