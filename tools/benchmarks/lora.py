@@ -25,6 +25,11 @@ at a small batch (2 prompts x 4 samples of 32 tokens); its peak RSS and seconds 
 what full fine-tuning would hold: float32 weights, gradients and two AdamW moments, 16 bytes per
 parameter (27 GiB, more than the machine's 24).
 
+Part 3 (``--engine-repeats`` > 0): the engine's decode throughput with the adapter applied
+unmerged (an extra low-rank product per adapted layer), with the adapters off, and with the
+adapter merged into the bfloat16 weights, and the logprob error of each against the training
+forward (``run_engine``).
+
 Writes ``lora.json`` and ``lora.md`` into ``--out``.
 """
 
@@ -191,6 +196,135 @@ def _machine_memory_gib() -> float:
     return float("nan")
 
 
+def run_engine(opts: argparse.Namespace) -> dict[str, Any]:
+    """Part 3: the engine's cost of an unmerged adapter, and the error of merging it into the
+    bfloat16 weights instead (SmolLM2-135M, ``--bf16``, rank ``--rank`` with B ~ N(0, 0.02^2),
+    the recipe's model as the CPU tier builds it: frozen bfloat16 base stored transposed).
+
+    Decode: ``--engine-batch`` requests of ``--engine-tokens`` new tokens each on the trainer's
+    engine, interleaved ``--engine-repeats`` times: the adapter unmerged (each adapted layer: one
+    more product with A, one with each B), the adapters off (the base's cost, = a merged model's
+    per step), and a model whose bfloat16 weights have the adapter merged in. Error: over a batch
+    of prompts + generated tokens, the mean KL and the largest |log p| difference between the
+    training forward (modules, unmerged, autocast) and each engine variant."""
+    import asyncio
+
+    import torch
+
+    from megatron.rl.inference.cpu.kv_cache import KVCache
+    from megatron.rl.inference.cpu.kv_cache_runner import KVCacheRowRunner
+    from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig
+    from megatron.rl.inference.step_group import StepGroup
+    from megatron.rl.lora.model import (
+        adapters_disabled,
+        lora_adapters,
+        merged_state_dict,
+        store_frozen_linear_weights,
+    )
+    from megatron.rl.models.hf.gguf import SMOLLM2, packaged_checkpoint
+    from megatron.rl.wire import SamplingParams
+    from megatron.trainer import config as trainer_config
+    from megatron.trainer.hf_io import weight_loader
+    from megatron.trainer.initialize import initialize_distributed
+    from megatron.trainer.model_provider import build_model
+    from megatron.trainer.tiers.cpu import CPUTier
+    from tools.benchmarks.common import Stopwatch
+    from tools.benchmarks.hf_shapes import trainer_args
+
+    torch.set_num_threads(opts.threads)
+    ckpt = packaged_checkpoint(SMOLLM2)
+    flags = ["--bf16", "--lora-rank", str(opts.rank), "--lora-alpha", "32"]
+    cfg = trainer_args(ckpt, 256, flags)
+    ctx = initialize_distributed(cfg)
+    vocab = trainer_config.tokenizer(cfg).vocab_size
+    lora = CPUTier(cfg, ctx).build_model(vocab, weight_loader(cfg)).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, _, adapter in lora_adapters(lora).adapters():
+            for b in adapter.lora_B.values():
+                b.copy_(torch.randn(b.shape, generator=g) * 0.02)
+    base_cfg = trainer_args(ckpt, 256, ["--bf16"])
+    merged = build_model(base_cfg, vocab, ctx.device, initialize=False)
+    merged.load_state_dict(merged_state_dict(lora))
+    merged.requires_grad_(False)
+    store_frozen_linear_weights(merged, torch.bfloat16)  # as the LoRA base: bf16, transposed
+    merged.eval()
+    prompts = [[1 + (7 * i + j) % 4000 for j in range(24)] for i in range(opts.engine_batch)]
+    seq = 24 + opts.engine_tokens
+
+    def decode(model, adapters_on: bool) -> tuple[float, list[list[int]]]:
+        c = model.config
+        cache = KVCache(c.num_layers, len(prompts), seq, c.num_query_groups, c.kv_channels,
+                        torch.bfloat16, torch.device("cpu"))  # fmt: skip
+        runner = KVCacheRowRunner(model, cache, vocab, compute_dtype=torch.bfloat16)
+        engine = ContinuousBatchingScheduler(
+            StepGroup(runner), SchedulerConfig(len(prompts), seq, -1), lambda: 0
+        )
+        sampling = SamplingParams(max_tokens=opts.engine_tokens)
+
+        async def go():
+            engine.start()
+            engine.resume()
+            with Stopwatch() as watch:
+                outs = await asyncio.gather(
+                    *(engine.generate(p, sampling, seed=i) for i, p in enumerate(prompts))
+                )
+            await engine.aclose()
+            return watch, outs
+
+        if adapters_on:
+            watch, outs = asyncio.run(go())
+        else:
+            with adapters_disabled(model):
+                watch, outs = asyncio.run(go())
+        return watch.wall, [p + o.tokens for p, o in zip(prompts, outs)], outs
+
+    variants = {
+        "adapter unmerged": (lora, True),
+        "adapters off (base)": (lora, False),
+        "merged into bf16": (merged, True),
+    }
+    seconds: dict[str, list[float]] = {name: [] for name in variants}
+    outputs = {}
+    for r in range(opts.engine_repeats):
+        order = list(variants) if r % 2 == 0 else list(variants)[::-1]
+        for name in order:
+            model, on = variants[name]
+            wall, sequences, outs = decode(model, on)
+            seconds[name].append(wall)
+            outputs[name] = (sequences, outs)
+    tokens = len(prompts) * opts.engine_tokens
+    sequences, outs = outputs["adapter unmerged"]
+    ids = torch.tensor([s[:-1] for s in sequences])  # (B, T)
+    positions = torch.arange(ids.shape[1])[None].expand_as(ids)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, cache_enabled=False):
+        train_logp = torch.log_softmax(lora(ids, positions, None).float()[..., :vocab], -1)
+    generated = torch.tensor([o.tokens for o in outs])  # (B, N)
+    trained = train_logp[:, 23:].gather(-1, generated[..., None])[..., 0]  # (B, N)
+    errors = {}
+    for name in ("adapter unmerged", "merged into bf16"):
+        model, _ = variants[name]
+        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, cache_enabled=False):
+            engine_logp = torch.log_softmax(model(ids, positions, None).float()[..., :vocab], -1)
+        if name == "adapter unmerged":  # the engine's own logprobs of its sampled tokens
+            got = torch.tensor([o.logprobs for o in outs])
+        else:  # the merged model's logprobs of the same tokens
+            got = engine_logp[:, 23:].gather(-1, generated[..., None])[..., 0]
+        ratio = got - trained
+        errors[name] = {
+            "mismatch_kl": float((torch.exp(-ratio) - 1 + ratio).mean()),  # k3, as mismatch_kl
+            "max_abs_logprob_difference": float(ratio.abs().max()),
+        }
+    return {
+        "batch": len(prompts),
+        "new_tokens": opts.engine_tokens,
+        "repeats": opts.engine_repeats,
+        "tokens_per_second": {n: tokens / statistics.median(s) for n, s in seconds.items()},
+        "seconds": seconds,
+        "errors": errors,
+    }
+
+
 def markdown(res: dict[str, Any]) -> str:
     """Both parts as markdown tables, with the ratios the targets are read from."""
     rows = {r["name"]: r for r in res.get("recipe_shape", [])}
@@ -230,6 +364,24 @@ def markdown(res: dict[str, Any]) -> str:
             f"{lora['peak_rss_mib']:.0f} MiB ({lora['peak_rss_mib'] / full['peak_rss_mib']:.0%}), "
             f"TRL + PEFT {trl['peak_rss_mib']:.0f} MiB",
         ]
+    engine = res.get("engine")
+    if engine:
+        tps = engine["tokens_per_second"]
+        base = tps["adapters off (base)"]
+        lines += [
+            "",
+            f"Engine decode, SmolLM2-135M bf16, batch {engine['batch']} x {engine['new_tokens']} "
+            f"new tokens, rank {res['rank']} (median of {engine['repeats']}, interleaved):",
+            "",
+            "| variant | tokens/s | vs base | mismatch_kl vs training | max abs logprob difference |",
+            "|---|---|---|---|---|",
+        ]
+        for name, rate in tps.items():
+            err = engine["errors"].get(name)
+            lines.append(
+                f"| {name} | {rate:.0f} | {rate / base:.2f}x | "
+                + (f"{err['mismatch_kl']:.1e} | {err['max_abs_logprob_difference']:.3f} |" if err else "n/a | n/a |")
+            )
     large = res.get("large")
     if large:
         lines += [
@@ -260,7 +412,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="Torch threads per process.")
     parser.add_argument("--large-steps", type=int, default=2, help="Part 2 steps (0: skip).")
     parser.add_argument("--large-rank", type=int, default=8)
-    parser.add_argument("--skip-recipe-shape", action="store_true", help="Only part 2.")
+    parser.add_argument("--skip-recipe-shape", action="store_true", help="Skip part 1.")
+    parser.add_argument("--engine-repeats", type=int, default=3, help="Part 3 repeats (0: skip).")
+    parser.add_argument("--engine-batch", type=int, default=64)
+    parser.add_argument("--engine-tokens", type=int, default=32)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--work", type=Path, default=None, help="Keep logs and files here.")
     opts = parser.parse_args()
@@ -276,6 +431,8 @@ def main() -> None:
             res["settings"] = {k: v for k, v in vars(opts).items() if k not in ("out", "work")}
         if opts.large_steps > 0:
             res["large"] = run_large(opts, work, work)
+    if opts.engine_repeats > 0:  # in this process: last (it starts torch.distributed)
+        res["engine"] = run_engine(opts)
     opts.out.mkdir(parents=True, exist_ok=True)
     (opts.out / "lora.json").write_text(json.dumps(res, indent=1) + "\n")
     (opts.out / "lora.md").write_text(markdown(res) + "\n")
