@@ -55,7 +55,12 @@ from megatron.trainer.model_provider import architecture
 from megatron.trainer.tiers import Tier, select_tier
 
 CHECKPOINT_FLAGS = (*ARCHITECTURE_FLAGS, "group_query_attention", "use_rope_scaling")
-CHECKPOINT_FLAGS += ("rope_scaling_factor", "make_vocab_size_divisible_by", "lora_rank", "lora_alpha")
+CHECKPOINT_FLAGS += (
+    "rope_scaling_factor",
+    "make_vocab_size_divisible_by",
+    "lora_rank",
+    "lora_alpha",
+)
 """Flags a trainer checkpoint's weights must have been saved with to fit the command's model."""
 
 

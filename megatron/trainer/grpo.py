@@ -45,7 +45,6 @@ from megatron.trainer.flags import run_file
 from megatron.trainer.flags.rollouts import env_config_problems
 from megatron.trainer.flags.run import RunConfig
 from megatron.trainer.hf_io import save_hf, weight_loader
-from megatron.trainer.lora import save_lora
 from megatron.trainer.initialize import (
     ParallelContext,
     initialize_distributed,
@@ -53,6 +52,7 @@ from megatron.trainer.initialize import (
     raise_agreed_failure,
     shutdown_distributed,
 )
+from megatron.trainer.lora import save_lora
 from megatron.trainer.metrics import ConstantRewardWarning, MetricsWriter, step_metrics
 from megatron.trainer.model_provider import architecture
 from megatron.trainer.nonfinite import NonFiniteUpdate

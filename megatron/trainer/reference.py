@@ -21,7 +21,6 @@ import torch
 from megatron.core.utils import unwrap_model
 
 from megatron.rl.lora.model import lora_adapters
-
 from megatron.trainer.checkpointing import iteration_dir, latest_iteration, read_guarded
 from megatron.trainer.flags.run import RunConfig
 from megatron.trainer.initialize import ParallelContext

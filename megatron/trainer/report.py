@@ -36,7 +36,8 @@ def parameter_count(
     count = sum(
         p.numel()
         for p in model.parameters()
-        if param_is_not_tensor_parallel_duplicate(p, tp_group) and (p.requires_grad or not trainable)
+        if param_is_not_tensor_parallel_duplicate(p, tp_group)
+        and (p.requires_grad or not trainable)
     )
     total = torch.tensor([count], dtype=torch.long)
     groups = [tp_group] if tp_group is not None and dist.get_world_size(tp_group) > 1 else []

@@ -152,7 +152,9 @@ def lora_problems(cfg: RunConfig, values: list[str]) -> list[str]:
     if not values:
         return []
     if cfg.lora.enabled:
-        return ["--lora with --lora-checkpoint or --lora-rank: give every adapter as --lora NAME=DIR"]
+        return [
+            "--lora with --lora-checkpoint or --lora-rank: give every adapter as --lora NAME=DIR"
+        ]
     try:
         named = named_adapters(values)
     except ValueError as err:

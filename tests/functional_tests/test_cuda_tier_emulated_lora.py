@@ -25,7 +25,10 @@ def cpu_lora_run():
 
 @pytest.mark.parametrize(
     "nproc, layout",
-    [pytest.param(1, {}, id="one-process"), pytest.param(2, {"tensor-model-parallel-size": 2}, id="tp2")],
+    [
+        pytest.param(1, {}, id="one-process"),
+        pytest.param(2, {"tensor-model-parallel-size": 2}, id="tp2"),
+    ],
 )
 def test_lora_runs_match_the_cpu_tier(cpu_lora_run, nproc, layout):
     cuda = run_training(nproc, {**LORA, "rl-forced-lag": 0, **layout}, script=EMULATED)
@@ -46,7 +49,9 @@ def test_dist_checkpoint_of_the_adapters_resumes_exactly(tmp_path):
     whole = run_training(1, {**args, "save": tmp_path / "a", "save-interval": 2}, script=EMULATED)
     load = checkpoint_of_iteration(tmp_path / "a", 2, tmp_path / "b")
     size = sum(p.stat().st_size for p in load.rglob("*.distcp"))
-    assert size < 500_000  # adapters (9k parameters) and their AdamW moments; the base (0.12M) x 3: 1.4 MB
+    assert (
+        size < 500_000
+    )  # adapters (9k parameters) and their AdamW moments; the base (0.12M) x 3: 1.4 MB
     resumed = run_training(1, {**args, "load": load}, script=EMULATED)
     assert [m["step"] for m in resumed] == [2, 3]
     for a, b in zip(whole[2:], resumed):

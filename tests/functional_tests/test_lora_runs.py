@@ -52,7 +52,9 @@ def test_saved_adapter_and_merged_model_give_the_same_logits(lora_args):
     assert (config["r"], config["lora_alpha"]) == (4, 8.0)
     assert config["base_model_name_or_path"] == str(args["hf-checkpoint"].resolve())
     ids = torch.randint(5, 200, (2, 12), generator=torch.Generator().manual_seed(0))
-    base = transformers.AutoModelForCausalLM.from_pretrained(args["hf-checkpoint"], dtype=torch.float32)
+    base = transformers.AutoModelForCausalLM.from_pretrained(
+        args["hf-checkpoint"], dtype=torch.float32
+    )
     with torch.no_grad():
         plain = base(input_ids=ids).logits
         adapted = PeftModel.from_pretrained(base, lora).eval()(input_ids=ids).logits

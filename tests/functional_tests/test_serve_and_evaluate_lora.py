@@ -59,11 +59,17 @@ def test_served_adapter_generates_what_the_merged_model_generates(trained, tiny,
         "lora-checkpoint": ["--lora-checkpoint", str(trained["lora"])],
         "load": ["--load", str(trained["ck"]), *LORA_FLAGS],
     }[source]
-    served = start_server(["--hf-checkpoint", str(tiny), "--seq-length", "64", *flags], command_env())
+    served = start_server(
+        ["--hf-checkpoint", str(tiny), "--seq-length", "64", *flags], command_env()
+    )
     try:
-        choice = served.client(key="x").completions.create(
-            model=served.name, prompt="copy: 1234 -> ", max_tokens=10, temperature=0, logprobs=1
-        ).choices[0]
+        choice = (
+            served.client(key="x")
+            .completions.create(
+                model=served.name, prompt="copy: 1234 -> ", max_tokens=10, temperature=0, logprobs=1
+            )
+            .choices[0]
+        )
         tokens = assert_greedy(trained["hf"], choice, 10)
         prompt, logprobs = choice.model_extra["prompt_token_ids"], choice.logprobs.token_logprobs
         assert logprobs == pytest.approx(hf_logprobs(trained["hf"], prompt, tokens), abs=1e-4)
@@ -152,7 +158,10 @@ def test_several_adapters_are_served_by_name_in_one_engine(trained, tiny, tmp_pa
         assert len({tuple(c.model_extra["token_ids"]) for c in choices[:3]}) > 1
         with pytest.raises(openai.NotFoundError) as err:
             ask("missing")
-        assert "the model 'missing' is not served here ('base', 'tuned', 'flipped')" in err.value.response.text
+        assert (
+            "the model 'missing' is not served here ('base', 'tuned', 'flipped')"
+            in err.value.response.text
+        )
         assert served.stop(signal.SIGTERM) == 0
     finally:
         if served.proc.poll() is None:

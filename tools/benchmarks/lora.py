@@ -163,7 +163,10 @@ def run_large(opts: argparse.Namespace, logs: Path, work: Path) -> dict[str, Any
         "--log-interval", "1", "--bf16", "--recompute-granularity", "full",
         "--lora-rank", str(opts.large_rank), "--lora-alpha", "32",
     ]  # fmt: skip
-    print(f"  lora: SmolLM2-1.7B shape, LoRA r={opts.large_rank}, {opts.large_steps} steps", flush=True)
+    print(
+        f"  lora: SmolLM2-1.7B shape, LoRA r={opts.large_rank}, {opts.large_steps} steps",
+        flush=True,
+    )
     summary = run_trainer(flags, opts.threads, logs / "large.log", timeout_s=5400)
     records = summary["steps"]
     parameters = _parameters(logs / "large.log")
@@ -174,7 +177,9 @@ def run_large(opts: argparse.Namespace, logs: Path, work: Path) -> dict[str, Any
         "seconds_per_step": [r["step_seconds"] for r in records],
         "train_seconds_per_step": [r["train_seconds"] for r in records],
         "peak_rss_mib": summary["peak_rss_mib"],
-        "generation_peak_mib": max(p["generation"]["peak_mib"] for p in phases if "generation" in p),
+        "generation_peak_mib": max(
+            p["generation"]["peak_mib"] for p in phases if "generation" in p
+        ),
         "training_peak_mib": max(p["training"]["peak_mib"] for p in phases if "training" in p),
         "full_finetuning_state_gib": parameters * 16 / 2**30,
         "machine_memory_gib": _machine_memory_gib(),
@@ -343,7 +348,11 @@ def markdown(res: dict[str, Any]) -> str:
                 f"| {r['name']} | {r['seconds_per_step']:.2f} | {rounds} | "
                 + (f"{r['train_seconds_per_step']:.2f}" if ours else "n/a")
                 + f" | {r['peak_rss_mib']:.0f} MiB | "
-                + (f"{r['generation_peak_mib']:.0f} / {r['training_peak_mib']:.0f} MiB" if ours else "n/a")
+                + (
+                    f"{r['generation_peak_mib']:.0f} / {r['training_peak_mib']:.0f} MiB"
+                    if ours
+                    else "n/a"
+                )
                 + " | "
                 + (f"{r['mismatch_kl']:.1e}" if ours else "n/a")
                 + " |"
@@ -380,7 +389,11 @@ def markdown(res: dict[str, Any]) -> str:
             err = engine["errors"].get(name)
             lines.append(
                 f"| {name} | {rate:.0f} | {rate / base:.2f}x | "
-                + (f"{err['mismatch_kl']:.1e} | {err['max_abs_logprob_difference']:.3f} |" if err else "n/a | n/a |")
+                + (
+                    f"{err['mismatch_kl']:.1e} | {err['max_abs_logprob_difference']:.3f} |"
+                    if err
+                    else "n/a | n/a |"
+                )
             )
     large = res.get("large")
     if large:

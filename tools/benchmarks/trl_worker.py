@@ -231,7 +231,15 @@ def main() -> None:
             r=opts.lora_rank,
             lora_alpha=opts.lora_alpha or opts.lora_rank,
             lora_dropout=0.0,
-            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+            target_modules=[
+                "q_proj",
+                "k_proj",
+                "v_proj",
+                "o_proj",
+                "gate_proj",
+                "up_proj",
+                "down_proj",
+            ],
             task_type="CAUSAL_LM",
         )
     trainer = GRPOTrainer(

@@ -150,7 +150,9 @@ class ContinuousBatchingScheduler(CheckpointedScheduling, Admission):
         order = (0, *key, arrival) if key is not None else (1, arrival)
         future = asyncio.get_running_loop().create_future()
         if adapter is not None and key is not None:
-            raise InvalidInferenceRequest("a rollout (keyed request) generates with the policy: no adapter")
+            raise InvalidInferenceRequest(
+                "a rollout (keyed request) generates with the policy: no adapter"
+            )
         request = Request(
             order, list(prompt_tokens), sampling, seed, key, future, turn=turn, adapter=adapter
         )

@@ -22,8 +22,8 @@ Tensor parallelism shards an adapter the way the layer's weight is sharded:
 The sharded parameters carry megatron-core's tensor-parallel attributes (``partition_dim``), so
 gradient norms count each shard once and ``dist_checkpointing`` stores the whole tensor.
 
-The output rows of a fused layer follow megatron-core's layout (``megatron/rl/models/hf/mapping.py``):
-QKV rows are grouped per query group g, ``[q heads of g, k of g, v of g]``; ``linear_fc1`` with a
+The output rows of a fused layer follow megatron-core's layout
+(``megatron/rl/models/hf/mapping.py``): QKV rows are grouped per query group g, ``[q heads of g, k of g, v of g]``; ``linear_fc1`` with a
 gated unit is ``[gate; up]`` on each rank. ``delta`` computes each projection's rows in the
 Hugging Face order and interleaves them into that layout.
 """

@@ -330,7 +330,11 @@ def base_fingerprint(model: torch.nn.Module) -> str:
     each): what a LoRA checkpoint records of the base its adapters were trained on."""
     digest = hashlib.sha256()
     for name, tensor in sorted(unwrap_model(model).state_dict().items()):
-        if is_adapter_key(name) or not isinstance(tensor, torch.Tensor) or name.endswith("_extra_state"):
+        if (
+            is_adapter_key(name)
+            or not isinstance(tensor, torch.Tensor)
+            or name.endswith("_extra_state")
+        ):
             continue
         flat = tensor.detach().reshape(-1)
         picks = flat[:: max(1, flat.numel() // 64)][:64].float().cpu()

@@ -19,10 +19,9 @@ for a batch; a request sent during a training step is answered when the next win
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import itertools
 import time
+from collections.abc import Mapping
 
 from fastapi import FastAPI, HTTPException
 

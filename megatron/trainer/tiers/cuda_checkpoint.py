@@ -11,7 +11,8 @@ does not depend on ``--bf16`` or DDP wrapping) and of the optimizer (``fully_res
 checkpoint loads into any TP/PP/DP layout and with or without ``--use-distributed-optimizer``).
 The LR schedule, the iteration and the flags go to the common part; each model-parallel rank's RNG
 states go to a sharded object. With LoRA only the adapters (and their optimizer state) are saved:
-the frozen base is rebuilt from ``--hf-checkpoint`` (or the seed) as the run that saved them did. dist_checkpointing's save calls ``torch.cuda.synchronize`` and
+the frozen base is rebuilt from ``--hf-checkpoint`` (or the seed) as the run that saved them did.
+dist_checkpointing's save calls ``torch.cuda.synchronize`` and
 therefore runs on CUDA only.
 """
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 from grpo_testing.models import VOCAB, tiny_args
-from megatron.core import parallel_state
-
 from grpo_testing.rollouts import synthetic_groups
+from megatron.core import parallel_state
 
 from megatron.rl.grpo.batch import TrainBatch, build_train_batch
 from megatron.rl.rollout.generator import PipelineState
@@ -100,25 +99,33 @@ def test_a_lora_checkpoint_holds_the_adapters_and_their_optimizer_state_only(tmp
     _, state, _ = build(args, ctx)
     randomize_adapters(state.model)
     checkpointing.save_checkpoint(tmp_path, 3, TorchShards(ctx), state, pipeline(), args, ctx)
-    payload = torch.load(tmp_path / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt", weights_only=True)
+    payload = torch.load(
+        tmp_path / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt", weights_only=True
+    )
     assert payload["model"] and all(k.startswith("lora.") for k in payload["model"])
     assert "lora_base" in payload and payload["cfg"]["lora_target_modules"] == TARGETS
     _, other, _ = build(args, ctx)
     checkpointing.load_checkpoint(tmp_path, TorchShards(ctx), other, args, ctx, LoadOptions())
-    for (name, a), (_, b) in zip(state.model.state_dict().items(), other.model.state_dict().items()):
+    for (name, a), (_, b) in zip(
+        state.model.state_dict().items(), other.model.state_dict().items()
+    ):
         assert a is None or torch.equal(a, b), name
 
 
 def test_adapters_of_another_base_are_refused_naming_the_flag(tmp_path):
     ctx = context()
     _, state, _ = build(lora_args(), ctx)
-    checkpointing.save_checkpoint(tmp_path, 3, TorchShards(ctx), state, pipeline(), lora_args(), ctx)
+    checkpointing.save_checkpoint(
+        tmp_path, 3, TorchShards(ctx), state, pipeline(), lora_args(), ctx
+    )
     other_base = lora_args()
     _, other, _ = build(other_base, ctx)
     with torch.no_grad():  # another base model, the same shapes
         other.model.decoder.layers[0].self_attention.linear_qkv.weight.mul_(1.5)
     with pytest.raises(SystemExit, match="trained on another base model"):
-        checkpointing.load_checkpoint(tmp_path, TorchShards(ctx), other, other_base, ctx, LoadOptions())
+        checkpointing.load_checkpoint(
+            tmp_path, TorchShards(ctx), other, other_base, ctx, LoadOptions()
+        )
 
 
 def test_a_full_checkpoint_is_the_base_of_a_lora_finetune(tmp_path):

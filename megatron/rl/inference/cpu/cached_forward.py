@@ -26,6 +26,10 @@ of any lengths and one-token rows together, and no matmul row is spent on paddin
 unpacks them (``KVCacheStep.attend_packed``). Only each row's last new token goes through the final
 norm and the output layer (prefill rows need no logits at their prompt positions).
 
+A LoRA model's adapters (``megatron.rl.lora``) are added unmerged where the modules' forward
+hooks add them: ``LoRAAdapters.adapter_for`` is asked at each adapted layer of each step, so the
+current adapter of every policy version (or a multi-adapter server's selected set) is the one used.
+
 ``CachedForward.of(model)`` returns None for what it does not reproduce (pipeline parallelism,
 sequence parallelism, fused or Transformer Engine modules, MoE, fewer query groups than TP ranks,
 mixed-dtype residuals, multi-latent attention...): the caller then runs the model's own forward.
@@ -66,7 +70,12 @@ _CONFIG_REQUIREMENTS = {
 """TransformerConfig values the plain program assumes (anything else: the model's own forward)."""
 
 
-_MODULE_FIELDS = {"linear_qkv": "qkv", "linear_proj": "proj", "linear_fc1": "fc1", "linear_fc2": "fc2"}
+_MODULE_FIELDS = {
+    "linear_qkv": "qkv",
+    "linear_proj": "proj",
+    "linear_fc1": "fc1",
+    "linear_fc2": "fc2",
+}
 """megatron-core's name of a linear layer -> its ``_Layer`` field."""
 
 

@@ -96,7 +96,9 @@ def test_tensor_parallel_shards_carry_megatron_cores_attributes():
     column = LinearAdapter(
         Layout("linear_fc1", (("up_proj", 4),), 8, 1, 2), ("up_proj",), 2, 1.0, None
     )
-    row = LinearAdapter(Layout("linear_fc2", (("down_proj", 8),), 4, 1, 2), ("down_proj",), 2, 1.0, None)
+    row = LinearAdapter(
+        Layout("linear_fc2", (("down_proj", 8),), 4, 1, 2), ("down_proj",), 2, 1.0, None
+    )
     assert column.lora_B["up_proj"].tensor_model_parallel
     assert column.lora_B["up_proj"].partition_dim == 0
     assert not getattr(column.lora_A, "tensor_model_parallel", False)  # replicated

@@ -25,7 +25,12 @@ from megatron.rl.lora.config import (
             id="megatron-modules",
         ),
         pytest.param(["v_proj", "q_proj"], True, ("q_proj", "v_proj"), id="hf-aliases-in-order"),
-        pytest.param(["all-linear"], False, ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"), id="all-linear-plain-mlp"),
+        pytest.param(
+            ["all-linear"],
+            False,
+            ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"),
+            id="all-linear-plain-mlp",
+        ),
         pytest.param(["linear_qkv", "k_proj"], True, ("q_proj", "k_proj", "v_proj"), id="overlap"),
     ],
 )
@@ -64,7 +69,9 @@ def test_reads_peft_adapter_config(tmp_path):
     saved = read_adapter_config(write(tmp_path, base_model_name_or_path="/models/x"))
     assert (saved.rank, saved.alpha, saved.targets) == (4, 8.0, ("q_proj", "v_proj"))
     assert saved.base_model == "/models/x"
-    assert read_adapter_config(write(tmp_path, target_modules="all-linear")).targets[-1] == "down_proj"
+    assert (
+        read_adapter_config(write(tmp_path, target_modules="all-linear")).targets[-1] == "down_proj"
+    )
 
 
 @pytest.mark.parametrize(

@@ -169,7 +169,9 @@ def adapted_on_rank(rank: int, world_size: int) -> dict:
             whole = torch.randn(rows, b.shape[1], generator=g) * 0.2
             local = b.shape[0]
             with torch.no_grad():
-                b.copy_(whole[rank * local : (rank + 1) * local] if adapter.layout.column else whole)
+                b.copy_(
+                    whole[rank * local : (rank + 1) * local] if adapter.layout.column else whole
+                )
     ids, positions = batch()
     out = full_logits(model, ids, VOCAB)
     model.train()
@@ -211,7 +213,11 @@ class FusedNormLinear(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.randn(6, 4, generator=g))
         self.layer_norm_weight = torch.nn.Parameter(torch.rand(4, generator=g) + 0.5)
         self.layer_norm_bias = torch.nn.Parameter(torch.randn(4, generator=g))
-        self.normalization, self.zero_centered_gamma, self.eps = normalization, zero_centered_gamma, 1e-5
+        self.normalization, self.zero_centered_gamma, self.eps = (
+            normalization,
+            zero_centered_gamma,
+            1e-5,
+        )
 
     def normed(self, x):
         w = self.layer_norm_weight + (1 if self.zero_centered_gamma else 0)
@@ -226,7 +232,9 @@ class FusedNormLinear(torch.nn.Module):
 
 @pytest.mark.parametrize("normalization", ["RMSNorm", "LayerNorm"])
 @pytest.mark.parametrize("zero_centered", [False, True], ids=["gamma", "zero-centered-gamma"])
-def test_a_fused_norm_linear_layer_feeds_its_adapter_the_normalized_input(normalization, zero_centered):
+def test_a_fused_norm_linear_layer_feeds_its_adapter_the_normalized_input(
+    normalization, zero_centered
+):
     from megatron.rl.lora.adapter import Layout, LinearAdapter
     from megatron.rl.lora.model import LoRAAdapters, _output_hook
 

@@ -34,7 +34,9 @@ def trained(model, seed: int = 1) -> None:
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_peft_loads_our_adapter_with_our_logits(single_rank_world, tiny_hf_checkpoints, family, tmp_path):
+def test_peft_loads_our_adapter_with_our_logits(
+    single_rank_world, tiny_hf_checkpoints, family, tmp_path
+):
     import transformers
     from peft import PeftModel
 
@@ -44,7 +46,9 @@ def test_peft_loads_our_adapter_with_our_logits(single_rank_world, tiny_hf_check
     trained(model)
     ids, mask = mixed_batch(vocab=hf.vocab_size)
     ours = full_logits(model, ids, hf.vocab_size)
-    write_adapter_directory(tmp_path, gather_adapter_tensors(lora_adapters(model)), CONFIG, str(directory))
+    write_adapter_directory(
+        tmp_path, gather_adapter_tensors(lora_adapters(model)), CONFIG, str(directory)
+    )
     saved = json.loads((tmp_path / "adapter_config.json").read_text())
     assert (saved["r"], saved["lora_alpha"], saved["target_modules"]) == (4, 16.0, list(TARGETS))
     base = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
@@ -83,7 +87,9 @@ def test_an_adapter_peft_trained_continues_here(single_rank_world, tiny_hf_check
     torch.testing.assert_close(ours[mask], theirs[mask], atol=2e-4, rtol=1e-4)
 
 
-def test_a_directory_that_does_not_fit_is_refused_naming_it(single_rank_world, tiny_hf_checkpoints, tmp_path):
+def test_a_directory_that_does_not_fit_is_refused_naming_it(
+    single_rank_world, tiny_hf_checkpoints, tmp_path
+):
     model, _ = build_hf_model(tiny_hf_checkpoints["llama"])
     adapters = apply_lora(model, CONFIG)
     tensors = gather_adapter_tensors(adapters)
@@ -92,7 +98,9 @@ def test_a_directory_that_does_not_fit_is_refused_naming_it(single_rank_world, t
     with pytest.raises(AdapterLoadError, match="rank 2 targets .* do not match"):
         load_adapter_directory(adapters, tmp_path / "rank")
     key = next(iter(tensors))
-    write_adapter_directory(tmp_path / "missing", {k: v for k, v in tensors.items() if k != key}, CONFIG)
+    write_adapter_directory(
+        tmp_path / "missing", {k: v for k, v in tensors.items() if k != key}, CONFIG
+    )
     with pytest.raises(AdapterLoadError, match=f"missing tensor '{key}'"):
         load_adapter_directory(adapters, tmp_path / "missing")
     extra = {**tensors, key.replace("layers.0", "layers.9"): tensors[key].clone()}
@@ -110,10 +118,15 @@ def load_on_rank(rank: int, world_size: int, directory, adapter_dir) -> dict:
     adapters = apply_lora(model, CONFIG)
     load_adapter_directory(adapters, adapter_dir)
     ids, _ = mixed_batch(vocab=hf.vocab_size)
-    return {"logits": full_logits(model, ids, hf.vocab_size), "tensors": gather_adapter_tensors(adapters)}
+    return {
+        "logits": full_logits(model, ids, hf.vocab_size),
+        "tensors": gather_adapter_tensors(adapters),
+    }
 
 
-def test_tensor_parallel_ranks_load_their_shards_and_gather_the_whole(tiny_hf_checkpoints, tmp_path):
+def test_tensor_parallel_ranks_load_their_shards_and_gather_the_whole(
+    tiny_hf_checkpoints, tmp_path
+):
     from safetensors.torch import load_file
 
     directory = tiny_hf_checkpoints["llama"]
@@ -121,7 +134,9 @@ def test_tensor_parallel_ranks_load_their_shards_and_gather_the_whole(tiny_hf_ch
     written = load_file(str(tmp_path / "adapter_model.safetensors"))
     first, second = run_on_ranks(load_on_rank, 2, directory, tmp_path)
     for key, tensor in written.items():
-        assert torch.equal(first["tensors"][key], tensor) and torch.equal(second["tensors"][key], tensor)
+        assert torch.equal(first["tensors"][key], tensor) and torch.equal(
+            second["tensors"][key], tensor
+        )
     torch.testing.assert_close(first["logits"], single, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(second["logits"], single, atol=1e-5, rtol=1e-5)
 

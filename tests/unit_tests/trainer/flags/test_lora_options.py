@@ -39,10 +39,20 @@ def test_a_plain_mlp_has_no_gate():
 @pytest.mark.parametrize(
     "argv, message",
     [
-        pytest.param(["--lora-rank", "4", "--lora-dropout", "0.1"], "--lora-dropout 0.1: only 0", id="dropout"),
-        pytest.param(["--lora-rank", "4", "--lora-alpha", "0"], "--lora-alpha must be > 0", id="alpha"),
-        pytest.param(["--lora-alpha", "16"], "--lora-alpha need --lora-rank > 0", id="alpha-without-rank"),
-        pytest.param(["--save-lora", "x"], "--save-lora need --lora-rank > 0", id="save-without-rank"),
+        pytest.param(
+            ["--lora-rank", "4", "--lora-dropout", "0.1"],
+            "--lora-dropout 0.1: only 0",
+            id="dropout",
+        ),
+        pytest.param(
+            ["--lora-rank", "4", "--lora-alpha", "0"], "--lora-alpha must be > 0", id="alpha"
+        ),
+        pytest.param(
+            ["--lora-alpha", "16"], "--lora-alpha need --lora-rank > 0", id="alpha-without-rank"
+        ),
+        pytest.param(
+            ["--save-lora", "x"], "--save-lora need --lora-rank > 0", id="save-without-rank"
+        ),
         pytest.param(
             ["--lora-rank", "4", "--num-experts", "4", "--disable-bias-linear"],
             "mixture-of-experts model are experts",
@@ -63,7 +73,12 @@ def test_moe_attention_adapters_are_fine():
 
 
 def adapter_dir(tmp_path, **fields):
-    config = {"peft_type": "LORA", "r": 16, "lora_alpha": 32, "target_modules": ["q_proj", "v_proj"]}
+    config = {
+        "peft_type": "LORA",
+        "r": 16,
+        "lora_alpha": 32,
+        "target_modules": ["q_proj", "v_proj"],
+    }
     (tmp_path / "adapter_config.json").write_text(json.dumps({**config, **fields}))
     return str(tmp_path)
 
@@ -72,7 +87,11 @@ def test_lora_checkpoint_sets_rank_alpha_and_targets(tmp_path):
     args, errors = check(["--lora-checkpoint", adapter_dir(tmp_path), *SWIGLU], 1, False)
     assert errors == []
     lora = args.lora
-    assert (lora.lora_rank, lora.lora_alpha, lora.lora_target_modules) == (16, 32.0, ("q_proj", "v_proj"))
+    assert (lora.lora_rank, lora.lora_alpha, lora.lora_target_modules) == (
+        16,
+        32.0,
+        ("q_proj", "v_proj"),
+    )
 
 
 def test_flags_contradicting_the_lora_checkpoint_are_refused_naming_both(tmp_path):
@@ -82,7 +101,9 @@ def test_flags_contradicting_the_lora_checkpoint_are_refused_naming_both(tmp_pat
         f"--lora-rank 8 conflicts with --lora-checkpoint {directory} (adapter_config.json gives "
         "16); drop the flag"
     ]
-    _, errors = check(["--lora-checkpoint", directory, "--lora-target-modules", "linear_qkv"], 1, False)
+    _, errors = check(
+        ["--lora-checkpoint", directory, "--lora-target-modules", "linear_qkv"], 1, False
+    )
     assert len(errors) == 1 and "--lora-target-modules linear_qkv conflicts" in errors[0]
     _, errors = check(["--lora-checkpoint", directory, "--lora-rank", "16"], 1, False)
     assert errors == []  # agreeing is fine
@@ -90,4 +111,6 @@ def test_flags_contradicting_the_lora_checkpoint_are_refused_naming_both(tmp_pat
 
 def test_an_unreadable_lora_checkpoint_is_refused(tmp_path):
     _, errors = check(["--lora-checkpoint", str(tmp_path)], 1, False)
-    assert errors == [f"--lora-checkpoint: {tmp_path}: no adapter_config.json (not a PEFT adapter directory)"]
+    assert errors == [
+        f"--lora-checkpoint: {tmp_path}: no adapter_config.json (not a PEFT adapter directory)"
+    ]

@@ -72,7 +72,11 @@ def engine_logits(forward: CachedForward, model, tokens: list[int]) -> torch.Ten
     """The engine's logits at the last of ``tokens`` (a fresh cache: prefill + 2 decodes)."""
     cache = make_cache(model, slots=1)
     n = len(tokens)
-    for part, start, length in ((tokens[: n - 2], 0, n - 2), (tokens[n - 2 : n - 1], n - 2, 1), (tokens[n - 1 :], n - 1, 1)):
+    for part, start, length in (
+        (tokens[: n - 2], 0, n - 2),
+        (tokens[n - 2 : n - 1], n - 2, 1),
+        (tokens[n - 1 :], n - 1, 1),
+    ):
         with cache.step(torch.tensor([0]), torch.tensor([start]), torch.tensor([length])) as step:
             ids, positions = torch.tensor([part]), torch.arange(start, start + length)[None]
             out = forward(ids, positions, step)[0]
@@ -99,7 +103,9 @@ def test_every_policy_version_generates_with_the_current_adapter(single_rank_wor
         torch.testing.assert_close(got, current, atol=1e-5, rtol=1e-5)
         assert (got - base).abs().max() > 1e-2  # not the base
     with adapters_disabled(model):  # the base, on request (the multi-adapter server's base)
-        torch.testing.assert_close(engine_logits(forward, model, tokens), base, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            engine_logits(forward, model, tokens), base, atol=1e-5, rtol=1e-5
+        )
 
 
 def test_bf16_engine_matches_the_adapted_training_forward(single_rank_world):
