@@ -121,7 +121,9 @@ def test_frozen_weights_stored_transposed_and_in_bf16_compute_the_same(single_ra
     assert model.embedding.word_embeddings.weight.dtype == torch.float32  # a lookup, not a product
     with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, cache_enabled=False):
         after = model.eval()(ids, positions, None)
-    torch.testing.assert_close(after, before, atol=0, rtol=0)  # autocast rounds them so anyway
+    # autocast rounds float32 weights to these bfloat16 values anyway; only the GEMM's
+    # accumulation over the other layout may round differently
+    torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
     fp32_model = tiny_gpt(seed=3, **LLAMA)
     apply_lora(fp32_model, CONFIG)
     randomize_b(fp32_model)
