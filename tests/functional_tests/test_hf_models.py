@@ -75,10 +75,10 @@ def test_a_qwen3_checkpoint_trains_at_tp2_as_at_tp1(tiny_hf_checkpoints, tmp_pat
         assert b["reward_mean"] == a["reward_mean"], a["step"]
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6), a["step"]
     # The gradients of steps 0 and 1 (the second after one update, which must then have been the
-    # same) agree to float rounding. Later ones need not: this task's loss is ~1e-8 (the group's
-    # advantages cancel) and Adam turns gradients of that size, whose rounding differs between the
-    # layouts, into full-size steps of either sign (measured on an AMD EPYC: steps 2, 3 apart by 2%
-    # and 30%; equal on Intel's AMX kernels).
+    # same) agree to float rounding. Later ones need not: Adam's first steps move each weight by
+    # about lr x sign(gradient), so gradient elements at rounding level, whose sign differs
+    # between the layouts' reduction orders, become full-size steps of either sign (measured on an
+    # AMD EPYC: steps 2 and 3 apart by 2% and 30%; equal on Intel's AMX kernels).
     for a, b in zip(tp1[:2], tp2[:2]):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), a["step"]
 
