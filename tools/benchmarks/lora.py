@@ -113,7 +113,8 @@ def write_large_checkpoint(out: Path, tokenizer_dir: Path, seed: int = 0) -> Pat
 
     out.mkdir(parents=True, exist_ok=True)
     source = json.loads((tokenizer_dir / "config.json").read_text())
-    config = {**source, **SMOLLM2_1_7B, "torch_dtype": "bfloat16", "head_dim": 64}
+    config = {**source, **SMOLLM2_1_7B, "torch_dtype": "bfloat16"}
+    config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
     (out / "config.json").write_text(json.dumps(config, indent=1))
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                  "generation_config.json", "special_tokens_map.json"):  # fmt: skip
@@ -406,8 +407,13 @@ def markdown(res: dict[str, Any]) -> str:
             f"s/step {', '.join(f'{s:.0f}' for s in large['seconds_per_step'])} (training update "
             f"{', '.join(f'{s:.0f}' for s in large['train_seconds_per_step'])}); full "
             f"fine-tuning's float32 weights + gradients + AdamW moments alone: "
-            f"{large['full_finetuning_state_gib']:.1f} GiB, above the machine's "
-            f"{large['machine_memory_gib']:.1f} GiB.",
+            f"{large['full_finetuning_state_gib']:.1f} GiB, "
+            + (
+                "above"
+                if large["full_finetuning_state_gib"] > large["machine_memory_gib"]
+                else "within"
+            )
+            + f" the machine's {large['machine_memory_gib']:.1f} GiB.",
         ]
     return "\n".join(lines)
 

@@ -5,9 +5,9 @@ engine and matmul efficiency on Llama-style Hugging Face checkpoints.
     python tools/benchmarks/run_all.py            # about 55 minutes on 2 CPU cores
     python tools/benchmarks/run_all.py --only hf_shapes   # re-measure one benchmark
 
-Runs ``engine_throughput.py``, ``trl_side_by_side.py``, ``lag_sweep.py`` and ``hf_shapes.py``
-(see their docstrings for what each measures) one after another in this single invocation, then
-writes
+Runs ``engine_throughput.py``, ``trl_side_by_side.py``, ``lag_sweep.py``, ``hf_shapes.py``,
+``real_model.py`` and ``lora.py`` (see their docstrings for what each measures; ``lora.py`` also
+writes ``lora.md``) one after another in this single invocation, then writes
 
 * ``benchmarks/results/RESULTS.md``: the machine, the commands, one markdown table per benchmark
   and whether the targets of issue 7 were met;
@@ -57,7 +57,7 @@ from tools.benchmarks.targets import (  # noqa: E402
 )
 
 RESULTS = REPO / "benchmarks" / "results"
-BENCHMARKS = ("engine", "trl", "lag_sweep", "hf_shapes", "trl_hf", "real_model")
+BENCHMARKS = ("engine", "trl", "lag_sweep", "hf_shapes", "trl_hf", "real_model", "lora")
 
 
 def run_engine(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -96,6 +96,24 @@ def run_hf_shapes(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     return {**json.loads(out.read_text()), "started": started, "load_average_at_start": load}
 
 
+def run_lora(opts: argparse.Namespace) -> dict[str, Any]:
+    """``lora.py`` in its own process (it initializes torch.distributed): LoRA against full
+    fine-tuning and TRL + PEFT, the 1.7B shape, the engine; it writes ``lora.json`` and
+    ``lora.md`` into ``--out`` itself."""
+    steps, skip, large = ("3", "1", "1") if opts.quick else opts.lora.split(":")
+    cmd = [
+        sys.executable, str(REPO / "tools" / "benchmarks" / "lora.py"), "--out", str(opts.out),
+        "--steps", steps, "--skip", skip, "--large-steps", large,
+    ]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=subprocess_env(2), capture_output=True, text=True, timeout=7200,
+        check=False,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError(f"lora.py failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    return json.loads((opts.out / "lora.json").read_text())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=1, help="Torch threads per process.")
@@ -120,6 +138,11 @@ def main() -> None:
         "--real-model",
         default="5:2:1",
         help="SmolLM2-135M vs TRL (real_model.py): STEPS:SKIP:ROUNDS (2 threads per process).",
+    )
+    parser.add_argument(
+        "--lora",
+        default="5:2:2",
+        help="LoRA vs full fine-tuning and TRL + PEFT (lora.py): STEPS:SKIP:LARGE_STEPS.",
     )
     parser.add_argument("--out", type=Path, default=RESULTS, help="Results directory.")
     parser.add_argument(
@@ -197,6 +220,10 @@ def main() -> None:
             out = real_model.run(rm_opts, Path(tmp) / "real_model")
             res["real_model"] = {**out, "started": when, "load": load}
             print(real_model.markdown(out), flush=True)
+        if "lora" in only:
+            print("LoRA: memory and speed, the 1.7B shape, the engine ...", flush=True)
+            when = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+            res["lora"] = {**run_lora(opts), "started": when}
         if "hf_shapes" in only:
             print("Llama HF checkpoints: engine vs HF generate, matmul efficiency ...", flush=True)
             res["hf_shapes"] = {**run_hf_shapes(opts, Path(tmp)), "run_started": invocation}
