@@ -41,6 +41,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -334,7 +335,16 @@ def run_engine(opts: argparse.Namespace) -> dict[str, Any]:
 def markdown(res: dict[str, Any]) -> str:
     """Both parts as markdown tables, with the ratios the targets are read from."""
     rows = {r["name"]: r for r in res.get("recipe_shape", [])}
-    lines = []
+    m, settings = res["machine"], res.get("settings", {})
+    lines = [
+        "# LoRA RL against full fine-tuning and TRL + PEFT",
+        "",
+        f"`tools/benchmarks/lora.py --steps {settings.get('steps')} --skip {settings.get('skip')} "
+        f"--large-steps {res.get('large', {}).get('steps', 0)}`, {res.get('started', '?')}: "
+        f"{m['cpu']}, {m['cores']} cores, {m['memory']}, torch {m['torch']}, megatron-core "
+        f"{m['megatron.core']}, transformers {m['transformers']}, TRL {m['trl']}.",
+        "",
+    ]
     if rows:
         full = rows["full"]
         lines += [
@@ -438,7 +448,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--work", type=Path, default=None, help="Keep logs and files here.")
     opts = parser.parse_args()
-    res: dict[str, Any] = {"machine": machine(), "rank": opts.rank, "large_rank": opts.large_rank}
+    res: dict[str, Any] = {
+        "machine": machine(), "rank": opts.rank, "large_rank": opts.large_rank,
+        "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }  # fmt: skip
     previous = opts.out / "lora.json"
     if previous.exists():  # a part not measured now keeps its numbers
         res = {**json.loads(previous.read_text()), **res}

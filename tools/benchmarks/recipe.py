@@ -308,6 +308,9 @@ def main() -> None:
         "their numbers from the existing recipe.json.",
     )
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument(
+        "--name", default="recipe", help="Stem of the files written (NAME.json, .md, .png)."
+    )
     parser.add_argument("--work", type=Path, default=None, help="Keep the runs' files here.")
     parser.add_argument(
         "--collect",
@@ -321,7 +324,7 @@ def main() -> None:
 
     ckpt = packaged_checkpoint(SMOLLM2)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    previous = opts.out / "recipe.json"
+    previous = opts.out / f"{opts.name}.json"
     res = json.loads(previous.read_text()) if opts.only and previous.exists() else {"runs": {}}
     with tempfile.TemporaryDirectory() as tmp:
         work = opts.work or Path(tmp)
@@ -338,7 +341,7 @@ def main() -> None:
                 run = run_ours(lag, opts, ckpt, out, extra)
             res["runs"][name] = {
                 **run, "significant": significant(run["evals"]), "started": started,
-                "settings": {k: v for k, v in vars(opts).items() if k not in ("out", "work", "only")},
+                "settings": {k: v for k, v in vars(opts).items() if k not in ("out", "work", "only", "name")},
                 "extra_flags": list(extra),
             }  # fmt: skip
     res.update(
@@ -346,9 +349,9 @@ def main() -> None:
         eval_prompts=opts.eval_prompts, eval_samples=opts.eval_samples,
     )  # fmt: skip
     opts.out.mkdir(parents=True, exist_ok=True)
-    (opts.out / "recipe.json").write_text(json.dumps(res, indent=1))
-    plot(res, opts.out / "recipe.png")
-    (opts.out / "recipe.md").write_text(markdown(res) + "\n")
+    (opts.out / f"{opts.name}.json").write_text(json.dumps(res, indent=1))
+    plot(res, opts.out / f"{opts.name}.png")
+    (opts.out / f"{opts.name}.md").write_text(markdown(res) + "\n")
     print(markdown(res))
 
 

@@ -115,7 +115,8 @@ class CPUTier(Tier):
         """Tier, and the precision and activation recompute when they are not the defaults."""
         parts = ["tier: cpu"]
         if self.cfg.training.bf16:
-            parts.append("bf16 autocast (fp32 weights, gradients and AdamW)")
+            trained = "fp32 adapters" if self.cfg.lora.lora_rank else "fp32 weights"
+            parts.append(f"bf16 autocast ({trained}, gradients and AdamW)")
         if self.cfg.training.recompute_granularity == "full":
             parts.append("recompute: full")
         return " | ".join(parts)

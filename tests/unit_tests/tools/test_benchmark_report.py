@@ -35,6 +35,14 @@ def test_committed_results_md_is_rendered_from_results_json(committed):
     assert report.report(committed) == (RESULTS / "RESULTS.md").read_text()
 
 
+def test_committed_lora_md_is_rendered_from_lora_json():
+    """``lora.md`` is what ``tools/benchmarks/lora.py``'s ``markdown`` writes from ``lora.json``."""
+    from tools.benchmarks import lora
+
+    res = json.loads((RESULTS / "lora.json").read_text())
+    assert lora.markdown(res) + "\n" == (RESULTS / "lora.md").read_text()
+
+
 def line(lines: list[str], start: str) -> str:
     (found,) = [x for x in lines if x.startswith(start)]
     return found
