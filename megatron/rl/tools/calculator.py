@@ -4,7 +4,8 @@ Accepted: int and float literals, ``+ - * / // % **``, unary ``+ -``, parenthese
 functions ``abs``, ``round``, ``min``, ``max``, ``sqrt``. Everything else (names, attributes,
 calls of anything else, strings, comprehensions) is refused with ``ToolError``, as are
 expressions longer than ``MAX_EXPRESSION`` characters and powers or results whose size could
-exhaust the process (``MAX_EXPONENT``, ``MAX_MAGNITUDE``).
+exhaust the process (``MAX_EXPONENT``, ``MAX_MAGNITUDE``, ``MAX_ROUND_DIGITS``): every argument that
+sets the size of the work is bounded before the work is done, so a call costs microseconds.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ MAX_EXPONENT = 256
 """Largest absolute exponent of ``**``."""
 MAX_MAGNITUDE = 10**100
 """Largest absolute value of any intermediate result."""
+MAX_ROUND_DIGITS = 100
+"""Largest absolute ``ndigits`` of ``round`` (``round(n, -10**9)`` would build 10**(10**9))."""
 
 _BINARY: dict[type, Callable[[Any, Any], Any]] = {
     ast.Add: operator.add,
@@ -95,8 +98,18 @@ def _value(node: ast.AST) -> int | float:
         function = _FUNCTIONS.get(node.func.id)
         if function is None:
             raise ToolError(f"unknown function {node.func.id!r}; known: {', '.join(_FUNCTIONS)}")
-        return _bounded(function(*(_value(arg) for arg in node.args)))
+        args = [_value(arg) for arg in node.args]
+        if function is round and len(args) == 2:
+            _check_round_digits(args[1])
+        return _bounded(function(*args))
     raise ToolError(f"{type(node).__name__} is not allowed in an arithmetic expression")
+
+
+def _check_round_digits(ndigits: int | float) -> None:
+    if not isinstance(ndigits, int):
+        raise ToolError("round's second argument must be an integer")
+    if abs(ndigits) > MAX_ROUND_DIGITS:
+        raise ToolError(f"round's second argument is limited to +-{MAX_ROUND_DIGITS}")
 
 
 def _bounded(value: Any) -> int | float:

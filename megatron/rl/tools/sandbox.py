@@ -1,34 +1,56 @@
-"""The ``python`` tool: run a model's code in a sandboxed subprocess.
+"""The ``python`` tool: run a model's code in a sandbox the operating system enforces.
 
-Each call runs ``python -I -S`` (isolated: no user site, no ``PYTHON*`` variables, no
-``site``) with an empty environment, in a fresh temporary directory that is its working
-directory and is deleted afterwards. A prelude, before running the code:
+Model output is untrusted input (a policy rewarded for solving tasks searches for whatever
+works), so the default isolation, ``bubblewrap``, is the kernel's: each call runs ``python -I -S``
+(no user site, no ``PYTHON*`` variables, no ``site``) in a fresh bubblewrap sandbox
+(``bubblewrap.py``: own user, PID, network, IPC and mount namespaces, read-only interpreter, a
+private tmpfs as working directory, no environment, the seccomp filter of ``seccomp.py``) under
+resource limits: address space (``memory_mb``; a huge allocation is a ``MemoryError``), CPU
+seconds, file size, open files, ``processes``. The program may start processes, open sockets and
+write files: inside the sandbox none of that reaches the host, and every process it started is
+killed when the call ends. Where the host cannot run the sandbox, the tool refuses to start
+(``python_tool``), naming what is missing.
 
-* sets resource limits: address space (``memory_mb``; a huge allocation is a ``MemoryError``),
-  CPU seconds, size of written files;
-* installs an audit hook (PEP 578) that refuses, with ``PermissionError``: sockets (no network),
-  processes (``subprocess``, ``os.system``, ``os.exec*``, ``os.fork``, ``os.posix_spawn``,
-  signals), ``ctypes``, changing the limits, and file access outside the temporary directory
-  (reading is also allowed inside the standard library, which imports need).
+``unsafe-audit-hook`` is the old in-process guard, for hosts without user namespaces whose
+operator accepts the risk: an audit hook (PEP 578) in the child interpreter refuses sockets,
+processes, ``ctypes`` and files outside its temporary directory. It contains mistakes, not an
+adversary: code in the same interpreter can reach around an audit hook.
 
-The wall-clock ``timeout_s`` kills the process (an infinite loop), and the output the tool
-returns is capped at ``max_output`` characters. Anything that goes wrong is a ``ToolError``
-whose message (the exception's last line) goes back to the model. This contains mistakes and
-casual misuse by a policy model; it is not a boundary against a determined attacker (run the
-env server in a container for that).
+Both: the wall-clock ``timeout_s`` kills the call (an infinite loop), and the output returned is
+capped at ``max_output`` characters. Anything that goes wrong is a ``ToolError`` whose message
+(the exception's last line) goes back to the model.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import sys
 import tempfile
-from typing import Any
+from typing import Any, Literal
 
+from megatron.rl.tools import bubblewrap
 from megatron.rl.tools.errors import ToolError
 
-_PRELUDE = r"""
+Isolation = Literal["bubblewrap", "unsafe-audit-hook"]
+"""How the python tool isolates the model's code (module docstring)."""
+ISOLATIONS: tuple[str, ...] = ("bubblewrap", "unsafe-audit-hook")
+
+_LIMITS = r"""
+import resource, sys
+memory, cpu, fsize, processes = (int(x) for x in sys.argv[1:5])
+code = sys.stdin.read()
+sys.dont_write_bytecode = True
+for limit, value in ((resource.RLIMIT_AS, memory), (resource.RLIMIT_CPU, cpu),
+                     (resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_CORE, 0),
+                     (resource.RLIMIT_NOFILE, 64), (resource.RLIMIT_NPROC, processes)):
+    resource.setrlimit(limit, (value, value))
+exec(compile(code, "<tool>", "exec"), {"__name__": "__main__"})
+"""
+"""The bubblewrap program's prelude: limits the program cannot raise again, then the code."""
+
+_AUDIT_HOOK_PRELUDE = r"""
 import os, resource, sys
 tmp, memory, cpu, fsize = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 code = sys.stdin.read()
@@ -77,13 +99,14 @@ sys.addaudithook(make_hook(tmp))
 del make_hook
 exec(compile(code, "<tool>", "exec"), {"__name__": "__main__"})
 """
+"""The unsafe-audit-hook program's prelude: limits, the hook, then the code."""
 
 SCHEMA: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "python",
         "description": "Run Python code and return what it prints (no network, no files "
-        "outside a temporary directory, a few seconds at most).",
+        "but its own temporary directory, a few seconds at most).",
         "parameters": {
             "type": "object",
             "properties": {"code": {"type": "string", "description": "The program."}},
@@ -94,24 +117,47 @@ SCHEMA: dict[str, Any] = {
 """The tool's OpenAI function schema."""
 
 
+def isolation_problem(isolation: Isolation) -> str | None:
+    """Why ``isolation`` cannot run on this host (one line), or None."""
+    if isolation not in ISOLATIONS:
+        return f"unknown isolation {isolation!r} (choose from {', '.join(ISOLATIONS)})"
+    return bubblewrap.problem() if isolation == "bubblewrap" else None
+
+
 async def run_python(
     code: str,
     timeout_s: float = 5.0,
     memory_mb: int = 256,
     max_output: int = 2000,
+    isolation: Isolation = "bubblewrap",
+    processes: int = 16,
+    scratch_mb: int = 64,
 ) -> str:
     """What ``code`` prints (at most ``max_output`` characters, ``(no output)`` when nothing);
-    ``ToolError`` when it raised (its last line), was refused, ran out of memory or time."""
-    with tempfile.TemporaryDirectory(prefix="rl-python-tool-") as tmp:
-        limits = [str(memory_mb << 20), str(max(1, int(timeout_s) + 1)), str(16 << 20)]
+    ``ToolError`` when it raised (its last line), was refused, ran out of memory or time.
+    ``processes`` bounds the processes it may run at once, ``scratch_mb`` its files (bubblewrap)."""
+    limits = [str(memory_mb << 20), str(max(1, int(timeout_s) + 1)), str(16 << 20)]
+    with contextlib.ExitStack() as stack:
+        if isolation == "bubblewrap":
+            sandbox = stack.enter_context(
+                bubblewrap.launch(["-I", "-S", "-c", _LIMITS, *limits, str(processes)], scratch_mb)
+            )
+            argv, options = sandbox.argv, sandbox.popen_options()
+        elif isolation == "unsafe-audit-hook":
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="rl-python-tool-"))
+            argv = [sys.executable, "-I", "-S", "-c", _AUDIT_HOOK_PRELUDE, tmp, *limits]
+            options: dict[str, Any] = {"cwd": tmp}
+        else:
+            raise ToolError(isolation_problem(isolation))
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-I", "-S", "-c", _PRELUDE, tmp, *limits,
+            *argv,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
-            cwd=tmp,
             env={},
-        )  # fmt: skip
+            start_new_session=True,
+            **options,
+        )
         try:
             out, err, code_rc = await asyncio.wait_for(
                 _communicate(process, code.encode(), max_output), timeout_s
@@ -122,7 +168,9 @@ async def run_python(
             if process.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     process.kill()
-                await process.wait()
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, 9)  # anything left in its session (the audit hook's case)
+            await process.wait()
     if code_rc != 0:
         lines = [line for line in err.splitlines() if line.strip()]
         reason = lines[-1] if lines else f"exited with status {code_rc}"

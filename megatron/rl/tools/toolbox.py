@@ -3,11 +3,13 @@
 A tool is an async function of the call's arguments returning text; one that raises
 ``ToolError`` (it refused, timed out, ran out of memory) or any other exception, or a call of an
 unknown tool or with wrong arguments, answers with ``error: ...`` and counts as a tool error, so
-a bad call never ends the rollout.
+a bad call never ends the rollout. No tool computes on the event loop (the calculator runs in a
+worker thread, the python tool in a sandboxed process), and each has a wall-clock limit.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -32,8 +34,20 @@ class Tool:
         return self.schema["function"]["name"]
 
 
+CALCULATOR_TIMEOUT_S = 2.0
+"""Wall-clock limit of a calculator call (its bounds keep a call to microseconds)."""
+
+
+def _evaluate(expression: str) -> str:
+    return calculator.format_number(calculator.calculate(expression))
+
+
 async def _calculator(expression: str) -> str:
-    return calculator.format_number(calculator.calculate(str(expression)))
+    work = asyncio.to_thread(_evaluate, str(expression))
+    try:
+        return await asyncio.wait_for(work, CALCULATOR_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise ToolError(f"timed out after {CALCULATOR_TIMEOUT_S:g} s") from None
 
 
 def calculator_tool() -> Tool:
@@ -41,9 +55,21 @@ def calculator_tool() -> Tool:
     return Tool(calculator.SCHEMA, _calculator)
 
 
-def python_tool(timeout_s: float = 5.0, memory_mb: int = 256) -> Tool:
-    """``python(code)``: runs the code in the sandbox (``sandbox.py``) and returns its output."""
-    run = functools.partial(sandbox.run_python, timeout_s=timeout_s, memory_mb=memory_mb)
+def python_tool(
+    timeout_s: float = 5.0, memory_mb: int = 256, isolation: sandbox.Isolation = "bubblewrap"
+) -> Tool:
+    """``python(code)``: runs the code in the sandbox (``sandbox.py``) and returns its output;
+    ``RuntimeError`` (one line: what is missing) when this host cannot run ``isolation``."""
+    problem = sandbox.isolation_problem(isolation)
+    if problem is not None:
+        raise RuntimeError(
+            f"the python tool cannot start its {isolation} sandbox: {problem}. To run model code "
+            "guarded only by an in-process audit hook (not a security boundary), set "
+            "python_isolation: unsafe-audit-hook"
+        )
+    run = functools.partial(
+        sandbox.run_python, timeout_s=timeout_s, memory_mb=memory_mb, isolation=isolation
+    )
 
     async def call(code: str) -> str:
         return await run(str(code))

@@ -52,6 +52,12 @@ class ToolMathArgs(ChatMultiTurnArgs):
     )
     python_timeout_s: float = Field(5.0, gt=0, le=60, description="Wall time of a python call.")
     python_memory_mb: int = Field(256, ge=64, le=8192, description="Memory of a python call.")
+    python_isolation: Literal["bubblewrap", "unsafe-audit-hook"] = Field(
+        "bubblewrap",
+        description="How the python tool isolates the model's code: 'bubblewrap' (the kernel's "
+        "namespaces, seccomp and limits; the environment refuses to start where the host cannot "
+        "run it) or 'unsafe-audit-hook' (an in-process guard against mistakes, no boundary).",
+    )
 
 
 class ToolMathEnvironment(ChatMultiTurnEnvironment):
@@ -66,7 +72,8 @@ class ToolMathEnvironment(ChatMultiTurnEnvironment):
         self._tools: list[Tool] = [made[name]() for name in self.args.tools]
 
     def _python(self) -> Tool:
-        return python_tool(self.args.python_timeout_s, self.args.python_memory_mb)
+        args = self.args
+        return python_tool(args.python_timeout_s, args.python_memory_mb, args.python_isolation)
 
     def make_problem(self, rng: random.Random) -> Problem:
         """Three operands and one of the question shapes."""

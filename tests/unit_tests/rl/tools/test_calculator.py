@@ -38,6 +38,12 @@ def test_arithmetic_is_evaluated(expression, value):
         pytest.param("1 +", "not an arithmetic expression", id="syntax"),
         pytest.param("1+" * MAX_EXPRESSION + "1", "longer than", id="too-long"),
         pytest.param("True + 1", "only numbers", id="bool"),
+        pytest.param("round(12345, -10 ** 9)", "limited to", id="round-huge-negative-digits"),
+        pytest.param("round(1.5, 10 ** 9)", "limited to", id="round-huge-digits"),
+        pytest.param("round(2, 1.5)", "must be an integer", id="round-float-digits"),
+        pytest.param("9" * 101, "too large", id="huge-literal"),
+        pytest.param("(10 ** 99) ** 256", "too large", id="huge-base"),
+        pytest.param("max(" + "1," * 300 + "1)", "longer than", id="many-arguments"),
     ],
 )
 def test_anything_else_is_refused_with_a_reason(expression, needle):
@@ -47,3 +53,17 @@ def test_anything_else_is_refused_with_a_reason(expression, needle):
 
 def test_integral_results_print_as_integers():
     assert [format_number(v) for v in (4.0, 0.25, 7)] == ["4", "0.25", "7"]
+
+
+def test_every_bounded_expression_answers_in_milliseconds():
+    """The largest work each bound admits (power, rounding, long arithmetic) finishes at once."""
+    import time
+
+    for expression in ("(10 ** 99) ** 256 % 7" , "round(10 ** 99, -100)", "round(0.5, 100)",
+                       "+".join(["10 ** 99"] * 40)):  # fmt: skip
+        started = time.perf_counter()
+        try:
+            calculate(expression)
+        except ToolError:
+            pass
+        assert time.perf_counter() - started < 0.5, expression
