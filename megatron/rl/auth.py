@@ -8,7 +8,11 @@ Without a key the servers accept every request, as on a laptop's loopback interf
 
 The env server sends the key to the inference server a request names; ``Origin`` and
 ``allowed_origins`` restrict those to the origins of its ``--allowed-inference-url`` entries,
-compared exactly (scheme, host, port) as httpx will connect to them.
+compared exactly (scheme, host, port) as httpx will connect to them; with a key and no entry,
+loopback origins only (``may_receive_key``).
+
+One rule for listening (``listen_problem``): every server refuses to listen on an interface
+other machines reach unless requests need the key.
 """
 
 from __future__ import annotations
@@ -117,6 +121,32 @@ def is_loopback(host: str) -> bool:
     """Whether a server bound to ``host`` is reachable from this machine only."""
     if host == "localhost":
         return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def listen_problem(host: str, has_key: bool, host_flag: str, key_flag: str) -> str | None:
+    """The one-line refusal of a server about to listen on ``host`` (``host_flag``) without a
+    key (``key_flag`` or ``API_KEY_ENV``) where other machines reach it; None when allowed."""
+    if has_key or is_loopback(host):
+        return None
+    return (
+        f"{host_flag} {host} is reachable from other machines: set {API_KEY_ENV} or {key_flag} "
+        "so that every request needs the job's key (or listen on 127.0.0.1)"
+    )
+
+
+def may_receive_key(origin: Origin, allowed: frozenset[Origin], has_key: bool) -> bool:
+    """Whether a server may call ``origin`` (and send it the job's key): one of ``allowed``;
+    with no allow-list, any origin when there is no key to leak, loopback ones when there is."""
+    if allowed:
+        return origin in allowed
+    return not has_key or origin.host == "localhost" or _loopback_address(origin.host)
+
+
+def _loopback_address(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:

@@ -28,6 +28,7 @@ from megatron.rl.inference.scheduler import SchedulerConfig
 from megatron.rl.models.hf import HFCheckpointError, load_hf_tokenizer
 from megatron.rl.rollout.faults import FailureBudget
 from megatron.rl.rollout.generator import RolloutConfig
+from megatron.rl.server.limits import ServerLimits
 from megatron.rl.tokenizer import CharTokenizer, HuggingFaceTokenizer, Tokenizer
 from megatron.rl.wire import SamplingParams
 from megatron.trainer.checkpointing import saved_args
@@ -147,6 +148,17 @@ def inference_server_config(cfg: RunConfig) -> InferenceServerConfig:
         key,
         source,
         cfg.inference.tool_call_parser,
+        server_limits(cfg),
+    )
+
+
+def server_limits(cfg: RunConfig) -> ServerLimits:
+    """``--rl-max-request-body-mib``, ``--rl-max-request-tokens``, ``--rl-max-requests-per-client``."""
+    inference = cfg.inference
+    return ServerLimits(
+        max_body_bytes=int(inference.max_request_body_mib * (1 << 20)),
+        max_request_tokens=inference.max_request_tokens,
+        max_requests_per_client=inference.max_requests_per_client,
     )
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.rl.agent.api import Agent
-from megatron.rl.auth import API_KEY_ENV, is_loopback
+from megatron.rl.auth import listen_problem
 from megatron.rl.inference.interface import LocalInferenceInterface
 from megatron.rl.inference.protocol import EngineCounters, SlotSnapshotRunner
 from megatron.rl.inference.scheduler import SchedulerConfig
@@ -38,6 +38,7 @@ from megatron.rl.rollout.generator import (
 )
 from megatron.rl.server.http import EmbeddedServer
 from megatron.rl.server.inference_server import create_inference_app
+from megatron.rl.server.limits import ServerLimits
 from megatron.rl.tokenizer import Tokenizer
 from megatron.trainer import inflight, report
 from megatron.trainer.generation import GenerationHost
@@ -61,6 +62,8 @@ class InferenceServerConfig:
     """Where the key came from (``auth.api_key_source``), for the endpoint's line."""
     tool_call_parser: str = "auto"
     """How chat completions read tool calls (``--tool-call-parser``: a parser, auto or none)."""
+    limits: ServerLimits = ServerLimits()
+    """What one outside request and one client may take (``--rl-max-request-*``)."""
 
 
 @dataclass(frozen=True)
@@ -149,12 +152,13 @@ class RolloutSource:
                 self.tokenizer,
                 api_key=cfg.api_key,
                 tool_call_parser=cfg.tool_call_parser,
+                limits=cfg.limits,
             )
-            if cfg.api_key is None and not is_loopback(cfg.host):
-                logger.warning(
-                    "the inference server listens on %s without a key: anyone who reaches it "
-                    "can generate (--rl-api-key-file or %s)", cfg.host, API_KEY_ENV,
-                )  # fmt: skip
+            refused = listen_problem(
+                cfg.host, cfg.api_key is not None, "--rl-inference-server-host", "--rl-api-key-file"
+            )
+            if refused:
+                raise SystemExit(refused)
             try:
                 self._server = await EmbeddedServer.start(app, cfg.host, cfg.port)
             except OSError as exc:

@@ -45,7 +45,7 @@ from megatron.trainer.kernels import kernel_warnings
 with kernel_warnings() as MISSING_KERNELS:  # megatron-core's "not installed" warnings: one line
     from fastapi import FastAPI
 
-    from megatron.rl.auth import API_KEY_ENV, api_key_source, is_loopback, read_api_key
+    from megatron.rl.auth import API_KEY_ENV, api_key_source, listen_problem, read_api_key
     from megatron.rl.inference.interface import LocalInferenceInterface
     from megatron.rl.lora.config import AdapterConfigError, LoRAConfig, read_adapter_config
     from megatron.rl.lora.model import add_named_adapters
@@ -125,12 +125,9 @@ def serve_problems(cfg: RunConfig, own: argparse.Namespace) -> list[str]:
     if own.served_model_name is not None and not own.served_model_name.strip():
         errors.append("--served-model-name must not be empty")
     errors += lora_problems(cfg, own.lora)
-    if served_key(cfg) is None and not is_loopback(own.host):
-        errors.append(
-            f"--host {own.host} is reachable from other machines: set {API_KEY_ENV} or "
-            "--rl-api-key-file so that every request needs the job's key (or listen on "
-            "127.0.0.1)"
-        )
+    refused = listen_problem(own.host, served_key(cfg) is not None, "--host", "--rl-api-key-file")
+    if refused:
+        errors.append(refused)
     return errors
 
 
@@ -222,6 +219,7 @@ def serve(cfg: RunConfig, own: argparse.Namespace) -> None:
             api_key=key,
             tool_call_parser=cfg.inference.tool_call_parser,
             adapters=adapters,
+            limits=config.server_limits(cfg),
         )
         source = served_key_source(cfg) if key is not None else None
         host.window(lambda: listen_until_stopped(app, own.host, own.port, name, source))

@@ -15,6 +15,9 @@
 #   --env-server-node     serve --env-config from the env server on the allocation's last node;
 #                         the other nodes train (so submit with --nodes=<training nodes + 1>)
 #   --env-server-port N   port of that env server (default 8000)
+#   --inference-server-port N  port of rank 0's inference server, which the env server calls
+#                         (default 8001); the env server sends the key to that port of the
+#                         training nodes only (--allowed-inference-url)
 #   --run-dir DIR         checkpoints/, metrics.jsonl, env server log (default runs/<job>-<id>)
 #   --nproc-per-node N    ranks per node (default: the node's GPUs, else 1)
 #   --rdzv-port N         port of the c10d rendezvous on the first node (default 29500)
@@ -47,12 +50,13 @@ MODEL_CONFIG=""
 ENV_CONFIG=""
 ENV_SERVER_NODE=0
 ENV_SERVER_PORT=8000
+INFERENCE_SERVER_PORT=8001
 RUN_DIR=""
 NPROC_PER_NODE=${SLURM_GPUS_ON_NODE:-1}
 RDZV_PORT=29500
 PYTHON=python
 OPTIONS=" --model-config --env-config --env-server-port --run-dir --nproc-per-node --rdzv-port "
-OPTIONS+="--python "
+OPTIONS+="--python --inference-server-port "
 while (($#)); do
     case $1 in
         --env-server-node) ENV_SERVER_NODE=1 && shift && continue ;;
@@ -71,6 +75,7 @@ while (($#)); do
         --model-config) MODEL_CONFIG=$value ;;
         --env-config) ENV_CONFIG=$value ;;
         --env-server-port) ENV_SERVER_PORT=$value ;;
+        --inference-server-port) INFERENCE_SERVER_PORT=$value ;;
         --run-dir) RUN_DIR=$value ;;
         --nproc-per-node) NPROC_PER_NODE=$value ;;
         --rdzv-port) RDZV_PORT=$value ;;
@@ -166,15 +171,25 @@ ENV_FLAGS=()
 if ((ENV_SERVER_NODE)); then
     url="http://$(node_addr "$SERVER_NODE"):$ENV_SERVER_PORT"
     log "env server on $SERVER_NODE ($url), log $RUN_DIR/env_server.log"
+    # The env server sends the job's key to rank 0's inference server only: whichever training
+    # node rank 0 lands on, its URL is that node's host name (as the trainer reports it) and
+    # the fixed port.
+    mapfile -t TRAIN_HOSTS < <(IFS=, && srun --nodes="$NNODES" --ntasks="$NNODES" \
+        --ntasks-per-node=1 --nodelist="${TRAIN_NODES[*]}" hostname | sort -u)
+    ALLOWED=()
+    for host in "${TRAIN_HOSTS[@]}"; do
+        ALLOWED+=(--allowed-inference-url "http://$host:$INFERENCE_SERVER_PORT")
+    done
     srun --nodes=1 --ntasks=1 --nodelist="$SERVER_NODE" --job-name=env_server \
         --output="$RUN_DIR/env_server.log" --open-mode=append \
         "$PYTHON" -m megatron.rl.server.env_server --env-config "$ENV_CONFIG" \
-        --host 0.0.0.0 --port "$ENV_SERVER_PORT" &
+        --host 0.0.0.0 --port "$ENV_SERVER_PORT" "${ALLOWED[@]}" &
     SERVER_PID=$!
     "$PYTHON" examples/rl/slurm/remote_env_config.py --url "$url" --server-pid "$SERVER_PID" \
         --output "$RUN_DIR/remote_envs.yaml"
     # Remote environments generate through the inference server of rank 0, wherever it runs.
-    ENV_FLAGS=(--env-config "$RUN_DIR/remote_envs.yaml" --rl-inference-server-host 0.0.0.0)
+    ENV_FLAGS=(--env-config "$RUN_DIR/remote_envs.yaml" --rl-inference-server-host 0.0.0.0
+        --rl-inference-server-port "$INFERENCE_SERVER_PORT")
 elif [[ -n $ENV_CONFIG ]]; then
     ENV_FLAGS=(--env-config "$ENV_CONFIG")
 fi

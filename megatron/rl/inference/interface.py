@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -70,7 +71,10 @@ class LocalInferenceInterface(InferenceInterface):
         key = request.rollout_key
         engine_key = None if key is None else (key.batch_id, key.index_in_batch, key.sample_index)
         try:
-            prompt, prompt_text = self._prompt(request)
+            if engine_key is None:  # an outside prompt may be long: tokenize it off the loop
+                prompt, prompt_text = await asyncio.to_thread(self._prompt, request)
+            else:  # the trainer's rollouts: on the loop, in their arrival order
+                prompt, prompt_text = self._prompt(request)
         except InvalidInferenceRequest:
             if engine_key is not None:  # an awaited next turn arrived, unusable: stop waiting
                 self.engine.end_rollout(engine_key)

@@ -46,7 +46,8 @@ from megatron.rl.auth import (
     API_KEY_ENV,
     Origin,
     allowed_origins,
-    is_loopback,
+    listen_problem,
+    may_receive_key,
     read_api_key,
     require_api_key,
 )
@@ -55,6 +56,7 @@ from megatron.rl.inference.remote import RemoteInferenceInterface
 from megatron.rl.rollout.faults import INFRASTRUCTURE_ERRORS, FaultLog
 from megatron.rl.rollout.faults import run_group as faults_run_group
 from megatron.rl.server.http import ERROR_RESPONSES, install_error_handlers
+from megatron.rl.server.limits import BodyLimit
 from megatron.rl.wire import (
     EnvironmentInfo,
     EvaluationRequest,
@@ -85,9 +87,12 @@ class EnvServerConfig:
     api_key: str | None = field(default=None, repr=False)
     """The job's shared key: required from clients (401 without it) and sent to inference
     servers (``megatron.rl.auth``); None accepts every request."""
+    max_body_bytes: int = 8 << 20
+    """Largest request body (413 above it, before it is read whole)."""
     allowed_inference_urls: tuple[str, ...] = ()
     """Origins (``scheme://host[:port]``) an ``inference_url`` must have (403 otherwise);
-    empty allows any."""
+    empty allows any without a key, loopback origins only with one (the key is never sent
+    off the machine unless an origin is listed)."""
 
 
 def create_app(
@@ -122,6 +127,7 @@ def create_app(
     app = FastAPI(title="megatron-rl env server", version="1", lifespan=lifespan)
     install_error_handlers(app)
     require_api_key(app, config.api_key)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     by_id = {a.env_id: a for a in agent.evaluated}
     faults = FaultLog(logger)
     allowed = allowed_origins(config.allowed_inference_urls)
@@ -136,11 +142,15 @@ def create_app(
         return by_id[env_id]
 
     def inference(url: str, keep_keys: bool = True) -> RemoteInferenceInterface:
-        if allowed and Origin.of(url) not in allowed:  # the schema has parsed url already
+        origin = Origin.of(url)  # the schema has parsed url already
+        if not may_receive_key(origin, allowed, config.api_key is not None):
+            which = "its --allowed-inference-url" if allowed else (
+                "with a key and no --allowed-inference-url, loopback servers only"
+            )  # fmt: skip
             raise HTTPException(
                 403,
-                f"field 'inference_url': {Origin.of(url)} is not an inference server this env "
-                "server may call (its --allowed-inference-url)",
+                f"field 'inference_url': {origin} is not an inference server this env "
+                f"server may call ({which})",
             )
         return RemoteInferenceInterface(url, client, config.retry, keep_keys, config.api_key)
 
@@ -227,6 +237,12 @@ def main(argv: list[str] | None = None) -> None:
         default=900.0,
         help="Read timeout of calls to the trainer's inference server.",
     )
+    parser.add_argument(
+        "--max-request-body-mib",
+        type=float,
+        default=8.0,
+        help="Largest request body, MiB (413 above it, before it is read whole).",
+    )
     parser.add_argument("--log-level", default="info", help="uvicorn log level.")
     parser.add_argument(
         "--api-key-file",
@@ -242,7 +258,8 @@ def main(argv: list[str] | None = None) -> None:
         metavar="ORIGIN",
         help="Only generate through (and send the job's key to) inference servers at ORIGIN, "
         "scheme://host[:port]: scheme, host (any case) and port must equal it, a missing port "
-        "is the scheme's default (repeatable; default: any).",
+        "is the scheme's default (repeatable; default: with a key, loopback servers only; "
+        "without one, any).",
     )
     args = parser.parse_args(argv)
     try:
@@ -254,15 +271,14 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as err:
         parser.exit(2, f"env_server: error: {err}\n")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    if api_key is None and not is_loopback(args.host):
-        logger.warning(
-            "env server on %s without a key: anyone who reaches it can use it (set %s or "
-            "--api-key-file)", args.host, API_KEY_ENV,
-        )  # fmt: skip
+    refused = listen_problem(args.host, api_key is not None, "--host", "--api-key-file")
+    if refused:
+        parser.exit(2, f"env_server: error: {refused}\n")
     config = EnvServerConfig(
         inference_timeout_s=args.inference_timeout_s,
         api_key=api_key,
         allowed_inference_urls=tuple(args.allowed_inference_url),
+        max_body_bytes=int(args.max_request_body_mib * (1 << 20)),
     )
     app = create_app(agent, config)
     # uvicorn shuts down gracefully on SIGTERM, then re-raises it with the previous handler:

@@ -27,7 +27,8 @@ from megatron.rl.wire import ErrorResponse
 logger = logging.getLogger(__name__)
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse} for status in (400, 401, 403, 404, 422, 424, 500, 503)
+    status: {"model": ErrorResponse}
+    for status in (400, 401, 403, 404, 413, 422, 424, 429, 500, 503)
 }
 """``responses=`` for routes, so the OpenAPI schema documents the error body."""
 

@@ -13,6 +13,10 @@ rendered by the template and the model's tool calls parsed out of its text by th
 into the same engine queue as local ones, so they belong to the same batches, follow the same
 forced-lag schedule and return the same per-token logprobs and policy versions.
 
+Outside requests (no rollout key) are bounded (``limits.py``): the body size (413), ``n`` x
+``max_tokens`` (422), the requests in flight per client address (429); a client that disconnects
+cancels its generation, whose slot the engine frees at its next step.
+
 Note that the trainer's event loop, and with it this server, only runs while the trainer waits
 for a batch; a request sent during a training step is answered when the next window opens.
 """
@@ -23,7 +27,7 @@ import itertools
 import time
 from collections.abc import Mapping
 
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException, Request
 
 from megatron.rl.auth import require_api_key
 from megatron.rl.inference.interface import InferenceInterface
@@ -34,6 +38,7 @@ from megatron.rl.server.chat_responses import (
     completion_usage,
 )
 from megatron.rl.server.http import ERROR_RESPONSES, install_error_handlers
+from megatron.rl.server.limits import BodyLimit, ClientSlots, ServerLimits, unless_disconnected
 from megatron.rl.server.sessions import install_session_routes
 from megatron.rl.tokenizer import Tokenizer
 from megatron.rl.tools.parsers import AUTO, resolve_tool_call_parser
@@ -63,6 +68,7 @@ def create_inference_app(
     api_key: str | None = None,
     tool_call_parser: str = AUTO,
     adapters: Mapping[str, InferenceInterface] | None = None,
+    limits: ServerLimits = ServerLimits(),
 ) -> FastAPI:
     """A FastAPI app with ``GET /health``, ``GET /metrics``, ``GET /v1/models``,
     ``POST /v1/completions``, ``POST /v1/chat/completions`` and ``POST /v1/rollouts/end`` over
@@ -73,12 +79,15 @@ def create_inference_app(
     ``adapters`` (a multi-adapter server): further models by name, each generating with its
     named LoRA adapter set; a request's ``model`` picks one, ``model_name`` (or no model) is
     ``inference``'s, any other name is answered 404 naming the models served. Without
-    ``adapters`` every request is ``inference``'s, whatever model it names."""
+    ``adapters`` every request is ``inference``'s, whatever model it names. ``limits``: what
+    one outside request and one client may take (``limits.py``)."""
     parser = resolve_tool_call_parser(tool_call_parser, getattr(tokenizer, "chat_template", None))
     counter = ToolCallCounter()
     app = FastAPI(title="megatron-rl inference server", version="1")
     install_error_handlers(app)
     require_api_key(app, api_key)
+    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
+    slots = ClientSlots(limits.max_requests_per_client)
     ids = itertools.count()
     created = int(time.time())
     by_name = dict(adapters or {})
@@ -95,19 +104,34 @@ def create_inference_app(
         raise HTTPException(404, f"field 'model': the model {model!r} is not served here ({names})")
 
     async def generate(
-        request: InferenceRequest, n: int, model: str | None = None
+        request: InferenceRequest, n: int, model: str | None, http: Request
     ) -> list[InferenceResponse]:
         """``n`` samples of ``request`` by ``model``; the caller's faults are 422 (404 for an
-        unknown model), the engine's 503."""
+        unknown model, 429 over its in-flight limit), the engine's 503. An outside request is
+        cancelled when its client disconnects."""
         chosen, _ = pick(model)
-        try:
-            if n == 1:
-                return [await chosen.generate(request)]
-            return await chosen.generate_group(request, n)
-        except InvalidInferenceRequest as exc:
-            raise HTTPException(422, str(exc)) from None
-        except EngineError as exc:
-            raise HTTPException(503, f"inference engine unavailable: {exc}") from None
+
+        async def samples() -> list[InferenceResponse]:
+            try:
+                if n == 1:
+                    return [await chosen.generate(request)]
+                return await chosen.generate_group(request, n)
+            except InvalidInferenceRequest as exc:
+                raise HTTPException(422, str(exc)) from None
+            except EngineError as exc:
+                raise HTTPException(503, f"inference engine unavailable: {exc}") from None
+
+        if request.rollout_key is not None:  # the trainer's rollout: its schedule owns it
+            return await samples()
+        tokens = n * request.sampling.max_tokens
+        if tokens > limits.max_request_tokens:
+            raise HTTPException(
+                422,
+                f"field 'n' x 'max_tokens': {n} x {request.sampling.max_tokens} = {tokens} tokens, "
+                f"more than this server generates for one request ({limits.max_request_tokens})",
+            )
+        with slots.hold(http.client.host if http.client else "unknown"):
+            return await unless_disconnected(http, samples())
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -125,13 +149,13 @@ def create_inference_app(
         return ModelList(data=served)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
-    async def completions(body: CompletionRequest) -> CompletionResponse:
+    async def completions(body: CompletionRequest, http: Request) -> CompletionResponse:
         """Generate ``n`` completions of the prompt with the trainer's current policy."""
         try:
             request = body.to_inference_request()
         except ValueError as exc:
             raise HTTPException(422, f"field 'prompt': {exc}") from None
-        outs = await generate(request, body.n, body.model)
+        outs = await generate(request, body.n, body.model, http)
         choices = []
         for index, out in enumerate(outs):
             logprobs = None
@@ -161,7 +185,9 @@ def create_inference_app(
     @app.post(
         "/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES
     )
-    async def chat_completions(body: ChatCompletionRequest) -> ChatCompletionResponse:
+    async def chat_completions(
+        body: ChatCompletionRequest, http: Request
+    ) -> ChatCompletionResponse:
         """Generate ``n`` assistant messages for the conversation with the current policy; the
         messages (and ``tools``) are rendered by the trainer tokenizer's chat template and tool
         calls parsed out of the text (``chat_responses``)."""
@@ -171,7 +197,7 @@ def create_inference_app(
                 "field 'tool_choice': this server parses no tool calls (--tool-call-parser "
                 "none); give 'auto' or 'none'",
             )
-        outs = await generate(body.to_inference_request(), body.n, body.model)
+        outs = await generate(body.to_inference_request(), body.n, body.model, http)
         name = pick(body.model)[1] if by_name else model_name
         response = chat_completion_response(
             body, outs, tokenizer, parser, response_id=f"chatcmpl-{next(ids)}", model=name

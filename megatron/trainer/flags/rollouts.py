@@ -148,6 +148,25 @@ class Inference(Section):
         "generate through; 0.0.0.0 to reach it from other hosts.",
     )
     inference_server_port: int = option(0, "Port of that inference server (0: a free port).")
+    max_request_body_mib: float = option(
+        8.0,
+        "Largest request body the inference server (and serve) reads, MiB: a larger one is "
+        "answered 413 before it is read whole.",
+        minimum=0.001,
+    )
+    max_request_tokens: int = option(
+        65536,
+        "Largest n x max_tokens of one outside request (no rollout key) to the inference server "
+        "(and serve): a larger one is answered 422. Rollouts are the trainer's own and exempt.",
+        minimum=1,
+    )
+    max_requests_per_client: int = option(
+        16,
+        "Outside requests one client address may have in flight on the inference server (and "
+        "serve); the next is answered 429. A client that disconnects cancels its request (its "
+        "KV-cache slot is freed at the next engine step).",
+        minimum=1,
+    )
     api_key_file: str | None = option(
         None,
         "File holding the job's shared key: the inference server requires it as a bearer token "

@@ -67,8 +67,12 @@ def test_env_server_refuses_requests_without_the_key(headers, path):
     assert KEY not in response.text
 
 
+KEYED = EnvServerConfig(api_key=KEY, allowed_inference_urls=(INFERENCE_URL,))
+"""A keyed env server that may send the key to the trainer of ``INFERENCE_URL``."""
+
+
 def test_env_server_with_the_key_generates_through_an_inference_server_that_needs_it_too():
-    app = env_app(EnvServerConfig(api_key=KEY))
+    app = env_app(KEYED)
     response = call(app, "POST", "/v1/grouped_rollouts", {"authorization": f"Bearer {KEY}"},
                     grouped_call())  # fmt: skip
     assert response.status_code == 200
@@ -77,7 +81,7 @@ def test_env_server_with_the_key_generates_through_an_inference_server_that_need
 
 
 def test_inference_server_refusing_the_env_servers_key_is_a_424_not_placeholders():
-    app = env_app(EnvServerConfig(api_key=KEY), inference_key="another-key")
+    app = env_app(KEYED, inference_key="another-key")
     response = call(app, "POST", "/v1/grouped_rollouts", {"authorization": f"Bearer {KEY}"},
                     grouped_call())  # fmt: skip
     assert response.status_code == 424 and "HTTP 401" in response.json()["detail"]
@@ -183,6 +187,37 @@ async def listeners_on_p_and_p7(heard: dict[int, bytes]):
             for server in servers:
                 server.close()
     raise RuntimeError("no free port pair P, P7 below 65536")
+
+
+@pytest.mark.parametrize(
+    "url, status",
+    [
+        pytest.param("http://127.0.0.1:9000", 200, id="loopback-v4"),
+        pytest.param("http://localhost:9000", 200, id="localhost"),
+        pytest.param("http://[::1]:9000", 200, id="loopback-v6"),
+        pytest.param(INFERENCE_URL, 403, id="another-host"),
+        pytest.param("http://10.0.0.7:9000", 403, id="private-address"),
+    ],
+)
+def test_a_keyed_env_server_without_an_allow_list_sends_its_key_to_loopback_only(url, status):
+    response = call(env_app(EnvServerConfig(api_key=KEY)), "POST", "/v1/grouped_rollouts",
+                    {"authorization": f"Bearer {KEY}"}, grouped_call(url))  # fmt: skip
+    assert response.status_code == status, response.text
+    if status == 403:
+        assert "loopback servers only" in response.json()["detail"]
+
+
+def test_every_server_refuses_a_public_interface_without_a_key_in_the_same_words(capsys):
+    from megatron.rl.auth import listen_problem
+
+    expected = listen_problem("0.0.0.0", False, "--host", "--api-key-file")
+    assert expected and "\n" not in expected and "0.0.0.0 is reachable" in expected
+    with pytest.raises(SystemExit) as exc:  # the env server's command line
+        main(["--host", "0.0.0.0"])
+    assert exc.value.code == 2 and expected in capsys.readouterr().err
+    assert listen_problem("0.0.0.0", True, "--host", "--api-key-file") is None
+    for host in ("127.0.0.1", "localhost", "::1"):
+        assert listen_problem(host, False, "--host", "--api-key-file") is None
 
 
 @pytest.mark.parametrize(
