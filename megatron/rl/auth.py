@@ -99,14 +99,17 @@ def bearer_headers(key: str | None) -> dict[str, str]:
     return {"authorization": f"Bearer {key}"} if key else {}
 
 
-def require_api_key(app: FastAPI, key: str | None) -> None:
-    """Answer 401 to every request of ``app`` without ``Authorization: Bearer <key>``."""
+def require_api_key(app: FastAPI, key: str | None, exempt_prefix: str | None = None) -> None:
+    """Answer 401 to every request of ``app`` without ``Authorization: Bearer <key>``, except
+    under ``exempt_prefix`` (routes that check a credential of their own)."""
     if not key:
         return
     expected = key.encode()
 
     @app.middleware("http")
     async def _check_key(request: Request, call_next):
+        if exempt_prefix is not None and request.url.path.startswith(exempt_prefix):
+            return await call_next(request)
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not secrets.compare_digest(given.encode(), expected):
             return JSONResponse(

@@ -28,8 +28,9 @@ An agent that raises, breaks the session's protocol (history edits, more than ``
 turns), returns a reward that is not a finite number, or never asks for a completion yields a
 masked placeholder rollout; its session ends in the engine at once, so the schedule never waits
 for it. The agent runs in the trainer's process and needs the trainer's inference server, which
-starts for it; with a job key (``--rl-api-key-file``) the agent gets the key from the
-environment variable ``api_key_env``.
+starts for it. The agent never gets the job's key: ``task.api_key`` is its session's own
+credential, which opens that session's routes and nothing else (not another rollout's session,
+not the raw endpoints).
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ import asyncio
 import inspect
 import json
 import math
-import os
 import random
 import threading
 from collections.abc import Callable
@@ -52,7 +52,6 @@ from megatron.rl.agent.api import Agent, AgentArgs, placeholder_rollout
 from megatron.rl.agent.multi_turn import assemble_turns, turns_rollout
 from megatron.rl.agent.user_code import load_function
 from megatron.rl.async_utils import gather_all
-from megatron.rl.auth import API_KEY_ENV
 from megatron.rl.inference.interface import InferenceInterface
 from megatron.rl.inference.sessions import Session, session_base_url, session_registry
 from megatron.rl.seeding import derive_seed
@@ -73,7 +72,7 @@ class AgentTask:
     base_url: str
     """The rollout's OpenAI base URL: ``OpenAI(base_url=task.base_url, api_key=task.api_key)``."""
     api_key: str
-    """The inference server's key (``"none"`` when it needs none)."""
+    """The session's own credential (a bearer token that opens this rollout's session only)."""
     model: str
     """A model name to send (any name is accepted)."""
     problem: dict[str, Any]
@@ -106,9 +105,6 @@ class OpenAIAgentArgs(AgentArgs):
         None, ge=1, le=MAX_TOKENS, description="Budget per turn (None: --rl-default-max-tokens)."
     )
     model_name: str = Field("policy", min_length=1, description="task.model.")
-    api_key_env: str = Field(
-        API_KEY_ENV, min_length=1, description="Environment variable holding the server's key."
-    )
 
     @model_validator(mode="after")
     def _one_source(self) -> "OpenAIAgentArgs":
@@ -182,7 +178,7 @@ class OpenAIAgentEnvironment(Agent):
             session = registry.open(key, derive_seed(seed, k), sampling, self.args.max_turns)
             task = AgentTask(
                 base_url=session_base_url(inference.base_url, session.token),
-                api_key=os.environ.get(self.args.api_key_env) or "none",
+                api_key=session.credential,
                 model=self.args.model_name,
                 problem=problem,
                 problem_id=problem_id,

@@ -97,6 +97,17 @@ class Session:
     """The engine waits for another turn (the last one was sent with ``continued``)."""
     stand_in_sent: bool = False
     """The one-token stand-in of a turn 0 that never arrived was sent."""
+    credential: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
+    """The bearer token that opens this session's routes (the agent's ``api_key``), and
+    nothing else."""
+
+    def admits(self, authorization: str) -> bool:
+        """Whether an ``Authorization`` header carries this session's credential (compared in
+        constant time)."""
+        scheme, _, given = authorization.partition(" ")
+        return scheme.lower() == "bearer" and secrets.compare_digest(
+            given.encode(), self.credential.encode()
+        )
 
     def next_request(
         self,

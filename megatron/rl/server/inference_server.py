@@ -32,6 +32,7 @@ from fastapi import FastAPI, HTTPException, Request
 from megatron.rl.auth import require_api_key
 from megatron.rl.inference.interface import InferenceInterface
 from megatron.rl.inference.protocol import EngineError, InvalidInferenceRequest
+from megatron.rl.inference.sessions import SESSIONS_PREFIX
 from megatron.rl.server.chat_responses import (
     ToolCallCounter,
     chat_completion_response,
@@ -85,7 +86,7 @@ def create_inference_app(
     counter = ToolCallCounter()
     app = FastAPI(title="megatron-rl inference server", version="1")
     install_error_handlers(app)
-    require_api_key(app, api_key)
+    require_api_key(app, api_key, exempt_prefix=SESSIONS_PREFIX + "/")  # sessions: their own
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
     slots = ClientSlots(limits.max_requests_per_client)
     ids = itertools.count()

@@ -15,15 +15,19 @@
   404; each of them ends the session.
 * ``GET /sessions/{token}/v1/models``: the served model, as ``GET /v1/models``.
 
-So an agent written against the ``openai`` package works unchanged with
-``OpenAI(base_url=f"{server}/sessions/{token}/v1", api_key=...)``.
+Every session route needs the session's own credential, ``Authorization: Bearer
+<session.credential>`` (401 otherwise; the session stays open): the agent's ``api_key``. It opens
+this session only; the job's key is not needed here and the session credential opens nothing else
+(another session, ``/v1/...``, ``/v1/rollouts/end``). So an agent written against the ``openai``
+package works unchanged with ``OpenAI(base_url=f"{server}/sessions/{token}/v1",
+api_key=session.credential)``.
 """
 
 from __future__ import annotations
 
 import itertools
 
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException, Request
 
 from megatron.rl.inference.interface import InferenceInterface
 from megatron.rl.inference.protocol import EngineError
@@ -50,12 +54,23 @@ def install_session_routes(
     registry.served = True
     ids = itertools.count()
 
+    def authorized(token: str, http: Request) -> None:
+        """401 unless the request carries session ``token``'s credential (404: no session)."""
+        session = _check(lambda: registry.get(token))
+        if not session.admits(http.headers.get("authorization", "")):
+            raise HTTPException(
+                401,
+                "session: missing or wrong session credential (Authorization: Bearer <the "
+                "session's api_key>)",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
     @app.get(
         SESSIONS_PREFIX + "/{token}/v1/models", response_model=ModelList, responses=ERROR_RESPONSES
     )
-    async def session_models(token: str) -> ModelList:
+    async def session_models(token: str, http: Request) -> ModelList:
         """The model the session generates with."""
-        _check(lambda: registry.get(token))
+        authorized(token, http)
         return ModelList(data=[ModelCard(id=model_name, created=0, owned_by="megatron-rl")])
 
     @app.post(
@@ -63,8 +78,11 @@ def install_session_routes(
         response_model=ChatCompletionResponse,
         responses={**ERROR_RESPONSES, 404: ERROR_RESPONSES[422], 409: ERROR_RESPONSES[422]},
     )
-    async def session_chat(token: str, body: ChatCompletionRequest) -> ChatCompletionResponse:
+    async def session_chat(
+        token: str, body: ChatCompletionRequest, http: Request
+    ) -> ChatCompletionResponse:
         """The session's next assistant turn for the agent's conversation."""
+        authorized(token, http)
         refused = _refused_field(body, parser)
         if refused is not None:
             _check(lambda: registry.get(token))

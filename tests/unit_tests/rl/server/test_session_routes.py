@@ -46,7 +46,8 @@ def run(work):
         transport = httpx.ASGITransport(app)
         async with httpx.AsyncClient(transport=transport) as http:
             client = openai.AsyncOpenAI(
-                base_url=session_base_url("http://test", session.token), api_key="x",
+                base_url=session_base_url("http://test", session.token),
+                api_key=session.credential,
                 http_client=http, max_retries=0,
             )  # fmt: skip
             return await work(client, session)
@@ -115,3 +116,49 @@ def test_an_unknown_session_is_a_404():
     (error, models), _, _ = run(work)
     assert "no open session" in error.response.json()["detail"]
     assert [m.id for m in models.data] == ["policy"]
+
+
+JOB_KEY = "the-jobs-key"
+
+
+def test_a_session_credential_opens_its_own_session_and_nothing_else():
+    """Least privilege for agents: the credential an agent gets opens its session; a wrong or
+    another session's credential is a 401 that leaves the session open; the raw endpoints of a
+    keyed server refuse it; the job's key is not what a session asks for."""
+    inference = ToolCallingInference()
+    app = create_inference_app(
+        inference, CharTokenizer("0123456789"), tool_call_parser="hermes", api_key=JOB_KEY
+    )
+    registry = session_registry(inference)
+    mine = registry.open(KEY, 1, SamplingParams(max_tokens=4), 3)
+    other = registry.open(KEY.model_copy(update={"sample_index": 1}), 2, SamplingParams(), 3)
+    chat = {"model": "m", "messages": [{"role": "user", "content": "1+2?"}]}
+
+    async def main():
+        transport = httpx.ASGITransport(app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+
+            def post(path, body, credential):
+                return http.post(path, json=body, headers={"authorization": f"Bearer {credential}"})
+
+            mine_path = f"/sessions/{mine.token}/v1/chat/completions"
+            other_path = f"/sessions/{other.token}/v1/chat/completions"
+            return {
+                "other session": await post(other_path, chat, mine.credential),
+                "job key on a session": await post(mine_path, chat, JOB_KEY),
+                "no credential": await http.post(mine_path, json=chat),
+                "raw completions": await post("/v1/completions", {"prompt": "1"}, mine.credential),
+                "end another rollout": await post(
+                    "/v1/rollouts/end", {"rollout_key": other.key.model_dump()}, mine.credential
+                ),
+                "own session": await post(mine_path, chat, mine.credential),
+            }
+
+    answers = asyncio.run(main())
+    assert {name: r.status_code for name, r in answers.items()} == {
+        "other session": 401, "job key on a session": 401, "no credential": 401,
+        "raw completions": 401, "end another rollout": 401, "own session": 200,
+    }  # fmt: skip
+    assert mine.credential not in answers["other session"].text
+    assert len(inference.requests) == 1  # only the own session generated
+    assert other.error is None and not other.closed  # a refused credential ends nothing
