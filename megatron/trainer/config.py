@@ -225,7 +225,7 @@ def tokenizer(cfg: RunConfig) -> Tokenizer:
 
 
 def loss_variants(cfg: RunConfig) -> dict[str, Any]:
-    """The policy-loss variants of ``GRPOLossConfig`` (issue 29): ``--policy-loss``,
+    """The policy-loss variants of ``GRPOLossConfig``: ``--policy-loss``,
     ``--loss-agg-mode`` (Dr. GRPO's constant: ``--loss-scale-factor``, else
     ``--rl-default-max-tokens``, TRL's ``max_completion_length``) and
     ``--off-policy-mask-threshold``."""

@@ -17,7 +17,7 @@ weighs the same). Per token:
   reference policy ``beta * k3_t``, the entropy bonus ``-entropy_weight * H_t``, ...); each
   reports its metric by name.
 
-Policy-loss variants (issue 29; none of them on by default, and then the loss is the above
+Policy-loss variants (none of them on by default, and then the loss is the above
 bit for bit):
 
 * ``policy_loss``: the surrogate min(r_t A, clip(r_t) A) is replaced by GSPO's sequence-level

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections import Counter
 from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass
@@ -76,10 +77,10 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
     async def _refuse(self, send: Any) -> None:
-        detail = (
-            f'{{"detail": "request body larger than {self.max_bytes} bytes '
-            "(the server's request body limit)\"}"
-        ).encode()
+        message = (
+            f"request body larger than {self.max_bytes} bytes (the server's request body limit)"
+        )
+        detail = json.dumps({"detail": message}).encode()
         await send(
             {
                 "type": "http.response.start",

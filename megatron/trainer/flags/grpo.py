@@ -128,7 +128,7 @@ class GRPO(Section):
         flag="--rl-log-seq-logprob-error",
         switch=True,
     )
-    # --- Policy-loss variants (issue 29; docs/user_guide.md "Policy-loss variants") ---
+    # --- Policy-loss variants (docs/user_guide.md "Policy-loss variants") ---
     policy_loss: str = option(
         "vanilla",
         "The surrogate of the policy loss: vanilla (min(r A, clip(r) A) per token), gspo (GSPO's "
@@ -350,7 +350,7 @@ class GRPO(Section):
         return errors
 
     def variant_problems(self) -> list[str]:
-        """The checks of the policy-loss variants' options (issue 29)."""
+        """The checks of the policy-loss variants' options."""
         errors = []
         factor = self.loss_scale_factor
         if factor is not None and self.loss_agg_mode != "seq-mean-token-sum-norm":
