@@ -3,11 +3,11 @@
     python -m megatron.trainer.launch --nproc-per-node 1 pretrain_grpo.py --rl-forced-lag 2
 
 See ``python pretrain_grpo.py --help`` for every flag and README.md for the design. An expected
-error ends the run with one message and status 1 (``megatron/trainer/exits.py``).
+error ends the run with one message and status 1 (``megatron/trainer/runtime/exits.py``).
 """
 
-from megatron.trainer.exits import run_main
-from megatron.trainer.kernels import kernel_warnings
+from megatron.trainer.runtime.exits import run_main
+from megatron.trainer.runtime.kernels import kernel_warnings
 
 
 def main() -> None:

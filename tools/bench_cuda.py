@@ -39,12 +39,13 @@ from megatron.rl.grpo.batch import TrainBatch  # noqa: E402
 from megatron.rl.grpo.loss import GRPOLossConfig  # noqa: E402
 from megatron.rl.inference.scheduler import SchedulerConfig  # noqa: E402
 from megatron.rl.wire import SamplingParams  # noqa: E402
-from megatron.trainer.checkpointing import TrainState  # noqa: E402
+from megatron.trainer.checkpoint.directory import TrainState  # noqa: E402
+from megatron.trainer.config import tier_config  # noqa: E402
 from megatron.trainer.flags.parse import check  # noqa: E402
 from megatron.trainer.flags.run import RunConfig  # noqa: E402
-from megatron.trainer.losses import GRPOLoss  # noqa: E402
-from megatron.trainer.policy import PolicyConfig  # noqa: E402
-from megatron.trainer.step import StepConfig  # noqa: E402
+from megatron.trainer.train.losses import GRPOLoss  # noqa: E402
+from megatron.trainer.train.policy import PolicyConfig  # noqa: E402
+from megatron.trainer.train.step import StepConfig  # noqa: E402
 
 PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.4, "H200": 989.4, "A100": 312.0}
 """Dense bf16 tensor-core peak per device name fragment (first match wins; SXM for H100)."""
@@ -134,9 +135,14 @@ def bench_training(tier, state: TrainState, opts, vocab: int) -> dict:
     seconds = statistics.median(times)
     tokens_per_s = result.trained_tokens / seconds
     flops = training_flops_per_token(
-        opts.num_layers, opts.hidden_size, 4 * opts.hidden_size, opts.num_attention_heads,
-        opts.num_attention_heads, opts.seq_length, vocab,
-    )  # fmt: skip
+        opts.num_layers,
+        opts.hidden_size,
+        4 * opts.hidden_size,
+        opts.num_attention_heads,
+        opts.num_attention_heads,
+        opts.seq_length,
+        vocab,
+    )
     peak = opts.peak_tflops or peak_tflops_for(torch.cuda.get_device_name())
     return {
         "train_step_seconds": seconds,
@@ -167,7 +173,7 @@ def bench_generation(tier, model, opts, vocab: int) -> dict:
     """Generated tokens/s of one window of ``--gen-requests`` concurrent requests."""
     from megatron.trainer.tiers import CPUTier
 
-    builder = CPUTier(tier.cfg, tier.ctx) if opts.engine == "local" else tier
+    builder = CPUTier(tier.config, tier.ctx) if opts.engine == "local" else tier
     config = SchedulerConfig(opts.gen_requests, opts.seq_length, eos_id=-1)  # never stops early
     steps = builder.build_step_group(model, config, vocab)
     engine = builder.build_engine(steps, config, lambda: 0)
@@ -232,13 +238,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from megatron.core.utils import unwrap_model
 
-    from megatron.trainer.initialize import initialize_distributed, shutdown_distributed
+    from megatron.trainer.runtime.initialize import initialize_distributed, shutdown_distributed
     from megatron.trainer.tiers.cuda import CUDATier
 
     cfg = trainer_args(opts)
     ctx = initialize_distributed(cfg)
     try:
-        tier = CUDATier(cfg, ctx)
+        tier = CUDATier(tier_config(cfg), ctx)
         model = tier.build_model(opts.vocab_size)
         state = TrainState(model, *tier.build_optimizer(model))
         params = sum(p.numel() for p in unwrap_model(model).parameters())

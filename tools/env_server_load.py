@@ -119,11 +119,15 @@ async def run_load(
         nonlocal in_flight, peak
         call = GroupedRolloutCall(
             request=GroupedRolloutRequest(
-                batch_id=i // 64, index_in_batch=i % 64, groups_in_batch=64,
-                group_size=group_size, seed=0, submission_policy_version=0,
+                batch_id=i // 64,
+                index_in_batch=i % 64,
+                groups_in_batch=64,
+                group_size=group_size,
+                seed=0,
+                submission_policy_version=0,
             ),
             inference_url=inference_url,
-        )  # fmt: skip
+        )
         async with slots:
             in_flight += 1
             peak = max(peak, in_flight)
@@ -189,21 +193,29 @@ def main() -> int:
         if inference_url is None:
             port = free_port()
             inference_url = f"http://127.0.0.1:{port}"
-            stack.enter_context(spawned(
-                [sys.executable, __file__, f"--serve-stub-inference={port}"],
-                f"{inference_url}/health",
-            ))  # fmt: skip
+            stack.enter_context(
+                spawned(
+                    [sys.executable, __file__, f"--serve-stub-inference={port}"],
+                    f"{inference_url}/health",
+                )
+            )
         url = args.url
         if url is None:
             port = free_port()
             url = f"http://127.0.0.1:{port}"
-            cmd = [sys.executable, "-m", "megatron.rl.server.env_server", f"--port={port}",
-                   "--log-level=warning"]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "megatron.rl.server.env_server",
+                f"--port={port}",
+                "--log-level=warning",
+            ]
             if args.env_config:
                 cmd.append(f"--env-config={args.env_config}")
             stack.enter_context(spawned(cmd, f"{url}/health"))
-        asyncio.run(run_load(url, inference_url, min(64, args.requests), args.concurrency,
-                             args.group_size))  # warm-up: connections, imports  # fmt: skip
+        # warm-up: connections, imports
+        warm = min(64, args.requests)
+        asyncio.run(run_load(url, inference_url, warm, args.concurrency, args.group_size))
         result = asyncio.run(
             run_load(url, inference_url, args.requests, args.concurrency, args.group_size)
         )

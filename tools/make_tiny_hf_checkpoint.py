@@ -70,9 +70,15 @@ def main(argv: list[str] | None = None) -> None:
         if args.tokenizer_corpus is not None:
             corpus = [line for line in args.tokenizer_corpus.read_text().splitlines() if line]
         out = make_tiny_reward_model(
-            args.out, args.family, args.num_labels, args.hidden_size, args.num_layers,
-            args.tokenizer_vocab_size, corpus, args.seed,
-        )  # fmt: skip
+            args.out,
+            args.family,
+            args.num_labels,
+            args.hidden_size,
+            args.num_layers,
+            args.tokenizer_vocab_size,
+            corpus,
+            args.seed,
+        )
         print(f"wrote a random tiny {args.family} reward model to {out}")
         return
     shape = dict(SHAPES[args.shape]) if args.shape else {}

@@ -28,14 +28,15 @@ from megatron.rl.grpo.batch import TrainBatch, build_train_batch  # noqa: E402
 from megatron.rl.tokenizer import CharTokenizer  # noqa: E402
 from megatron.rl.wire import RolloutGroup, TokenRollout  # noqa: E402
 from megatron.trainer import config  # noqa: E402
-from megatron.trainer.checkpointing import TrainState  # noqa: E402
+from megatron.trainer.checkpoint.directory import TrainState  # noqa: E402
+from megatron.trainer.config import model_build, optimizer_settings  # noqa: E402
 from megatron.trainer.flags.parse import check  # noqa: E402
-from megatron.trainer.initialize import initialize_distributed  # noqa: E402
-from megatron.trainer.losses import GRPOLoss  # noqa: E402
-from megatron.trainer.model_provider import build_model  # noqa: E402
-from megatron.trainer.optimizer import build_optimizer  # noqa: E402
-from megatron.trainer.policy import PolicyConfig  # noqa: E402
+from megatron.trainer.model.provider import build_model  # noqa: E402
+from megatron.trainer.runtime.initialize import initialize_distributed  # noqa: E402
 from megatron.trainer.tiers.cpu import CPUPolicy  # noqa: E402
+from megatron.trainer.train.losses import GRPOLoss  # noqa: E402
+from megatron.trainer.train.optimizer import build_optimizer  # noqa: E402
+from megatron.trainer.train.policy import PolicyConfig  # noqa: E402
 
 
 def mixed_length_batch(
@@ -52,13 +53,18 @@ def mixed_length_batch(
             tokens = [rng.randrange(2, vocab) for _ in range(n)]
             members.append(
                 TokenRollout(
-                    env_id="bench", problem_id=str(g), prompt="", completion="",
-                    reward=rng.random(), tokens=tokens,
+                    env_id="bench",
+                    problem_id=str(g),
+                    prompt="",
+                    completion="",
+                    reward=rng.random(),
+                    tokens=tokens,
                     generation_mask=[False] * prompt + [True] * (n - prompt),
                     logprobs=[-rng.uniform(0.5, 3.0) for _ in range(n - prompt)],
-                    policy_versions=[0] * (n - prompt), submission_policy_version=0,
+                    policy_versions=[0] * (n - prompt),
+                    submission_policy_version=0,
                     temperature=1.0,
-                )  # fmt: skip
+                )
             )
         groups.append(RolloutGroup(batch_id=0, index_in_batch=g, rollouts=members))
     return build_train_batch(groups, pad_id=0)
@@ -85,8 +91,8 @@ def main(argv: list[str] | None = None) -> None:
     states = {}
     for name in layouts:
         torch.manual_seed(seed)
-        model = build_model(cfg, vocab, ctx.device)
-        states[name] = TrainState(model, *build_optimizer(model, cfg))
+        model = build_model(model_build(cfg), vocab, ctx.device)
+        states[name] = TrainState(model, *build_optimizer(model, optimizer_settings(cfg)))
     rates: dict[str, list[float]] = {name: [] for name in layouts}
     losses: dict[str, float] = {}
     for _ in range(known.repeats + 1):  # the first round warms up

@@ -36,8 +36,8 @@ import torch
 from megatron.core.utils import unwrap_model
 
 from megatron.rl.tokenizer import Tokenizer
-from megatron.trainer import config, kernels, report
-from megatron.trainer.checkpointing import (
+from megatron.trainer import config
+from megatron.trainer.checkpoint.directory import (
     LoadOptions,
     TrainState,
     fallback_hint,
@@ -45,13 +45,15 @@ from megatron.trainer.checkpointing import (
     latest_iteration,
     read_guarded,
 )
-from megatron.trainer.exits import UsageError
+from megatron.trainer.errors import UsageError
 from megatron.trainer.flags.model import ARCHITECTURE_FLAGS
 from megatron.trainer.flags.parse import build_parser, parse_command
 from megatron.trainer.flags.run import RunConfig
-from megatron.trainer.hf_io import weight_loader
-from megatron.trainer.initialize import ParallelContext
-from megatron.trainer.model_provider import architecture
+from megatron.trainer.metrics import report
+from megatron.trainer.model.hf_io import weight_loader
+from megatron.trainer.model.provider import architecture
+from megatron.trainer.parallel import ParallelContext
+from megatron.trainer.runtime import kernels
 from megatron.trainer.tiers import Tier, select_tier
 
 CHECKPOINT_FLAGS = (*ARCHITECTURE_FLAGS, "group_query_attention", "use_rope_scaling")
@@ -125,10 +127,10 @@ def load_checkpoint_model(cfg: RunConfig, ctx: ParallelContext) -> CheckpointMod
     """The tier, tokenizer and model of the flags, filled from ``--load`` or
     ``--hf-checkpoint`` (see the module docstring); an unreadable checkpoint raises
     ``SystemExit`` naming the flag."""
-    tier = select_tier(cfg, ctx)
+    tier = select_tier(config.tier_config(cfg), ctx)
     tokenizer = config.tokenizer(cfg)
     if cfg.lora.enabled:  # base + adapters as the trainer builds them (--lora-checkpoint's)
-        model = tier.build_model(tokenizer.vocab_size, weight_loader(cfg))
+        model = tier.build_model(tokenizer.vocab_size, weight_loader(tier.config.model))
     else:
         model = tier.build_reference(tokenizer.vocab_size, initialize=False)  # the load fills it
     if cfg.checkpointing.load is not None:
@@ -137,7 +139,7 @@ def load_checkpoint_model(cfg: RunConfig, ctx: ParallelContext) -> CheckpointMod
     elif cfg.lora.enabled:
         version, source = 0, f"--hf-checkpoint {cfg.model.hf_checkpoint}"
     else:
-        weight_loader(cfg)(unwrap_model(model))
+        weight_loader(tier.config.model)(unwrap_model(model))
         version, source = 0, f"--hf-checkpoint {cfg.model.hf_checkpoint}"
     if cfg.lora.lora_checkpoint is not None and cfg.checkpointing.load is None:
         source += f" + adapter --lora-checkpoint {cfg.lora.lora_checkpoint}"
@@ -173,9 +175,12 @@ def read_trainer_weights(cfg: RunConfig, tier: Tier, model: torch.nn.Module) -> 
     weights_only = LoadOptions(optimizer=False, rng=False, resume=False)
     state = TrainState(model, None, None)
     read_guarded(
-        "--load", root, iteration, shards.path(directory),
+        "--load",
+        root,
+        iteration,
+        shards.path(directory),
         lambda: shards.read(directory, state, check_flags, weights_only),
-    )  # fmt: skip
+    )
     return iteration
 
 
@@ -205,7 +210,7 @@ def describe(
 ) -> str:
     """Lines saying what was loaded and what runs it (counting the parameters is collective)."""
     parameters = report.parameter_count(loaded.model, ctx.tp_group)
-    arch = architecture(cfg, loaded.tokenizer.vocab_size)
+    arch = architecture(loaded.tier.config.model, loaded.tokenizer.vocab_size)
     tokenizer = type(loaded.tokenizer).__name__
     lines = [
         f"model        {parameters / 1e6:.2f}M parameters ({loaded.source}): "

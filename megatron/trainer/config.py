@@ -2,8 +2,9 @@
 
 ``megatron/trainer/flags`` declares every option once (with its one default) in its section and
 validates them into a frozen ``RunConfig``; ``megatron.rl`` takes only the typed configs built
-here from its sections. The model and optimizer flags are mapped
-to megatron-core's configs by ``model_provider.py`` and ``optimizer.py``.
+here from its sections. What the tiers read arrives as one ``TierConfig`` (``tier_config``:
+the model build, the optimizer settings, ``--ref-load``), which ``model/provider.py``,
+``train/optimizer.py`` and the tiers map to megatron-core's configs.
 """
 
 from __future__ import annotations
@@ -25,17 +26,22 @@ from megatron.rl.grpo.overlong import OverlongConfig
 from megatron.rl.grpo.seq_logprob_error import SeqLogprobErrorConfig
 from megatron.rl.grpo.terms import LossTerm, loss_terms
 from megatron.rl.inference.scheduler import SchedulerConfig
+from megatron.rl.lora.config import LoRAConfig
 from megatron.rl.models.hf import HFCheckpointError, load_hf_tokenizer
+from megatron.rl.models.hf.tokenizer import HuggingFaceTokenizer
 from megatron.rl.rollout.faults import FailureBudget
 from megatron.rl.rollout.generator import RolloutConfig
 from megatron.rl.server.limits import ServerLimits
-from megatron.rl.tokenizer import CharTokenizer, HuggingFaceTokenizer, Tokenizer
+from megatron.rl.tokenizer import CharTokenizer, Tokenizer
 from megatron.rl.wire import SamplingParams
-from megatron.trainer.checkpointing import saved_args
+from megatron.trainer.checkpoint.directory import saved_args
 from megatron.trainer.flags.run import RunConfig
-from megatron.trainer.metrics import WandbConfig
-from megatron.trainer.rollouts import InferenceServerConfig
-from megatron.trainer.step import StepConfig
+from megatron.trainer.generation.rollouts import InferenceServerConfig, PipelineConfig
+from megatron.trainer.metrics.record import WandbConfig
+from megatron.trainer.model.provider import ModelBuild
+from megatron.trainer.tiers.base import TierConfig
+from megatron.trainer.train.optimizer import OptimizerSettings
+from megatron.trainer.train.step import StepConfig
 
 
 def enabled_terms(cfg: RunConfig) -> tuple[LossTerm, ...]:
@@ -256,4 +262,77 @@ def overlong_config(cfg: RunConfig) -> OverlongConfig | None:
         penalty_factor=cfg.grpo.overlong_penalty_factor,
         mask_truncated=cfg.grpo.mask_truncated_completions,
         default_max_tokens=cfg.rollouts.default_max_tokens,
+    )
+
+
+# ------------------------------------------------- the tiers and the rollout pipeline
+
+
+def lora_config(cfg: RunConfig) -> LoRAConfig | None:
+    """The adapters of the LoRA flags (None: full fine-tuning)."""
+    lora = cfg.lora
+    if not lora.enabled:
+        return None
+    return LoRAConfig(
+        rank=lora.lora_rank,
+        alpha=lora.lora_alpha,
+        targets=tuple(lora.lora_target_modules),
+        init=lora.lora_init,
+        seed=cfg.training.seed,
+    )
+
+
+def model_build(cfg: RunConfig) -> ModelBuild:
+    """What building the model reads: the model section, ``--hf-checkpoint``'s config, the
+    parallel layout, ``--bf16``, ``--recompute-granularity`` and the LoRA adapters."""
+    parallelism = cfg.parallelism
+    return ModelBuild(
+        section=cfg.model,
+        hf=cfg.hf,
+        tensor_parallel=parallelism.tensor_model_parallel_size,
+        pipeline_parallel=parallelism.pipeline_model_parallel_size,
+        expert_parallel=parallelism.expert_model_parallel_size,
+        moe=cfg.architecture_flags.get("num_experts") is not None,
+        bf16=cfg.training.bf16,
+        recompute=cfg.training.recompute_granularity == "full",
+        lora=lora_config(cfg),
+        lora_checkpoint=cfg.lora.lora_checkpoint,
+    )
+
+
+def optimizer_settings(cfg: RunConfig) -> OptimizerSettings:
+    """AdamW, gradient clipping and the LR schedule (``--lr-decay-iters`` defaults to
+    ``--train-iters``)."""
+    training = cfg.training
+    return OptimizerSettings(
+        lr=training.lr,
+        min_lr=training.min_lr,
+        weight_decay=training.weight_decay,
+        adam_beta1=training.adam_beta1,
+        adam_beta2=training.adam_beta2,
+        adam_eps=training.adam_eps,
+        clip_grad=training.clip_grad,
+        warmup_iters=training.lr_warmup_iters,
+        decay_iters=training.lr_decay_iters or training.train_iters,
+        decay_style=training.lr_decay_style,
+        train_iters=training.train_iters,
+        distributed=cfg.parallelism.use_distributed_optimizer,
+        check_finite=training.check_for_nan_in_loss_and_grad,
+    )
+
+
+def tier_config(cfg: RunConfig) -> TierConfig:
+    """What a tier reads (``tiers.select_tier``): the model, the optimizer, ``--ref-load``."""
+    return TierConfig(model_build(cfg), optimizer_settings(cfg), cfg.grpo.ref_load)
+
+
+def pipeline_config(cfg: RunConfig, dp_size: int, tokenizer: Tokenizer) -> PipelineConfig:
+    """The training rollout pipeline: generator, engine, inference server, failure budget; a
+    stop cancels the window in progress unless ``--save`` saves a checkpoint first."""
+    return PipelineConfig(
+        rollout=rollout_config(cfg),
+        engine=scheduler_config(cfg, dp_size, tokenizer),
+        server=inference_server_config(cfg),
+        failure_budget=failure_budget(cfg),
+        stop_cancels_window=not cfg.checkpointing.save,
     )

@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megatron.trainer.exits import run_main
 from megatron.trainer.flags.run import RunConfig
-from megatron.trainer.kernels import kernel_warnings
+from megatron.trainer.runtime.exits import run_main
+from megatron.trainer.runtime.kernels import kernel_warnings
 
 with kernel_warnings() as MISSING_KERNELS:  # megatron-core's "not installed" warnings: one line
     from megatron.rl.eval.confidence import wilson_interval
@@ -44,10 +44,10 @@ with kernel_warnings() as MISSING_KERNELS:  # megatron-core's "not installed" wa
         load_checkpoint_model,
         parse_command_args,
     )
-    from megatron.trainer.evaluation import Evaluator
     from megatron.trainer.flags.output import output_path_problem
+    from megatron.trainer.generation.evaluator import Evaluator
     from megatron.trainer.grpo import load_agent
-    from megatron.trainer.initialize import initialize_distributed, shutdown_distributed
+    from megatron.trainer.runtime.initialize import initialize_distributed, shutdown_distributed
 
 PROG = "megatron.trainer.evaluate"
 

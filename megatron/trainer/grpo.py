@@ -9,10 +9,13 @@ optimizer, engine and checkpoint shards, and the ``Policy`` (``policy.py``) thro
 computes pi_old and pi_ref and trains.
 
 Optional pieces, each off by default: dynamic sampling picks the groups a step trains on
-(``training_groups``; ``megatron/rl/grpo/filtering.py``), the advantages' baseline and scale and
+(``collection.training_groups``; ``megatron/rl/grpo/filtering.py``), the advantages' baseline and scale and
 the overlong reward shaping (``advantages_of``; ``megatron/rl/grpo/advantages.py``,
 ``overlong.py``), loss terms, IS correction, repeated updates and packing shape the step
-(``step.py``), and evaluation runs on its own engine between steps (``evaluation.py``).
+(``step.py``), and evaluation runs on its own engine between steps (``evaluator.py``).
+
+Each phase of the run (start-up, a step, an evaluation, a checkpoint save, the end) runs in a
+``with watchdog.phase(...)`` block (``runtime/watchdog.py``).
 """
 
 from __future__ import annotations
@@ -28,42 +31,41 @@ from megatron.rl.agent.env_config import EnvConfigError, load_env_config
 from megatron.rl.dataplane import DataPlane, make_data_plane
 from megatron.rl.dataplane.batches import publish_groups
 from megatron.rl.grpo.batch import ShapedAdvantages, shaped_advantages
-from megatron.rl.grpo.filtering import select_groups
 from megatron.rl.tokenizer import Tokenizer
 from megatron.rl.wire import RolloutGroup
-from megatron.trainer import config, report
-from megatron.trainer.checkpointing import (
+from megatron.trainer import config
+from megatron.trainer.checkpoint.directory import (
     Checkpoint,
     LoadOptions,
     TrainState,
     load_checkpoint,
 )
-from megatron.trainer.collection import KeyedCollection
-from megatron.trainer.evaluation import Evaluator, eval_agents, hold_out_validation
-from megatron.trainer.exits import UsageError
+from megatron.trainer.errors import NonFiniteUpdate, UsageError
 from megatron.trainer.flags import run_file
 from megatron.trainer.flags.rollouts import env_config_problems
 from megatron.trainer.flags.run import RunConfig
-from megatron.trainer.hf_io import save_hf, weight_loader
-from megatron.trainer.initialize import (
-    ParallelContext,
+from megatron.trainer.generation.evaluator import Evaluator, eval_agents, hold_out_validation
+from megatron.trainer.generation.rollouts import CollectedBatch, PipelineStart, RolloutSource
+from megatron.trainer.metrics import report
+from megatron.trainer.metrics.record import ConstantRewardWarning, MetricsWriter, step_metrics
+from megatron.trainer.model.hf_io import save_hf, weight_loader
+from megatron.trainer.model.lora import save_lora
+from megatron.trainer.model.provider import architecture
+from megatron.trainer.parallel import ParallelContext
+from megatron.trainer.runtime.initialize import (
     initialize_distributed,
     main_rank_value,
     raise_agreed_failure,
     shutdown_distributed,
 )
-from megatron.trainer.lora import save_lora
-from megatron.trainer.metrics import ConstantRewardWarning, MetricsWriter, step_metrics
-from megatron.trainer.model_provider import architecture
-from megatron.trainer.nonfinite import NonFiniteUpdate
-from megatron.trainer.policy import Policy, PolicyConfig
-from megatron.trainer.reference import build_reference_model
-from megatron.trainer.rollouts import CollectedBatch, RolloutSource
-from megatron.trainer.seq_logprob_error import apply_seq_logprob_error
-from megatron.trainer.step import StepConfig, StepResult
+from megatron.trainer.runtime.watchdog import Watchdog
 from megatron.trainer.stopping import end_of_collection, stop_on_signals
 from megatron.trainer.tiers import Tier, select_tier
-from megatron.trainer.watchdog import Watchdog
+from megatron.trainer.tiers.reference import build_reference_model
+from megatron.trainer.train.collection import KeyedCollection, training_groups
+from megatron.trainer.train.policy import Policy, PolicyConfig
+from megatron.trainer.train.seq_logprob_error import apply_seq_logprob_error
+from megatron.trainer.train.step import StepConfig, StepResult
 
 
 @dataclass
@@ -102,15 +104,16 @@ class Run:
         meta, extra, failure = None, {}, None
         if self.ctx.is_main:
             try:
-                groups, extra = training_groups(self.cfg, collected)
+                sampling = config.dynamic_sampling_config(self.cfg)
+                groups, extra = training_groups(collected.batch.groups, sampling)
                 shaped = advantages_of(self.cfg, groups)  # None: GRPO's, computed by publish
-                advantages, masked = (None, None) if shaped is None else (
-                    shaped.advantages, shaped.masked
-                )  # fmt: skip
                 meta = publish_groups(
-                    self.plane, groups, collected.batch.batch_id,
-                    advantages=advantages, masked=masked,
-                )  # fmt: skip
+                    self.plane,
+                    groups,
+                    collected.batch.batch_id,
+                    advantages=None if shaped is None else shaped.advantages,
+                    masked=None if shaped is None else shaped.masked,
+                )
                 extra.update({} if shaped is None else shaped.metrics)
             except Exception as exc:  # every rank stops here instead of waiting for the meta
                 failure = exc
@@ -149,12 +152,12 @@ class Run:
 
 def build_run(cfg: RunConfig, ctx: ParallelContext) -> Run:
     """Tier, tokenizer, model (``--hf-checkpoint`` weights), reference, optimizer, ``--load``."""
-    tier = select_tier(cfg, ctx)  # CPU or CUDA: model, optimizer, step, engine, checkpoints
+    tier = select_tier(config.tier_config(cfg), ctx)  # CPU or CUDA: model, optimizer, ...
     tokenizer = config.tokenizer(cfg)
     step_config = config.step_config(cfg, tokenizer.vocab_size)
-    model = tier.build_model(tokenizer.vocab_size, weight_loader(cfg))
+    model = tier.build_model(tokenizer.vocab_size, weight_loader(tier.config.model))
     reference = build_reference_model(  # before --load overwrites the initial weights
-        cfg, tier, model, tokenizer.vocab_size, ctx, step_config.needs_reference
+        tier, model, tokenizer.vocab_size, step_config.needs_reference
     )
     state = TrainState(model, *tier.build_optimizer(model))
     policy = tier.build_policy(state, PolicyConfig.of(step_config), reference)
@@ -183,68 +186,91 @@ def train(cfg: RunConfig, missing_kernels: set[str] = frozenset()) -> None:
         run = build_run(cfg, ctx)
         print_header(run, agent, missing_kernels)
         writer = metrics_writer(cfg, run.resumed.iteration) if ctx.is_main else None
-        constant_rewards = ConstantRewardWarning() if ctx.is_main else None
         evaluator = build_evaluator(run, agent)
         if evaluator is not None:
             watchdog.watch_loop(evaluator.host.loop)
         at_start = {}
-        if (
-            cfg.evaluation.val_at_start and run.resumed.iteration < cfg.training.train_iters
-        ):  # before any update
-            watchdog.begin("the evaluation before the first step")
-            at_start = evaluator.run(policy_version=run.resumed.iteration)
+        if cfg.evaluation.val_at_start and run.resumed.iteration < cfg.training.train_iters:
+            with watchdog.phase("the evaluation before the first step"):  # before any update
+                at_start = evaluator.run(policy_version=run.resumed.iteration)
             at_start = {k.replace("eval/", "eval_at_start/", 1): v for k, v in at_start.items()}
-            watchdog.begin("start-up (rollout pipeline start)")
-        with rollout_source(run, agent) as rollouts:
+        pipeline = watchdog.phase("the rollout pipeline's start or shutdown")
+        with pipeline, rollout_source(run, agent) as rollouts:  # the steps are phases of their own
             watchdog.watch_loop(rollouts.host.loop)
             stop_on_signals(rollouts)
-            for iteration in range(run.resumed.iteration, cfg.training.train_iters):
-                watchdog.begin(f"step {iteration}")  # after a collective: every rank alike
-                t0 = time.perf_counter()
-                if iteration % run.k == 0:  # collect (ordered, forced lag) -> advantages, pi_old
-                    collected = rollouts.next_batch()
-                    if constant_rewards is not None:  # rank 0: warns in the first batches only
-                        for line in constant_rewards.check(collected.batch):
-                            print(line, flush=True)
-                    collection, extra = run.collection(collected)
-                result = run.train_step(collection, iteration)  # one optimizer update
-                rollouts.policy_version = iteration + 1
-                elapsed, metrics = time.perf_counter() - t0, dict(extra)
-                metrics.update(at_start)  # the first step's record only
-                at_start = {}
-                if evaluation_due(cfg, iteration + 1):  # own engine and window
-                    watchdog.begin(f"the evaluation after step {iteration}")
-                    metrics.update(evaluator.run(policy_version=iteration + 1))
-                if writer is not None:  # log
-                    writer.write(step_metrics(iteration, cfg.rollouts.forced_lag, collected, result,
-                                              elapsed, metrics, run.k))  # fmt: skip
-                stop = rollouts.stop_requested()  # a signal on any rank (collective)
-                if end_of_collection(run, iteration + 1, rollouts, stop, watchdog):
-                    break  # --exit-interval
-        watchdog.begin("the end of the run (--save-hf, --save-lora, summary)")
-        if cfg.model.save_hf is not None:  # the policy as a Hugging Face directory
-            arch = architecture(cfg, run.tokenizer.vocab_size)
-            rows = cfg.hf.vocab_size if cfg.hf else run.tokenizer.vocab_size
-            save_hf(cfg, run.state.model, arch, rows, ctx)
-        if cfg.lora.save_lora is not None:  # the adapters as a PEFT directory
-            save_lora(cfg, run.state.model, ctx)
-        if writer is not None:
-            plot = report.write_curves(writer.records, plot_file(cfg)) if plot_file(cfg) else None
-            seconds = time.monotonic() - started
-            print(
-                report.summary(writer.records, cfg.rollouts.forced_lag, seconds, cfg, plot),
-                flush=True,
-            )
+            train_steps(run, rollouts, evaluator, writer, at_start, watchdog)
+        with watchdog.phase("the end of the run (--save-hf, --save-lora, summary)"):
+            save_outputs(run)
+            if writer is not None:
+                print_summary(run, writer, time.monotonic() - started)
     finally:
-        watchdog.begin("the run's shutdown")
-        if evaluator is not None:
-            evaluator.close()
-        if writer is not None:
-            writer.close()
-        if run is not None:
-            run.plane.close()
-        shutdown_distributed()
+        with watchdog.phase("the run's shutdown"):
+            if evaluator is not None:
+                evaluator.close()
+            if writer is not None:
+                writer.close()
+            if run is not None:
+                run.plane.close()
+            shutdown_distributed()
         watchdog.close()
+
+
+def train_steps(
+    run: Run,
+    rollouts: RolloutSource,
+    evaluator: Evaluator | None,
+    writer: MetricsWriter | None,
+    at_start: dict[str, Any],
+    watchdog: Watchdog,
+) -> None:
+    """The steps from ``run.resumed`` to ``--train-iters`` (or ``--exit-interval``, or a signal),
+    each a phase of ``watchdog``: collect, train, evaluate, log, checkpoint. ``at_start``: the
+    ``--val-at-start`` metrics, logged with the first step."""
+    cfg = run.cfg
+    constant_rewards = ConstantRewardWarning() if run.ctx.is_main else None
+    for iteration in range(run.resumed.iteration, cfg.training.train_iters):
+        with watchdog.phase(f"step {iteration}"):  # after a collective: every rank alike
+            t0 = time.perf_counter()
+            if iteration % run.k == 0:  # collect (ordered, forced lag) -> advantages, pi_old
+                collected = rollouts.next_batch()
+                if constant_rewards is not None:  # rank 0: warns in the first batches only
+                    for line in constant_rewards.check(collected.batch):
+                        print(line, flush=True)
+                collection, extra = run.collection(collected)
+            result = run.train_step(collection, iteration)  # one optimizer update
+            rollouts.policy_version = iteration + 1
+            elapsed, metrics = time.perf_counter() - t0, {**extra, **at_start}
+            at_start = {}  # the first step's record only
+            if evaluation_due(cfg, iteration + 1):  # own engine and window
+                with watchdog.phase(f"the evaluation after step {iteration}"):
+                    metrics.update(evaluator.run(policy_version=iteration + 1))
+            if writer is not None:  # log
+                record = step_metrics(
+                    iteration, cfg.rollouts.forced_lag, collected, result, elapsed, metrics, run.k
+                )
+                writer.write(record)
+            stop = rollouts.stop_requested()  # a signal on any rank (collective)
+            if end_of_collection(run, iteration + 1, rollouts, stop, watchdog):
+                return  # --exit-interval
+
+
+def save_outputs(run: Run) -> None:
+    """``--save-hf`` (the policy as a Hugging Face directory) and ``--save-lora`` (the adapters
+    as a PEFT directory); collective."""
+    cfg, spec = run.cfg, run.tier.config.model
+    if cfg.model.save_hf is not None:
+        arch = architecture(spec, run.tokenizer.vocab_size)
+        rows = cfg.hf.vocab_size if cfg.hf else run.tokenizer.vocab_size
+        save_hf(spec, run.state.model, arch, rows, run.ctx)
+    if cfg.lora.save_lora is not None:
+        save_lora(cfg.lora.save_lora, run.state.model, spec, run.ctx)
+
+
+def print_summary(run: Run, writer: MetricsWriter, seconds: float) -> None:
+    """The curves' plot and the run's summary (rank 0)."""
+    cfg = run.cfg
+    plot = report.write_curves(writer.records, plot_file(cfg)) if plot_file(cfg) else None
+    print(report.summary(writer.records, cfg.rollouts.forced_lag, seconds, cfg, plot), flush=True)
 
 
 def start_watchdog(cfg: RunConfig, ctx: ParallelContext) -> Watchdog:
@@ -253,7 +279,7 @@ def start_watchdog(cfg: RunConfig, ctx: ParallelContext) -> Watchdog:
     directory = Path(cfg.logging.metrics_file).parent if cfg.logging.metrics_file else Path("runs")
     minutes = cfg.training.watchdog_timeout_minutes
     watchdog = Watchdog(minutes * 60, directory, cfg.started, ctx.rank)
-    watchdog.start("start-up (model build and load, rollout pipeline start)")
+    watchdog.start("start-up (model build and load)")
     return watchdog
 
 
@@ -262,11 +288,18 @@ def print_header(run: Run, agent: Agent, missing_kernels: set[str]) -> None:
     parameters = report.parameter_count(run.state.model, run.ctx.tp_group)
     trainable = report.parameter_count(run.state.model, run.ctx.tp_group, trainable=True)
     if run.ctx.is_main:
-        arch = architecture(run.cfg, run.tokenizer.vocab_size)
+        arch = architecture(run.tier.config.model, run.tokenizer.vocab_size)
         text = report.header(
-            run.cfg, arch, parameters, run.tokenizer, agent, run.tier.describe(),
-            missing_kernels, plot_file(run.cfg), trainable,
-        )  # fmt: skip
+            run.cfg,
+            arch,
+            parameters,
+            run.tokenizer,
+            agent,
+            run.tier.describe(),
+            missing_kernels,
+            plot_file(run.cfg),
+            trainable,
+        )
         print(text, flush=True)
 
 
@@ -284,25 +317,32 @@ def build_evaluator(run: Run, agent: Agent) -> Evaluator | None:
     """The evaluation engine of ``--eval-interval`` / ``--eval-iters`` (None when off)."""
     if not run.cfg.evaluation.requested:
         return None
-    engine = config.scheduler_config(run.cfg, run.ctx.dp_size, run.tokenizer, training=False)
+    cfg, ctx = run.cfg, run.ctx
+    dump = cfg.evaluation.val_dump_dir
     return Evaluator(
-        run.ctx, run.tier, run.state.model, run.tokenizer, agent if run.ctx.is_main else None,
-        config.eval_config(run.cfg, run.tokenizer), engine,
-        None if run.cfg.evaluation.val_dump_dir is None else Path(run.cfg.evaluation.val_dump_dir),
-    )  # fmt: skip
+        ctx,
+        run.tier,
+        run.state.model,
+        run.tokenizer,
+        agent if ctx.is_main else None,
+        config.eval_config(cfg, run.tokenizer),
+        config.scheduler_config(cfg, ctx.dp_size, run.tokenizer, training=False),
+        None if dump is None else Path(dump),
+    )
 
 
 def rollout_source(run: Run, agent: Agent) -> RolloutSource:
     """The training rollout pipeline, continuing ``run.resumed``."""
-    cfg, ctx = run.cfg, run.ctx
-    return RolloutSource(
-        ctx, run.tier, run.state.model, run.tokenizer, agent if ctx.is_main else None,
-        config.rollout_config(cfg), config.scheduler_config(cfg, ctx.dp_size, run.tokenizer),
-        run.resumed.iteration // run.k, config.inference_server_config(cfg),
-        run.resumed.pipeline, policy_version=run.resumed.iteration,
-        failure_budget=config.failure_budget(cfg), stop_cancels_window=not cfg.checkpointing.save,
-        resume_kv=run.resumed.inflight_kv,
-    )  # fmt: skip
+    ctx, resumed = run.ctx, run.resumed
+    start = PipelineStart(
+        first_batch=resumed.iteration // run.k,
+        policy_version=resumed.iteration,
+        state=resumed.pipeline,
+        kv=resumed.inflight_kv,
+    )
+    pipeline = config.pipeline_config(run.cfg, ctx.dp_size, run.tokenizer)
+    agent_here = agent if ctx.is_main else None
+    return RolloutSource(ctx, run.tier, run.state.model, run.tokenizer, agent_here, pipeline, start)
 
 
 def evaluation_due(cfg: RunConfig, iteration: int) -> bool:
@@ -313,27 +353,6 @@ def evaluation_due(cfg: RunConfig, iteration: int) -> bool:
     return (
         cfg.evaluation.iters > 0 or cfg.evaluation.val_at_end
     ) and iteration == cfg.training.train_iters
-
-
-def training_groups(
-    cfg: RunConfig, collected: CollectedBatch
-) -> tuple[list[RolloutGroup], dict[str, Any]]:
-    """The groups the step trains on, and the dynamic-sampling metrics (rank 0)."""
-    groups = collected.batch.groups
-    sampling = config.dynamic_sampling_config(cfg)
-    if sampling is None:
-        return groups, {}
-    chosen = select_groups(groups, sampling)
-    kept = [r.reward for g in chosen.groups for r in g.rollouts if not r.is_placeholder]
-    return chosen.groups, {
-        "dynamic_sampling_rounds": chosen.rounds_used,
-        "dynamic_sampling_dropped_groups": chosen.dropped,
-        "dynamic_sampling_generated_rounds": len(groups) // sampling.groups_per_batch,
-        "dynamic_sampling_generated_groups": len(groups),
-        "dynamic_sampling_kept_groups": chosen.kept,
-        "dynamic_sampling_surplus_groups": chosen.surplus,
-        "dynamic_sampling_kept_reward_mean": sum(kept) / max(len(kept), 1),
-    }
 
 
 def advantages_of(cfg: RunConfig, groups: list[RolloutGroup]) -> ShapedAdvantages | None:
@@ -370,6 +389,10 @@ def metrics_writer(cfg: RunConfig, first_step: int) -> MetricsWriter:
     if log.metrics_file is not None:
         run_file.write(run_file.resolved(cfg), run_file.next_to_metrics(log.metrics_file))
     return MetricsWriter(
-        cfg.training.train_iters, cfg.training.log_interval, log.metrics_file,
-        log.tensorboard_dir, first_step, config.wandb_config(cfg),
-    )  # fmt: skip
+        cfg.training.train_iters,
+        cfg.training.log_interval,
+        log.metrics_file,
+        log.tensorboard_dir,
+        first_step,
+        config.wandb_config(cfg),
+    )

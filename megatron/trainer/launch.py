@@ -8,7 +8,7 @@ how the job ends differs. torchrun (torch 2.13) turns every non-zero worker exit
 uncaught ``SignalException`` (traceback, status 1), whatever the workers did; neither can be
 changed from a worker. Here:
 
-* a worker that ended with an expected error (``megatron/trainer/exits.py`` marks it in
+* a worker that ended with an expected error (``megatron/trainer/runtime/exits.py`` marks it in
   torchelastic's error file) has printed its one message; the launcher adds nothing and exits
   with the worker's status;
 * a worker stopped by a signal (SIGTERM from Slurm, torchrun's forwarding) ends the job with its
@@ -28,7 +28,7 @@ import os
 import signal
 import sys
 
-from megatron.trainer.exits import EXPECTED_MARK
+from megatron.trainer.runtime.exits import EXPECTED_MARK
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 300
 """Seconds a signalled worker has to save and exit (torchrun's own default is 30)."""

@@ -38,9 +38,9 @@ import os
 import signal
 from collections.abc import Iterator
 
-from megatron.trainer.exits import run_main
 from megatron.trainer.flags.run import RunConfig
-from megatron.trainer.kernels import kernel_warnings
+from megatron.trainer.runtime.exits import run_main
+from megatron.trainer.runtime.kernels import kernel_warnings
 
 with kernel_warnings() as MISSING_KERNELS:  # megatron-core's "not installed" warnings: one line
     from fastapi import FastAPI
@@ -60,8 +60,8 @@ with kernel_warnings() as MISSING_KERNELS:  # megatron-core's "not installed" wa
         load_checkpoint_model,
         parse_command_args,
     )
-    from megatron.trainer.generation import GenerationHost
-    from megatron.trainer.initialize import initialize_distributed, shutdown_distributed
+    from megatron.trainer.generation.host import GenerationHost
+    from megatron.trainer.runtime.initialize import initialize_distributed, shutdown_distributed
 
 PROG = "megatron.trainer.serve"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -204,9 +204,13 @@ def serve(cfg: RunConfig, own: argparse.Namespace) -> None:
             window_target=False,
         )
         host = GenerationHost(
-            ctx, loaded.tier, loaded.model, throughput, loaded.tokenizer.vocab_size,
+            ctx,
+            loaded.tier,
+            loaded.model,
+            throughput,
+            loaded.tokenizer.vocab_size,
             lambda: loaded.policy_version,
-        )  # fmt: skip
+        )
         name, key = own.served_model_name or default_model_name(cfg), served_key(cfg)
         inference = LocalInferenceInterface(host.engine, loaded.tokenizer)
         adapters = {

@@ -8,12 +8,12 @@ import signal
 import threading
 from typing import Protocol
 
-from megatron.trainer.checkpointing import TrainState, save_captured
+from megatron.trainer.checkpoint.directory import TrainState, save_captured
 from megatron.trainer.flags.run import RunConfig
-from megatron.trainer.initialize import ParallelContext
-from megatron.trainer.rollouts import RolloutSource
+from megatron.trainer.generation.rollouts import RolloutSource
+from megatron.trainer.parallel import ParallelContext
+from megatron.trainer.runtime.watchdog import Watchdog
 from megatron.trainer.tiers import Tier
-from megatron.trainer.watchdog import Watchdog
 
 
 class Run(Protocol):
@@ -36,7 +36,7 @@ def end_of_collection(
     or when a signal came with ``--save``, then stop for that signal (``SystemExit(128 +
     signum)``); whether ``--exit-interval`` ends the run here. Mid-collection a signal stops at
     once without ``--save`` and otherwise waits for the collection's end. The save is a phase of
-    ``watchdog``."""
+    ``watchdog`` (``Watchdog.phase``)."""
     cfg = run.cfg
     if iteration % run.k:
         if stop and not cfg.checkpointing.save:
@@ -44,17 +44,17 @@ def end_of_collection(
         return False
     exiting = cfg.training.exit_interval is not None and iteration % cfg.training.exit_interval == 0
     if checkpoint_due(cfg, iteration) or ((exiting or stop) and cfg.checkpointing.save):
-        watchdog.begin(f"the checkpoint save after step {iteration - 1}")
-        shards = run.tier.checkpoint_shards()
-        line = save_captured(
-            cfg.checkpointing.save,
-            iteration,
-            shards,
-            run.state,
-            rollouts.checkpoint_state,
-            cfg,
-            run.ctx,
-        )
+        with watchdog.phase(f"the checkpoint save after step {iteration - 1}"):
+            shards = run.tier.checkpoint_shards()
+            line = save_captured(
+                cfg.checkpointing.save,
+                iteration,
+                shards,
+                run.state,
+                rollouts.checkpoint_state,
+                cfg,
+                run.ctx,
+            )
         if run.ctx.is_main:
             print(line, flush=True)
     if stop:

@@ -92,8 +92,21 @@ def training_command(
     """The command line of ``script`` with ``args`` (flag -> value; True: a switch) under
     ``launcher`` (the README's ``megatron.trainer.launch``, or ``torch.distributed.run``)."""
     argv = [f"--{k}" if v is True else f"--{k}={v}" for k, v in args.items()]
-    return [sys.executable, "-m", launcher, f"--nproc-per-node={nproc}",
-            f"--master-port={free_port()}", script, *argv]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        launcher,
+        f"--nproc-per-node={nproc}",
+        f"--master-port={free_port()}",
+        script,
+        *argv,
+    ]
+
+
+def python_command(args: dict) -> list[str]:
+    """``python pretrain_grpo.py`` with ``args`` (no launcher: a world of one)."""
+    argv = [f"--{k}" if v is True else f"--{k}={v}" for k, v in args.items()]
+    return [sys.executable, "pretrain_grpo.py", *argv]
 
 
 def subprocess_env() -> dict[str, str]:
@@ -195,11 +208,21 @@ def env_server(
     log_path = workdir / "env_server.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "megatron.rl.server.env_server", f"--env-config={env_config}",
-             "--host=127.0.0.1", f"--port={port}", f"--log-level={log_level}",
-             *([f"--api-key-file={api_key_file}"] if api_key_file else [])],
-            cwd=ROOT, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "megatron.rl.server.env_server",
+                f"--env-config={env_config}",
+                "--host=127.0.0.1",
+                f"--port={port}",
+                f"--log-level={log_level}",
+                *([f"--api-key-file={api_key_file}"] if api_key_file else []),
+            ],
+            cwd=ROOT,
+            env=subprocess_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + 60
@@ -325,8 +348,10 @@ def format_table(problems: list[tuple]) -> str:
     rows = [("step", "metric", "golden", "actual", "difference")]
     rows += [tuple(f"{v:.10g}" if isinstance(v, float) else str(v) for v in p) for p in problems]
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    lines = ["  ".join(c.rjust(w) if i != 1 else c.ljust(w) for i, (c, w) in
-                       enumerate(zip(r, widths))) for r in rows]  # fmt: skip
+    lines = [
+        "  ".join(c.rjust(w) if i != 1 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+        for r in rows
+    ]
     return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
 
 
@@ -357,41 +382,6 @@ def main() -> int:
         failed |= bool(problems)
         print(f"{name}: " + ("OK" if not problems else "MISMATCH\n" + format_table(problems)))
     return int(failed)
-
-
-def python_command(args: dict) -> list[str]:
-    """``python pretrain_grpo.py`` with ``args`` (no launcher: a world of one)."""
-    argv = [f"--{k}" if v is True else f"--{k}={v}" for k, v in args.items()]
-    return [sys.executable, "pretrain_grpo.py", *argv]
-
-
-def stop_with_sigterm(
-    cmd: list[str], metrics: Path, after_steps: int, process_group: bool = False
-) -> tuple[int, float, str]:
-    """Start ``cmd``, send SIGTERM to it (``process_group``: to its whole process group, as a
-    terminal or a job scheduler does) after ``after_steps`` steps; (status, seconds to exit after
-    the signal, stdout)."""
-    with (
-        open(metrics.with_suffix(".out"), "w") as out,
-        open(metrics.with_suffix(".err"), "w") as err,
-    ):
-        proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=subprocess_env(), stdout=out, stderr=err,
-            start_new_session=process_group,
-        )  # fmt: skip
-        deadline = time.monotonic() + 300
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= after_steps):
-            assert proc.poll() is None, metrics.with_suffix(".err").read_text()[-3000:]
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        signalled = time.monotonic()
-        if process_group:
-            os.killpg(proc.pid, signal.SIGTERM)
-        else:
-            proc.send_signal(signal.SIGTERM)
-        status = proc.wait(timeout=120)
-        seconds = time.monotonic() - signalled
-    return status, seconds, metrics.with_suffix(".out").read_text()
 
 
 if __name__ == "__main__":

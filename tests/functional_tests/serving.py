@@ -101,9 +101,13 @@ def start_server(argv: list[str], env: dict[str, str], timeout: float = 300) -> 
 def run(module: str, argv: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
     """``python -m module argv`` from the repository root."""
     return subprocess.run(
-        [sys.executable, "-m", module, *argv], cwd=ROOT, env=command_env(),
-        capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+        [sys.executable, "-m", module, *argv],
+        cwd=ROOT,
+        env=command_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def error_lines(stderr: str) -> list[str]:
@@ -146,7 +150,7 @@ def hf_logprobs(directory: Path, prompt: list[int], tokens: list[int]) -> list[f
     import torch
     import transformers
 
-    from megatron.rl.tokenizer import HuggingFaceTokenizer
+    from megatron.rl.models.hf.tokenizer import HuggingFaceTokenizer
 
     vocab = HuggingFaceTokenizer(directory).vocab_size
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
@@ -176,8 +180,14 @@ def assert_numbers_match_records(numbers: dict, records: list[dict]) -> None:
         mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
         assert env["greedy_reward"] == pytest.approx(mean(greedy, "reward"))
         assert env["sample_reward"] == pytest.approx(mean(sampled, "reward"))
-        counts = [sum(r["error"] is None and r["reward"] >= threshold for r in sampled
-                      if r["problem"] == p) for p in range(env["prompts"])]  # fmt: skip
+        counts = [
+            sum(
+                r["error"] is None and r["reward"] >= threshold
+                for r in sampled
+                if r["problem"] == p
+            )
+            for p in range(env["prompts"])
+        ]
         for k, value in env["pass_at_k"].items():
             assert value == pytest.approx(mean_pass_at_k(counts, n, int(k)))
         for name, rows in (("greedy", greedy), ("sample", sampled)):

@@ -160,10 +160,15 @@ def local_cluster() -> Iterator[Cluster]:
 
     try:
         start(
-            slurm_binary("munged"), "--foreground", "--force", f"--key-file={key}",
-            f"--socket={root}/munge.socket", f"--pid-file={root}/munged.pid",
-            f"--log-file={root}/munged.log", f"--seed-file={root}/munged.seed",
-        )  # fmt: skip
+            slurm_binary("munged"),
+            "--foreground",
+            "--force",
+            f"--key-file={key}",
+            f"--socket={root}/munge.socket",
+            f"--pid-file={root}/munged.pid",
+            f"--log-file={root}/munged.log",
+            f"--seed-file={root}/munged.seed",
+        )
         cluster = Cluster(root, env)
 
         def alive() -> None:
@@ -191,8 +196,10 @@ def local_cluster() -> Iterator[Cluster]:
                 Cluster(root, env).run("scancel", "--user=root", check=False)
                 wait_until(
                     lambda: not Cluster(root, env).run("squeue", "--noheader", check=False),
-                    60, "leftover jobs ended", root,
-                )  # fmt: skip
+                    60,
+                    "leftover jobs ended",
+                    root,
+                )
         for proc in reversed(daemons):
             _stop(proc)
         shutil.rmtree(root, ignore_errors=True)

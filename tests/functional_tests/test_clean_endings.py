@@ -24,8 +24,14 @@ from golden_values import (
     training_command,
 )
 
-TINY = {"train-iters": 2, "lr-warmup-iters": 0, "rl-forced-lag": 1, "grpo-prompts-per-step": 4,
-        "grpo-group-size": 4, "micro-batch-size": 8}  # fmt: skip
+TINY = {
+    "train-iters": 2,
+    "lr-warmup-iters": 0,
+    "rl-forced-lag": 1,
+    "grpo-prompts-per-step": 4,
+    "grpo-group-size": 4,
+    "micro-batch-size": 8,
+}
 SHARD = Path("iter_0000002") / "mp_rank_00" / "model_optim_rng.pt"
 
 
@@ -215,8 +221,13 @@ def test_plain_torchrun_shows_the_workers_message_as_the_root_cause(tmp_path):
 # --------------------------------------------------------------------------- hangs and NaNs
 
 FAULTY = "tests/grpo_testing/faulty_train.py"
-WATCHDOG = {**TINY, "train-iters": 6, "rl-forced-lag": 0, "micro-batch-size": 4,
-            "watchdog-timeout-minutes": 0.25}  # fmt: skip
+WATCHDOG = {
+    **TINY,
+    "train-iters": 6,
+    "rl-forced-lag": 0,
+    "micro-batch-size": 4,
+    "watchdog-timeout-minutes": 0.25,
+}
 
 
 def assert_checkpoints_intact(save: Path, iterations: list[int]) -> None:
@@ -242,13 +253,18 @@ def test_an_environment_that_never_answers_is_stopped_by_the_watchdog(tmp_path, 
         f"  agent_args: {{silent_from_batch: {silent_from}}}\n"
     )
     save, metrics = tmp_path / "ck", tmp_path / "metrics.jsonl"
-    args = {**WATCHDOG, "env-config": config, "save": save, "save-interval": 1,
-            "metrics-file": metrics}  # fmt: skip
+    args = {
+        **WATCHDOG,
+        "env-config": config,
+        "save": save,
+        "save-interval": 1,
+        "metrics-file": metrics,
+    }
     proc, seconds = run(python_command(args))
     message = assert_one_message(
         proc,
         f"pretrain_grpo.py: error: no progress in 0.25 min: step {silent_from} has not finished "
-        "(watchdog, --watchdog-timeout-minutes); rank 0 waits in megatron/trainer/generation.py:",
+        "(watchdog, --watchdog-timeout-minutes); rank 0 waits in megatron/trainer/generation/host.py:",
         f"stacks of every rank are in {tmp_path}/watchdog-",
     )
     assert proc.returncode == 1 and 15 <= seconds < 90
@@ -268,13 +284,19 @@ def test_an_environment_that_never_answers_is_stopped_by_the_watchdog(tmp_path, 
 
 def test_a_rank_that_never_enters_a_collective_is_stopped_by_the_watchdog(tmp_path):
     save, metrics = tmp_path / "ck", tmp_path / "metrics.jsonl"
-    args = {**WATCHDOG, "hang-rank": 1, "hang-at-step": 2, "save": save, "save-interval": 1,
-            "metrics-file": metrics}  # fmt: skip
+    args = {
+        **WATCHDOG,
+        "hang-rank": 1,
+        "hang-at-step": 2,
+        "save": save,
+        "save-interval": 1,
+        "metrics-file": metrics,
+    }
     proc, seconds = run(training_command(2, args, script=FAULTY))
     message = assert_one_message(
         proc,
         "no progress in 0.25 min: step 2 has not finished",
-        "rank 0 waits in megatron/trainer/optimizer.py:",
+        "rank 0 waits in megatron/trainer/train/optimizer.py:",
         "(allreduce_gradients)",
     )
     assert proc.returncode == 1 and 15 <= seconds < 120
@@ -289,9 +311,15 @@ def test_a_non_finite_logit_stops_its_step_before_the_update_naming_rank_and_mic
     tmp_path,
 ):
     save, metrics = tmp_path / "ck", tmp_path / "metrics.jsonl"
-    args = {**WATCHDOG, "inf-logits-rank": 1, "inf-logits-at-step": 1,
-            "inf-logits-micro-batch": 1, "save": save, "save-interval": 1,
-            "metrics-file": metrics}  # fmt: skip
+    args = {
+        **WATCHDOG,
+        "inf-logits-rank": 1,
+        "inf-logits-at-step": 1,
+        "inf-logits-micro-batch": 1,
+        "save": save,
+        "save-interval": 1,
+        "metrics-file": metrics,
+    }
     proc, seconds = run(training_command(2, args, script=FAULTY))
     message = assert_one_message(proc)
     assert message == (
@@ -307,8 +335,9 @@ def test_nan_rewards_are_masked_rollouts_and_the_run_trains_on(tmp_path):
     config = tmp_path / "envs.yaml"
     config.write_text("- agent_type: grpo_testing.fakes:NaNRewardDigits\n  env_id: nan\n")
     metrics = tmp_path / "metrics.jsonl"
-    proc, _ = run(python_command({**TINY, "train-iters": 4, "env-config": config,
-                                  "metrics-file": metrics}))  # fmt: skip
+    proc, _ = run(
+        python_command({**TINY, "train-iters": 4, "env-config": config, "metrics-file": metrics})
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_metrics(metrics)
     assert sum(m["placeholder_rollouts"] for m in records) > 0

@@ -23,10 +23,23 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.gpu
 
 BASE = [
-    "--train-iters", "5", "--rl-forced-lag", "1", "--grpo-prompts-per-step", "4",
-    "--grpo-group-size", "4", "--micro-batch-size", "4", "--lr-warmup-iters", "1",
-    "--inference-max-requests", "32", "--seed", "1234",
-]  # fmt: skip
+    "--train-iters",
+    "5",
+    "--rl-forced-lag",
+    "1",
+    "--grpo-prompts-per-step",
+    "4",
+    "--grpo-group-size",
+    "4",
+    "--micro-batch-size",
+    "4",
+    "--lr-warmup-iters",
+    "1",
+    "--inference-max-requests",
+    "32",
+    "--seed",
+    "1234",
+]
 
 
 def free_port() -> int:
@@ -46,9 +59,17 @@ def train(nproc: int, *flags: str, timeout: float = 600) -> tuple[list[dict], st
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "metrics.jsonl"
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-            f"--master-port={free_port()}", "pretrain_grpo.py", *BASE, *flags, "--metrics-file", str(metrics),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={nproc}",
+            f"--master-port={free_port()}",
+            "pretrain_grpo.py",
+            *BASE,
+            *flags,
+            "--metrics-file",
+            str(metrics),
+        ]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         proc = subprocess.run(
             cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
@@ -85,9 +106,17 @@ def test_bf16_with_the_distributed_optimizer():
 
 def test_iterations_entropy_and_is_correction():
     metrics, _ = train(
-        1, "--grpo-iterations", "2", "--grpo-entropy-term-weight", "0.01",
-        "--rl-inference-logprobs-is-correction", "--train-iters", "4", "--global-batch-size", "8",
-    )  # fmt: skip
+        1,
+        "--grpo-iterations",
+        "2",
+        "--grpo-entropy-term-weight",
+        "0.01",
+        "--rl-inference-logprobs-is-correction",
+        "--train-iters",
+        "4",
+        "--global-batch-size",
+        "8",
+    )
     assert_trained(metrics, steps=4)
     assert [m["batch_id"] for m in metrics] == [0, 0, 0, 0]  # 16 rollouts, 8 a step, 2 iterations
     assert all(m["entropy"] > 0 and math.isfinite(m["is_kl"]) for m in metrics)
@@ -178,9 +207,12 @@ def test_moe_dynamic_engine_generates_as_the_local_engine_and_records_routes(moe
     """megatron-core's engine on the MoE model: the local engine's greedy tokens, and every row's
     routes, which together match one full forward's (rounding may flip a near tie)."""
     cmd = [
-        sys.executable, str(ROOT / "tests/grpo_testing/emulated_dynamic_engine_moe.py"),
-        str(moe_checkpoint), "--device", "cuda",
-    ]  # fmt: skip
+        sys.executable,
+        str(ROOT / "tests/grpo_testing/emulated_dynamic_engine_moe.py"),
+        str(moe_checkpoint),
+        "--device",
+        "cuda",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     runs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -198,10 +230,19 @@ def test_moe_dynamic_engine_generates_as_the_local_engine_and_records_routes(moe
 def test_three_moe_steps_on_the_cuda_tier(moe_checkpoint, tmp_path):
     (tmp_path / "env.yaml").write_text(MOE_ENV)
     metrics, output = train(
-        1, "--hf-checkpoint", str(moe_checkpoint), "--env-config", str(tmp_path / "env.yaml"),
-        "--train-iters", "3", "--seq-length", "64", "--moe-aux-loss-coeff", "0.01",
+        1,
+        "--hf-checkpoint",
+        str(moe_checkpoint),
+        "--env-config",
+        str(tmp_path / "env.yaml"),
+        "--train-iters",
+        "3",
+        "--seq-length",
+        "64",
+        "--moe-aux-loss-coeff",
+        "0.01",
         "--use-rollout-routing-replay",
-    )  # fmt: skip
+    )
     assert_trained(metrics, steps=3)
     assert "tier: cuda" in output
     print("moe_routing_mismatch", [m["moe_routing_mismatch"] for m in metrics])
@@ -218,9 +259,18 @@ def test_moe_routing_replay_in_bf16_on_policy(moe_checkpoint, tmp_path):
     no larger."""
     (tmp_path / "env.yaml").write_text(MOE_ENV)
     common = (
-        "--hf-checkpoint", str(moe_checkpoint), "--env-config", str(tmp_path / "env.yaml"),
-        "--train-iters", "2", "--seq-length", "64", "--bf16", "--rl-forced-lag", "0",
-    )  # fmt: skip
+        "--hf-checkpoint",
+        str(moe_checkpoint),
+        "--env-config",
+        str(tmp_path / "env.yaml"),
+        "--train-iters",
+        "2",
+        "--seq-length",
+        "64",
+        "--bf16",
+        "--rl-forced-lag",
+        "0",
+    )
     measured, _ = train(1, *common, "--record-rollout-routing")
     replayed, _ = train(1, *common, "--use-rollout-routing-replay")
     for name, run in (("measured", measured), ("replayed", replayed)):

@@ -124,10 +124,14 @@ def test_step_options_match_the_cpu_tier():
     """--grpo-iterations with several global batches per collection (pi_old computed forward
     only before the first update), the entropy term and the IS correction: as on the CPU tier."""
     options = {
-        "rl-forced-lag": 1, "kv-cache-mode": "persist", "grpo-iterations": 2,
-        "grpo-entropy-term-weight": 0.01, "rl-inference-logprobs-is-correction": True,
-        "train-iters": 4, "global-batch-size": 32,  # 4 iterations per collection: pi_old up front
-    }  # fmt: skip
+        "rl-forced-lag": 1,
+        "kv-cache-mode": "persist",
+        "grpo-iterations": 2,
+        "grpo-entropy-term-weight": 0.01,
+        "rl-inference-logprobs-is-correction": True,
+        "train-iters": 4,
+        "global-batch-size": 32,  # 4 iterations per collection: pi_old up front
+    }
     cpu = run_training(1, {**BASE, **{k: v for k, v in options.items() if "kv" not in k}})
     cuda = run_training(1, {**BASE, **options}, script=EMULATED)
     assert_same_run(cpu, cuda)
@@ -181,10 +185,15 @@ def moe_args(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("moe")
     (tmp / "env.yaml").write_text(MOE_ENV)
     return {
-        **BASE, "hf-checkpoint": make_tiny_checkpoint("qwen3_moe", tmp / "qwen3_moe", seed=5),
-        "env-config": tmp / "env.yaml", "rl-forced-lag": 0, "seq-length": 64,
-        "grpo-prompts-per-step": 2, "grpo-group-size": 2, "micro-batch-size": 2,
-    }  # fmt: skip
+        **BASE,
+        "hf-checkpoint": make_tiny_checkpoint("qwen3_moe", tmp / "qwen3_moe", seed=5),
+        "env-config": tmp / "env.yaml",
+        "rl-forced-lag": 0,
+        "seq-length": 64,
+        "grpo-prompts-per-step": 2,
+        "grpo-group-size": 2,
+        "micro-batch-size": 2,
+    }
 
 
 @pytest.mark.parametrize(
@@ -207,7 +216,7 @@ def test_moe_run_matches_the_cpu_tier(moe_args, replay):
 
 def test_moe_aux_loss_trains_as_on_the_cpu_tier(moe_args):
     """With the load-balancing loss, the same aux loss and the same updates: both tiers weight
-    each micro-batch's aux loss 1 / (micro-batches x DP) (``megatron/trainer/moe_step.py``)."""
+    each micro-batch's aux loss 1 / (micro-batches x DP) (``megatron/trainer/train/moe.py``)."""
     args = {**moe_args, "moe-aux-loss-coeff": 0.01}
     cpu, cuda = run_training(1, args), run_training(1, args, script=EMULATED)
     assert_same_run(cpu, cuda)
@@ -220,9 +229,16 @@ def policy_results(nproc: int, flags: list[str]) -> list[dict]:
     """Each rank's ``{tier: results}`` of ``grpo_testing/emulated_cuda_policy.py``."""
     with tempfile.TemporaryDirectory() as out:
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-            f"--master-port={free_port()}", POLICY, "--out", out, *flags,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={nproc}",
+            f"--master-port={free_port()}",
+            POLICY,
+            "--out",
+            out,
+            *flags,
+        ]
         proc = subprocess.run(
             cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600
         )
@@ -245,7 +261,7 @@ def policy_results(nproc: int, flags: list[str]) -> list[dict]:
 def test_every_policy_method_matches_the_cpu_tier(nproc, flags):
     """``get_logprobs``, ``get_reference_policy_logprobs``, ``get_topk_logits`` and ``train``
     (eval mode, a supervised NLL loss, GRPO with the KL and entropy terms) on both tiers; the
-    ``--variant`` cases run the GRPO updates with policy-loss variants (issue 29): GSPO with
+    ``--variant`` cases run the GRPO updates with policy-loss variants: GSPO with
     seq-mean-token-mean (each micro-batch hands megatron-core its sequence count) and
     sequence-level masked IS, and CISPO with off-policy sequence masking."""
     for rank in policy_results(nproc, flags):

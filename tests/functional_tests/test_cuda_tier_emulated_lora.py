@@ -13,9 +13,14 @@ from golden_values import TOLERANCES, checkpoint_of_iteration, run_training
 from test_cuda_tier_emulated import EMULATED, assert_same_run
 
 LORA = {
-    "train-iters": 3, "lr-warmup-iters": 1, "seed": 1234, "lr": 0.01, "lora-rank": 4,
-    "lora-alpha": 8, "grpo-kl-beta": 0.01,
-}  # fmt: skip
+    "train-iters": 3,
+    "lr-warmup-iters": 1,
+    "seed": 1234,
+    "lr": 0.01,
+    "lora-rank": 4,
+    "lora-alpha": 8,
+    "grpo-kl-beta": 0.01,
+}
 
 
 @pytest.fixture(scope="module")

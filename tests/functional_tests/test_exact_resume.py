@@ -21,21 +21,37 @@ from golden_values import (
     read_metrics,
     remote_env_config,
     run_training,
-    stop_with_sigterm,
     training_command,
 )
+from sigterm import stop_with_sigterm
 from test_clean_endings import run
 from test_pretrain_grpo import DETERMINISTIC
 
-LAG2 = {"rl-forced-lag": 2, "train-iters": 10, "lr-warmup-iters": 2, "seed": 1234,
-        "grpo-prompts-per-step": 4, "grpo-group-size": 4, "micro-batch-size": 8}  # fmt: skip
+LAG2 = {
+    "rl-forced-lag": 2,
+    "train-iters": 10,
+    "lr-warmup-iters": 2,
+    "seed": 1234,
+    "grpo-prompts-per-step": 4,
+    "grpo-group-size": 4,
+    "micro-batch-size": 8,
+}
 """Small (16 rollouts a step), with two batches in flight at every save."""
 UNTIL_SIGNAL = {**LAG2, "train-iters": 1000, "exit-interval": 20}
 """A run that a signal stops: too long to end before it (a signal is seen at the end of a step,
 a few tiny steps after it is sent), cut at step 20 by ``--exit-interval`` all the same."""
-COMPARED = [*DETERMINISTIC, "lr", "ratio_mean", "zero_variance_group_fraction", "complete_groups",
-            "placeholder_rollouts", "in_flight_batches", "generated_tokens", "engine_steps",
-            "engine_rows_per_step"]  # fmt: skip
+COMPARED = [
+    *DETERMINISTIC,
+    "lr",
+    "ratio_mean",
+    "zero_variance_group_fraction",
+    "complete_groups",
+    "placeholder_rollouts",
+    "in_flight_batches",
+    "generated_tokens",
+    "engine_steps",
+    "engine_rows_per_step",
+]
 """Every metric but timings (and the reassembly's queue depth, which depends on when rewards
 come back)."""
 
@@ -80,15 +96,19 @@ def test_sigterm_at_a_random_step_then_resume_equals_the_uninterrupted_run(
     continues the run that was never stopped, bitwise, token staleness included."""
     save, metrics = tmp_path / "ck", tmp_path / "metrics.jsonl"
     args = {**UNTIL_SIGNAL, "save": save, "save-interval": 1000, "metrics-file": metrics}
-    launch = (lambda a: python_command(a)) if launcher is None else (
-        lambda a: training_command(nproc, a, launcher=launcher)
-    )  # fmt: skip
+    launch = (
+        (lambda a: python_command(a))
+        if launcher is None
+        else (lambda a: training_command(nproc, a, launcher=launcher))
+    )
     after = random.Random().randrange(2, 6)
     code, seconds, out = stop_with_sigterm(launch(args), metrics, after_steps=after)
     assert code == status  # plain torchrun: its SignalException (the workers exited 143)
     iteration = int((save / "latest_checkpointed_iteration.txt").read_text())
-    assert iteration < 20 and f"SIGTERM: stopped after step {iteration - 1}, saved iteration " \
-        f"{iteration}" in out  # fmt: skip
+    assert (
+        iteration < 20
+        and f"SIGTERM: stopped after step {iteration - 1}, saved iteration {iteration}" in out
+    )
     assert not list(save.glob("*.partial"))
     assert sorted(p.name for p in (save / f"iter_{iteration:07d}" / "inflight_kv").iterdir()) == [
         f"rank_{r:05d}.pt" for r in range(nproc)
@@ -96,8 +116,10 @@ def test_sigterm_at_a_random_step_then_resume_equals_the_uninterrupted_run(
     proc, _ = run(launch({**args, "load": save}), 300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same_run(read_metrics(metrics), uninterrupted(nproc, UNTIL_SIGNAL))
-    print(f"SIGTERM ({launcher or 'python'}) after {after} steps: saved {iteration}, exit {code} "
-          f"{seconds:.1f} s after the signal; resumed run equal to the uninterrupted one")  # fmt: skip
+    print(
+        f"SIGTERM ({launcher or 'python'}) after {after} steps: saved {iteration}, exit {code} "
+        f"{seconds:.1f} s after the signal; resumed run equal to the uninterrupted one"
+    )
 
 
 def test_sigterm_to_the_launchers_process_group_then_resume_is_exact(
@@ -121,9 +143,12 @@ def test_sigterm_to_the_launchers_process_group_then_resume_is_exact(
     [
         pytest.param({"rl-forced-lag": 0}, 3, id="lag0"),
         pytest.param({}, 3, id="lag2"),
-        pytest.param({"grpo-filter-groups-with-same-reward": True,
-                      "grpo-max-generation-rounds": 2}, 4, id="lag2-dynamic-sampling"),
-    ],  # fmt: skip
+        pytest.param(
+            {"grpo-filter-groups-with-same-reward": True, "grpo-max-generation-rounds": 2},
+            4,
+            id="lag2-dynamic-sampling",
+        ),
+    ],
 )
 def test_exit_interval_off_the_save_grid_then_resume_is_exact(
     uninterrupted, tmp_path: Path, flags: dict, exit_at: int
@@ -148,8 +173,9 @@ def test_exit_interval_off_the_save_grid_then_resume_is_exact(
 def test_remote_environment_run_resumes_exactly(uninterrupted, tmp_path: Path) -> None:
     """The agents of unfinished groups run again on the env server after the resume; their
     requests reach the restored engine over HTTP and are answered by key."""
-    with env_server(tmp_path, "- agent_type: digits\n  env_id: copy\n  agent_args: {task: copy}\n"
-                    ) as (url, _):  # fmt: skip
+    with env_server(
+        tmp_path, "- agent_type: digits\n  env_id: copy\n  agent_args: {task: copy}\n"
+    ) as (url, _):
         args = {**LAG2, "env-config": remote_env_config(tmp_path, url, ["copy"])}
         save, metrics = tmp_path / "ck", tmp_path / "metrics.jsonl"
         stopped = {**args, "save": save, "save-interval": 1000, "metrics-file": metrics}

@@ -44,8 +44,13 @@ def test_weighted_reward_functions_are_logged_by_name():
     negative), each logged as reward/math/<name>."""
     env_config = "examples/rl/environment_configs/weighted_rewards.yaml"
     metrics = run_training(1, {**ARGS, "env-config": env_config})
-    weights = {"correct": 1.0, "number": 0.1, "soft_overlong_punishment": 0.5,
-               "length_match": 0.1, "stopped": 0.2}  # fmt: skip
+    weights = {
+        "correct": 1.0,
+        "number": 0.1,
+        "soft_overlong_punishment": 0.5,
+        "length_match": 0.1,
+        "stopped": 0.2,
+    }
     for m in metrics:
         assert m["placeholder_rollouts"] == 0 and math.isfinite(m["loss"])
         values = {name: m[f"reward/math/{name}"] for name in weights}

@@ -15,9 +15,13 @@ from megatron.rl.models.hf.tiny import train_tokenizer
 from megatron.rl.tokenizer import DEFAULT_ALPHABET
 
 LLAMA_SHAPED = {
-    "position-embedding-type": "rope", "normalization": "RMSNorm", "swiglu": True,
-    "disable-bias-linear": True, "group-query-attention": True, "num-query-groups": 2,
-}  # fmt: skip
+    "position-embedding-type": "rope",
+    "normalization": "RMSNorm",
+    "swiglu": True,
+    "disable-bias-linear": True,
+    "group-query-attention": True,
+    "num-query-groups": 2,
+}
 
 
 def test_a_hugging_face_checkpoint_trains_at_tp2_with_exact_lag_and_exports(
@@ -27,11 +31,16 @@ def test_a_hugging_face_checkpoint_trains_at_tp2_with_exact_lag_and_exports(
     import transformers
 
     args = {
-        "hf-checkpoint": tiny_hf_checkpoints["qwen2"], "tensor-model-parallel-size": 2,
-        "rl-forced-lag": 2, "train-iters": 6, "lr-warmup-iters": 1,
-        "grpo-prompts-per-step": 4, "grpo-group-size": 4, "micro-batch-size": 8,
+        "hf-checkpoint": tiny_hf_checkpoints["qwen2"],
+        "tensor-model-parallel-size": 2,
+        "rl-forced-lag": 2,
+        "train-iters": 6,
+        "lr-warmup-iters": 1,
+        "grpo-prompts-per-step": 4,
+        "grpo-group-size": 4,
+        "micro-batch-size": 8,
         "save-hf": tmp_path / "out",
-    }  # fmt: skip
+    }
     metrics = run_training(2, args)
     assert [m["staleness_max"] for m in metrics] == [min(s, 2) for s in range(6)]
     assert all(m["staleness_min"] == m["staleness_max"] for m in metrics)
@@ -64,10 +73,16 @@ def test_a_qwen3_checkpoint_trains_at_tp2_as_at_tp1(tiny_hf_checkpoints, tmp_pat
     config = tmp_path / "letters.yaml"
     config.write_text(LETTER_REWARD)
     args = {
-        "hf-checkpoint": tiny_hf_checkpoints["qwen3"], "env-config": config,
-        "rl-forced-lag": 0, "train-iters": 4, "lr-warmup-iters": 1, "lr": 3e-3,
-        "grpo-prompts-per-step": 2, "grpo-group-size": 4, "micro-batch-size": 4,
-    }  # fmt: skip
+        "hf-checkpoint": tiny_hf_checkpoints["qwen3"],
+        "env-config": config,
+        "rl-forced-lag": 0,
+        "train-iters": 4,
+        "lr-warmup-iters": 1,
+        "lr": 3e-3,
+        "grpo-prompts-per-step": 2,
+        "grpo-group-size": 4,
+        "micro-batch-size": 4,
+    }
     tp1 = run_training(1, args)
     tp2 = run_training(2, {**args, "tensor-model-parallel-size": 2})
     assert any(m["grad_norm"] > 0 for m in tp1)
@@ -100,10 +115,16 @@ def test_a_qwen2_checkpoint_trains_on_gsm8k_chat_prompts_with_exact_lag(
     config = tmp_path / "gsm8k.yaml"
     config.write_text(GSM8K_CONFIG)
     args = {
-        "hf-checkpoint": tiny_hf_checkpoints["qwen2"], "env-config": config, "rl-forced-lag": 2,
-        "train-iters": 20, "lr-warmup-iters": 1, "seq-length": 256, "grpo-prompts-per-step": 4,
-        "grpo-group-size": 4, "micro-batch-size": 8,
-    }  # fmt: skip
+        "hf-checkpoint": tiny_hf_checkpoints["qwen2"],
+        "env-config": config,
+        "rl-forced-lag": 2,
+        "train-iters": 20,
+        "lr-warmup-iters": 1,
+        "seq-length": 256,
+        "grpo-prompts-per-step": 4,
+        "grpo-group-size": 4,
+        "micro-batch-size": 8,
+    }
     metrics = run_training(1, args)
     assert [m["step"] for m in metrics] == list(range(20))
     for m in metrics:
@@ -129,8 +150,13 @@ def test_a_llama_shaped_model_with_a_trained_bpe_tokenizer_learns_the_digit_task
     """Random init, RoPE + RMSNorm + SwiGLU + GQA, no biases, the HF tokenizer path: the default
     run's learning bar (last-10 reward >= 0.5 and >= 2x the first 10)."""
     tokenizer = char_bpe_tokenizer(tmp_path / "tokenizer")
-    args = {**LLAMA_SHAPED, "tokenizer-model": tokenizer, "rl-forced-lag": 2,
-            "lr": 1e-3, "min-lr": 1e-4}  # fmt: skip
+    args = {
+        **LLAMA_SHAPED,
+        "tokenizer-model": tokenizer,
+        "rl-forced-lag": 2,
+        "lr": 1e-3,
+        "min-lr": 1e-4,
+    }
     metrics = run_training(1, args, timeout=900)
     rewards = [m["reward_mean"] for m in metrics]
     first, last = statistics.fmean(rewards[:10]), statistics.fmean(rewards[-10:])
@@ -156,11 +182,18 @@ def test_smollm2_trains_on_arithmetic_with_exact_staleness_and_exports(
     args = {
         "hf-checkpoint": smollm2_checkpoint,
         "env-config": "examples/rl/environment_configs/arithmetic.yaml",
-        "seq-length": 256, "bf16": True,
-        "recompute-granularity": "full", "rl-forced-lag": 1, "train-iters": 3,
-        "lr": 1e-5, "lr-warmup-iters": 0, "grpo-prompts-per-step": 2, "grpo-group-size": 4,
-        "micro-batch-size": 4, "save-hf": tmp_path / "out",
-    }  # fmt: skip
+        "seq-length": 256,
+        "bf16": True,
+        "recompute-granularity": "full",
+        "rl-forced-lag": 1,
+        "train-iters": 3,
+        "lr": 1e-5,
+        "lr-warmup-iters": 0,
+        "grpo-prompts-per-step": 2,
+        "grpo-group-size": 4,
+        "micro-batch-size": 4,
+        "save-hf": tmp_path / "out",
+    }
     metrics = run_training(1, args, timeout=900)
     assert [m["step"] for m in metrics] == [0, 1, 2]
     for m in metrics:

@@ -13,9 +13,14 @@ from golden_values import run_training as run
 from golden_values import subprocess_env, training_command
 
 SMALL = {
-    "rl-forced-lag": 1, "train-iters": 4, "lr-warmup-iters": 1, "grpo-prompts-per-step": 4,
-    "grpo-group-size": 4, "micro-batch-size": 8, "seed": 5,
-}  # fmt: skip
+    "rl-forced-lag": 1,
+    "train-iters": 4,
+    "lr-warmup-iters": 1,
+    "grpo-prompts-per-step": 4,
+    "grpo-group-size": 4,
+    "micro-batch-size": 8,
+    "seed": 5,
+}
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +84,14 @@ def test_a_global_batch_below_the_collection_trains_it_in_several_iterations():
 def test_wandb_offline_writes_its_files(tmp_path):
     pytest.importorskip("wandb")
     env = {**subprocess_env(), "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    args = {**SMALL, "train-iters": 2, "wandb-project": "grpo-test", "wandb-exp-name": "offline",
-            "wandb-save-dir": tmp_path / "wb", "metrics-file": tmp_path / "m.jsonl"}  # fmt: skip
+    args = {
+        **SMALL,
+        "train-iters": 2,
+        "wandb-project": "grpo-test",
+        "wandb-exp-name": "offline",
+        "wandb-save-dir": tmp_path / "wb",
+        "metrics-file": tmp_path / "m.jsonl",
+    }
     proc = subprocess.run(
         training_command(1, args), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )

@@ -1,5 +1,5 @@
-"""Expert parallelism trains on the CPU tier (issue 31): the tiny Qwen3-MoE checkpoint (4
-experts, top 2) at DP=2 with EP=2 (each rank 2 experts) equals EP=1 for the first steps, as the
+"""Expert parallelism trains on the CPU tier: the tiny Qwen3-MoE checkpoint (4 experts, top 2)
+at DP=2 with EP=2 (each rank 2 experts) equals EP=1 for the first steps, as the
 TP/DP layouts do; it is bitwise deterministic, and a resume from its per-(TP, EP)-rank checkpoint
 continues it exactly.
 
@@ -27,11 +27,19 @@ EP2 = {"expert-model-parallel-size": 2}
 def args(tmp_path_factory) -> dict:
     checkpoint = make_tiny_checkpoint("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"), seed=5)
     return {
-        "hf-checkpoint": checkpoint, "rl-forced-lag": 1, "train-iters": 3,
-        "lr-warmup-iters": 1, "seq-length": 64, "grpo-prompts-per-step": 4,
-        "grpo-group-size": 2, "micro-batch-size": 1, "seed": 1234, "moe-aux-loss-coeff": 0.01,
-        "grpo-entropy-term-weight": 0.01, "grpo-kl-beta": 0.05,
-    }  # fmt: skip
+        "hf-checkpoint": checkpoint,
+        "rl-forced-lag": 1,
+        "train-iters": 3,
+        "lr-warmup-iters": 1,
+        "seq-length": 64,
+        "grpo-prompts-per-step": 4,
+        "grpo-group-size": 2,
+        "micro-batch-size": 1,
+        "seed": 1234,
+        "moe-aux-loss-coeff": 0.01,
+        "grpo-entropy-term-weight": 0.01,
+        "grpo-kl-beta": 0.05,
+    }
 
 
 @pytest.fixture(scope="module")

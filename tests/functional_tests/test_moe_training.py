@@ -18,11 +18,18 @@ from megatron.rl.models.hf.tiny import make_tiny_checkpoint
 def runs(tmp_path_factory):
     checkpoint = make_tiny_checkpoint("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"), seed=5)
     args = {
-        "hf-checkpoint": checkpoint, "rl-forced-lag": 2, "train-iters": 4,
-        "lr-warmup-iters": 1, "seq-length": 64, "grpo-prompts-per-step": 2,
-        "grpo-group-size": 2, "micro-batch-size": 2, "seed": 1234, "moe-aux-loss-coeff": 0.01,
+        "hf-checkpoint": checkpoint,
+        "rl-forced-lag": 2,
+        "train-iters": 4,
+        "lr-warmup-iters": 1,
+        "seq-length": 64,
+        "grpo-prompts-per-step": 2,
+        "grpo-group-size": 2,
+        "micro-batch-size": 2,
+        "seed": 1234,
+        "moe-aux-loss-coeff": 0.01,
         "use-rollout-routing-replay": True,
-    }  # fmt: skip
+    }
     return run_training(1, args), run_training(1, args)
 
 
@@ -47,9 +54,11 @@ def test_moe_metrics_are_bitwise_equal_across_reruns(runs):
 
 
 TINY_MOE = {
-    "num-experts": 4, "moe-router-topk": 2, "disable-bias-linear": True,
+    "num-experts": 4,
+    "moe-router-topk": 2,
+    "disable-bias-linear": True,
     "moe-aux-loss-coeff": 0.01,
-}  # fmt: skip
+}
 """The default char-level model with 4 routed experts (top 2) in every layer."""
 
 

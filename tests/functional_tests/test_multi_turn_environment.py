@@ -11,9 +11,14 @@ from golden_values import TOLERANCES, env_server, remote_env_config, run_trainin
 
 CONFIG = "examples/rl/environment_configs/guess.yaml"
 ARGS = {
-    "rl-forced-lag": 2, "train-iters": 6, "lr-warmup-iters": 1, "grpo-prompts-per-step": 4,
-    "grpo-group-size": 4, "micro-batch-size": 16, "seed": 1234,
-}  # fmt: skip
+    "rl-forced-lag": 2,
+    "train-iters": 6,
+    "lr-warmup-iters": 1,
+    "grpo-prompts-per-step": 4,
+    "grpo-group-size": 4,
+    "micro-batch-size": 16,
+    "seed": 1234,
+}
 EVAL = {"eval-interval": 3, "eval-prompts": 8, "eval-samples": 2}  # in process only
 SERVED = "- agent_type: examples.rl.environments.guess:GuessEnvironment\n  env_id: guess\n"
 
@@ -53,13 +58,20 @@ def test_the_tiny_model_learns_to_guess():
     start = time.monotonic()
     metrics = run_training(
         1,
-        {"rl-forced-lag": 2, "train-iters": 400, "grpo-group-size": 16, "seed": 1234,
-         "env-config": CONFIG},
+        {
+            "rl-forced-lag": 2,
+            "train-iters": 400,
+            "grpo-group-size": 16,
+            "seed": 1234,
+            "env-config": CONFIG,
+        },
         timeout=900,
-    )  # fmt: skip
+    )
     rewards = [m["reward_mean"] for m in metrics]
     first, last = statistics.fmean(rewards[:10]), statistics.fmean(rewards[-10:])
-    print(f"first-10 {first:.3f}, last-10 {last:.3f} ({last / first:.2f}x) in "
-          f"{time.monotonic() - start:.0f} s")  # fmt: skip
+    print(
+        f"first-10 {first:.3f}, last-10 {last:.3f} ({last / first:.2f}x) in "
+        f"{time.monotonic() - start:.0f} s"
+    )
     assert last >= 2 * first
     assert all(m["staleness_max"] == min(m["step"], 2) for m in metrics)

@@ -26,10 +26,16 @@ def test_an_openai_client_agent_trains_with_exact_staleness(tiny_hf_checkpoints,
     config = tmp_path / "agent.yaml"
     config.write_text(CONFIG)
     args = {
-        "hf-checkpoint": tiny_hf_checkpoints["qwen2"], "env-config": config,
-        "rl-forced-lag": lag, "train-iters": STEPS, "lr-warmup-iters": 1, "seq-length": 256,
-        "grpo-prompts-per-step": 2, "grpo-group-size": 2, "micro-batch-size": 4,
-    }  # fmt: skip
+        "hf-checkpoint": tiny_hf_checkpoints["qwen2"],
+        "env-config": config,
+        "rl-forced-lag": lag,
+        "train-iters": STEPS,
+        "lr-warmup-iters": 1,
+        "seq-length": 256,
+        "grpo-prompts-per-step": 2,
+        "grpo-group-size": 2,
+        "micro-batch-size": 4,
+    }
     metrics = run_training(1, args)
     assert [m["step"] for m in metrics] == list(range(STEPS))
     for m in metrics:

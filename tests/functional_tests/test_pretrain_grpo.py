@@ -121,7 +121,7 @@ def test_two_process_runs_match_the_single_process_run(runs, single_case, case):
     ],
 )
 def test_the_loss_variants_agree_across_parallel_layouts(runs, case, nproc, layout):
-    """Issue 29's two golden combinations (GSPO + seq-mean-token-mean + overlong shaping +
+    """The two golden loss-variant combinations (GSPO + seq-mean-token-mean + overlong shaping +
     sequence-level MIS at L=2; CISPO + RLOO + OPSM at L=1 under DP=2) in another layout: the same
     tokens and rewards, and losses to float32 rounding, for the first steps, as the default loss;
     the variants' own metrics move (they are not a no-op)."""
@@ -227,10 +227,22 @@ def test_a_yaml_run_file_with_overrides_reproduces_the_cli_run_bitwise(runs, tmp
         assert [m[metric] for m in from_file] == [m[metric] for m in reference], metric
     metrics = tmp_path / "written.jsonl"
     proc = subprocess.run(
-        [sys.executable, "pretrain_grpo.py", "--config", str(run_file), "--seed", "1234",
-         "--metrics-file", str(metrics)], cwd=ROOT, env=subprocess_env(), capture_output=True,
-        text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "pretrain_grpo.py",
+            "--config",
+            str(run_file),
+            "--seed",
+            "1234",
+            "--metrics-file",
+            str(metrics),
+        ],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     resolved = metrics.with_suffix(".config.yaml")
     assert "rl-forced-lag: 2" in resolved.read_text() and "seed: 1234" in resolved.read_text()
@@ -329,10 +341,15 @@ def test_default_main_job_learns_within_ten_minutes(flags):
 
 
 SHAPING_METRICS = (
-    "advantages_mean", "advantages_abs_mean", "advantages_min", "advantages_max",
-    "overlong_penalty_mean", "overlong_penalized_fraction", "truncated_fraction",
+    "advantages_mean",
+    "advantages_abs_mean",
+    "advantages_min",
+    "advantages_max",
+    "overlong_penalty_mean",
+    "overlong_penalized_fraction",
+    "truncated_fraction",
     "truncated_masked_rollouts",
-)  # fmt: skip
+)
 
 
 def test_rloo_batch_scale_and_overlong_shaping_keep_the_lag_contract_bitwise():
@@ -342,8 +359,13 @@ def test_rloo_batch_scale_and_overlong_shaping_keep_the_lag_contract_bitwise():
     (the shaping's included), and the options change the first loss but not the first batch (all
     generated before any update; the logged reward is the environment's)."""
     base = {**load_case("lag2")["args"], "rl-forced-lag": 1, "train-iters": 6}
-    args = {**base, "adv-estimator": "rloo", "scale-rewards": "batch",
-            "overlong-buffer-len": 2, "mask-truncated-completions": True}  # fmt: skip
+    args = {
+        **base,
+        "adv-estimator": "rloo",
+        "scale-rewards": "batch",
+        "overlong-buffer-len": 2,
+        "mask-truncated-completions": True,
+    }
     first, second = run_training(1, args), run_training(1, args)
     for metric in [*DETERMINISTIC, *SHAPING_METRICS]:
         assert [m[metric] for m in second] == [m[metric] for m in first], metric

@@ -49,9 +49,12 @@ def training_in_background(tmp_path: Path, cmd: list[str], min_steps: int):
     stderr = tmp_path / "trainer.err"
     with open(tmp_path / "trainer.out", "w") as out, open(stderr, "w") as err:
         trainer = subprocess.Popen(
-            [*cmd, f"--metrics-file={metrics}"], cwd=ROOT, env=subprocess_env(), stdout=out,
+            [*cmd, f"--metrics-file={metrics}"],
+            cwd=ROOT,
+            env=subprocess_env(),
+            stdout=out,
             stderr=err,
-        )  # fmt: skip
+        )
         try:
             deadline = time.monotonic() + 120
             while not (metrics.exists() and len(metrics.read_text().splitlines()) >= min_steps):
@@ -139,9 +142,13 @@ def test_keyed_servers_train_with_the_key_and_refuse_a_trainer_without_it(tmp_pa
         metrics = run_training(1, {**args, "rl-api-key-file": key})
         assert [m["step"] for m in metrics] == [0, 1, 2]
         proc = subprocess.run(
-            training_command(1, args), cwd=ROOT, env=subprocess_env(), capture_output=True,
-            text=True, timeout=120,
-        )  # fmt: skip
+            training_command(1, args),
+            cwd=ROOT,
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert f"env server {url}" in proc.stderr and "HTTP 401" in proc.stderr
     assert "job-key-123" not in proc.stderr + (tmp_path / "env_server.log").read_text()
@@ -167,10 +174,19 @@ def test_env_server_sustains_256_concurrent_grouped_requests_without_errors(tmp_
     """tools/env_server_load.py: one client, 256 requests in flight, zero errors."""
     report = tmp_path / "load.json"
     proc = subprocess.run(
-        [sys.executable, "tools/env_server_load.py", "--concurrency=256", "--requests=1024",
-         f"--json={report}"],
-        cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "tools/env_server_load.py",
+            "--concurrency=256",
+            "--requests=1024",
+            f"--json={report}",
+        ],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(report.read_text())
     assert result["errors"] == 0 and result["peak_in_flight"] == 256

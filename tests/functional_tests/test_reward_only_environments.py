@@ -9,9 +9,14 @@ import pytest
 from golden_values import TOLERANCES, env_server, remote_env_config, run_training
 
 ARGS = {
-    "rl-forced-lag": 2, "train-iters": 6, "lr-warmup-iters": 1, "grpo-prompts-per-step": 4,
-    "grpo-group-size": 4, "micro-batch-size": 16, "seed": 1234,
-}  # fmt: skip
+    "rl-forced-lag": 2,
+    "train-iters": 6,
+    "lr-warmup-iters": 1,
+    "grpo-prompts-per-step": 4,
+    "grpo-group-size": 4,
+    "micro-batch-size": 16,
+    "seed": 1234,
+}
 EVAL = {"eval-interval": 3, "eval-prompts": 4, "eval-samples": 2}  # in process only
 
 # Written as for Megatron-LM's RewardOnlyAgent: a plain class, randomness from `random`.

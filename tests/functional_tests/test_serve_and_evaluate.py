@@ -91,17 +91,45 @@ def trained(tiny, env_config, tmp_path_factory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("trained")
     paths = {"ck": out / "CK", "hf": out / "exported", "dump": out / "trainer-dump"}
     argv = [
-        "--hf-checkpoint", str(tiny), "--env-config", str(env_config), *MODEL_FLAGS, *EVAL_FLAGS,
-        "--grpo-prompts-per-step", "2", "--grpo-group-size", "2", "--micro-batch-size", "4",
-        "--train-iters", "1", "--lr", "0.05", "--lr-warmup-iters", "0", "--val-at-start",
-        "--grpo-entropy-term-weight", "0.5",  # a gradient even where every reward is 0
-        "--val-at-end", "--val-dump-dir", str(paths["dump"]), "--save", str(paths["ck"]),
-        "--save-hf", str(paths["hf"]), "--plot-file", "none",
-    ]  # fmt: skip
+        "--hf-checkpoint",
+        str(tiny),
+        "--env-config",
+        str(env_config),
+        *MODEL_FLAGS,
+        *EVAL_FLAGS,
+        "--grpo-prompts-per-step",
+        "2",
+        "--grpo-group-size",
+        "2",
+        "--micro-batch-size",
+        "4",
+        "--train-iters",
+        "1",
+        "--lr",
+        "0.05",
+        "--lr-warmup-iters",
+        "0",
+        "--val-at-start",
+        "--grpo-entropy-term-weight",
+        "0.5",  # a gradient even where every reward is 0
+        "--val-at-end",
+        "--val-dump-dir",
+        str(paths["dump"]),
+        "--save",
+        str(paths["ck"]),
+        "--save-hf",
+        str(paths["hf"]),
+        "--plot-file",
+        "none",
+    ]
     proc = subprocess.run(
-        [sys.executable, "pretrain_grpo.py", *argv], cwd=ROOT, env=command_env(),
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [sys.executable, "pretrain_grpo.py", *argv],
+        cwd=ROOT,
+        env=command_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return paths
 
@@ -136,9 +164,11 @@ def test_served_hugging_face_checkpoint_answers_the_openai_client_greedily(tiny,
     assert choice.model_extra["policy_versions"] == [0] * len(tokens)
     assert len(choice.logprobs.token_logprobs) == len(tokens) and completion.model == "llama3"
     chat = client.chat.completions.create(
-        model="llama3", messages=[{"role": "user", "content": "What is 3+4?"}],
-        max_completion_tokens=8, temperature=0,
-    )  # fmt: skip
+        model="llama3",
+        messages=[{"role": "user", "content": "What is 3+4?"}],
+        max_completion_tokens=8,
+        temperature=0,
+    )
     tokens = assert_greedy(tiny, chat.choices[0], 8)
     assert chat.choices[0].model_extra["prompt_text"].endswith("<|assistant|>")
     assert answer_seconds < 30  # the throughput schedule answers at once (no batch to wait for)
@@ -161,8 +191,9 @@ def test_served_hugging_face_checkpoint_answers_the_openai_client_greedily(tiny,
 
 
 def test_served_trainer_checkpoint_generates_with_its_trained_weights(trained, tiny, servers):
-    served = servers(["--load", str(trained["ck"]), "--hf-checkpoint", str(tiny),
-                      "--seq-length", "64"])  # fmt: skip
+    served = servers(
+        ["--load", str(trained["ck"]), "--hf-checkpoint", str(tiny), "--seq-length", "64"]
+    )
     assert (served.name, served.keyed) == ("CK", False)
     client = served.client(key="anything")
     choice = client.completions.create(
@@ -181,8 +212,16 @@ def test_served_trainer_checkpoint_generates_with_its_trained_weights(trained, t
 def test_evaluation_equals_the_trainers_before_and_after_training(
     trained, tiny, env_config, tmp_path
 ):
-    common = ["--hf-checkpoint", str(tiny), "--env-config", str(env_config), *MODEL_FLAGS,
-              *EVAL_FLAGS, "--val-dump-dir", str(tmp_path / "dump")]  # fmt: skip
+    common = [
+        "--hf-checkpoint",
+        str(tiny),
+        "--env-config",
+        str(env_config),
+        *MODEL_FLAGS,
+        *EVAL_FLAGS,
+        "--val-dump-dir",
+        str(tmp_path / "dump"),
+    ]
     for version, extra in ((0, []), (1, ["--load", str(trained["ck"])])):
         output = tmp_path / f"eval-{version}.json"
         proc = run("megatron.trainer.evaluate", [*common, *extra, "--output-json", str(output)])
@@ -232,10 +271,12 @@ def test_bad_input_ends_with_one_message(trained, tmp_path):
     shutil.copytree(trained["ck"], broken)
     shard = broken / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt"
     shard.write_bytes(shard.read_bytes()[:1000])
-    proc = run("megatron.trainer.evaluate", ["--load", str(broken), "--hf-checkpoint",
-                                             str(trained["hf"])])  # fmt: skip
-    assert_one_message(proc, 1, "megatron.trainer.evaluate: error: --load", str(shard),
-                       "cannot read iteration 1")  # fmt: skip
+    proc = run(
+        "megatron.trainer.evaluate", ["--load", str(broken), "--hf-checkpoint", str(trained["hf"])]
+    )
+    assert_one_message(
+        proc, 1, "megatron.trainer.evaluate: error: --load", str(shard), "cannot read iteration 1"
+    )
 
 
 # ------------------------------------------------------------------ a real model
@@ -243,15 +284,25 @@ def test_bad_input_ends_with_one_message(trained, tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_chat_completion_through_the_openai_client(smollm2_checkpoint, servers):
-    served = servers(["--hf-checkpoint", str(smollm2_checkpoint), "--seq-length", "256",
-                      "--inference-max-requests", "4"])  # fmt: skip
+    served = servers(
+        [
+            "--hf-checkpoint",
+            str(smollm2_checkpoint),
+            "--seq-length",
+            "256",
+            "--inference-max-requests",
+            "4",
+        ]
+    )
     client = served.client()
     (model,) = client.models.list().data
     assert model.id == Path(smollm2_checkpoint).name
     chat = client.chat.completions.create(
-        model=model.id, messages=[{"role": "user", "content": "What is the capital of France?"}],
-        max_completion_tokens=16, temperature=0,
-    )  # fmt: skip
+        model=model.id,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_completion_tokens=16,
+        temperature=0,
+    )
     (choice,) = chat.choices
     assert_greedy(smollm2_checkpoint, choice, 16)
     assert choice.message.content.strip()
@@ -268,11 +319,30 @@ def test_smollm2_evaluates_four_gsm8k_problems(smollm2_checkpoint, tmp_path):
     envs = tmp_path / "gsm8k.yaml"
     envs.write_text(config)
     output, dump = tmp_path / "eval.json", tmp_path / "dump"
-    proc = run("megatron.trainer.evaluate", [
-        "--hf-checkpoint", str(smollm2_checkpoint), "--env-config", str(envs), "--seq-length",
-        "512", "--inference-max-requests", "8", "--eval-prompts", "4", "--eval-samples", "2",
-        "--eval-pass-k", "1", "2", "--val-dump-dir", str(dump), "--output-json", str(output),
-    ])  # fmt: skip
+    proc = run(
+        "megatron.trainer.evaluate",
+        [
+            "--hf-checkpoint",
+            str(smollm2_checkpoint),
+            "--env-config",
+            str(envs),
+            "--seq-length",
+            "512",
+            "--inference-max-requests",
+            "8",
+            "--eval-prompts",
+            "4",
+            "--eval-samples",
+            "2",
+            "--eval-pass-k",
+            "1",
+            "2",
+            "--val-dump-dir",
+            str(dump),
+            "--output-json",
+            str(output),
+        ],
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     numbers = json.loads(output.read_text())
     (env,) = numbers["environments"]

@@ -38,17 +38,47 @@ def trained(tiny, env_config, tmp_path_factory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("trained_lora")
     paths = {"ck": out / "CK", "hf": out / "merged", "lora": out / "adapter", "dump": out / "dump"}
     argv = [
-        "--hf-checkpoint", str(tiny), "--env-config", str(env_config), *MODEL_FLAGS, *EVAL_FLAGS,
-        *LORA_FLAGS, "--grpo-prompts-per-step", "2", "--grpo-group-size", "2",
-        "--micro-batch-size", "4", "--train-iters", "2", "--lr", "0.2", "--lr-warmup-iters", "0",
-        "--grpo-entropy-term-weight", "0.5", "--val-at-end", "--val-dump-dir", str(paths["dump"]),
-        "--save", str(paths["ck"]), "--save-hf", str(paths["hf"]), "--save-lora", str(paths["lora"]),
-        "--plot-file", "none",
-    ]  # fmt: skip
+        "--hf-checkpoint",
+        str(tiny),
+        "--env-config",
+        str(env_config),
+        *MODEL_FLAGS,
+        *EVAL_FLAGS,
+        *LORA_FLAGS,
+        "--grpo-prompts-per-step",
+        "2",
+        "--grpo-group-size",
+        "2",
+        "--micro-batch-size",
+        "4",
+        "--train-iters",
+        "2",
+        "--lr",
+        "0.2",
+        "--lr-warmup-iters",
+        "0",
+        "--grpo-entropy-term-weight",
+        "0.5",
+        "--val-at-end",
+        "--val-dump-dir",
+        str(paths["dump"]),
+        "--save",
+        str(paths["ck"]),
+        "--save-hf",
+        str(paths["hf"]),
+        "--save-lora",
+        str(paths["lora"]),
+        "--plot-file",
+        "none",
+    ]
     proc = subprocess.run(
-        [sys.executable, "pretrain_grpo.py", *argv], cwd=ROOT, env=command_env(),
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [sys.executable, "pretrain_grpo.py", *argv],
+        cwd=ROOT,
+        env=command_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return paths
 
@@ -84,10 +114,20 @@ def test_served_adapter_generates_what_the_merged_model_generates(trained, tiny,
 def test_evaluation_of_the_lora_checkpoint_equals_the_trainers(trained, tiny, env_config, tmp_path):
     output = tmp_path / "eval.json"
     argv = [
-        "--hf-checkpoint", str(tiny), "--env-config", str(env_config), *MODEL_FLAGS, *EVAL_FLAGS,
-        *LORA_FLAGS, "--load", str(trained["ck"]), "--val-dump-dir", str(tmp_path / "dump"),
-        "--output-json", str(output),
-    ]  # fmt: skip
+        "--hf-checkpoint",
+        str(tiny),
+        "--env-config",
+        str(env_config),
+        *MODEL_FLAGS,
+        *EVAL_FLAGS,
+        *LORA_FLAGS,
+        "--load",
+        str(trained["ck"]),
+        "--val-dump-dir",
+        str(tmp_path / "dump"),
+        "--output-json",
+        str(output),
+    ]
     proc = run("megatron.trainer.evaluate", argv)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(output.read_text())["policy_version"] == 2
@@ -97,8 +137,16 @@ def test_evaluation_of_the_lora_checkpoint_equals_the_trainers(trained, tiny, en
 
 
 def test_a_lora_checkpoint_without_its_lora_flags_is_refused_naming_them(trained, tiny, env_config):
-    argv = ["--hf-checkpoint", str(tiny), "--env-config", str(env_config), *MODEL_FLAGS, *EVAL_FLAGS,
-            "--load", str(trained["ck"])]  # fmt: skip
+    argv = [
+        "--hf-checkpoint",
+        str(tiny),
+        "--env-config",
+        str(env_config),
+        *MODEL_FLAGS,
+        *EVAL_FLAGS,
+        "--load",
+        str(trained["ck"]),
+    ]
     proc = run("megatron.trainer.evaluate", argv)
     assert_one_message(proc, 1, "--lora-rank", "(here: 0)")
 
@@ -138,8 +186,17 @@ def test_several_adapters_are_served_by_name_in_one_engine(trained, tiny, tmp_pa
     pytest.importorskip("peft")
     other, other_merged = merged_copy(tiny, trained["lora"], tmp_path, scale_b=-1.0)
     served = start_server(
-        ["--hf-checkpoint", str(tiny), "--seq-length", "64", "--lora", f"tuned={trained['lora']}",
-         f"flipped={other}", "--served-model-name", "base"],  # fmt: skip
+        [
+            "--hf-checkpoint",
+            str(tiny),
+            "--seq-length",
+            "64",
+            "--lora",
+            f"tuned={trained['lora']}",
+            f"flipped={other}",
+            "--served-model-name",
+            "base",
+        ],
         command_env(),
     )
     try:

@@ -24,8 +24,17 @@ pytestmark = pytest.mark.slurm
 
 SCRIPT = "examples/rl/slurm/train_grpo.sh"
 JOB_TIMEOUT_S = 420.0
-FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
-                "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}  # fmt: skip
+FINAL_STATES = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
 SHORT_RUN = ["--train-iters=5", "--lr-warmup-iters=2", "--seed=1234"]
 
 MODEL_ARGS_CONFIG = """\
@@ -67,10 +76,17 @@ def cluster() -> Iterator[Cluster]:
 def submit(cluster: Cluster, tmp_path: Path, nodes: int, script_args: list[str]) -> str:
     """``sbatch`` the launcher from the repository root; the job id."""
     out = cluster.run(
-        "sbatch", "--parsable", f"--nodes={nodes}", f"--chdir={ROOT}",
-        f"--output={tmp_path}/slurm-%j.out", SCRIPT, f"--run-dir={tmp_path}/run",
-        f"--python={sys.executable}", f"--rdzv-port={free_port()}", *script_args,
-    )  # fmt: skip
+        "sbatch",
+        "--parsable",
+        f"--nodes={nodes}",
+        f"--chdir={ROOT}",
+        f"--output={tmp_path}/slurm-%j.out",
+        SCRIPT,
+        f"--run-dir={tmp_path}/run",
+        f"--python={sys.executable}",
+        f"--rdzv-port={free_port()}",
+        *script_args,
+    )
     return out.strip().split(";")[0]
 
 
@@ -143,8 +159,14 @@ def test_env_server_runs_on_a_node_of_its_own(cluster, tmp_path):
     config, envs = tmp_path / "tiny_flags.txt", tmp_path / "envs.yaml"
     config.write_text(PLAIN_FLAGS_CONFIG)
     envs.write_text(ENV_CONFIG)
-    args = [f"--model-config={config}", f"--env-config={envs}", "--env-server-node",
-            f"--env-server-port={free_port()}", "--", *SHORT_RUN]  # fmt: skip
+    args = [
+        f"--model-config={config}",
+        f"--env-config={envs}",
+        "--env-server-node",
+        f"--env-server-port={free_port()}",
+        "--",
+        *SHORT_RUN,
+    ]
     job_id = submit(cluster, tmp_path, 2, args)
     job = wait_for_job(cluster, tmp_path, job_id)
     assert_completed(cluster, tmp_path, job_id, job)
@@ -163,8 +185,13 @@ def test_env_server_runs_on_a_node_of_its_own(cluster, tmp_path):
 def test_requeued_job_resumes_from_its_last_checkpoint(cluster, tmp_path):
     config = tmp_path / "tiny.sh"
     config.write_text(MODEL_ARGS_CONFIG)
-    args = [f"--model-config={config}", "--", "--train-iters=40", "--lr-warmup-iters=2",
-            "--save-interval=2"]  # fmt: skip
+    args = [
+        f"--model-config={config}",
+        "--",
+        "--train-iters=40",
+        "--lr-warmup-iters=2",
+        "--save-interval=2",
+    ]
     job_id = submit(cluster, tmp_path, 1, args)
     tracker = tmp_path / "run" / "checkpoints" / "latest_checkpointed_iteration.txt"
     deadline = time.monotonic() + JOB_TIMEOUT_S
@@ -199,8 +226,13 @@ def test_scancel_stops_the_trainer_after_a_step_with_a_checkpoint(cluster, tmp_p
     saves and exits 143 within Slurm's KillWait (10 s here), with no traceback in the log."""
     config = tmp_path / "tiny.sh"
     config.write_text(MODEL_ARGS_CONFIG)
-    args = [f"--model-config={config}", "--", "--train-iters=100000", "--lr-warmup-iters=2",
-            "--save-interval=100000"]  # fmt: skip
+    args = [
+        f"--model-config={config}",
+        "--",
+        "--train-iters=100000",
+        "--lr-warmup-iters=2",
+        "--save-interval=100000",
+    ]
     job_id = submit(cluster, tmp_path, 1, args)
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.monotonic() + JOB_TIMEOUT_S

@@ -11,8 +11,12 @@ ENTRY = """- agent_type: examples.rl.environments.tool_math:ToolMathEnvironment
   env_id: tool_math
   agent_args: {max_turns: 3, max_tokens: 8, tools: [calculator, python], python_timeout_s: 2}
 """
-EPISODE = ["episode/turns_mean", "episode/tool_calls_mean", "episode/tool_errors_mean",
-           "episode/truncated_mean"]  # fmt: skip
+EPISODE = [
+    "episode/turns_mean",
+    "episode/tool_calls_mean",
+    "episode/tool_errors_mean",
+    "episode/truncated_mean",
+]
 
 
 @pytest.fixture(scope="module")
@@ -21,10 +25,16 @@ def runs(tiny_hf_checkpoints, tmp_path_factory):
     config = tmp / "tool_math.yaml"
     config.write_text(ENTRY)
     args = {
-        "hf-checkpoint": tiny_hf_checkpoints["qwen2"], "rl-forced-lag": 2, "train-iters": 4,
-        "lr-warmup-iters": 1, "seq-length": 512, "grpo-prompts-per-step": 2,
-        "grpo-group-size": 2, "micro-batch-size": 4, "seed": 1234,
-    }  # fmt: skip
+        "hf-checkpoint": tiny_hf_checkpoints["qwen2"],
+        "rl-forced-lag": 2,
+        "train-iters": 4,
+        "lr-warmup-iters": 1,
+        "seq-length": 512,
+        "grpo-prompts-per-step": 2,
+        "grpo-group-size": 2,
+        "micro-batch-size": 4,
+        "seed": 1234,
+    }
     first = run_training(1, {**args, "env-config": config})
     again = run_training(1, {**args, "env-config": config})
     with env_server(tmp, ENTRY) as (url, _):

@@ -31,9 +31,19 @@ import os
 import torch
 
 _FACTORIES = (
-    "tensor", "zeros", "empty", "ones", "full", "arange", "zeros_like", "empty_like",
-    "ones_like", "full_like", "randn", "rand",
-)  # fmt: skip
+    "tensor",
+    "zeros",
+    "empty",
+    "ones",
+    "full",
+    "arange",
+    "zeros_like",
+    "empty_like",
+    "ones_like",
+    "full_like",
+    "randn",
+    "rand",
+)
 
 
 class _Event:

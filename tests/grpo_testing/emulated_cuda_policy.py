@@ -10,7 +10,7 @@ against pi_old from ``get_logprobs``) and with a supervised NLL loss (two global
 ``get_topk_logits`` and a GRPO update with the reference KL and entropy terms, and saves both
 tiers' results to ``DIR/rank<r>.pt`` (``--pp`` > 1: the CUDA tier's only). One process per rank: the emulation patches torch globally.
 
-``--variant`` runs the GRPO updates with policy-loss variants (issue 29) on top of the terms:
+``--variant`` runs the GRPO updates with policy-loss variants on top of the terms:
 ``gspo`` is GSPO with ``seq-mean-token-mean`` and sequence-level masked IS (``sequence_mask``),
 ``cispo`` is CISPO with off-policy sequence masking.
 """
@@ -40,14 +40,15 @@ from megatron.rl.grpo.loss import GRPOLossConfig  # noqa: E402
 from megatron.rl.grpo.off_policy_mask import OffPolicyMask  # noqa: E402
 from megatron.rl.grpo.terms.entropy_bonus import EntropyBonus  # noqa: E402
 from megatron.rl.grpo.terms.reference_kl import ReferenceKL  # noqa: E402
-from megatron.trainer.checkpointing import TrainState  # noqa: E402
-from megatron.trainer.initialize import initialize_distributed  # noqa: E402
-from megatron.trainer.losses import GRPOLoss, TokenMeanNLL  # noqa: E402
-from megatron.trainer.policy import PolicyConfig  # noqa: E402
-from megatron.trainer.reference import build_reference_model  # noqa: E402
-from megatron.trainer.step import MicroBatchCache, StepConfig  # noqa: E402
+from megatron.trainer.checkpoint.directory import TrainState  # noqa: E402
+from megatron.trainer.config import tier_config  # noqa: E402
+from megatron.trainer.runtime.initialize import initialize_distributed  # noqa: E402
 from megatron.trainer.tiers.cpu import CPUTier  # noqa: E402
 from megatron.trainer.tiers.cuda import CUDATier  # noqa: E402
+from megatron.trainer.tiers.reference import build_reference_model  # noqa: E402
+from megatron.trainer.train.losses import GRPOLoss, TokenMeanNLL  # noqa: E402
+from megatron.trainer.train.policy import PolicyConfig  # noqa: E402
+from megatron.trainer.train.step import MicroBatchCache, StepConfig  # noqa: E402
 
 K = 5
 
@@ -55,22 +56,24 @@ VARIANTS = {
     None: ({}, None),
     "gspo": (
         dict(
-            clamp_eps_lower=3e-4, clamp_eps_upper=4e-4, policy_loss="gspo",
+            clamp_eps_lower=3e-4,
+            clamp_eps_upper=4e-4,
+            policy_loss="gspo",
             aggregation=LossAggregation("seq-mean-token-mean", None),
         ),
         ImportanceConfig(3.0, "sequence_mask", 0.05),
     ),
     "cispo": (dict(policy_loss="cispo", off_policy_mask=OffPolicyMask(0.05)), None),
-}  # fmt: skip
+}
 """``--variant`` -> (``GRPOLossConfig`` fields, ``StepConfig.importance``)."""
 
 
 def run_policy(tier_class, cfg, ctx, packing: int | None, variant: str | None = None) -> dict:
     """The results of every method on ``tier_class``'s policy."""
-    tier = tier_class(cfg, ctx)
+    tier = tier_class(tier_config(cfg), ctx)
     torch.manual_seed(7)
     model = tier.build_model(VOCAB)
-    reference = build_reference_model(cfg, tier, model, VOCAB, ctx, needs_reference=True)
+    reference = build_reference_model(tier, model, VOCAB, needs_reference=True)
     state = TrainState(model, *tier.build_optimizer(model))
     fields, importance = VARIANTS[variant]
     loss = GRPOLossConfig(
@@ -78,9 +81,14 @@ def run_policy(tier_class, cfg, ctx, packing: int | None, variant: str | None = 
         terms=(ReferenceKL(0.1), EntropyBonus(0.01)),
     )
     config = StepConfig(
-        loss, VOCAB, 2, clip_grad=0.5, old_logprobs=True, packing_capacity=packing,
+        loss,
+        VOCAB,
+        2,
+        clip_grad=0.5,
+        old_logprobs=True,
+        packing_capacity=packing,
         importance=importance,
-    )  # fmt: skip
+    )
     policy = tier.build_policy(state, PolicyConfig.of(config), reference)
     data = build_train_batch(synthetic_groups(2, 4, VOCAB, seed=1), pad_id=0)
     (evaluated,) = policy.train(data, TokenMeanNLL(), eval_mode=True)
@@ -119,7 +127,7 @@ def main() -> None:
     opts = parser.parse_args()
     cfg = train_args(  # the KL term's weight is the StepConfig's (ReferenceKL(0.1))
         tensor_model_parallel_size=opts.tp, pipeline_model_parallel_size=opts.pp, ref_load=None
-    )  # fmt: skip
+    )
     torch.cuda.is_available = lambda: False  # gloo and the CPU as the context's device
     ctx = initialize_distributed(cfg)
     torch.cuda.is_available = lambda: True

@@ -64,9 +64,11 @@ class FakeDynamicEngine:
 
     def add_request(self, request_id, prompt, sampling_params):
         request = FakeRequest(
-            request_id, list(prompt), sampling_params.num_tokens_to_generate,
+            request_id,
+            list(prompt),
+            sampling_params.num_tokens_to_generate,
             sampling_params.termination_id,
-        )  # fmt: skip
+        )
         self.requests[request_id] = request
         self.log.append(("add", request_id, tuple(prompt), request.budget, request.termination_id))
         if len(prompt) + request.budget > self.max_sequence_length:

@@ -29,8 +29,8 @@ import torch  # noqa: E402
 
 import megatron.trainer.grpo as grpo  # noqa: E402
 import megatron.trainer.tiers.cpu as cpu_tier  # noqa: E402
-from megatron.trainer.exits import run_main  # noqa: E402
 from megatron.trainer.flags.parse import parse_args  # noqa: E402
+from megatron.trainer.runtime.exits import run_main  # noqa: E402
 
 RANK = int(os.environ.get("RANK", "0"))
 

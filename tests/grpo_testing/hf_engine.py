@@ -13,7 +13,7 @@ from megatron.rl.inference.cpu.kv_cache import KVCache
 from megatron.rl.inference.cpu.kv_cache_runner import KVCacheRowRunner
 from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig
 from megatron.rl.inference.step_group import StepGroup
-from megatron.rl.tokenizer import HuggingFaceTokenizer
+from megatron.rl.models.hf.tokenizer import HuggingFaceTokenizer
 
 
 def load_hf_policy(directory: Path) -> tuple[torch.nn.Module, HuggingFaceTokenizer]:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from megatron.core import parallel_state
 
+from megatron.trainer.config import model_build
 from megatron.trainer.flags.run import RunConfig
-from megatron.trainer.model_provider import build_model
+from megatron.trainer.model.provider import build_model
 
 VOCAB = 21
 
@@ -33,5 +34,7 @@ def tiny_gpt(tp: int = 1, seed: int = 0, **overrides) -> torch.nn.Module:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     torch.manual_seed(seed)
     return build_model(
-        tiny_args(tensor_model_parallel_size=tp, **overrides), VOCAB, torch.device("cpu")
+        model_build(tiny_args(tensor_model_parallel_size=tp, **overrides)),
+        VOCAB,
+        torch.device("cpu"),
     )

@@ -19,9 +19,14 @@ def digit_count(completions, **kwargs):
 def recording(prompts, completions, references, completion_tokens, scale=1.0):
     """Records what it was called with; scale (an ``args`` keyword) times the token count."""
     CALLS.append(
-        dict(prompts=prompts, completions=completions, references=references,
-             completion_tokens=completion_tokens, scale=scale)
-    )  # fmt: skip
+        dict(
+            prompts=prompts,
+            completions=completions,
+            references=references,
+            completion_tokens=completion_tokens,
+            scale=scale,
+        )
+    )
     return [scale * n for n in completion_tokens]
 
 

@@ -180,3 +180,44 @@ def test_the_cycle_check_sees_type_checking_imports(monkeypatch):
         "megatron.rl._c": {"megatron.rl._a"},
     }
     assert import_cycles(graph) == [["megatron.rl._a", "megatron.rl._b"]]
+
+
+def room(module: str, package: str) -> str:
+    """The room of ``module`` in ``package``: its subpackage, or the module itself when it sits
+    at the package's top (``megatron.trainer.train.step`` -> ``megatron.trainer.train``)."""
+    return ".".join(module.split(".")[: len(package.split(".")) + 1])
+
+
+def room_graph(package: str) -> dict[str, set[str]]:
+    """Room -> the rooms of ``package`` its modules import (a room's own imports left out)."""
+    graph: dict[str, set[str]] = {}
+    for module, imported in import_graph(python_files(package.replace(".", "/"))).items():
+        if module == package:
+            continue
+        here = room(module, package)
+        graph.setdefault(here, set())
+        graph[here] |= {room(m, package) for m in imported if m != package} - {here}
+    return graph
+
+
+@pytest.mark.parametrize("package", ["megatron.trainer", "megatron.rl"])
+def test_no_room_of_a_package_imports_itself_through_another(package):
+    """The subpackages (and top-level modules) of the trainer and of the library import one
+    another one way: ``trainer/runtime`` never reaches back into ``trainer/train`` through
+    ``trainer/tiers``, and so on, so each room can be read knowing only the rooms below it.
+    Shared low-level types live in modules of their own (``trainer/parallel.py``,
+    ``trainer/errors.py``) for that reason."""
+    assert import_cycles(room_graph(package)) == []
+
+
+def test_the_room_check_sees_a_cycle_between_subpackages(monkeypatch):
+    trainer = ROOT / "megatron" / "trainer"
+    sources = {
+        trainer / "_x" / "a.py": "from megatron.trainer._y.b import B\n",
+        trainer / "_y" / "b.py": "def f():\n    from megatron.trainer._x import a\n",
+    }
+    monkeypatch.setattr(Path, "read_text", lambda self: sources[self])
+    monkeypatch.setattr(sys.modules[__name__], "python_files", lambda *_: list(sources))
+    assert import_cycles(room_graph("megatron.trainer")) == [
+        ["megatron.trainer._x", "megatron.trainer._y"]
+    ]

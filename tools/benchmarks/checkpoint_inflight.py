@@ -48,12 +48,30 @@ def shapes(checkpoint: Path | None) -> dict[str, list[str]]:
     out = {"default": ["--rl-forced-lag", "2", "--lr-warmup-iters", "2"]}
     if checkpoint is not None:
         out["real model"] = [
-            "--hf-checkpoint", str(checkpoint), "--env-config", str(ARITHMETIC),
-            "--seq-length", "256", "--bf16", "--recompute-granularity", "full",
-            "--rl-forced-lag", "2", "--inference-max-requests", "192",
-            "--grpo-prompts-per-step", "8", "--grpo-group-size", "8", "--micro-batch-size", "8",
-            "--lr", "2e-5", "--lr-warmup-iters", "2",
-        ]  # fmt: skip
+            "--hf-checkpoint",
+            str(checkpoint),
+            "--env-config",
+            str(ARITHMETIC),
+            "--seq-length",
+            "256",
+            "--bf16",
+            "--recompute-granularity",
+            "full",
+            "--rl-forced-lag",
+            "2",
+            "--inference-max-requests",
+            "192",
+            "--grpo-prompts-per-step",
+            "8",
+            "--grpo-group-size",
+            "8",
+            "--micro-batch-size",
+            "8",
+            "--lr",
+            "2e-5",
+            "--lr-warmup-iters",
+            "2",
+        ]
         out["real model, reward wait 16"] = [*out["real model"], "--rl-reward-wait-steps", "16"]
     return out
 
@@ -66,24 +84,40 @@ def directory_bytes(path: Path) -> int:
 def measure(name: str, flags: list[str], steps: int, threads: int, work: Path) -> dict[str, Any]:
     """Train ``steps`` steps saving after each; every save's numbers."""
     save = work / name.replace(" ", "_")
-    cmd = [sys.executable, "pretrain_grpo.py", *flags, "--train-iters", str(steps),
-           "--save", str(save), "--save-interval", "1", "--plot-file", "none"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "pretrain_grpo.py",
+        *flags,
+        "--train-iters",
+        str(steps),
+        "--save",
+        str(save),
+        "--save-interval",
+        "1",
+        "--plot-file",
+        "none",
+    ]
     start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(threads), capture_output=True,
-                          text=True, timeout=3600)  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=subprocess_env(threads), capture_output=True, text=True, timeout=3600
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{name}: {' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
     saves = []
     for match in LINE.finditer(proc.stdout):
         iteration, total, requests, kv_mib, capture = match.groups()
         directory = save / f"iter_{int(iteration):07d}"
-        saves.append({
-            "iteration": int(iteration), "save_seconds": float(total),
-            "capture_seconds": float(capture), "requests_in_flight": int(requests),
-            "kv_cache_bytes": directory_bytes(directory / "inflight_kv"),
-            "rollout_state_bytes": (directory / "rollout_state.json").stat().st_size,
-            "checkpoint_bytes": directory_bytes(directory),
-        })  # fmt: skip
+        saves.append(
+            {
+                "iteration": int(iteration),
+                "save_seconds": float(total),
+                "capture_seconds": float(capture),
+                "requests_in_flight": int(requests),
+                "kv_cache_bytes": directory_bytes(directory / "inflight_kv"),
+                "rollout_state_bytes": (directory / "rollout_state.json").stat().st_size,
+                "checkpoint_bytes": directory_bytes(directory),
+            }
+        )
     if len(saves) != steps:
         raise RuntimeError(f"{name}: expected {steps} save lines, found {len(saves)}")
     return {"flags": flags, "seconds": time.monotonic() - start, "saves": saves}
@@ -135,8 +169,11 @@ def main() -> None:
         checkpoint = None
     res: dict[str, Any] = {
         "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": machine(), "steps": opts.steps, "threads": opts.threads, "shapes": {},
-    }  # fmt: skip
+        "machine": machine(),
+        "steps": opts.steps,
+        "threads": opts.threads,
+        "shapes": {},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         for name, flags in shapes(checkpoint).items():
             if opts.only and name != opts.only:

@@ -76,14 +76,28 @@ def run_trainer(flags: list[str], threads: int, log: Path, timeout_s: float = 60
     with tempfile.TemporaryDirectory() as tmp:
         summary = Path(tmp) / "summary.json"
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-            str(WORKER), "--bench-summary", str(summary), "--", *flags,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "1",
+            str(WORKER),
+            "--bench-summary",
+            str(summary),
+            "--",
+            *flags,
+        ]
         with open(log, "w", encoding="utf-8") as out:
             proc = subprocess.run(
-                cmd, cwd=REPO, env=subprocess_env(threads), stdout=out, stderr=subprocess.STDOUT,
-                timeout=timeout_s, check=False,
-            )  # fmt: skip
+                cmd,
+                cwd=REPO,
+                env=subprocess_env(threads),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                timeout=timeout_s,
+                check=False,
+            )
         if proc.returncode != 0:
             tail = "".join(log.read_text(encoding="utf-8").splitlines(keepends=True)[-30:])
             raise RuntimeError(f"trainer run failed ({proc.returncode}): {flags}\n{tail}")

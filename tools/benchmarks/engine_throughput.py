@@ -48,9 +48,10 @@ from megatron.rl.inference.scheduler import (  # noqa: E402
 from megatron.rl.inference.step_group import StepGroup  # noqa: E402
 from megatron.rl.tokenizer import CharTokenizer  # noqa: E402
 from megatron.rl.wire import SamplingParams  # noqa: E402
+from megatron.trainer.config import model_build  # noqa: E402
 from megatron.trainer.flags.parse import check  # noqa: E402
-from megatron.trainer.initialize import initialize_distributed  # noqa: E402
-from megatron.trainer.model_provider import build_model  # noqa: E402
+from megatron.trainer.model.provider import build_model  # noqa: E402
+from megatron.trainer.runtime.initialize import initialize_distributed  # noqa: E402
 from tools.benchmarks.common import Stopwatch  # noqa: E402
 from tools.benchmarks.hf_models import gpt2_like, unused_ids  # noqa: E402
 
@@ -73,8 +74,15 @@ def time_engine(
     c = model.config
     seq = max(len(p) for p in prompts) + new_tokens
     slots = len(prompts) if concurrent else 1
-    cache = KVCache(c.num_layers, slots, seq, c.num_query_groups, c.kv_channels,
-                    torch.float32, torch.device("cpu"))  # fmt: skip
+    cache = KVCache(
+        c.num_layers,
+        slots,
+        seq,
+        c.num_query_groups,
+        c.kv_channels,
+        torch.float32,
+        torch.device("cpu"),
+    )
     vocab = CharTokenizer().vocab_size if vocab is None else vocab
     runner = KVCacheRowRunner(model, cache, vocab)
     # eos_id=-1: no token ends a request, so each runs exactly to its budget
@@ -104,10 +112,16 @@ def time_engine(
 def time_hf(model, prompts: list[list[int]], new_tokens: int, batched: bool) -> Stopwatch:
     """Time for HF ``generate`` (sampling, KV cache) on every prompt."""
     kwargs = dict(
-        do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens, suppress_tokens=unused_ids(model.config.vocab_size),
-        pad_token_id=CharTokenizer.pad_id, use_cache=True,
-    )  # fmt: skip
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        suppress_tokens=unused_ids(model.config.vocab_size),
+        pad_token_id=CharTokenizer.pad_id,
+        use_cache=True,
+    )
     batches = [prompts] if batched else [[p] for p in prompts]
     with Stopwatch() as watch:
         for batch in batches:
@@ -129,8 +143,9 @@ def time_recompute(model, prompts: list[list[int]], new_tokens: int) -> Stopwatc
             positions = torch.arange(seqs.shape[1])[None].expand_as(seqs)
             logits = model(seqs, positions, None)[:, -1].float()  # (B, V)
             logits[:, vocab:] = float("-inf")
-            tokens, _ = sample_tokens(logits, torch.ones(b), torch.ones(b), torch.zeros(b),
-                                      torch.rand(b, generator=g))  # fmt: skip
+            tokens, _ = sample_tokens(
+                logits, torch.ones(b), torch.ones(b), torch.zeros(b), torch.rand(b, generator=g)
+            )
             seqs = torch.cat([seqs, tokens[:, None]], dim=1)
     return watch
 
@@ -143,13 +158,17 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
     ctx = initialize_distributed(cfg)
     torch.set_num_threads(opts.threads)
     tok = CharTokenizer()
-    ours = build_model(cfg, tok.vocab_size, ctx.device).eval()
+    ours = build_model(model_build(cfg), tok.vocab_size, ctx.device).eval()
     arch = cfg.architecture_flags
     hf = gpt2_like(
-        arch["num_layers"], arch["hidden_size"], arch["num_attention_heads"],
-        arch["ffn_hidden_size"], ours.embedding.word_embeddings.weight.shape[0],
-        arch["max_position_embeddings"], cfg.training.seed,
-    ).eval()  # fmt: skip
+        arch["num_layers"],
+        arch["hidden_size"],
+        arch["num_attention_heads"],
+        arch["ffn_hidden_size"],
+        ours.embedding.word_embeddings.weight.shape[0],
+        arch["max_position_embeddings"],
+        cfg.training.seed,
+    ).eval()
     params = {
         "megatron-core GPTModel": sum(p.numel() for p in ours.parameters()),
         "HF GPT2LMHeadModel": sum(p.numel() for p in hf.parameters()),

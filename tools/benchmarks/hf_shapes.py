@@ -50,11 +50,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron.rl.models.hf.tiny import make_tiny_checkpoint  # noqa: E402
 from megatron.trainer import config as trainer_config  # noqa: E402
+from megatron.trainer.config import model_build  # noqa: E402
 from megatron.trainer.flags.parse import check  # noqa: E402
 from megatron.trainer.flags.run import RunConfig  # noqa: E402
-from megatron.trainer.hf_io import weight_loader  # noqa: E402
-from megatron.trainer.initialize import initialize_distributed  # noqa: E402
-from megatron.trainer.model_provider import build_model  # noqa: E402
+from megatron.trainer.model.hf_io import weight_loader  # noqa: E402
+from megatron.trainer.model.provider import build_model  # noqa: E402
+from megatron.trainer.runtime.initialize import initialize_distributed  # noqa: E402
 from tools.benchmarks.common import Stopwatch  # noqa: E402
 from tools.benchmarks.engine_throughput import time_engine  # noqa: E402
 from tools.benchmarks.matmul_efficiency import matmul_efficiency, profiles  # noqa: E402
@@ -85,8 +86,8 @@ def trainer_args(checkpoint: Path, seq_length: int, extra: list[str] = ()) -> Ru
 
 def load_ours(cfg: RunConfig, vocab_size: int) -> torch.nn.Module:
     """The trainer's CPU model with the checkpoint's weights, in eval mode."""
-    model = build_model(cfg, vocab_size, torch.device("cpu"))
-    weight_loader(cfg)(model)
+    model = build_model(model_build(cfg), vocab_size, torch.device("cpu"))
+    weight_loader(model_build(cfg))(model)
     return model.eval()
 
 
@@ -98,10 +99,16 @@ def time_hf(model, prompts: list[list[int]], new_tokens: int, vocab: int, pad: i
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     kwargs = dict(
-        do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens, suppress_tokens=list(range(vocab, rows)), pad_token_id=pad,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        suppress_tokens=list(range(vocab, rows)),
+        pad_token_id=pad,
         use_cache=True,
-    )  # fmt: skip
+    )
     with Stopwatch() as watch:
         out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
     assert out.shape[1] == width + new_tokens
@@ -248,8 +255,10 @@ def markdown(res: dict[str, Any]) -> str:
             )
     prof = [s for s in res["shapes"] if "profiles" in s]
     for s in prof:
-        for kind, label in (("decode", f"engine decode step ({res['batch']} rows)"),
-                            ("train", "training step")):  # fmt: skip
+        for kind, label in (
+            ("decode", f"engine decode step ({res['batch']} rows)"),
+            ("train", "training step"),
+        ):
             p = s["profiles"][kind]
             outside = max(0.0, 1 - p["operators_ms"] / p["wall_ms"])
             ops = ", ".join(
@@ -272,13 +281,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--serial-requests", type=int, default=8, help="One-at-a-time runs.")
     parser.add_argument("--repeats", type=int, default=5, help="Interleaved repetitions.")
     parser.add_argument("--threads", type=int, default=1, help="Torch threads.")
-    parser.add_argument("--no-matmul", dest="matmul", action="store_false",
-                        help="Skip the matmul efficiency measurement.")  # fmt: skip
+    parser.add_argument(
+        "--no-matmul",
+        dest="matmul",
+        action="store_false",
+        help="Skip the matmul efficiency measurement.",
+    )
     parser.add_argument("--train-micro-batch", type=int, default=32, help="Training rows.")
     parser.add_argument("--train-seq", type=int, default=64, help="Training sequence length.")
     parser.add_argument("--train-steps", type=int, default=3, help="Timed training steps.")
-    parser.add_argument("--no-profile", dest="profile", action="store_false",
-                        help="Skip the torch.profiler tables.")  # fmt: skip
+    parser.add_argument(
+        "--no-profile", dest="profile", action="store_false", help="Skip the torch.profiler tables."
+    )
 
 
 def main() -> None:

@@ -71,22 +71,31 @@ def trainer_flags(
     ``reward_wait_steps`` overrides ``--reward-wait-steps``."""
     budget = opts.reward_wait_steps if reward_wait_steps is None else reward_wait_steps
     return [
-        "--rl-forced-lag", str(lag),
-        "--train-iters", str(opts.steps),
-        "--env-config", str(env_config),
-        "--seq-length", str(opts.budget_max + 16),  # prompts are at most 5 tokens
-        "--inference-max-requests", str(opts.slots),
-        "--lr-warmup-iters", "0",
-        "--lr-decay-style", "constant",
-        "--micro-batch-size", str(opts.micro_batch_size),
-        "--log-interval", str(opts.steps),
+        "--rl-forced-lag",
+        str(lag),
+        "--train-iters",
+        str(opts.steps),
+        "--env-config",
+        str(env_config),
+        "--seq-length",
+        str(opts.budget_max + 16),  # prompts are at most 5 tokens
+        "--inference-max-requests",
+        str(opts.slots),
+        "--lr-warmup-iters",
+        "0",
+        "--lr-decay-style",
+        "constant",
+        "--micro-batch-size",
+        str(opts.micro_batch_size),
+        "--log-interval",
+        str(opts.steps),
         *(["--rl-use-sequence-packing"] if opts.sequence_packing else []),
         *(
             ["--rl-reward-wait-steps", str(budget)]
             if deterministic
             else ["--no-rl-deterministic-schedule"]
         ),
-    ]  # fmt: skip
+    ]
 
 
 def describe(w: Window) -> dict[str, float | None]:

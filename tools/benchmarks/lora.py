@@ -28,9 +28,9 @@ parameter (27 GiB, more than the machine's 24).
 Part 3 (``--engine-repeats`` > 0): the engine's decode throughput with the adapter applied
 unmerged (an extra low-rank product per adapted layer), with the adapters off, and with the
 adapter merged into the bfloat16 weights, and the logprob error of each against the training
-forward (``run_engine``).
+forward (``lora_engine.run_engine``).
 
-Writes ``lora.json`` and ``lora.md`` into ``--out``.
+Writes ``lora.json`` and ``lora.md`` (``lora_report.markdown``) into ``--out``.
 """
 
 from __future__ import annotations
@@ -47,7 +47,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tools.benchmarks.common import REPO, machine, run_trainer, spread  # noqa: E402
+from tools.benchmarks.common import REPO, machine, run_trainer  # noqa: E402
+from tools.benchmarks.lora_engine import run_engine  # noqa: E402
+from tools.benchmarks.lora_report import markdown  # noqa: E402
 from tools.benchmarks.real_model import (  # noqa: E402
     ENV_CONFIG,
     measure_ours,
@@ -58,10 +60,16 @@ from tools.benchmarks.real_model import (  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SMOLLM2_1_7B = dict(
-    hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=32,
-    intermediate_size=8192, max_position_embeddings=8192, rope_theta=130000.0,
-    rms_norm_eps=1e-5, tie_word_embeddings=True,
-)  # fmt: skip
+    hidden_size=2048,
+    num_hidden_layers=24,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    intermediate_size=8192,
+    max_position_embeddings=8192,
+    rope_theta=130000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
 """SmolLM2-1.7B's config.json (architecture fields)."""
 
 
@@ -98,10 +106,12 @@ def run_recipe_shape(opts: argparse.Namespace, logs: Path) -> list[dict[str, Any
     for name, kind, extra in table:
         row = {k: statistics.fmean(run[k] for run in runs[name]) for k in runs[name][0]}
         row.update(
-            name=name, kind=kind, flags=extra,
+            name=name,
+            kind=kind,
+            flags=extra,
             peak_rss_mib=max(run["peak_rss_mib"] for run in runs[name]),
             seconds_per_step_per_round=[run["seconds_per_step"] for run in runs[name]],
-        )  # fmt: skip
+        )
         rows.append(row)
     return rows
 
@@ -117,8 +127,13 @@ def write_large_checkpoint(out: Path, tokenizer_dir: Path, seed: int = 0) -> Pat
     config = {**source, **SMOLLM2_1_7B, "torch_dtype": "bfloat16"}
     config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
     (out / "config.json").write_text(json.dumps(config, indent=1))
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                 "generation_config.json", "special_tokens_map.json"):  # fmt: skip
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "generation_config.json",
+        "special_tokens_map.json",
+    ):
         if (tokenizer_dir / name).is_file():
             shutil.copy2(tokenizer_dir / name, out / name)
     g = torch.Generator().manual_seed(seed)
@@ -157,14 +172,45 @@ def run_large(opts: argparse.Namespace, logs: Path, work: Path) -> dict[str, Any
 
     ckpt = write_large_checkpoint(work / "smollm2-1.7b-shape", packaged_checkpoint(SMOLLM2))
     flags = [
-        "--hf-checkpoint", str(ckpt), "--env-config", str(ENV_CONFIG), "--seq-length", "192",
-        "--rl-forced-lag", "0", "--train-iters", str(opts.large_steps),
-        "--grpo-prompts-per-step", "2", "--grpo-group-size", "4", "--micro-batch-size", "4",
-        "--inference-max-requests", "8", "--rl-ignore-eos", "--rl-default-max-tokens", "32",
-        "--lr", "2e-4", "--min-lr", "0", "--lr-warmup-iters", "0", "--lr-decay-style", "constant",
-        "--log-interval", "1", "--bf16", "--recompute-granularity", "full",
-        "--lora-rank", str(opts.large_rank), "--lora-alpha", "32",
-    ]  # fmt: skip
+        "--hf-checkpoint",
+        str(ckpt),
+        "--env-config",
+        str(ENV_CONFIG),
+        "--seq-length",
+        "192",
+        "--rl-forced-lag",
+        "0",
+        "--train-iters",
+        str(opts.large_steps),
+        "--grpo-prompts-per-step",
+        "2",
+        "--grpo-group-size",
+        "4",
+        "--micro-batch-size",
+        "4",
+        "--inference-max-requests",
+        "8",
+        "--rl-ignore-eos",
+        "--rl-default-max-tokens",
+        "32",
+        "--lr",
+        "2e-4",
+        "--min-lr",
+        "0",
+        "--lr-warmup-iters",
+        "0",
+        "--lr-decay-style",
+        "constant",
+        "--log-interval",
+        "1",
+        "--bf16",
+        "--recompute-granularity",
+        "full",
+        "--lora-rank",
+        str(opts.large_rank),
+        "--lora-alpha",
+        "32",
+    ]
     print(
         f"  lora: SmolLM2-1.7B shape, LoRA r={opts.large_rank}, {opts.large_steps} steps",
         flush=True,
@@ -203,231 +249,6 @@ def _machine_memory_gib() -> float:
     return float("nan")
 
 
-def run_engine(opts: argparse.Namespace) -> dict[str, Any]:
-    """Part 3: the engine's cost of an unmerged adapter, and the error of merging it into the
-    bfloat16 weights instead (SmolLM2-135M, ``--bf16``, rank ``--rank`` with B ~ N(0, 0.02^2),
-    the recipe's model as the CPU tier builds it: frozen bfloat16 base stored transposed).
-
-    Decode: ``--engine-batch`` requests of ``--engine-tokens`` new tokens each on the trainer's
-    engine, interleaved ``--engine-repeats`` times: the adapter unmerged (each adapted layer: one
-    more product with A, one with each B), the adapters off (the base's cost, = a merged model's
-    per step), and a model whose bfloat16 weights have the adapter merged in. Error: over a batch
-    of prompts + generated tokens, the mean KL and the largest |log p| difference between the
-    training forward (modules, unmerged, autocast) and each engine variant."""
-    import asyncio
-
-    import torch
-
-    from megatron.rl.inference.cpu.kv_cache import KVCache
-    from megatron.rl.inference.cpu.kv_cache_runner import KVCacheRowRunner
-    from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig
-    from megatron.rl.inference.step_group import StepGroup
-    from megatron.rl.lora.model import (
-        adapters_disabled,
-        lora_adapters,
-        merged_state_dict,
-        store_frozen_linear_weights,
-    )
-    from megatron.rl.models.hf.gguf import SMOLLM2, packaged_checkpoint
-    from megatron.rl.wire import SamplingParams
-    from megatron.trainer import config as trainer_config
-    from megatron.trainer.hf_io import weight_loader
-    from megatron.trainer.initialize import initialize_distributed
-    from megatron.trainer.model_provider import build_model
-    from megatron.trainer.tiers.cpu import CPUTier
-    from tools.benchmarks.common import Stopwatch
-    from tools.benchmarks.hf_shapes import trainer_args
-
-    torch.set_num_threads(opts.threads)
-    ckpt = packaged_checkpoint(SMOLLM2)
-    flags = ["--bf16", "--lora-rank", str(opts.rank), "--lora-alpha", "32"]
-    cfg = trainer_args(ckpt, 256, flags)
-    ctx = initialize_distributed(cfg)
-    vocab = trainer_config.tokenizer(cfg).vocab_size
-    lora = CPUTier(cfg, ctx).build_model(vocab, weight_loader(cfg)).eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for _, _, adapter in lora_adapters(lora).adapters():
-            for b in adapter.lora_B.values():
-                b.copy_(torch.randn(b.shape, generator=g) * 0.02)
-    base_cfg = trainer_args(ckpt, 256, ["--bf16"])
-    merged = build_model(base_cfg, vocab, ctx.device, initialize=False)
-    merged.load_state_dict(merged_state_dict(lora))
-    merged.requires_grad_(False)
-    store_frozen_linear_weights(merged, torch.bfloat16)  # as the LoRA base: bf16, transposed
-    merged.eval()
-    prompts = [[1 + (7 * i + j) % 4000 for j in range(24)] for i in range(opts.engine_batch)]
-    seq = 24 + opts.engine_tokens
-
-    def decode(model, adapters_on: bool) -> tuple[float, list[list[int]]]:
-        c = model.config
-        cache = KVCache(c.num_layers, len(prompts), seq, c.num_query_groups, c.kv_channels,
-                        torch.bfloat16, torch.device("cpu"))  # fmt: skip
-        runner = KVCacheRowRunner(model, cache, vocab, compute_dtype=torch.bfloat16)
-        engine = ContinuousBatchingScheduler(
-            StepGroup(runner), SchedulerConfig(len(prompts), seq, -1), lambda: 0
-        )
-        sampling = SamplingParams(max_tokens=opts.engine_tokens)
-
-        async def go():
-            engine.start()
-            engine.resume()
-            with Stopwatch() as watch:
-                outs = await asyncio.gather(
-                    *(engine.generate(p, sampling, seed=i) for i, p in enumerate(prompts))
-                )
-            await engine.aclose()
-            return watch, outs
-
-        if adapters_on:
-            watch, outs = asyncio.run(go())
-        else:
-            with adapters_disabled(model):
-                watch, outs = asyncio.run(go())
-        return watch.wall, [p + o.tokens for p, o in zip(prompts, outs)], outs
-
-    variants = {
-        "adapter unmerged": (lora, True),
-        "adapters off (base)": (lora, False),
-        "merged into bf16": (merged, True),
-    }
-    seconds: dict[str, list[float]] = {name: [] for name in variants}
-    outputs = {}
-    for r in range(opts.engine_repeats):
-        order = list(variants) if r % 2 == 0 else list(variants)[::-1]
-        for name in order:
-            model, on = variants[name]
-            wall, sequences, outs = decode(model, on)
-            seconds[name].append(wall)
-            outputs[name] = (sequences, outs)
-    tokens = len(prompts) * opts.engine_tokens
-    sequences, outs = outputs["adapter unmerged"]
-    ids = torch.tensor([s[:-1] for s in sequences])  # (B, T)
-    positions = torch.arange(ids.shape[1])[None].expand_as(ids)
-    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, cache_enabled=False):
-        train_logp = torch.log_softmax(lora(ids, positions, None).float()[..., :vocab], -1)
-    generated = torch.tensor([o.tokens for o in outs])  # (B, N)
-    trained = train_logp[:, 23:].gather(-1, generated[..., None])[..., 0]  # (B, N)
-    errors = {}
-    for name in ("adapter unmerged", "merged into bf16"):
-        model, _ = variants[name]
-        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, cache_enabled=False):
-            engine_logp = torch.log_softmax(model(ids, positions, None).float()[..., :vocab], -1)
-        if name == "adapter unmerged":  # the engine's own logprobs of its sampled tokens
-            got = torch.tensor([o.logprobs for o in outs])
-        else:  # the merged model's logprobs of the same tokens
-            got = engine_logp[:, 23:].gather(-1, generated[..., None])[..., 0]
-        ratio = got - trained
-        errors[name] = {
-            "mismatch_kl": float((torch.exp(-ratio) - 1 + ratio).mean()),  # k3, as mismatch_kl
-            "max_abs_logprob_difference": float(ratio.abs().max()),
-        }
-    return {
-        "batch": len(prompts),
-        "new_tokens": opts.engine_tokens,
-        "repeats": opts.engine_repeats,
-        "tokens_per_second": {n: tokens / statistics.median(s) for n, s in seconds.items()},
-        "seconds": seconds,
-        "errors": errors,
-    }
-
-
-def markdown(res: dict[str, Any]) -> str:
-    """Both parts as markdown tables, with the ratios the targets are read from."""
-    rows = {r["name"]: r for r in res.get("recipe_shape", [])}
-    m, settings = res["machine"], res.get("settings", {})
-    lines = [
-        "# LoRA RL against full fine-tuning and TRL + PEFT",
-        "",
-        f"`tools/benchmarks/lora.py --steps {settings.get('steps')} --skip {settings.get('skip')} "
-        f"--large-steps {res.get('large', {}).get('steps', 0)}`, {res.get('started', '?')}: "
-        f"{m['cpu']}, {m['cores']} cores, {m['memory']}, torch {m['torch']}, megatron-core "
-        f"{m['megatron.core']}, transformers {m['transformers']}, TRL {m['trl']}.",
-        "",
-    ]
-    if rows:
-        full = rows["full"]
-        lines += [
-            "| configuration | s/step | per round | training update s/step | peak RSS | "
-            "generation / training peak | mismatch_kl |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for r in rows.values():
-            ours = r["kind"] == "ours"
-            rounds = ", ".join(f"{s:.1f}" for s in r["seconds_per_step_per_round"])
-            lines.append(
-                f"| {r['name']} | {r['seconds_per_step']:.2f} | {rounds} | "
-                + (f"{r['train_seconds_per_step']:.2f}" if ours else "n/a")
-                + f" | {r['peak_rss_mib']:.0f} MiB | "
-                + (
-                    f"{r['generation_peak_mib']:.0f} / {r['training_peak_mib']:.0f} MiB"
-                    if ours
-                    else "n/a"
-                )
-                + " | "
-                + (f"{r['mismatch_kl']:.1e}" if ours else "n/a")
-                + " |"
-            )
-        rank = res["rank"]
-        lora, trl = rows[f"LoRA r={rank}"], rows[f"TRL + PEFT r={rank}"]
-        best = min((rows[f"LoRA r={rank}"], rows[f"LoRA r={rank}, no recompute"]),
-                   key=lambda r: r["seconds_per_step"])  # fmt: skip
-        lines += [
-            "",
-            f"* training update, full fine-tuning / LoRA r={rank} (both with recompute): "
-            f"**{full['train_seconds_per_step'] / lora['train_seconds_per_step']:.2f}x**; "
-            f"without recompute: {full['train_seconds_per_step'] / rows[f'LoRA r={rank}, no recompute']['train_seconds_per_step']:.2f}x",
-            f"* whole step, TRL + PEFT / ours ({best['name']}): "
-            f"**{trl['seconds_per_step'] / best['seconds_per_step']:.2f}x** "
-            f"(with recompute: {trl['seconds_per_step'] / lora['seconds_per_step']:.2f}x)",
-            f"* peak RSS: full {full['peak_rss_mib']:.0f} MiB, LoRA r={rank} "
-            f"{lora['peak_rss_mib']:.0f} MiB ({lora['peak_rss_mib'] / full['peak_rss_mib']:.0%}), "
-            f"TRL + PEFT {trl['peak_rss_mib']:.0f} MiB",
-        ]
-    engine = res.get("engine")
-    if engine:
-        tps = engine["tokens_per_second"]
-        base = tps["adapters off (base)"]
-        lines += [
-            "",
-            f"Engine decode, SmolLM2-135M bf16, batch {engine['batch']} x {engine['new_tokens']} "
-            f"new tokens, rank {res['rank']} (median of {engine['repeats']}, interleaved):",
-            "",
-            "| variant | tokens/s | vs base | mismatch_kl vs training | max abs logprob difference |",
-            "|---|---|---|---|---|",
-        ]
-        for name, rate in tps.items():
-            err = engine["errors"].get(name)
-            lines.append(
-                f"| {name} | {rate:.0f} | {rate / base:.2f}x | "
-                + (
-                    f"{err['mismatch_kl']:.1e} | {err['max_abs_logprob_difference']:.3f} |"
-                    if err
-                    else "n/a | n/a |"
-                )
-            )
-    large = res.get("large")
-    if large:
-        lines += [
-            "",
-            f"SmolLM2-1.7B shape ({large['parameters'] / 1e9:.2f}B parameters, random init), "
-            f"LoRA r={res['large_rank']}, {large['steps']} steps of 2 x 4 rollouts x 32 tokens: "
-            f"peak RSS **{large['peak_rss_mib'] / 1024:.1f} GiB** (generation "
-            f"{large['generation_peak_mib'] / 1024:.1f} / training {large['training_peak_mib'] / 1024:.1f} GiB), "
-            f"s/step {', '.join(f'{s:.0f}' for s in large['seconds_per_step'])} (training update "
-            f"{', '.join(f'{s:.0f}' for s in large['train_seconds_per_step'])}); full "
-            f"fine-tuning's float32 weights + gradients + AdamW moments alone: "
-            f"{large['full_finetuning_state_gib']:.1f} GiB, "
-            + (
-                "above"
-                if large["full_finetuning_state_gib"] > large["machine_memory_gib"]
-                else "within"
-            )
-            + f" the machine's {large['machine_memory_gib']:.1f} GiB.",
-        ]
-    return "\n".join(lines)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=5, help="GRPO steps per run (part 1).")
@@ -449,9 +270,11 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=None, help="Keep logs and files here.")
     opts = parser.parse_args()
     res: dict[str, Any] = {
-        "machine": machine(), "rank": opts.rank, "large_rank": opts.large_rank,
+        "machine": machine(),
+        "rank": opts.rank,
+        "large_rank": opts.large_rank,
         "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-    }  # fmt: skip
+    }
     previous = opts.out / "lora.json"
     if previous.exists():  # a part not measured now keeps its numbers
         res = {**json.loads(previous.read_text()), **res}

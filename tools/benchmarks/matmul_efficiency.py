@@ -109,10 +109,14 @@ def _top_ops(prof, cpu: float, wall: float, top: int, steps: int) -> dict[str, A
         "wall_ms": wall * 1e3 / steps,
         "operators_ms": total * 1e3 / steps,
         "top": [
-            {"op": e.key, "calls": e.count / steps, "ms": e.self_cpu_time_total / 1e3 / steps,
-             "share": e.self_cpu_time_total / 1e6 / total}
+            {
+                "op": e.key,
+                "calls": e.count / steps,
+                "ms": e.self_cpu_time_total / 1e3 / steps,
+                "share": e.self_cpu_time_total / 1e6 / total,
+            }
             for e in events[:top]
-        ],  # fmt: skip
+        ],
     }
 
 
@@ -121,11 +125,20 @@ def profiles(model, vocab: int, opts, decode_steps: int = 10) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
     c = model.config
-    cache = KVCache(c.num_layers, opts.batch, 64, c.num_query_groups, c.kv_channels,
-                    torch.float32, torch.device("cpu"))  # fmt: skip
+    cache = KVCache(
+        c.num_layers,
+        opts.batch,
+        64,
+        c.num_query_groups,
+        c.kv_channels,
+        torch.float32,
+        torch.device("cpu"),
+    )
     runner = KVCacheRowRunner(model, cache, vocab)
-    rows = [RowWork(slot=i, tokens=(5,), start=20, temperature=1.0, top_p=1.0, top_k=0, seed=i)
-            for i in range(opts.batch)]  # fmt: skip
+    rows = [
+        RowWork(slot=i, tokens=(5,), start=20, temperature=1.0, top_p=1.0, top_k=0, seed=i)
+        for i in range(opts.batch)
+    ]
     runner.run(rows)  # warm-up
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t0, w0 = time.thread_time(), time.perf_counter()

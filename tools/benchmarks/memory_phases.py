@@ -47,8 +47,11 @@ class PhaseMemory:
 
     def mark(self, where: str) -> None:
         now = resident_mib()
-        print(f"memory: {where:<42} resident {now:5d} MiB, peak since the last mark "
-              f"{max(self.peak, now):5d} MiB", flush=True)  # fmt: skip
+        print(
+            f"memory: {where:<42} resident {now:5d} MiB, peak since the last mark "
+            f"{max(self.peak, now):5d} MiB",
+            flush=True,
+        )
         self.peak = now
 
     def around(self, owner: type, method: str, name: str) -> None:
@@ -75,7 +78,7 @@ def main() -> None:
     checkpoint = packaged_checkpoint(SMOLLM2)
     memory = PhaseMemory()
     memory.mark("start (interpreter and this tool)")
-    import megatron.trainer.generation as generation
+    import megatron.trainer.generation.host as generation
     import megatron.trainer.grpo as grpo
 
     memory.around(grpo, "build_run", "start-up (model, optimizer, load)")
@@ -83,13 +86,35 @@ def main() -> None:
     memory.around(grpo.Run, "collection", "the collection (pi_old)")
     memory.around(grpo.Run, "train_step", "the training update")
     sys.argv = [
-        "pretrain_grpo.py", "--hf-checkpoint", str(checkpoint),
-        "--env-config", str(REPO / "examples" / "rl" / "environment_configs" / "arithmetic.yaml"),
-        "--seq-length", "256", "--bf16", "--recompute-granularity", "full",
-        "--rl-forced-lag", "0", "--grpo-prompts-per-step", "8", "--grpo-group-size", "8",
-        "--micro-batch-size", "8", "--lr", "2e-5", "--lr-warmup-iters", "2",
-        "--train-iters", str(steps), "--rl-ignore-eos", "--plot-file", "none", *extra,
-    ]  # fmt: skip
+        "pretrain_grpo.py",
+        "--hf-checkpoint",
+        str(checkpoint),
+        "--env-config",
+        str(REPO / "examples" / "rl" / "environment_configs" / "arithmetic.yaml"),
+        "--seq-length",
+        "256",
+        "--bf16",
+        "--recompute-granularity",
+        "full",
+        "--rl-forced-lag",
+        "0",
+        "--grpo-prompts-per-step",
+        "8",
+        "--grpo-group-size",
+        "8",
+        "--micro-batch-size",
+        "8",
+        "--lr",
+        "2e-5",
+        "--lr-warmup-iters",
+        "2",
+        "--train-iters",
+        str(steps),
+        "--rl-ignore-eos",
+        "--plot-file",
+        "none",
+        *extra,
+    ]
     runpy.run_path(str(REPO / "pretrain_grpo.py"), run_name="__main__")
 
 

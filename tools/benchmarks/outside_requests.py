@@ -18,7 +18,8 @@ latency is bounded by the step's time, not by engine steps. The same run without
 the reference: every step's losses, rewards and policy versions must be bitwise equal.
 
 ``--outside-slots 0`` measures the engine without reserved slots (the behaviour before
-``--rl-outside-request-slots``). Writes ``outside_requests.json`` and ``outside_requests.md``.
+``--rl-outside-request-slots``). Writes ``outside_requests.json`` and ``outside_requests.md``
+(``outside_requests_report.markdown``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tools.benchmarks.common import REPO, machine, subprocess_env  # noqa: E402
+from tools.benchmarks.outside_requests_report import markdown  # noqa: E402
 
 ENDPOINT = re.compile(
     r"^endpoint\s+(http://\S+/v1) \(OpenAI-style; (?:bearer key from (.+)|no key)\)"
@@ -83,11 +85,21 @@ def env_server(workdir: Path, key_file: Path) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     with open(workdir / "env_server.log", "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "megatron.rl.server.env_server", f"--env-config={config}",
-             "--host=127.0.0.1", f"--port={port}", "--log-level=warning",
-             f"--api-key-file={key_file}"],
-            cwd=REPO, env=subprocess_env(1), stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "megatron.rl.server.env_server",
+                f"--env-config={config}",
+                "--host=127.0.0.1",
+                f"--port={port}",
+                "--log-level=warning",
+                f"--api-key-file={key_file}",
+            ],
+            cwd=REPO,
+            env=subprocess_env(1),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         try:
             headers = {"authorization": f"Bearer {key_file.read_text().strip()}"}
             deadline = time.monotonic() + 60
@@ -107,12 +119,33 @@ def env_server(workdir: Path, key_file: Path) -> Iterator[str]:
 def training_flags(checkpoint: Path, env_config: Path, key_file: Path, steps: int) -> list[str]:
     """The measured run: forced lag 2, the deterministic schedule (default), the key file."""
     return [
-        "--hf-checkpoint", str(checkpoint), "--env-config", str(env_config),
-        "--rl-forced-lag", "2", "--train-iters", str(steps), "--lr-warmup-iters", "1",
-        "--seq-length", "128", "--grpo-prompts-per-step", "4", "--grpo-group-size", "4",
-        "--micro-batch-size", "8", "--inference-max-requests", "16", "--seed", "1234",
-        "--rl-api-key-file", str(key_file), "--plot-file", "none",
-    ]  # fmt: skip
+        "--hf-checkpoint",
+        str(checkpoint),
+        "--env-config",
+        str(env_config),
+        "--rl-forced-lag",
+        "2",
+        "--train-iters",
+        str(steps),
+        "--lr-warmup-iters",
+        "1",
+        "--seq-length",
+        "128",
+        "--grpo-prompts-per-step",
+        "4",
+        "--grpo-group-size",
+        "4",
+        "--micro-batch-size",
+        "8",
+        "--inference-max-requests",
+        "16",
+        "--seed",
+        "1234",
+        "--rl-api-key-file",
+        str(key_file),
+        "--plot-file",
+        "none",
+    ]
 
 
 def send_requests(url: str, key: str, chat: bool, stop: threading.Event, out: list) -> None:
@@ -129,9 +162,12 @@ def send_requests(url: str, key: str, chat: bool, stop: threading.Event, out: li
         try:
             if route == "chat":
                 client.chat.completions.create(
-                    model="policy", messages=[{"role": "user", "content": f"say {i}"}],
-                    max_completion_tokens=4, seed=i, extra_body=extra,
-                )  # fmt: skip
+                    model="policy",
+                    messages=[{"role": "user", "content": f"say {i}"}],
+                    max_completion_tokens=4,
+                    seed=i,
+                    extra_body=extra,
+                )
             else:
                 client.completions.create(
                     model="policy", prompt=f"12{i}", max_tokens=4, seed=i, extra_body=extra
@@ -153,8 +189,15 @@ def train(workdir: Path, flags: list[str], outside: bool, chat: bool, timeout_s:
     probe, metrics = workdir / "probe.json", workdir / "metrics.jsonl"
     for path in (probe, metrics):
         path.unlink(missing_ok=True)
-    cmd = [sys.executable, __file__, "--worker", str(probe), "--",
-           *flags, f"--metrics-file={metrics}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        str(probe),
+        "--",
+        *flags,
+        f"--metrics-file={metrics}",
+    ]
     log = workdir / "trainer.log"
     key_file = Path(flags[flags.index("--rl-api-key-file") + 1])
     sent: list[dict[str, Any]] = []
@@ -288,47 +331,6 @@ def measure(workdir: Path, steps: int, outside_slots: int | None) -> dict[str, A
         },
         "train_seconds": percentiles([m["train_seconds"] for m in loaded.metrics]),
     }
-
-
-def markdown(result: dict[str, Any]) -> str:
-    """The report of ``measure``'s result."""
-    s, e, t = result["seconds"], result["engine_steps"], result["train_seconds"]
-    slots = result["outside_request_slots"]
-    setting = "the default" if slots is None else str(slots)
-    if not s["n"]:
-        s = e = {"p50": float("nan"), "p99": float("nan"), "max": float("nan"), "n": 0}
-    lines = [
-        "# Outside requests at the trainer's endpoint (deterministic schedule, forced lag 2)",
-        "",
-        f"`python tools/benchmarks/outside_requests.py`; {result['steps']} steps of a tiny Llama "
-        "checkpoint on the digit-copy task behind an env server, key set (endpoint line: key "
-        f"from {result['endpoint_key_source']}). One client, one request at a time, 4 tokens, "
-        "alternating /v1/completions and /v1/chat/completions through `openai`. "
-        f"`--rl-outside-request-slots`: {setting}.",
-        "",
-        "| | p50 | p99 | max | requests |",
-        "|---|---|---|---|---|",
-        f"| latency (s) | {s['p50']:.3f} | {s['p99']:.3f} | {s['max']:.3f} | {s['n']} |",
-        f"| engine steps, arrival to answer | {e['p50']} | {e['p99']} | {e['max']} | {e['n']} |",
-        f"| training step (s, engine suspended) | {t['p50']:.3f} | {t['p99']:.3f} | "
-        f"{t['max']:.3f} | {t['n']} steps |",
-    ]
-    for route, r in result["by_route"].items():
-        lines.append(f"| {route} latency (s) | {r['p50']:.3f} | {r['p99']:.3f} | {r['max']:.3f} "
-                     f"| {r['n']} |")  # fmt: skip
-    lines += [
-        "",
-        f"Requests not answered before the run ended: {len(result['unanswered_seconds'])} "
-        f"(waited {', '.join(f'{x:.1f}' for x in result['unanswered_seconds']) or '-'} s).",
-        "",
-        f"Training metrics (losses, rewards, policy versions) bitwise equal to the run without "
-        f"the client: **{result['metrics_bitwise_equal']}**. A request arriving during a training "
-        "step waits for the next generation window: its wall-clock latency is bounded by that "
-        "step's time (row above), its latency in engine steps is not affected.",
-        "",
-        f"Machine: {result['machine']['cpu']}, {result['machine']['cores']} cores.",
-    ]
-    return "\n".join(lines) + "\n"
 
 
 def main() -> None:

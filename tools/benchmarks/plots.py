@@ -116,8 +116,10 @@ def _hf_shapes_bars(ax, hfs: dict[str, Any]) -> None:
     """Engine batch-64 tokens/s over HF generate and over one at a time, per Llama shape (CPU
     time: the targets are judged on it; wall-clock ratios are in the tables)."""
     b = hfs["batch"]
-    groups = [(f"HF generate, batch {b}", f"÷ HF generate (target {HF_TARGET}x)"),
-              ("engine, one at a time", f"÷ one at a time (target {SERIAL_TARGET}x)")]  # fmt: skip
+    groups = [
+        (f"HF generate, batch {b}", f"÷ HF generate (target {HF_TARGET}x)"),
+        ("engine, one at a time", f"÷ one at a time (target {SERIAL_TARGET}x)"),
+    ]
     shapes = hfs["shapes"]
     width = 0.8 / len(groups)
     for k, (name, label) in enumerate(groups):

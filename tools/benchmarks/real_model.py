@@ -60,22 +60,36 @@ def ours_flags(
 ) -> list[str]:
     """``pretrain_grpo.py`` flags of one of our runs."""
     flags = [
-        "--hf-checkpoint", str(ckpt),
-        "--env-config", str(ENV_CONFIG),
-        "--seq-length", "256",
-        "--rl-forced-lag", str(lag),
-        "--train-iters", str(opts.steps),
-        "--grpo-prompts-per-step", str(opts.prompts),
-        "--grpo-group-size", str(opts.group_size),
-        "--micro-batch-size", str(opts.micro_batch_size),
-        "--inference-max-requests", str(opts.prompts * opts.group_size * (lag + 1)),
+        "--hf-checkpoint",
+        str(ckpt),
+        "--env-config",
+        str(ENV_CONFIG),
+        "--seq-length",
+        "256",
+        "--rl-forced-lag",
+        str(lag),
+        "--train-iters",
+        str(opts.steps),
+        "--grpo-prompts-per-step",
+        str(opts.prompts),
+        "--grpo-group-size",
+        str(opts.group_size),
+        "--micro-batch-size",
+        str(opts.micro_batch_size),
+        "--inference-max-requests",
+        str(opts.prompts * opts.group_size * (lag + 1)),
         "--rl-ignore-eos",
-        "--lr", str(opts.lr),
-        "--min-lr", "0",
-        "--lr-warmup-iters", "0",
-        "--lr-decay-style", "constant",
-        "--log-interval", "1",
-    ]  # fmt: skip
+        "--lr",
+        str(opts.lr),
+        "--min-lr",
+        "0",
+        "--lr-warmup-iters",
+        "0",
+        "--lr-decay-style",
+        "constant",
+        "--log-interval",
+        "1",
+    ]
     return flags + (["--bf16"] if bf16 else []) + (["--recompute-granularity", "full"] * recompute)
 
 
@@ -88,18 +102,45 @@ def run_trl(
     from tools.benchmarks.common import subprocess_env
 
     summary = tmp / "trl_summary.json"
-    cmd = [
-        sys.executable, str(REPO / "tools" / "benchmarks" / "trl_worker.py"),
-        "--summary", str(summary), "--hf-checkpoint", str(ckpt), "--task", "arithmetic",
-        "--env-config", str(ENV_CONFIG), "--val-split-fraction", "0", "--steps", str(opts.steps),
-        "--prompts", str(opts.prompts), "--group-size", str(opts.group_size),
-        "--micro-batch-size", str(opts.micro_batch_size), "--ignore-eos", "--lr", str(opts.lr),
-    ] + (["--bf16"] if bf16 else []) + list(extra)  # fmt: skip
+    cmd = (
+        [
+            sys.executable,
+            str(REPO / "tools" / "benchmarks" / "trl_worker.py"),
+            "--summary",
+            str(summary),
+            "--hf-checkpoint",
+            str(ckpt),
+            "--task",
+            "arithmetic",
+            "--env-config",
+            str(ENV_CONFIG),
+            "--val-split-fraction",
+            "0",
+            "--steps",
+            str(opts.steps),
+            "--prompts",
+            str(opts.prompts),
+            "--group-size",
+            str(opts.group_size),
+            "--micro-batch-size",
+            str(opts.micro_batch_size),
+            "--ignore-eos",
+            "--lr",
+            str(opts.lr),
+        ]
+        + (["--bf16"] if bf16 else [])
+        + list(extra)
+    )
     with open(log, "w", encoding="utf-8") as out:
         proc = subprocess.run(
-            cmd, cwd=tmp, env=subprocess_env(opts.threads), stdout=out,
-            stderr=subprocess.STDOUT, timeout=3600, check=False,
-        )  # fmt: skip
+            cmd,
+            cwd=tmp,
+            env=subprocess_env(opts.threads),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=3600,
+            check=False,
+        )
     if proc.returncode != 0:
         tail = "".join(log.read_text(encoding="utf-8").splitlines(keepends=True)[-30:])
         raise RuntimeError(f"TRL run failed ({proc.returncode})\n{tail}")
@@ -201,14 +242,23 @@ def markdown(res: dict[str, Any]) -> str:
         ours = r["lag"] is not None
         lines.append(
             f"| {r['name']} | {r['seconds_per_step']:.2f} | {rounds} | "
-            + (f"**{r['speedup_vs_trl']:.2f}x** ({spread(r['speedup_vs_trl_per_round'])})"
-               if ours else "1.00x")  # fmt: skip
+            + (
+                f"**{r['speedup_vs_trl']:.2f}x** ({spread(r['speedup_vs_trl_per_round'])})"
+                if ours
+                else "1.00x"
+            )
             + " | "
-            + (f"{r['train_seconds_per_step']:.2f} ({r['training_ceiling_vs_trl']:.2f}x)"
-               if ours else "n/a")  # fmt: skip
+            + (
+                f"{r['train_seconds_per_step']:.2f} ({r['training_ceiling_vs_trl']:.2f}x)"
+                if ours
+                else "n/a"
+            )
             + f" | {r['peak_rss_mib']:.0f} MiB | "
-            + (f"{r['generation_peak_mib']:.0f} / {r['training_peak_mib']:.0f} MiB"
-               if ours else "n/a")  # fmt: skip
+            + (
+                f"{r['generation_peak_mib']:.0f} / {r['training_peak_mib']:.0f} MiB"
+                if ours
+                else "n/a"
+            )
             + " | "
             + (f"{r['mismatch_kl']:.2e}" if ours else "n/a")
             + f" | {r['completion_tokens_mean']:.1f} |"

@@ -25,14 +25,14 @@ Accuracy is the share of held-out problems whose greedy answer is right, with it
 interval. The table says whether the last accuracy lies above the first evaluation's interval
 (outside the start's noise) and, the stricter reading, whether the two intervals are disjoint.
 Writes ``recipe.json`` (every number), ``recipe.png`` (greedy accuracy and batch reward against
-wall-clock seconds, one line per run) and ``recipe.md`` (the table) into ``--out``.
+wall-clock seconds, one line per run) and ``recipe.md`` (the table) into ``--out``; both drawn by
+``recipe_report.py`` from the json alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,13 +43,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tools.benchmarks.common import REPO, machine, subprocess_env  # noqa: E402
+from tools.benchmarks.recipe_report import markdown, plot, significant  # noqa: E402
 
 ENV_CONFIG = REPO / "examples" / "rl" / "environment_configs" / "arithmetic.yaml"
 RUNS: tuple[tuple[str, int | None, tuple[str, ...]], ...] = (
     ("ours L=0", 0, ()),
     ("ours L=2", 2, ()),
     ("TRL", None, ()),
-    # The loss variants of the policy-gradient issue, on the L=0 command (same everything else).
+    # The policy-loss variants, on the L=0 command (same everything else).
     ("ours GSPO L=0", 0, ("--policy-loss", "gspo", "--loss-agg-mode", "seq-mean-token-mean")),
     (
         "ours Dr.GRPO L=0",
@@ -79,15 +80,23 @@ DEFAULT_RUNS = ("ours L=0", "ours L=2", "TRL")
 def shared_flags(opts: argparse.Namespace) -> list[str]:
     """The evaluation flags every evaluation uses (the trainer's and ``evaluate``'s)."""
     return [
-        "--env-config", str(ENV_CONFIG),
-        "--seq-length", "256",
-        "--val-split-fraction", "0.1",
-        "--eval-prompts", str(opts.eval_prompts),
-        "--eval-samples", str(opts.eval_samples),
-        "--eval-pass-k", "1", str(opts.eval_samples),
-        "--rl-default-temperature", str(opts.temperature),
+        "--env-config",
+        str(ENV_CONFIG),
+        "--seq-length",
+        "256",
+        "--val-split-fraction",
+        "0.1",
+        "--eval-prompts",
+        str(opts.eval_prompts),
+        "--eval-samples",
+        str(opts.eval_samples),
+        "--eval-pass-k",
+        "1",
+        str(opts.eval_samples),
+        "--rl-default-temperature",
+        str(opts.temperature),
         "--bf16",
-    ]  # fmt: skip
+    ]
 
 
 def ours_command(
@@ -96,27 +105,44 @@ def ours_command(
     """``pretrain_grpo.py`` with the recipe's flags (the README's command) at forced lag ``lag``,
     then ``extra`` (a loss variant's flags)."""
     return [
-        sys.executable, str(REPO / "pretrain_grpo.py"),
-        "--hf-checkpoint", str(ckpt),
+        sys.executable,
+        str(REPO / "pretrain_grpo.py"),
+        "--hf-checkpoint",
+        str(ckpt),
         *shared_flags(opts),
-        "--rl-forced-lag", str(lag),
-        "--grpo-prompts-per-step", str(opts.prompts),
-        "--grpo-group-size", str(opts.group_size),
-        "--micro-batch-size", str(opts.micro_batch_size),
-        "--recompute-granularity", "full",
-        "--inference-max-requests", str(opts.prompts * opts.group_size * (lag + 1)),
-        "--lr", str(opts.lr),
-        "--min-lr", "0",
-        "--lr-warmup-iters", str(opts.warmup),
-        "--lr-decay-style", "constant",
-        "--train-iters", str(opts.steps),
-        "--eval-interval", str(opts.eval_every),
+        "--rl-forced-lag",
+        str(lag),
+        "--grpo-prompts-per-step",
+        str(opts.prompts),
+        "--grpo-group-size",
+        str(opts.group_size),
+        "--micro-batch-size",
+        str(opts.micro_batch_size),
+        "--recompute-granularity",
+        "full",
+        "--inference-max-requests",
+        str(opts.prompts * opts.group_size * (lag + 1)),
+        "--lr",
+        str(opts.lr),
+        "--min-lr",
+        "0",
+        "--lr-warmup-iters",
+        str(opts.warmup),
+        "--lr-decay-style",
+        "constant",
+        "--train-iters",
+        str(opts.steps),
+        "--eval-interval",
+        str(opts.eval_every),
         "--val-at-start",
-        "--metrics-file", str(out / "metrics.jsonl"),
-        "--val-dump-dir", str(out / "eval"),
-        "--plot-file", "none",
+        "--metrics-file",
+        str(out / "metrics.jsonl"),
+        "--val-dump-dir",
+        str(out / "eval"),
+        "--plot-file",
+        "none",
         *extra,
-    ]  # fmt: skip
+    ]
 
 
 def run_ours(
@@ -126,9 +152,13 @@ def run_ours(
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "train.log", "w") as log:
         subprocess.run(
-            ours_command(lag, opts, ckpt, out, extra), cwd=REPO, env=subprocess_env(opts.threads),
-            stdout=log, stderr=subprocess.STDOUT, check=True,
-        )  # fmt: skip
+            ours_command(lag, opts, ckpt, out, extra),
+            cwd=REPO,
+            env=subprocess_env(opts.threads),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            check=True,
+        )
     return read_ours(opts, out)
 
 
@@ -173,19 +203,45 @@ def run_trl(opts: argparse.Namespace, ckpt: Path, out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     summary = out / "trl_summary.json"
     cmd = [
-        sys.executable, str(REPO / "tools" / "benchmarks" / "trl_worker.py"),
-        "--summary", str(summary), "--hf-checkpoint", str(ckpt), "--task", "arithmetic",
-        "--env-config", str(ENV_CONFIG), "--steps", str(opts.steps),
-        "--prompts", str(opts.prompts), "--group-size", str(opts.group_size),
-        "--micro-batch-size", str(opts.micro_batch_size), "--lr", str(opts.lr),
-        "--lr-warmup-steps", str(opts.warmup), "--temperature", str(opts.temperature), "--bf16",
-        "--save-steps", str(opts.eval_every), "--output-dir", str(out / "checkpoints"),
-    ]  # fmt: skip
+        sys.executable,
+        str(REPO / "tools" / "benchmarks" / "trl_worker.py"),
+        "--summary",
+        str(summary),
+        "--hf-checkpoint",
+        str(ckpt),
+        "--task",
+        "arithmetic",
+        "--env-config",
+        str(ENV_CONFIG),
+        "--steps",
+        str(opts.steps),
+        "--prompts",
+        str(opts.prompts),
+        "--group-size",
+        str(opts.group_size),
+        "--micro-batch-size",
+        str(opts.micro_batch_size),
+        "--lr",
+        str(opts.lr),
+        "--lr-warmup-steps",
+        str(opts.warmup),
+        "--temperature",
+        str(opts.temperature),
+        "--bf16",
+        "--save-steps",
+        str(opts.eval_every),
+        "--output-dir",
+        str(out / "checkpoints"),
+    ]
     with open(out / "train.log", "w") as log:
         subprocess.run(
-            cmd, cwd=out, env=subprocess_env(opts.threads), stdout=log,
-            stderr=subprocess.STDOUT, check=True,
-        )  # fmt: skip
+            cmd,
+            cwd=out,
+            env=subprocess_env(opts.threads),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            check=True,
+        )
     data = json.loads(summary.read_text())
     saved = {s["step"]: s["t"] for s in data["saves"]}
     begin, clock, save_time = data["train_begin"], [], 0.0
@@ -208,83 +264,28 @@ def evaluate(directory: Path, step: int, seconds: float, opts, out: Path) -> dic
     """``python -m megatron.trainer.evaluate`` of a Hugging Face checkpoint."""
     result = out / f"eval-{step}.json"
     cmd = [
-        sys.executable, "-m", "megatron.trainer.evaluate", "--hf-checkpoint", str(directory),
-        *shared_flags(opts), "--output-json", str(result),
-        "--val-dump-dir", str(out / "eval" / f"step-{step}"),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "megatron.trainer.evaluate",
+        "--hf-checkpoint",
+        str(directory),
+        *shared_flags(opts),
+        "--output-json",
+        str(result),
+        "--val-dump-dir",
+        str(out / "eval" / f"step-{step}"),
+    ]
     with open(out / f"eval-{step}.log", "w") as log:
         subprocess.run(
-            cmd, cwd=REPO, env=subprocess_env(opts.threads), stdout=log,
-            stderr=subprocess.STDOUT, check=True,
-        )  # fmt: skip
+            cmd,
+            cwd=REPO,
+            env=subprocess_env(opts.threads),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            check=True,
+        )
     metrics = json.loads(result.read_text())["metrics"]
     return evaluation(metrics, "eval/", step, seconds, opts)
-
-
-def significant(evals: list[dict[str, Any]]) -> bool:
-    """Whether the last evaluation's 95% interval lies entirely above the first's (the strict
-    reading: both estimates' noise counted)."""
-    return evals[-1]["greedy_ci95"][0] > evals[0]["greedy_ci95"][1]
-
-
-def above_start_interval(evals: list[dict[str, Any]]) -> bool:
-    """Whether the last greedy accuracy lies above the first evaluation's 95% interval (not within
-    the start's noise)."""
-    return evals[-1]["greedy_accuracy"] > evals[0]["greedy_ci95"][1]
-
-
-def markdown(res: dict[str, Any]) -> str:
-    """The recipe's table: each run's first and last evaluation, its wall time, significance."""
-    k = res["eval_samples"]
-    lines = [
-        f"| run | steps | training wall time | greedy accuracy, start (95% CI) | last (95% CI) |"
-        f" last above the start's interval / intervals disjoint | pass@1 start -> last | pass@{k} start -> last | greedy truncated"
-        " start -> last |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for name, run in res["runs"].items():
-        first, last = run["evals"][0], run["evals"][-1]
-        ci = lambda e: f"{e['greedy_ci95'][0]:.1%}-{e['greedy_ci95'][1]:.1%}"  # noqa: E731
-        lines.append(
-            f"| {name} | {last['step']} | {last['seconds'] / 60:.1f} min{'*' if 'note' in run else ''} | "
-            f"{first['greedy_accuracy']:.1%} ({ci(first)}) | "
-            f"{last['greedy_accuracy']:.1%} ({ci(last)}) | "
-            f"{'yes' if above_start_interval(run['evals']) else 'no'} / "
-            f"{'yes' if significant(run['evals']) else 'no'} | "
-            f"{first['pass@1']:.1%} -> {last['pass@1']:.1%} | "
-            f"{first[f'pass@{k}']:.1%} -> {last[f'pass@{k}']:.1%} | "
-            f"{first['greedy_truncated_fraction']:.0%} -> {last['greedy_truncated_fraction']:.0%} |"
-        )
-    notes = [f"\n\\* {name}: {run['note']}" for name, run in res["runs"].items() if "note" in run]
-    return "\n".join(lines + notes)
-
-
-def plot(res: dict[str, Any], path: Path) -> None:
-    """Greedy held-out accuracy (with its interval) and batch reward against wall-clock time."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (acc, rew) = plt.subplots(1, 2, figsize=(12, 4.2))
-    for name, run in res["runs"].items():
-        minutes = [e["seconds"] / 60 for e in run["evals"]]
-        values = [e["greedy_accuracy"] for e in run["evals"]]
-        low = [e["greedy_accuracy"] - e["greedy_ci95"][0] for e in run["evals"]]
-        high = [e["greedy_ci95"][1] - e["greedy_accuracy"] for e in run["evals"]]
-        acc.errorbar(minutes, values, yerr=[low, high], marker="o", capsize=3, label=name)
-        rewards = [s["reward"] for s in run["steps"]]
-        smooth = [statistics.fmean(rewards[max(0, i - 4) : i + 1]) for i in range(len(rewards))]
-        rew.plot([s["seconds"] / 60 for s in run["steps"]], smooth, label=name)
-    acc.set_title(f"held-out greedy accuracy ({res['eval_prompts']} problems, 95% CI)")
-    rew.set_title("training reward (batch mean, last 5 steps)")
-    for ax in (acc, rew):
-        ax.set_xlabel("training wall-clock (minutes, 2 CPU cores)")
-        ax.legend()
-    fig.suptitle("SmolLM2-135M-Instruct, GRPO on arithmetic word problems")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def main() -> None:
@@ -341,14 +342,21 @@ def main() -> None:
             else:
                 run = run_ours(lag, opts, ckpt, out, extra)
             res["runs"][name] = {
-                **run, "significant": significant(run["evals"]), "started": started,
-                "settings": {k: v for k, v in vars(opts).items() if k not in ("out", "work", "only", "name")},
+                **run,
+                "significant": significant(run["evals"]),
+                "started": started,
+                "settings": {
+                    k: v for k, v in vars(opts).items() if k not in ("out", "work", "only", "name")
+                },
                 "extra_flags": list(extra),
-            }  # fmt: skip
+            }
     res.update(
-        started=started, machine=machine(), checkpoint=SMOLLM2.filename,
-        eval_prompts=opts.eval_prompts, eval_samples=opts.eval_samples,
-    )  # fmt: skip
+        started=started,
+        machine=machine(),
+        checkpoint=SMOLLM2.filename,
+        eval_prompts=opts.eval_prompts,
+        eval_samples=opts.eval_samples,
+    )
     opts.out.mkdir(parents=True, exist_ok=True)
     (opts.out / f"{opts.name}.json").write_text(json.dumps(res, indent=1))
     plot(res, opts.out / f"{opts.name}.png")

@@ -55,11 +55,11 @@ time, as an estimate for an otherwise idle machine.{separate(res)}
 | trl | {m['trl']} |
 | platform | {m['platform']} |
 
-## Targets (issue 7)
+## Targets: L=2 over L=0 steps/s and ours vs TRL, default model
 
 {chr(10).join(targets(res))}
 
-## Targets (issue 17, measured by `hf_shapes.py` and `trl_side_by_side.py --hf-shape`)
+## Targets: Llama checkpoints and lag schedules (`hf_shapes.py`, `trl_side_by_side.py --hf-shape`)
 
 Engine and whole-step targets are judged on CPU time of the working thread (every process runs
 one torch thread): on a shared machine the wall clock ratios (given beside, with each process's
@@ -170,7 +170,7 @@ shape, other time of the day).
 
 def real_model_section(rm: dict[str, Any]) -> str:
     """Section 6 of RESULTS.md: the real model (SmolLM2-135M-Instruct) against TRL, with the
-    issue-25 targets."""
+    memory and whole-step targets."""
     load = ", ".join(f"{x:.1f}" for x in rm["load"])
     return f"""## 6. A real pretrained model: SmolLM2-135M-Instruct vs TRL, time and memory
 
@@ -199,7 +199,7 @@ def separate(res: dict[str, Any]) -> str:
     if not hfs or hfs.get("run_started", hfs["started"]) == res["started"]:
         return ""
     return (
-        f"\n\nSections 4 and 5 (and the issue-17 targets) were measured by a later "
+        f"\n\nSections 4 and 5 (and their targets) were measured by a later "
         f"`run_all.py --only hf_shapes trl_hf` run, started {hfs['started']}, with the code of "
         "that date; their ratios are side by side within that run. Sections 1-3 keep the "
         "earlier run's numbers."

@@ -10,7 +10,7 @@ Runs ``engine_throughput.py``, ``trl_side_by_side.py``, ``lag_sweep.py``, ``hf_s
 writes ``lora.md``) one after another in this single invocation, then writes
 
 * ``benchmarks/results/RESULTS.md``: the machine, the commands, one markdown table per benchmark
-  and whether the targets of issue 7 were met;
+  and whether the targets were met;
 * ``benchmarks/results/benchmarks.png``: the ratios as bar charts (absolute times are in the
   tables, never used as bars);
 * ``benchmarks/results/results.json``: every number, for diffs between runs.
@@ -64,13 +64,24 @@ def run_engine(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """``engine_throughput.py`` in its own process (it initializes torch.distributed)."""
     out = workdir / "engine.json"
     cmd = [
-        sys.executable, str(REPO / "tools" / "benchmarks" / "engine_throughput.py"),
-        "--json", str(out), "--threads", str(opts.threads), "--repeats", str(opts.engine_repeats),
-    ]  # fmt: skip
+        sys.executable,
+        str(REPO / "tools" / "benchmarks" / "engine_throughput.py"),
+        "--json",
+        str(out),
+        "--threads",
+        str(opts.threads),
+        "--repeats",
+        str(opts.engine_repeats),
+    ]
     proc = subprocess.run(
-        cmd, cwd=REPO, env=subprocess_env(opts.threads), capture_output=True, text=True,
-        timeout=600, check=False,
-    )  # fmt: skip
+        cmd,
+        cwd=REPO,
+        env=subprocess_env(opts.threads),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     if proc.returncode != 0:
         raise RuntimeError(
             f"engine_throughput.py failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
@@ -82,15 +93,26 @@ def run_hf_shapes(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """``hf_shapes.py`` in its own process (it initializes torch.distributed)."""
     out = workdir / "hf_shapes.json"
     cmd = [
-        sys.executable, str(REPO / "tools" / "benchmarks" / "hf_shapes.py"),
-        "--json", str(out), "--threads", str(opts.threads), "--repeats", str(opts.hf_repeats),
-    ]  # fmt: skip
+        sys.executable,
+        str(REPO / "tools" / "benchmarks" / "hf_shapes.py"),
+        "--json",
+        str(out),
+        "--threads",
+        str(opts.threads),
+        "--repeats",
+        str(opts.hf_repeats),
+    ]
     started = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     load = os.getloadavg()
     proc = subprocess.run(
-        cmd, cwd=REPO, env=subprocess_env(opts.threads), capture_output=True, text=True,
-        timeout=1800, check=False,
-    )  # fmt: skip
+        cmd,
+        cwd=REPO,
+        env=subprocess_env(opts.threads),
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=False,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"hf_shapes.py failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
     return {**json.loads(out.read_text()), "started": started, "load_average_at_start": load}
@@ -102,13 +124,26 @@ def run_lora(opts: argparse.Namespace) -> dict[str, Any]:
     ``lora.md`` into ``--out`` itself."""
     steps, skip, large = ("3", "1", "1") if opts.quick else opts.lora.split(":")
     cmd = [
-        sys.executable, str(REPO / "tools" / "benchmarks" / "lora.py"), "--out", str(opts.out),
-        "--steps", steps, "--skip", skip, "--large-steps", large,
-    ]  # fmt: skip
+        sys.executable,
+        str(REPO / "tools" / "benchmarks" / "lora.py"),
+        "--out",
+        str(opts.out),
+        "--steps",
+        steps,
+        "--skip",
+        skip,
+        "--large-steps",
+        large,
+    ]
     proc = subprocess.run(
-        cmd, cwd=REPO, env=subprocess_env(2), capture_output=True, text=True, timeout=7200,
+        cmd,
+        cwd=REPO,
+        env=subprocess_env(2),
+        capture_output=True,
+        text=True,
+        timeout=7200,
         check=False,
-    )  # fmt: skip
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"lora.py failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
     return json.loads((opts.out / "lora.json").read_text())

@@ -1,4 +1,4 @@
-"""The targets of issues 7, 17 and 25 and the RESULTS.md lines that judge them, met or not.
+"""The benchmark targets and the RESULTS.md lines that judge them, met or not.
 
 Each ``*_targets`` function turns one benchmark's results (as stored in ``results.json``) into
 markdown bullets that name the target, say **met** or **not met**, and give the measured ratios;
@@ -12,23 +12,23 @@ from typing import Any
 from tools.benchmarks.common import spread
 
 LAG_TARGET = 2.0
-"""Issue 7: L=2 must reach this many times the steps/s of L=0."""
+"""Default model: L=2 must reach this many times the steps/s of L=0."""
 HF_TARGET, SERIAL_TARGET = 1.3, 5.0
-"""Issue 17: engine tokens/s at batch 64 over HF ``generate`` / over one request at a time."""
+"""Llama checkpoints: engine tokens/s at batch 64 over HF ``generate`` / over one at a time."""
 DETERMINISTIC_LAG_TARGET, THROUGHPUT_LAG_TARGET = 1.9, 2.3
-"""Issue 17: L=2 steps/s over L=0 with the deterministic (reward-wait budget) and throughput
-schedules."""
+"""Per lag schedule: L=2 steps/s over L=0 with the deterministic (reward-wait budget) and
+throughput schedules."""
 DECODE_MATMUL_TARGET, TRAIN_MATMUL_TARGET = 0.25, 0.50
-"""Issue 17: share of the measured matmul rate reached by decode / by a training step (~25M)."""
+"""Llama 25M: share of the measured matmul rate reached by decode / by a training step."""
 TRL_L0_TARGET, TRL_L2_TARGET = 1.3, 2.0
-"""Issue 17: TRL s/step over ours at L=0 / at L=2 on the same HF checkpoint."""
+"""Llama checkpoints: TRL s/step over ours at L=0 / at L=2 on the same HF checkpoint."""
 REAL_RSS_TARGET_MIB, REAL_TRL_L0_TARGET = 3072, 1.3
-"""Issue 25, SmolLM2-135M-Instruct at the recipe's shape: peak RSS (and <= TRL's at the same
+"""SmolLM2-135M-Instruct at the recipe's shape: peak RSS (and <= TRL's at the same
 precision); TRL s/step over ours at L=0 with equal work."""
 
 
 def real_model_targets(rm: dict[str, Any]) -> list[str]:
-    """Issue 25's memory and whole-step targets on the real model, per configuration of ours."""
+    """The memory and whole-step targets on the real model, per configuration of ours."""
     rows = {r["name"]: r for r in rm["results"]}
     lines = []
     for r in rm["results"]:
@@ -56,7 +56,7 @@ def real_model_targets(rm: dict[str, Any]) -> list[str]:
 
 
 def hf_targets(hfs: dict[str, Any]) -> list[str]:
-    """One line per issue-17 target that ``hf_shapes.py`` measures, met or not."""
+    """One line per engine and matmul target that ``hf_shapes.py`` measures, met or not."""
     lines = []
     b = hfs["batch"]
     for s in hfs["shapes"]:
@@ -100,7 +100,7 @@ def ceiling(row: dict[str, Any]) -> str:
 
 
 def trl_hf_targets(trl_hf: dict[str, Any]) -> list[str]:
-    """Issue 17's whole-step and memory targets against TRL on each HF checkpoint."""
+    """The whole-step and memory targets against TRL on each HF checkpoint."""
     lines = []
     for shape, res in trl_hf.items():
         rows = {r["name"]: r for r in res["results"]}
@@ -131,7 +131,7 @@ def trl_hf_targets(trl_hf: dict[str, Any]) -> list[str]:
 
 
 def lag_targets(sweep: dict[str, Any]) -> list[str]:
-    """Issue 17's lag-schedule targets: L=2 over L=0 under either schedule."""
+    """The lag-schedule targets: L=2 over L=0 under either schedule."""
     lags = {r["name"]: r for r in sweep["results"]}
     lines = []
     for name, schedule, target in (
@@ -150,7 +150,8 @@ def lag_targets(sweep: dict[str, Any]) -> list[str]:
 
 
 def targets(res: dict[str, Any]) -> list[str]:
-    """One line per target of issue 7, met or not, with the measured ratios."""
+    """One line per default-model target (L=2 over L=0 steps/s, ours faster than TRL at L=2), met
+    or not, with the measured ratios."""
     lags = {r["name"]: r for r in res["lag_sweep"]["results"]}
     lines = []
     for name, schedule in (("L=2", "deterministic"), ("L=2, throughput", "throughput")):

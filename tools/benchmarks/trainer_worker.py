@@ -33,10 +33,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron.rl.inference.step_group import StepGroup  # noqa: E402
-from megatron.trainer import metrics as metrics_module  # noqa: E402
-from megatron.trainer import rollouts as rollouts_module  # noqa: E402
 from megatron.trainer.flags.parse import parse_args  # noqa: E402
+from megatron.trainer.generation import rollouts as rollouts_module  # noqa: E402
 from megatron.trainer.grpo import train  # noqa: E402
+from megatron.trainer.metrics import record as metrics_module  # noqa: E402
 from megatron.trainer.tiers import cpu as cpu_tier  # noqa: E402
 from tools.benchmarks.common import thread_clocks  # noqa: E402
 

@@ -76,18 +76,28 @@ CONFIGS: list[tuple[str, int | None, int]] = [
 def shared_flags(opts: argparse.Namespace, env_config: Path) -> list[str]:
     """``pretrain_grpo.py`` flags common to our runs: the settings TRL is given too."""
     return [
-        "--train-iters", str(opts.steps),
-        "--env-config", str(env_config),
-        "--grpo-prompts-per-step", str(opts.prompts),
-        "--grpo-group-size", str(opts.group_size),
-        "--rl-default-max-tokens", str(opts.max_new_tokens),
+        "--train-iters",
+        str(opts.steps),
+        "--env-config",
+        str(env_config),
+        "--grpo-prompts-per-step",
+        str(opts.prompts),
+        "--grpo-group-size",
+        str(opts.group_size),
+        "--rl-default-max-tokens",
+        str(opts.max_new_tokens),
         "--rl-ignore-eos",
-        "--micro-batch-size", "32",
-        "--lr", "3e-3",
-        "--lr-warmup-iters", "0",
-        "--lr-decay-style", "constant",
-        "--log-interval", str(opts.steps),
-    ]  # fmt: skip
+        "--micro-batch-size",
+        "32",
+        "--lr",
+        "3e-3",
+        "--lr-warmup-iters",
+        "0",
+        "--lr-decay-style",
+        "constant",
+        "--log-interval",
+        str(opts.steps),
+    ]
 
 
 def ours_flags(
@@ -96,11 +106,13 @@ def ours_flags(
     """All flags of one of our runs (model: the trainer's defaults, or ``--hf-checkpoint``)."""
     model = [] if ckpt is None else ["--hf-checkpoint", str(ckpt)]
     return [
-        "--rl-forced-lag", str(lag),
-        "--inference-max-requests", str(slots),
+        "--rl-forced-lag",
+        str(lag),
+        "--inference-max-requests",
+        str(slots),
         *model,
         *shared_flags(opts, env_config),
-    ]  # fmt: skip
+    ]
 
 
 def run_trl(
@@ -109,18 +121,32 @@ def run_trl(
     """Timing of one TRL run over its measured steps, and its peak RSS (MiB)."""
     summary = workdir / "trl_summary.json"
     cmd = [
-        sys.executable, str(REPO / "tools" / "benchmarks" / "trl_worker.py"),
-        "--summary", str(summary), "--steps", str(opts.steps), "--prompts", str(opts.prompts),
-        "--group-size", str(opts.group_size), "--max-new-tokens", str(opts.max_new_tokens),
+        sys.executable,
+        str(REPO / "tools" / "benchmarks" / "trl_worker.py"),
+        "--summary",
+        str(summary),
+        "--steps",
+        str(opts.steps),
+        "--prompts",
+        str(opts.prompts),
+        "--group-size",
+        str(opts.group_size),
+        "--max-new-tokens",
+        str(opts.max_new_tokens),
         "--ignore-eos",
-    ]  # fmt: skip
+    ]
     if ckpt is not None:
         cmd += ["--hf-checkpoint", str(ckpt)]
     with open(log, "w", encoding="utf-8") as out:
         proc = subprocess.run(
-            cmd, cwd=workdir, env=subprocess_env(opts.threads), stdout=out,
-            stderr=subprocess.STDOUT, timeout=1800, check=False,
-        )  # fmt: skip
+            cmd,
+            cwd=workdir,
+            env=subprocess_env(opts.threads),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=1800,
+            check=False,
+        )
     if proc.returncode != 0:
         tail = "".join(log.read_text(encoding="utf-8").splitlines(keepends=True)[-30:])
         raise RuntimeError(f"TRL run failed ({proc.returncode})\n{tail}")

@@ -119,9 +119,14 @@ def main() -> None:
     if opts.hf_checkpoint is None:
         vocab = padded_vocab()
         model = gpt2_like(
-            opts.num_layers, opts.hidden_size, opts.num_attention_heads, 4 * opts.hidden_size,
-            vocab, opts.seq_length, opts.seed,
-        )  # fmt: skip
+            opts.num_layers,
+            opts.hidden_size,
+            opts.num_attention_heads,
+            4 * opts.hidden_size,
+            vocab,
+            opts.seq_length,
+            opts.seed,
+        )
         tokenizer, suppressed = char_tokenizer(vocab), unused_ids(vocab)
     else:  # embedding rows past the tokenizer are never sampled (as in our engine)
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -293,7 +298,7 @@ def arithmetic_reward(answer: str, completion: str, timeout_s: int) -> float:
 
 def tokenizer_eos(directory: str) -> list[int]:
     """The stop ids our trainer uses for a checkpoint (EOS and ``generation_config.json``'s)."""
-    from megatron.rl.tokenizer import HuggingFaceTokenizer
+    from megatron.rl.models.hf.tokenizer import HuggingFaceTokenizer
 
     tok = HuggingFaceTokenizer(directory)
     return sorted({tok.eos_id, *getattr(tok, "extra_stop_ids", ())})

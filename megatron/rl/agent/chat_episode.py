@@ -31,8 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron.rl.agent.multi_turn import Trajectory, TurnError, assemble_turns, turns_rollout
-from megatron.rl.inference.interface import InferenceInterface
-from megatron.rl.seeding import derive_seed
+from megatron.rl.inference.interface import InferenceInterface, turn_request
 from megatron.rl.tools.parsers import ParsedMessage, ToolCallParser
 from megatron.rl.wire import (
     ChatMessage,
@@ -41,8 +40,9 @@ from megatron.rl.wire import (
     InferenceResponse,
     SamplingParams,
     TokenRollout,
+    ToolCall,
+    ToolCallFunction,
 )
-from megatron.rl.wire_messages import ToolCall, ToolCallFunction
 
 
 @dataclass(frozen=True)
@@ -129,28 +129,6 @@ class ChatEpisode:
         return "\n".join(f"{m.role}: {m.content}" for m in self.messages())
 
 
-def next_turn_request(
-    first: InferenceRequest,
-    last: InferenceResponse,
-    messages: Sequence[ChatMessage],
-    turn: int,
-    max_turns: int,
-) -> InferenceRequest:
-    """Turn ``turn``'s request (turn >= 1): the previous prompt and generated tokens, then
-    ``messages`` appended token-exactly by the trainer; the seed, key and ``continued`` of the
-    scheme in the module docstring (``first`` is turn 0's request)."""
-    key = first.rollout_key
-    return InferenceRequest(
-        prompt_tokens=last.prompt_tokens + last.tokens,
-        suffix_messages=list(messages),
-        tools=first.tools,
-        sampling=first.sampling,
-        seed=derive_seed(first.seed, turn),
-        rollout_key=key,
-        continued=key is not None and turn + 1 < max_turns,
-    )
-
-
 async def run_chat_episode(
     inference: InferenceInterface,
     first: InferenceRequest,
@@ -192,7 +170,16 @@ async def run_chat_episode(
                 await inference.end_rollout(key)
             break
         replies.append(reply)
-        request = next_turn_request(first, response, reply.messages, len(turns), max_turns)
+        request = turn_request(
+            reply.messages,
+            response,
+            turn=len(turns),
+            max_turns=max_turns,
+            sampling=first.sampling,
+            seed=first.seed,
+            key=key,
+            tools=first.tools,
+        )
     row = assemble_turns([t.response for t in turns])
     return ChatEpisode(
         turns, replies, row.tokens, row.generation_mask, row.logprobs, row.policy_versions, ended
@@ -215,9 +202,17 @@ def chat_episode_rollout(
     )
     responses = [t.response for t in episode.turns]
     return turns_rollout(
-        env_id, problem_id, prompt, episode.transcript, responses, row, reward, request, sampling,
+        env_id,
+        problem_id,
+        prompt,
+        episode.transcript,
+        responses,
+        row,
+        reward,
+        request,
+        sampling,
         episode.metrics,
-    )  # fmt: skip
+    )
 
 
 def prompt_text(messages: Sequence[ChatMessage], tools: list[dict[str, Any]] | None) -> str:

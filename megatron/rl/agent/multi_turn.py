@@ -36,7 +36,7 @@ from pydantic import Field
 
 from megatron.rl.agent.api import Agent, AgentArgs, Problem, placeholder_rollout, problem_sampling
 from megatron.rl.async_utils import gather_all
-from megatron.rl.inference.interface import InferenceInterface, sample_request
+from megatron.rl.inference.interface import InferenceInterface, sample_request, turn_request
 from megatron.rl.inference.protocol import InvalidInferenceRequest
 from megatron.rl.seeding import derive_seed
 from megatron.rl.wire import (
@@ -120,14 +120,14 @@ async def run_episode(
                 await inference.end_rollout(key)
             break
         observations.append(observation)
-        last = responses[-1]
-        request = InferenceRequest(
-            prompt_tokens=last.prompt_tokens + last.tokens,
-            prompt_suffix=observation,
+        request = turn_request(
+            observation,
+            responses[-1],
+            turn=len(responses),
+            max_turns=max_turns,
             sampling=first.sampling,
-            seed=derive_seed(first.seed, len(responses)),
-            rollout_key=key,
-            continued=key is not None and len(responses) + 1 < max_turns,
+            seed=first.seed,
+            key=key,
         )
     return _assemble(responses, observations)
 
@@ -231,9 +231,16 @@ def episode_rollout(
         episode.tokens, episode.generation_mask, episode.logprobs, episode.policy_versions
     )
     return turns_rollout(
-        env_id, problem_id, prompt, episode.transcript, episode.responses, row, reward, request,
+        env_id,
+        problem_id,
+        prompt,
+        episode.transcript,
+        episode.responses,
+        row,
+        reward,
+        request,
         sampling,
-    )  # fmt: skip
+    )
 
 
 class MultiTurnArgs(AgentArgs):

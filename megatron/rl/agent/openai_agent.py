@@ -237,9 +237,17 @@ class OpenAIAgentEnvironment(Agent):
                 "truncated": float(truncated),
             }
             return turns_rollout(
-                self.env_id, problem_id, responses[0].prompt_text or "", "".join(parts),
-                responses, row, reward, request, sampling, metrics,
-            )  # fmt: skip
+                self.env_id,
+                problem_id,
+                responses[0].prompt_text or "",
+                "".join(parts),
+                responses,
+                row,
+                reward,
+                request,
+                sampling,
+                metrics,
+            )
         except ValueError as exc:
             return placeholder_rollout(self.env_id, request, exc, problem_id)
 

@@ -86,9 +86,12 @@ class RemoteAgent(Agent):
         try:
             health = HealthResponse.model_validate(
                 await call_json(
-                    self._client, "GET", f"{self.url}/health", policy=self.retry,
+                    self._client,
+                    "GET",
+                    f"{self.url}/health",
+                    policy=self.retry,
                     headers=self._headers,
-                )  # fmt: skip
+                )
             )
         except (RemoteCallError, ValueError) as exc:
             raise RemoteEnvironmentError(f"env server {self.url} ({self.env_id}): {exc}") from None

@@ -178,12 +178,17 @@ class RewardOnlyAdapter(Agent):
         rollouts = await gather_all(
             *(
                 self._rollout(
-                    prompt, golden, problem_id, sample_request(first, k), request, sampling,
+                    prompt,
+                    golden,
+                    problem_id,
+                    sample_request(first, k),
+                    request,
+                    sampling,
                     inference,
                 )
                 for k in range(request.group_size)
             )
-        )  # fmt: skip
+        )
         return RolloutGroup(batch_id=path[0], index_in_batch=path[1], rollouts=rollouts)
 
     async def _prompt(self, request: GroupedRolloutRequest) -> tuple[str, Any]:

@@ -127,9 +127,16 @@ class TransferQueueDataPlane(DataPlane):
         with self.stats.timed():
             ledger = self._ledgers.get(partition) or _Ledger(step)
             specs, tags = check_new_samples(
-                partition, step, ledger.step, ledger.keys, ledger.specs, ledger.tags, keys, fields,
+                partition,
+                step,
+                ledger.step,
+                ledger.keys,
+                ledger.specs,
+                ledger.tags,
+                keys,
+                fields,
                 tags,
-            )  # fmt: skip
+            )
             per_key = [
                 {"step": step, **{name: values[i] for name, values in tags.items()}}
                 for i in range(len(keys))

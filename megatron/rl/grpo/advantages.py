@@ -32,10 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-ESTIMATORS = ("grpo", "rloo")
-"""The baselines: the group mean, or the mean of the group's other rollouts."""
-SCALES = ("group", "batch", "none")
-"""What the centered rewards are divided by: the group's reward std, the batch's, nothing."""
+from megatron.rl.grpo.names import ESTIMATORS, SCALES
 
 
 @dataclass(frozen=True)

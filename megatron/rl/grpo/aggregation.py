@@ -18,7 +18,8 @@ Independence of the micro-batch and data-parallel sizes: every mode is a sum ove
 tokens) divided by a count of the *global* batch. A micro-batch returns its numerator
 (``micro_batch_sum``: its rows' sums, each row whole in one micro-batch), the policy adds the
 numerators over micro-batches and ranks and divides by ``denominator`` of the global batch (its
-loss tokens, or |S|), exactly as it divides the token mean today (``LossFunction.normalizer``).
+loss tokens, or |S|): the trainer's ``LossFunction.normalizer`` only calls it. Numerator and
+denominator are both here, and ``per_sequence`` is the one place that tells the modes apart.
 
 TRL's ``loss_type`` here: ``dapo`` and ``bnpo`` are ``token-mean`` (TRL's bnpo normalises per
 local batch, this trainer always over the global batch); ``grpo`` is ``seq-mean-token-mean``
@@ -31,11 +32,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-"""verl's names of the aggregations (``--loss-agg-mode``)."""
+from megatron.rl.grpo.names import AGG_MODES, DEFAULT_AGG_MODE
+
+
+class BatchCounts(Protocol):
+    """What ``denominator`` reads of a global batch (``TrainBatch``)."""
+
+    @property
+    def global_loss_tokens(self) -> int:
+        """Loss tokens of the global batch."""
+
+    @property
+    def global_loss_sequences(self) -> int:
+        """Rows with loss tokens in the global batch."""
 
 
 @dataclass(frozen=True)
@@ -58,11 +71,11 @@ class LossAggregation:
     @property
     def per_sequence(self) -> bool:
         """Whether the loss is a mean over sequences (else over tokens)."""
-        return self.mode != "token-mean"
+        return self.mode != DEFAULT_AGG_MODE
 
     def micro_batch_sum(self, per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Scalar numerator of a micro-batch from its (B, T) per-token loss and loss mask."""
-        if self.mode == "token-mean":
+        if not self.per_sequence:
             return (per_token * mask).sum()
         row_sums = (per_token * mask).sum(dim=1)  # (B,)
         if self.mode == "seq-mean-token-mean":
@@ -71,7 +84,11 @@ class LossAggregation:
             return row_sums.sum()
         return row_sums.sum() / self.scale_factor
 
-    def denominator(self, loss_tokens: int, loss_sequences: int) -> int:
+    def denominator(self, batch: BatchCounts) -> int:
         """What the global batch's numerator is divided by: its loss tokens (``token-mean``) or
-        its sequences with loss tokens."""
-        return loss_sequences if self.per_sequence else loss_tokens
+        its sequences with loss tokens (only read in the per-sequence modes)."""
+        return batch.global_loss_sequences if self.per_sequence else batch.global_loss_tokens
+
+
+TOKEN_MEAN = LossAggregation(DEFAULT_AGG_MODE, None)
+"""The default aggregation (``GRPOLossConfig.aggregation``)."""

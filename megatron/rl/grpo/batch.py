@@ -145,12 +145,22 @@ def _rows_of(routes: torch.Tensor | None, rows: slice, width: int) -> torch.Tens
 
 
 SAMPLE_FIELDS = (
-    "tokens", "loss_mask", "inference_logprobs", "temperature", "reward", "routed_experts",
-)  # fmt: skip
+    "tokens",
+    "loss_mask",
+    "inference_logprobs",
+    "temperature",
+    "reward",
+    "routed_experts",
+)
 """Fields of one rollout as a sample (``rollout_sample``); ``advantages`` is added per group."""
 TRAIN_FIELDS = (
-    "tokens", "loss_mask", "inference_logprobs", "temperature", "advantages", "routed_experts",
-)  # fmt: skip
+    "tokens",
+    "loss_mask",
+    "inference_logprobs",
+    "temperature",
+    "advantages",
+    "routed_experts",
+)
 """The fields ``rows_from_samples`` builds training rows from."""
 
 

@@ -37,9 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron.rl.grpo.kl import k3
-
-IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-"""TRL's names of the modes (``--rl-importance-sampling-mode``)."""
+from megatron.rl.grpo.names import DEFAULT_IS_MODE, IS_MODES
 
 
 @dataclass(frozen=True)
@@ -63,7 +61,7 @@ class ImportanceConfig:
     @classmethod
     def tis(cls, truncation_coef: float | None) -> ImportanceConfig:
         """Token-level truncated IS at C with no lower bound (``token_truncate``)."""
-        return cls(truncation_coef, "token_truncate", None)
+        return cls(truncation_coef, DEFAULT_IS_MODE, None)
 
     def __post_init__(self) -> None:
         if self.truncation_coef is not None and not self.truncation_coef > 0:

@@ -17,12 +17,12 @@ weighs the same). Per token:
   reference policy ``beta * k3_t``, the entropy bonus ``-entropy_weight * H_t``, ...); each
   reports its metric by name.
 
-Policy-loss variants (none of them on by default, and then the loss is the above
-bit for bit):
+Policy-loss variants (the defaults, ``vanilla`` and ``token-mean`` without the options, are the
+above bit for bit):
 
-* ``policy_loss``: the surrogate min(r_t A, clip(r_t) A) is replaced by GSPO's sequence-level
-  ratio (``policy_loss/gspo.py``) or CISPO's clipped stop-gradient weight times log pi_theta
-  (``policy_loss/cispo.py``);
+* ``policy_loss``: the surrogate, one module each in ``policy_loss/`` (``vanilla.py``, the clipped
+  min(r_t A, clip(r_t) A) above; GSPO's sequence-level ratio; CISPO's clipped stop-gradient
+  weight times log pi_theta; ...), loaded by name;
 * ``off_policy_mask``: OPSM's M_i multiplies the weighted surrogate of sequences with a negative
   advantage that drifted too far (``off_policy_mask.py``);
 * ``aggregation``: how the per-token losses are summed for the global batch's denominator
@@ -42,10 +42,11 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron.rl.grpo import off_policy_mask as opsm
-from megatron.rl.grpo.aggregation import LossAggregation
+from megatron.rl.grpo.aggregation import TOKEN_MEAN, LossAggregation
 from megatron.rl.grpo.loss_inputs import LossInputs
 from megatron.rl.grpo.off_policy_mask import OffPolicyMask
-from megatron.rl.grpo.policy_loss import POLICY_LOSSES, surrogate_function
+from megatron.rl.grpo.policy_loss import DEFAULT_POLICY_LOSS, load_policy_loss
+from megatron.rl.grpo.policy_loss.base import PolicyLoss
 from megatron.rl.grpo.terms.base import LossTerm
 
 
@@ -59,38 +60,30 @@ class GRPOLossConfig:
     """Ratios above 1 + eps_upper are clipped (for positive advantages)."""
     terms: tuple[LossTerm, ...] = ()
     """Additive per-token terms (reference KL, entropy bonus, ...), applied in ``name`` order."""
-    policy_loss: str | None = None
-    """``gspo`` or ``cispo`` (``policy_loss/``); None or ``vanilla``: the clipped token
-    surrogate."""
-    aggregation: LossAggregation | None = None
-    """How per-token losses are summed (``aggregation.py``); None: token-mean."""
+    policy_loss: str = DEFAULT_POLICY_LOSS
+    """The surrogate's variant: a module of ``policy_loss/`` (``vanilla``, ``gspo``, ...)."""
+    aggregation: LossAggregation = TOKEN_MEAN
+    """How per-token losses are summed (``aggregation.py``)."""
     off_policy_mask: OffPolicyMask | None = None
     """OPSM's threshold (``off_policy_mask.py``); None: no mask."""
 
     def __post_init__(self) -> None:
-        if self.policy_loss is not None and self.policy_loss not in POLICY_LOSSES:
-            raise ValueError(
-                f"policy_loss must be one of {POLICY_LOSSES}, got {self.policy_loss!r}"
-            )
+        load_policy_loss(self.policy_loss)  # a ValueError names the variants
+        if not isinstance(self.aggregation, LossAggregation):
+            raise TypeError(f"aggregation must be a LossAggregation, got {self.aggregation!r}")
 
     def requires(self, name: str) -> bool:
         """Whether a term reads the optional input ``name`` (``ref_logprobs``, ``entropy``)."""
         return any(name in term.requires for term in self.terms)
 
     @property
-    def variant(self) -> str:
-        """The surrogate's variant (``vanilla``, ``gspo``, ``cispo``)."""
-        return self.policy_loss or "vanilla"
+    def variant(self) -> PolicyLoss:
+        """The surrogate's variant (its module's declarations)."""
+        return load_policy_loss(self.policy_loss)
 
     def sum_keys(self) -> tuple[str, ...]:
         """The names of the metric sums the variants add to ``LossOutput.metric_sums``."""
-        keys: tuple[str, ...] = ()
-        if self.variant == "gspo":
-            from megatron.rl.grpo.policy_loss.gspo import SUMS
-
-            keys += SUMS
-        if self.variant == "cispo":
-            keys += ("cispo_weight_mean",)
+        keys = self.variant.sums
         if self.off_policy_mask is not None:
             keys += opsm.SUMS
         return keys
@@ -131,52 +124,38 @@ def grpo_loss(inputs: LossInputs, config: GRPOLossConfig) -> LossOutput:
     ``aggregation``, over sequences)."""
     mask = inputs.loss_mask  # (B, T)
     old = inputs.inference_logprobs if inputs.old_logprobs is None else inputs.old_logprobs
-    log_ratio = (inputs.trainer_logprobs - old) * mask  # (B, T)
-    ratio = torch.exp(log_ratio)  # (B, T)
-    adv = inputs.advantages[:, None]  # (B, 1)
-    variant_sums: dict[str, torch.Tensor] = {}
-    if config.variant == "vanilla":
-        unclipped = ratio * adv
-        clipped = ratio.clamp(1.0 - config.clamp_eps_lower, 1.0 + config.clamp_eps_upper) * adv
-        surrogate = torch.minimum(unclipped, clipped)  # (B, T)
-        with torch.no_grad():
-            was_clipped = ((clipped < unclipped) & (mask > 0)).sum()
-    else:
-        variant = surrogate_function(config.variant)(
-            inputs.trainer_logprobs, old, adv, mask, config.clamp_eps_lower, config.clamp_eps_upper
-        )
-        surrogate, was_clipped, variant_sums = (
-            variant.per_token,
-            variant.clipped_tokens,
-            variant.sums,
-        )
+    surrogate = config.variant.surrogate(
+        inputs.trainer_logprobs,
+        old,
+        inputs.advantages[:, None],
+        mask,
+        config.clamp_eps_lower,
+        config.clamp_eps_upper,
+    )
     with torch.no_grad():
+        log_ratio = (inputs.trainer_logprobs - old) * mask  # (B, T)
+        ratio = torch.exp(log_ratio)  # (B, T)
         k3 = ratio - 1.0 - log_ratio  # (B, T), >= 0
-    extras = _terms(inputs, config)
-    keep = None
+    variant_sums = surrogate.sums
+    weighted = surrogate.per_token  # (B, T)
+    if inputs.is_weights is not None:
+        weighted = inputs.is_weights * weighted
     if config.off_policy_mask is not None:
         keep, opsm_sums = opsm.off_policy_keep(
-            inputs.trainer_logprobs, inputs.inference_logprobs, inputs.advantages, mask,
+            inputs.trainer_logprobs,
+            inputs.inference_logprobs,
+            inputs.advantages,
+            mask,
             config.off_policy_mask,
-        )  # fmt: skip
+        )
+        weighted = weighted * keep[:, None]
         variant_sums = {**variant_sums, **opsm_sums}
-    aggregation = config.aggregation
-    plain = keep is None and (aggregation is None or not aggregation.per_sequence)
-    if inputs.is_weights is None and extras is None and plain:
-        loss_sum = -(surrogate * mask).sum()
-    else:
-        weighted = surrogate if inputs.is_weights is None else inputs.is_weights * surrogate
-        if keep is not None:
-            weighted = weighted * keep[:, None]
-        per_token = -weighted if extras is None else extras[0] - weighted  # (B, T)
-        if aggregation is None:
-            loss_sum = (per_token * mask).sum()
-        else:
-            loss_sum = aggregation.micro_batch_sum(per_token, mask)
+    extras = _terms(inputs, config)
+    per_token = -weighted if extras is None else extras[0] - weighted  # (B, T)
     return LossOutput(
-        loss_sum=loss_sum,
-        clipped_tokens=was_clipped.float(),
-        ratio_sum=(ratio.detach() * mask).sum(),
+        loss_sum=config.aggregation.micro_batch_sum(per_token, mask),
+        clipped_tokens=surrogate.clipped_tokens.float(),
+        ratio_sum=(ratio * mask).sum(),
         mismatch_kl_sum=(k3 * mask).sum(),
         term_sums={} if extras is None else extras[1],
         variant_sums=variant_sums,
@@ -185,13 +164,9 @@ def grpo_loss(inputs: LossInputs, config: GRPOLossConfig) -> LossOutput:
 
 def variant_metrics(sums: dict[str, float], config: GRPOLossConfig) -> dict[str, float]:
     """The logged metrics of the variants' raw sums (names with ``/``), from the global sums."""
-    metrics: dict[str, float] = {}
-    if config.variant == "gspo":
-        from megatron.rl.grpo.policy_loss import gspo
-
-        metrics.update(gspo.metrics(sums))
+    metrics = config.variant.metrics(sums)
     if config.off_policy_mask is not None:
-        metrics.update(opsm.metrics(sums))
+        metrics = {**metrics, **opsm.metrics(sums)}
     return metrics
 
 

@@ -127,16 +127,20 @@ class Replay:
         saved = self._turns.pop((key, turn), None)
         self.unclaimed.discard((key, turn))
         if saved is not None and (saved.prompt, saved.sampling, saved.seed) == (
-            prompt, sampling, seed,
-        ):  # fmt: skip
+            prompt,
+            sampling,
+            seed,
+        ):
             return saved
         later = sorted(t for k, t in self._turns if k == key and t > turn)
         if saved is not None:
             logger.warning(
                 "resume: rollout %s turn %d was sent again with a different prompt or sampling "
                 "than the saved one; it is generated anew (the agent is not deterministic, the "
-                "resumed run is no longer exact)", key, turn,
-            )  # fmt: skip
+                "resumed run is no longer exact)",
+                key,
+                turn,
+            )
             self.dropped.append(saved)
         for t in later:
             self.dropped.append(self._turns.pop((key, t)))

@@ -11,7 +11,13 @@ from megatron.rl.inference.chat_continuation import environment_tokens
 from megatron.rl.inference.protocol import InferenceEngine, InvalidInferenceRequest
 from megatron.rl.seeding import derive_seed
 from megatron.rl.tokenizer import Tokenizer
-from megatron.rl.wire import ChatMessage, InferenceRequest, InferenceResponse, RolloutKey
+from megatron.rl.wire import (
+    ChatMessage,
+    InferenceRequest,
+    InferenceResponse,
+    RolloutKey,
+    SamplingParams,
+)
 
 
 class InferenceInterface(ABC):
@@ -52,6 +58,40 @@ def sample_request(request: InferenceRequest, i: int) -> InferenceRequest:
     if key is not None:
         key = key.model_copy(update={"sample_index": key.sample_index + i})
     return request.model_copy(update={"seed": derive_seed(request.seed, i), "rollout_key": key})
+
+
+def turn_request(
+    new: list[ChatMessage] | str,
+    last: InferenceResponse | None,
+    *,
+    turn: int,
+    max_turns: int,
+    sampling: SamplingParams,
+    seed: int,
+    key: RolloutKey | None,
+    tools: list[dict[str, Any]] | None = None,
+) -> InferenceRequest:
+    """Turn ``turn`` of a multi-turn rollout as one engine request, the one scheme of every
+    multi-turn agent. Turn 0 (``last`` None) is the conversation ``new``; a later turn is the
+    previous turn's prompt and generated tokens (``last``) followed by ``new``, the environment's
+    answer: chat messages (``suffix_messages``) or text (``prompt_suffix``), so nothing generated
+    is tokenized again. Seed ``seed`` at turn 0 and ``derive_seed(seed, turn)`` after; a keyed
+    turn that another may follow (``turn + 1 < max_turns``) is sent ``continued``."""
+    common: dict[str, Any] = dict(
+        sampling=sampling,
+        seed=derive_seed(seed, turn) if turn else seed,
+        rollout_key=key,
+        continued=key is not None and turn + 1 < max_turns,
+        tools=tools,
+    )
+    if last is None:
+        if isinstance(new, str):
+            raise ValueError("turn 0 of a multi-turn rollout is a conversation of chat messages")
+        return InferenceRequest(messages=new, **common)
+    context = last.prompt_tokens + last.tokens
+    if isinstance(new, str):
+        return InferenceRequest(prompt_tokens=context, prompt_suffix=new, **common)
+    return InferenceRequest(prompt_tokens=context, suffix_messages=list(new), **common)
 
 
 class LocalInferenceInterface(InferenceInterface):

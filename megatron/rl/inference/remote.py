@@ -8,13 +8,17 @@ from megatron.rl.auth import bearer_headers
 from megatron.rl.http_client import ClientPool, RemoteCallError, RetryPolicy, call_json
 from megatron.rl.inference.interface import InferenceInterface
 from megatron.rl.inference.protocol import InvalidInferenceRequest
-from megatron.rl.wire import InferenceRequest, InferenceResponse, RolloutKey, WireModel
-from megatron.rl.wire_chat import ChatCompletionRequest, ChatCompletionResponse
-from megatron.rl.wire_completions import (
+from megatron.rl.wire import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
     EndRolloutRequest,
     EndRolloutResponse,
+    InferenceRequest,
+    InferenceResponse,
+    RolloutKey,
+    WireModel,
 )
 
 REFUSED = frozenset({401, 403, 429})

@@ -102,11 +102,17 @@ class Request:
         first = not self.tokens
         s = self.sampling
         return RowWork(
-            slot=self.slot, tokens=tuple(self.prompt if first else self.tokens[-1:]),
+            slot=self.slot,
+            tokens=tuple(self.prompt if first else self.tokens[-1:]),
             start=0 if first else len(self.prompt) + len(self.tokens) - 1,
-            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=self.seed,
-            max_tokens=s.max_tokens, ignore_eos=s.ignore_eos, adapter=self.adapter,
-        )  # fmt: skip
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            seed=self.seed,
+            max_tokens=s.max_tokens,
+            ignore_eos=s.ignore_eos,
+            adapter=self.adapter,
+        )
 
 
 def saved_turn(turn: Request | SavedTurn) -> SavedTurn:
@@ -117,19 +123,39 @@ def saved_turn(turn: Request | SavedTurn) -> SavedTurn:
     done = r.future.done() and not r.future.cancelled() and r.future.exception() is None
     reason = r.future.result().finish_reason if done else None
     return SavedTurn(
-        key=r.key, turn=r.turn, prompt=r.prompt, sampling=r.sampling, seed=r.seed,
-        continued=r.continued, order=r.order, tokens=r.tokens, logprobs=r.logprobs,
-        versions=r.versions, finish_reason=reason,
-        replica=-1 if reason else r.replica, slot=-1 if reason else r.slot,
+        key=r.key,
+        turn=r.turn,
+        prompt=r.prompt,
+        sampling=r.sampling,
+        seed=r.seed,
+        continued=r.continued,
+        order=r.order,
+        tokens=r.tokens,
+        logprobs=r.logprobs,
+        versions=r.versions,
+        finish_reason=reason,
+        replica=-1 if reason else r.replica,
+        slot=-1 if reason else r.slot,
         routed_experts=r.routed_experts(),
-    )  # fmt: skip
+    )
 
 
 def restored_request(s: SavedTurn, future: asyncio.Future) -> Request:
     """A snapshot's in-flight request as the scheduler queues it again."""
     routes = [] if not s.routed_experts else [torch.tensor(s.routed_experts, dtype=torch.int16)]
     return Request(
-        tuple(s.order), list(s.prompt), s.sampling, s.seed, s.key, future, s.continued,
-        s.replica, s.slot, list(s.tokens), list(s.logprobs), list(s.versions), s.turn,
+        tuple(s.order),
+        list(s.prompt),
+        s.sampling,
+        s.seed,
+        s.key,
+        future,
+        s.continued,
+        s.replica,
+        s.slot,
+        list(s.tokens),
+        list(s.logprobs),
+        list(s.versions),
+        s.turn,
         routes=routes,
-    )  # fmt: skip
+    )

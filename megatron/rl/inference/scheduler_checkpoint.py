@@ -30,11 +30,15 @@ class CheckpointedScheduling:
             finished += self._replay.finished_unclaimed()
         awaited, left, spent = self._window.state()
         return EngineSnapshot(
-            num_replicas=self.steps.num_replicas, max_requests=self.config.max_requests,
+            num_replicas=self.steps.num_replicas,
+            max_requests=self.config.max_requests,
             in_flight=[saved_turn(r) for r in in_flight],
             finished=sorted((saved_turn(t) for t in finished), key=lambda t: (t.key, t.turn)),
-            arrivals=self._arrivals, awaited_batch=awaited, window_left=left, window_spent=spent,
-        )  # fmt: skip
+            arrivals=self._arrivals,
+            awaited_batch=awaited,
+            window_left=left,
+            window_spent=spent,
+        )
 
     def restore(self, snapshot: EngineSnapshot) -> None:
         """Continue ``snapshot`` (a started engine, before any request; the runners already hold
@@ -74,9 +78,12 @@ class CheckpointedScheduling:
         if saved.continued:  # as when it finished: the barrier awaits the next turn
             self._continuations.add(key)
         return GenerationOutput(
-            list(saved.tokens), list(saved.logprobs), list(saved.versions), saved.finish_reason,
+            list(saved.tokens),
+            list(saved.logprobs),
+            list(saved.versions),
+            saved.finish_reason,
             saved.routed_experts,
-        )  # fmt: skip
+        )
 
     def _drop_mismatched(self) -> None:
         """Free the saved requests that came back different (``Replay.dropped``)."""

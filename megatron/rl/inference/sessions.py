@@ -35,9 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron.rl.inference.interface import InferenceInterface
+from megatron.rl.inference.interface import InferenceInterface, turn_request
 from megatron.rl.inference.protocol import EngineError, InvalidInferenceRequest
-from megatron.rl.seeding import derive_seed
 from megatron.rl.wire import (
     ChatMessage,
     InferenceRequest,
@@ -126,19 +125,18 @@ class Session:
         sampling = self.sampling.model_copy(
             update={"max_tokens": min(budget, self.sampling.max_tokens)}
         )
-        common = dict(
+        new, last = messages, None
+        if turn > 0:
+            new, last = conversation_suffix(self.conversation, messages), self.turns[-1].response
+        return turn_request(
+            new,
+            last,
+            turn=turn,
+            max_turns=self.max_turns,
             sampling=sampling,
-            seed=derive_seed(self.seed, turn) if turn else self.seed,
-            rollout_key=self.key,
-            continued=turn + 1 < self.max_turns,
+            seed=self.seed,
+            key=self.key,
             tools=tools,
-        )
-        if turn == 0:
-            return InferenceRequest(messages=messages, **common)
-        new = conversation_suffix(self.conversation, messages)
-        last = self.turns[-1].response
-        return InferenceRequest(
-            prompt_tokens=last.prompt_tokens + last.tokens, suffix_messages=new, **common
         )
 
     def record(self, messages: list[ChatMessage], turn: SessionTurn) -> None:

@@ -37,6 +37,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron.rl.models.gpt_spec import gpt_layer_spec
 from megatron.rl.models.moe import moe_layers_train_without_sequence_parallel, moe_mlp_spec
+from megatron.rl.models.rms_norm import with_mixed_dtype_rms_norms
 from megatron.rl.models.rope import RoPEGPTModel, RopeScaling
 
 __all__ = [
@@ -145,7 +146,7 @@ class GPTArchitecture:
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
             _fail(
                 "position_embedding_type",
-                f"{self.position_embedding_type!r} is not one of " f"{POSITION_EMBEDDING_TYPES}",
+                f"{self.position_embedding_type!r} is not one of {POSITION_EMBEDDING_TYPES}",
             )
         if self.normalization not in NORMALIZATIONS:
             _fail("normalization", f"{self.normalization!r} is not one of {NORMALIZATIONS}")
@@ -331,7 +332,8 @@ def build_gpt_model(
     ``config`` must come from ``transformer_config(arch, ...)``: a field that disagrees with
     ``arch`` is refused by name. Learned absolute positions build megatron-core's ``GPTModel``;
     RoPE builds ``RoPEGPTModel``, which honours per-row ``position_ids``. Mixture-of-experts
-    layers train at TP > 1 without sequence parallelism (``moe.GatherMoELayer``).
+    layers train at TP > 1 without sequence parallelism (``moe.GatherMoELayer``). RMSNorms take
+    bfloat16 input under autocast without torch's warning (``rms_norm.RMSNorm``).
     """
     arch.validate(config.tensor_model_parallel_size)
     for ours, theirs in _CONFIG_FIELDS.items():
@@ -362,7 +364,7 @@ def build_gpt_model(
         )
     if not config.perform_initialization:
         mark_tensor_parallel_weights(model)
-    return moe_layers_train_without_sequence_parallel(model)
+    return with_mixed_dtype_rms_norms(moe_layers_train_without_sequence_parallel(model))
 
 
 def mark_tensor_parallel_weights(model: torch.nn.Module) -> torch.nn.Module:

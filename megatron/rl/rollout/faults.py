@@ -68,8 +68,11 @@ class FaultLog:
             self.log.warning(
                 "environment %r raised on group %d/%d (its groups become placeholder rollouts; "
                 "each distinct error is logged once):\n%s",
-                env_id, request.batch_id, request.index_in_batch, text,
-            )  # fmt: skip
+                env_id,
+                request.batch_id,
+                request.index_in_batch,
+                text,
+            )
 
     def group(self, group: RolloutGroup) -> None:
         """Record the placeholder rollouts of a finished group (logged once per error kind)."""
@@ -80,8 +83,11 @@ class FaultLog:
                     self.log.warning(
                         "environment %r: a rollout of group %d/%d failed (masked; each distinct "
                         "error is logged once): %s",
-                        rollout.env_id, group.batch_id, group.index_in_batch, rollout.error,
-                    )  # fmt: skip
+                        rollout.env_id,
+                        group.batch_id,
+                        group.index_in_batch,
+                        rollout.error,
+                    )
 
     def _first(self, env_id: str, kind: str, text: str) -> bool:
         self.first_error.setdefault(env_id, text)

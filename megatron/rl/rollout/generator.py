@@ -181,9 +181,10 @@ class GroupedRolloutGenerator:
             )
         in_flight = state.submitted - state.next_batch_id
         expected = [
-            (b, i) for b in range(state.next_batch_id, state.submitted)
+            (b, i)
+            for b in range(state.next_batch_id, state.submitted)
             for i in range(cfg.groups_per_batch)
-        ]  # fmt: skip
+        ]
         saved = [(g.batch_id, g.index_in_batch) for g in state.groups]
         if not 0 <= in_flight <= cfg.forced_lag or saved != [e for e in expected if e in saved]:
             raise ValueError(

@@ -35,19 +35,21 @@ from dataclasses import dataclass
 
 from megatron.rl.tokenizer import Tokenizer
 from megatron.rl.tools.parsers import ParsedMessage, ToolCallParser
-from megatron.rl.wire import InferenceResponse
-from megatron.rl.wire_chat import (
+from megatron.rl.wire import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
     ChatCompletionMessage,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatTokenLogprob,
+    CompletionUsage,
+    InferenceResponse,
     NamedToolChoice,
+    ToolCall,
+    ToolCallFunction,
     ToolCallMetrics,
+    choice_extensions,
 )
-from megatron.rl.wire_completions import CompletionUsage
-from megatron.rl.wire_messages import ToolCall, ToolCallFunction
 
 
 def chat_completion_response(
@@ -75,12 +77,9 @@ def chat_completion_response(
                 message=message,
                 finish_reason=finish_reason,
                 logprobs=chat_logprobs(tokenizer, out) if body.logprobs else None,
-                token_ids=out.tokens,
-                prompt_token_ids=out.prompt_tokens,
-                policy_versions=out.policy_versions,
                 prompt_text=out.prompt_text or "",
                 tool_call_errors=errors,
-                routed_experts=out.routed_experts,
+                **choice_extensions(out),
             )
         )
     return ChatCompletionResponse(
@@ -88,7 +87,7 @@ def chat_completion_response(
         created=int(time.time()),
         model=body.model or model,
         choices=choices,
-        usage=completion_usage(outs),
+        usage=CompletionUsage.of(outs),
     )
 
 
@@ -145,18 +144,6 @@ class ToolCallCounter:
             tool_calls=self.tool_calls,
             tool_call_errors=self.tool_call_errors,
         )
-
-
-def completion_usage(outs: list[InferenceResponse]) -> CompletionUsage:
-    """OpenAI's ``usage`` of the ``n`` samples of one prompt: the prompt counted once, the
-    completions summed."""
-    prompt_tokens = len(outs[0].prompt_tokens)
-    completion_tokens = sum(len(out.tokens) for out in outs)
-    return CompletionUsage(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens,
-    )
 
 
 def chat_logprobs(tokenizer: Tokenizer, out: InferenceResponse) -> ChatChoiceLogprobs:

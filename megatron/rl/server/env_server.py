@@ -144,9 +144,11 @@ def create_app(
     def inference(url: str, keep_keys: bool = True) -> RemoteInferenceInterface:
         origin = Origin.of(url)  # the schema has parsed url already
         if not may_receive_key(origin, allowed, config.api_key is not None):
-            which = "its --allowed-inference-url" if allowed else (
-                "with a key and no --allowed-inference-url, loopback servers only"
-            )  # fmt: skip
+            which = (
+                "its --allowed-inference-url"
+                if allowed
+                else ("with a key and no --allowed-inference-url, loopback servers only")
+            )
             raise HTTPException(
                 403,
                 f"field 'inference_url': {origin} is not an inference server this env "

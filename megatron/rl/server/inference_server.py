@@ -2,13 +2,13 @@
 
 ``create_inference_app(inference, tokenizer)`` exposes an ``InferenceInterface`` (in the trainer:
 the ``LocalInferenceInterface`` over the engine that serves local agents too) as a subset of the
-OpenAI completions API: ``POST /v1/completions`` (``wire_completions.CompletionRequest``) and
-``POST /v1/chat/completions`` (``wire_chat.ChatCompletionRequest``; the messages are rendered by
+OpenAI completions API: ``POST /v1/completions`` (``wire.CompletionRequest``) and
+``POST /v1/chat/completions`` (``wire.ChatCompletionRequest``; the messages are rendered by
 the tokenizer's chat template, and a tokenizer without one answers 422 naming it; ``tools`` are
 rendered by the template and the model's tool calls parsed out of its text by the
 ``tool_call_parser``, see ``chat_responses``), plus ``GET /v1/models`` (the one model served,
 ``model_name``, in OpenAI's list format), ``GET /metrics`` (running tool-call counts,
-``wire_chat.ToolCallMetrics``) and one OpenAI base URL per agent session,
+``wire.ToolCallMetrics``) and one OpenAI base URL per agent session,
 ``/sessions/{token}/v1`` (``sessions.py``). Requests go
 into the same engine queue as local ones, so they belong to the same batches, follow the same
 forced-lag schedule and return the same per-token logprobs and policy versions.
@@ -36,20 +36,15 @@ from megatron.rl.inference.sessions import SESSIONS_PREFIX
 from megatron.rl.server.chat_responses import (
     ToolCallCounter,
     chat_completion_response,
-    completion_usage,
 )
 from megatron.rl.server.http import ERROR_RESPONSES, install_error_handlers
 from megatron.rl.server.limits import BodyLimit, ClientSlots, ServerLimits, unless_disconnected
 from megatron.rl.server.sessions import install_session_routes
 from megatron.rl.tokenizer import Tokenizer
 from megatron.rl.tools.parsers import AUTO, resolve_tool_call_parser
-from megatron.rl.wire import InferenceRequest, InferenceResponse
-from megatron.rl.wire_chat import (
+from megatron.rl.wire import (
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ToolCallMetrics,
-)
-from megatron.rl.wire_completions import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
@@ -57,8 +52,12 @@ from megatron.rl.wire_completions import (
     CompletionUsage,
     EndRolloutRequest,
     EndRolloutResponse,
+    InferenceRequest,
+    InferenceResponse,
     ModelCard,
     ModelList,
+    ToolCallMetrics,
+    choice_extensions,
 )
 
 
@@ -92,8 +91,10 @@ def create_inference_app(
     ids = itertools.count()
     created = int(time.time())
     by_name = dict(adapters or {})
-    served = [ModelCard(id=name, created=created, owned_by="megatron-rl")
-              for name in (model_name, *by_name)]  # fmt: skip
+    served = [
+        ModelCard(id=name, created=created, owned_by="megatron-rl")
+        for name in (model_name, *by_name)
+    ]
 
     def pick(model: str | None) -> tuple[InferenceInterface, str]:
         """The interface and the answer's model name of a request's ``model`` (404: unknown)."""
@@ -169,10 +170,7 @@ def create_inference_app(
                     text=out.text,
                     finish_reason=out.finish_reason,
                     logprobs=logprobs,
-                    token_ids=out.tokens,
-                    prompt_token_ids=out.prompt_tokens,
-                    policy_versions=out.policy_versions,
-                    routed_experts=out.routed_experts,
+                    **choice_extensions(out),
                 )
             )
         return CompletionResponse(
@@ -180,7 +178,7 @@ def create_inference_app(
             created=int(time.time()),
             model=pick(body.model)[1],
             choices=choices,
-            usage=completion_usage(outs),
+            usage=CompletionUsage.of(outs),
         )
 
     @app.post(

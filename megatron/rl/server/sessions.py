@@ -4,7 +4,7 @@
 ``session_registry(inference)`` (``megatron.rl.inference.sessions``):
 
 * ``POST /sessions/{token}/v1/chat/completions``: the session's next turn. The body is
-  ``wire_chat.ChatCompletionRequest`` (what the ``openai`` client sends); ``n`` must be 1 and the
+  ``wire.ChatCompletionRequest`` (what the ``openai`` client sends); ``n`` must be 1 and the
   RL extensions ``rollout_key`` and ``ignore_eos`` are refused (the session has its own); the
   sampling parameters are the session's (``temperature``, ``top_p``, ``top_k``, ``seed`` are
   ignored) and ``max_tokens`` only lowers its budget. ``tools`` are rendered by the chat template
@@ -36,9 +36,14 @@ from megatron.rl.server.chat_responses import chat_completion_response
 from megatron.rl.server.http import ERROR_RESPONSES
 from megatron.rl.tokenizer import Tokenizer
 from megatron.rl.tools.parsers import ToolCallParser
-from megatron.rl.wire import ChatMessage, InferenceResponse
-from megatron.rl.wire_chat import ChatCompletionRequest, ChatCompletionResponse
-from megatron.rl.wire_completions import ModelCard, ModelList
+from megatron.rl.wire import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    InferenceResponse,
+    ModelCard,
+    ModelList,
+)
 
 
 def install_session_routes(
@@ -93,9 +98,13 @@ def install_session_routes(
         def reply(out: InferenceResponse) -> tuple[ChatMessage, int]:
             """The answer's assistant message, as the agent will echo it."""
             answer = chat_completion_response(
-                body, [out], tokenizer, parser, response_id=f"chatcmpl-s{next(ids)}",
+                body,
+                [out],
+                tokenizer,
+                parser,
+                response_id=f"chatcmpl-s{next(ids)}",
                 model=model_name,
-            )  # fmt: skip
+            )
             answers.append(answer)
             choice = answer.choices[0]
             message = choice.message

@@ -114,22 +114,46 @@ def launch(python_args: list[str], scratch_mb: int = 64) -> Iterator[Launch]:
     prefix = os.path.dirname(os.path.dirname(executable))  # <prefix>/bin/python3.X
     args = [
         shutil.which("bwrap") or "bwrap",
-        "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
-        "--new-session", "--cap-drop", "ALL", "--uid", str(SANDBOX_UID), "--gid",
-        str(SANDBOX_UID), "--hostname", "sandbox",
+        "--unshare-all",
+        "--unshare-user",
+        "--disable-userns",
+        "--die-with-parent",
+        "--new-session",
+        "--cap-drop",
+        "ALL",
+        "--uid",
+        str(SANDBOX_UID),
+        "--gid",
+        str(SANDBOX_UID),
+        "--hostname",
+        "sandbox",
         *_system_dirs(),
-    ]  # fmt: skip
+    ]
     if prefix != "/usr" and not prefix.startswith("/usr/"):
         args += ["--ro-bind", prefix, prefix]
     fd = _seccomp_fd()
     try:
         args += [
-            "--proc", "/proc", "--dev", "/dev",
-            "--size", str(scratch_mb << 20), "--tmpfs", "/tmp", "--chdir", "/tmp",
-            "--clearenv", "--setenv", "HOME", "/tmp",
-            "--seccomp", str(fd),
-            "--", executable, *python_args,
-        ]  # fmt: skip
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--size",
+            str(scratch_mb << 20),
+            "--tmpfs",
+            "/tmp",
+            "--chdir",
+            "/tmp",
+            "--clearenv",
+            "--setenv",
+            "HOME",
+            "/tmp",
+            "--seccomp",
+            str(fd),
+            "--",
+            executable,
+            *python_args,
+        ]
         yield Launch(args, (fd,), user)
     finally:
         os.close(fd)
@@ -157,9 +181,13 @@ def problem() -> str | None:
     try:
         with launch(["-I", "-S", "-c", "import os; print(os.getuid())"]) as sandbox:
             done = subprocess.run(
-                sandbox.argv, capture_output=True, text=True, timeout=30, env={},
+                sandbox.argv,
+                capture_output=True,
+                text=True,
+                timeout=30,
+                env={},
                 **sandbox.popen_options(),
-            )  # fmt: skip
+            )
     except (OSError, subprocess.SubprocessError) as exc:
         return f"'bwrap' did not run: {exc}"
     if done.returncode != 0 or done.stdout.strip() != str(SANDBOX_UID):

@@ -81,8 +81,10 @@ def report(prog: str, problems: list[str]) -> str:
     if len(problems) == 1:
         return f"{prog}: error: {problems[0]} (--help-all lists every flag)"
     lines = "\n  ".join(problems)
-    return f"{prog}: error: {len(problems)} problems with the command line (--help-all lists every " \
-           f"flag):\n  {lines}"  # fmt: skip
+    return (
+        f"{prog}: error: {len(problems)} problems with the command line (--help-all lists every "
+        f"flag):\n  {lines}"
+    )
 
 
 def _takes_value(flag: str) -> bool | None:
@@ -144,9 +146,11 @@ def _equal(a: str | None, b: str) -> bool:
 def _suggestion(flag: str, parser: argparse.ArgumentParser) -> str:
     """'; did you mean --x?' for the closest listed flag of ours, if any is close."""
     listed = [
-        s for a in parser._actions if a.help != argparse.SUPPRESS or hasattr(a, "full_help")
+        s
+        for a in parser._actions
+        if a.help != argparse.SUPPRESS or hasattr(a, "full_help")
         for s in a.option_strings
         if s.startswith("--")
-    ]  # fmt: skip
+    ]
     close = difflib.get_close_matches(flag, listed, n=1, cutoff=0.75)
     return f"; did you mean {close[0]}?" if close else ""

@@ -1,8 +1,9 @@
 """The GRPO options: group shape, ratio clipping, the loss terms' weights (one flag per term,
 declared by the term), the reference policy, passes per collection, dynamic sampling, the
-importance-sampling correction and the sequence-level mismatch mask; the policy-loss variants
-(GSPO, CISPO, the loss aggregation, the rollout-IS modes, OPSM) and the advantages' baseline and
-scale with the overlong reward shaping, each in its own block."""
+importance-sampling correction and the sequence-level mismatch mask (``GRPOCore``); the
+policy-loss variants (``flags/policy_loss.py``: the surrogate, the loss aggregation, the
+rollout-IS modes, OPSM); the advantages' baseline and scale with the overlong reward shaping.
+All of them are one section, ``GRPO`` (one ``--help`` group), in that order."""
 
 from __future__ import annotations
 
@@ -10,12 +11,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from megatron.rl.grpo.names import ESTIMATORS, SCALES
 from megatron.trainer.flags.option import Option, Section, option
-
-
-def optional_float(text: str) -> float | None:
-    """A float, or ``none`` for no value."""
-    return None if text.lower() == "none" else float(text)
+from megatron.trainer.flags.policy_loss import PolicyLossOptions, optional_float
 
 
 def scale_rewards_value(text: str) -> str:
@@ -24,11 +22,9 @@ def scale_rewards_value(text: str) -> str:
 
 
 @dataclass(frozen=True)
-class GRPO(Section):
-    """The algorithm: groups, the clipped surrogate, additive loss terms and their corrections."""
-
-    title = "GRPO"
-    prefix = "grpo-"
+class GRPOCore(Section):
+    """The groups, the clipped surrogate, passes per collection, dynamic sampling and the
+    train/inference corrections: ``GRPO``'s first options."""
 
     prompts_per_step: int = option(
         8,
@@ -76,7 +72,7 @@ class GRPO(Section):
         False,
         "Dynamic sampling: train only on groups whose rewards differ. Each batch is generated as "
         "--grpo-max-generation-rounds rounds of --grpo-prompts-per-step groups, all submitted "
-        "together (keeping staleness exactly --rl-forced-lag); the first --grpo-prompts-per-step "
+        "together (keeping submission staleness exact); the first --grpo-prompts-per-step "
         "groups with differing rewards are trained. When fewer qualify, the batch trains on "
         "those (the others masked out of the token-mean loss) and logs how many were dropped.",
         switch=True,
@@ -128,89 +124,17 @@ class GRPO(Section):
         flag="--rl-log-seq-logprob-error",
         switch=True,
     )
-    # --- Policy-loss variants (docs/user_guide.md "Policy-loss variants") ---
-    policy_loss: str = option(
-        "vanilla",
-        "The surrogate of the policy loss: vanilla (min(r A, clip(r) A) per token), gspo (GSPO's "
-        "sequence-level ratio s_i = exp(mean_t log(pi_theta / pi_old)), clipped per sequence with "
-        "--grpo-clamp-eps-lower/upper; the paper's objective with --loss-agg-mode "
-        "seq-mean-token-mean) or cispo (CISPO: -sg(min(r, 1 + --grpo-clamp-eps-upper)) A log "
-        "pi_theta per token). Logs gspo_ratio_mean and gspo_clipped_sequence_fraction (gspo), "
-        "cispo_weight_mean (cispo).",
-        flag="--policy-loss",
-        choices=("vanilla", "gspo", "cispo"),
-        spellings=(
-            "TRL: importance_sampling_level=sequence (gspo), loss_type=cispo",
-            "verl: actor.policy_loss.loss_mode",
-            "NeMo-RL: loss_fn.sequence_level_importance_ratios (gspo), loss_fn.use_cispo",
-        ),
-    )
-    loss_agg_mode: str = option(
-        "token-mean",
-        "How the per-token losses become the global batch's loss: token-mean (every loss token "
-        "weighs the same, DAPO), seq-mean-token-mean (mean over sequences of each one's token "
-        "mean, the GRPO paper), seq-mean-token-sum (mean over sequences of token sums) or "
-        "seq-mean-token-sum-norm (Dr. GRPO: token sums divided by the constant "
-        "--loss-scale-factor, then the mean over sequences). Sequences without loss tokens do "
-        "not count; the result does not depend on the micro-batch or data-parallel size.",
-        flag="--loss-agg-mode",
-        choices=(
-            "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
-        ),  # fmt: skip
-        spellings=(
-            "TRL: loss_type (dapo: token-mean, grpo: seq-mean-token-mean, dr_grpo: "
-            "seq-mean-token-sum-norm)",
-            "verl: actor.loss_agg_mode",
-            "NeMo-RL: loss_fn.token_level_loss",
-        ),
-    )
-    loss_scale_factor: float | None = option(
-        None,
-        "The constant C of --loss-agg-mode seq-mean-token-sum-norm (Dr. GRPO's generation "
-        "budget). Default: --rl-default-max-tokens.",
-        flag="--loss-scale-factor",
-        parse=optional_float,
-        spellings=("TRL: max_completion_length (dr_grpo)", "verl: actor.loss_scale_factor"),
-    )
-    is_mode: str = option(
-        "token_truncate",
-        "The weights of --rl-inference-logprobs-is-correction, from rho = pi_old / "
-        "pi_inference per token or its product over the sequence: token_truncate (clip rho into "
-        "[--rl-importance-sampling-clip-min, --rl-importance-sampling-truncation-coef], TIS), "
-        "token_mask (weight 0 outside that range, MIS / ICE-POP), sequence_truncate, "
-        "sequence_mask. Logs is_masked_fraction and is_masked_sequence_fraction in the mask "
-        "modes.",
-        flag="--rl-importance-sampling-mode",
-        choices=("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
-        spellings=(
-            "TRL: vllm_importance_sampling_mode",
-            "verl: algorithm.rollout_correction.rollout_is, rollout_rs",
-            "NeMo-RL: loss_fn.truncated_importance_sampling_type (tis, icepop)",
-        ),
-    )
-    is_clip_min: float | None = option(
-        None,
-        "The lower bound of --rl-importance-sampling-mode's range (truncated up to it, or "
-        "masked below it); 'none': no lower bound.",
-        flag="--rl-importance-sampling-clip-min",
-        parse=optional_float,
-        spellings=(
-            "TRL: vllm_importance_sampling_clip_min",
-            "NeMo-RL: loss_fn.truncated_importance_sampling_ratio_min",
-        ),
-    )
-    off_policy_mask_threshold: float | None = option(
-        None,
-        "Off-policy sequence masking (OPSM, DeepSeek-V3.2): take out of the policy loss every "
-        "sequence with a negative advantage whose mean over its tokens of log pi_inference - "
-        "log pi_theta exceeds this delta (e.g. 0.5). Logs opsm_masked_sequence_fraction. "
-        "Default: no mask.",
-        flag="--off-policy-mask-threshold",
-        aliases=("--opsm-delta",),
-        parse=optional_float,
-        spellings=("TRL: off_policy_mask_threshold", "slime: --use-opsm --opsm-delta"),
-    )
-    # Advantages and reward shaping: megatron/rl/grpo/advantages.py, megatron/rl/grpo/overlong.py
+
+
+@dataclass(frozen=True)
+class GRPO(PolicyLossOptions, GRPOCore):
+    """The algorithm: groups, the policy loss, additive loss terms and their corrections, the
+    advantages. The options, in ``--help`` order: ``GRPOCore``'s, ``PolicyLossOptions``', then
+    the advantages and reward shaping (``megatron/rl/grpo/advantages.py``, ``overlong.py``)."""
+
+    title = "GRPO"
+    prefix = "grpo-"
+
     adv_estimator: str = option(
         "grpo",
         "The advantage's baseline: 'grpo', the group's mean reward; 'rloo', REINFORCE "
@@ -219,7 +143,7 @@ class GRPO(Section):
         "for RLOO as published).",
         flag="--adv-estimator",
         aliases=("--advantage-estimator",),
-        choices=("grpo", "rloo"),
+        choices=ESTIMATORS,
         spellings=(
             "verl: algorithm.adv_estimator",
             "NeMo-RL: grpo.use_leave_one_out_baseline",
@@ -235,7 +159,7 @@ class GRPO(Section):
         "false mean group and none.",
         flag="--scale-rewards",
         parse=scale_rewards_value,
-        choices=("group", "batch", "none"),
+        choices=SCALES,
         spellings=(
             "TRL: scale_rewards",
             "verl: algorithm.norm_adv_by_std_in_grpo (true: group, false: none)",
@@ -327,7 +251,8 @@ class GRPO(Section):
                 f"exactly 1 where the trainer's and the engine's logprobs agree) or none, got "
                 f"{threshold}"
             )
-        return errors + self.term_problems() + self.variant_problems() + self.shaping_problems()
+        variants = self.variant_problems(self.is_correction, coef)
+        return errors + self.term_problems() + variants + self.shaping_problems()
 
     def term_problems(self) -> list[str]:
         """Each loss term's own check of its weight, and ``--ref-load`` without a term that
@@ -347,41 +272,6 @@ class GRPO(Section):
                     f"--ref-load needs {' or '.join(f + ' > 0' for f in users)} (only loss terms "
                     "that use the reference policy read it)"
                 )
-        return errors
-
-    def variant_problems(self) -> list[str]:
-        """The checks of the policy-loss variants' options."""
-        errors = []
-        factor = self.loss_scale_factor
-        if factor is not None and self.loss_agg_mode != "seq-mean-token-sum-norm":
-            errors.append("--loss-scale-factor needs --loss-agg-mode seq-mean-token-sum-norm")
-        if factor is not None and not (math.isfinite(factor) and factor > 0):
-            errors.append(f"--loss-scale-factor must be > 0, got {factor}")
-        if self.is_mode != "token_truncate" and not self.is_correction:
-            errors.append(
-                "--rl-importance-sampling-mode needs --rl-inference-logprobs-is-correction"
-            )
-        low, coef = self.is_clip_min, self.is_truncation_coef
-        if low is not None and not self.is_correction:
-            errors.append(
-                "--rl-importance-sampling-clip-min needs --rl-inference-logprobs-is-correction"
-            )
-        if low is not None and not (math.isfinite(low) and low >= 0):
-            errors.append(f"--rl-importance-sampling-clip-min must be >= 0 or none, got {low}")
-        elif low is not None and coef is not None and not low < coef:
-            errors.append(
-                f"--rl-importance-sampling-clip-min ({low}) must be below "
-                f"--rl-importance-sampling-truncation-coef ({coef})"
-            )
-        if self.is_mode.startswith("sequence") and coef is None:
-            errors.append(
-                f"--rl-importance-sampling-mode {self.is_mode} needs "
-                "--rl-importance-sampling-truncation-coef (a sequence's weight is a product of "
-                "its tokens' ratios)"
-            )
-        delta = self.off_policy_mask_threshold
-        if delta is not None and not (math.isfinite(delta) and delta >= 0):
-            errors.append(f"--off-policy-mask-threshold must be >= 0 or none, got {delta}")
         return errors
 
     def shaping_problems(self) -> list[str]:

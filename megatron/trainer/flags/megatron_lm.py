@@ -10,8 +10,8 @@ d98e8a64) is listed once in ``MEGATRON_LM_RL_FLAGS``:
 * ``refused``: the meaning differs from ours (or the feature does not exist here); the parser
   accepts the spelling only to exit with a message that points to our equivalent.
 
-``README.md`` renders this table (``render_table``); a test checks that the two agree and that
-the parser does what each row says.
+``docs/user_guide.md`` renders this table (``render_table``); a test checks that the two agree, that
+each refused row's reason is the parser's message, and that the parser does what each row says.
 """
 
 from __future__ import annotations
@@ -34,117 +34,261 @@ class MegatronFlag:
     """Our flag (``same``: the flag itself; ``alias``: the flag it spells; ``refused``: what to use
     instead, if anything)."""
     reason: str
-    """Why, in one sentence (shown in the README and, for refused flags, in the error)."""
+    """Why, in one sentence (shown in the user guide and, for refused flags, in the error)."""
     takes_value: bool = True
     """Whether the flag is followed by a value (refused flags must still parse)."""
 
 
 MEGATRON_LM_RL_FLAGS: tuple[MegatronFlag, ...] = (
-    MegatronFlag("--perform-rl-step", "refused", None,
-                 "this program only does RL steps; drop the flag", False),
-    MegatronFlag("--rl-prompts-per-eval", "alias", "--eval-prompts",
-                 "held-out prompts evaluated per environment"),
-    MegatronFlag("--grpo-prompts-per-step", "same", "--grpo-prompts-per-step",
-                 "groups per collection"),
+    MegatronFlag(
+        "--perform-rl-step",
+        "refused",
+        None,
+        "this program only does RL steps; drop the flag",
+        False,
+    ),
+    MegatronFlag(
+        "--rl-prompts-per-eval",
+        "alias",
+        "--eval-prompts",
+        "held-out prompts evaluated per environment",
+    ),
+    MegatronFlag(
+        "--grpo-prompts-per-step", "same", "--grpo-prompts-per-step", "groups per collection"
+    ),
     MegatronFlag("--grpo-group-size", "same", "--grpo-group-size", "rollouts per group"),
-    MegatronFlag("--grpo-iterations", "same", "--grpo-iterations",
-                 "passes over each collection, each pass a training iteration per global batch "
-                 "(LR schedule and policy version advance every iteration)"),
-    MegatronFlag("--grpo-clamp-eps-lower", "same", "--grpo-clamp-eps-lower",
-                 "lower clip of the ratio"),
-    MegatronFlag("--grpo-clamp-eps-upper", "same", "--grpo-clamp-eps-upper",
-                 "upper clip of the ratio"),
-    MegatronFlag("--grpo-kl-beta", "same", "--grpo-kl-beta",
-                 "k3 KL weight; 0 also skips the reference model (Megatron-LM still computes "
-                 "its logprobs)"),
-    MegatronFlag("--grpo-entropy-term-weight", "same", "--grpo-entropy-term-weight",
-                 "entropy bonus weight"),
-    MegatronFlag("--grpo-filter-groups-with-same-reward", "same",
-                 "--grpo-filter-groups-with-same-reward",
-                 "drop groups whose rewards are all equal; regenerated in bounded rounds "
-                 "(--grpo-max-generation-rounds) instead of unbounded, and a short batch trains "
-                 "on the groups that remain", False),
-    MegatronFlag("--langrl-env-config", "alias", "--env-config",
-                 "the env-config YAML (agent_type, agent_args, weight, evaluation_only)"),
-    MegatronFlag("--rl-default-temperature", "same", "--rl-default-temperature",
-                 "sampling temperature; 0 is greedy here (Megatron-LM sends 0 as 1.0)"),
+    MegatronFlag(
+        "--grpo-iterations",
+        "same",
+        "--grpo-iterations",
+        "passes over each collection, each pass a training iteration per global batch "
+        "(LR schedule and policy version advance every iteration)",
+    ),
+    MegatronFlag(
+        "--grpo-clamp-eps-lower", "same", "--grpo-clamp-eps-lower", "lower clip of the ratio"
+    ),
+    MegatronFlag(
+        "--grpo-clamp-eps-upper", "same", "--grpo-clamp-eps-upper", "upper clip of the ratio"
+    ),
+    MegatronFlag(
+        "--grpo-kl-beta",
+        "same",
+        "--grpo-kl-beta",
+        "k3 KL weight; 0 also skips the reference model (Megatron-LM still computes "
+        "its logprobs)",
+    ),
+    MegatronFlag(
+        "--grpo-entropy-term-weight", "same", "--grpo-entropy-term-weight", "entropy bonus weight"
+    ),
+    MegatronFlag(
+        "--grpo-filter-groups-with-same-reward",
+        "same",
+        "--grpo-filter-groups-with-same-reward",
+        "drop groups whose rewards are all equal; regenerated in bounded rounds "
+        "(--grpo-max-generation-rounds) instead of unbounded, and a short batch trains "
+        "on the groups that remain",
+        False,
+    ),
+    MegatronFlag(
+        "--langrl-env-config",
+        "alias",
+        "--env-config",
+        "the env-config YAML (agent_type, agent_args, weight, evaluation_only)",
+    ),
+    MegatronFlag(
+        "--rl-default-temperature",
+        "same",
+        "--rl-default-temperature",
+        "sampling temperature; 0 is greedy here (Megatron-LM sends 0 as 1.0)",
+    ),
     MegatronFlag("--rl-default-top-p", "same", "--rl-default-top-p", "nucleus mass, 0 = off"),
-    MegatronFlag("--rl-default-top-k", "same", "--rl-default-top-k",
-                 "top-k, -1 or 0 = off (Megatron-LM no longer forwards it to its engine)"),
-    MegatronFlag("--rl-offload-optimizer-during-inference", "refused", None,
-                 "the engine shares the trained model's memory; offloading is not implemented",
-                 False),
-    MegatronFlag("--rl-kv-cache-management-mode", "refused", None,
-                 "the CPU tier keeps its KV cache, the CUDA tier frees it during training"),
-    MegatronFlag("--rl-persist-cuda-graphs", "refused", None,
-                 "CUDA graphs are not used by the engine", False),
-    MegatronFlag("--no-rl-persist-cuda-graphs", "refused", None,
-                 "CUDA graphs are not used by the engine", False),
-    MegatronFlag("--rl-partial-rollouts", "refused", "--rl-forced-lag",
-                 "generation spans updates here by an exact forced lag L (--rl-forced-lag), "
-                 "not an autotuned partial lag", False),
-    MegatronFlag("--no-rl-partial-rollouts", "refused", "--rl-forced-lag 0",
-                 "synchronous on-policy GRPO is --rl-forced-lag 0 (the default)", False),
-    MegatronFlag("--rl-generation-lag", "refused", "--rl-forced-lag",
-                 "our lag is exact (step N+L trains on batch N) and an integer"),
-    MegatronFlag("--rl-max-inflight-requests", "refused", "--inference-max-requests",
-                 "in-flight batches are L+1 (--rl-forced-lag); engine slots are "
-                 "--inference-max-requests"),
-    MegatronFlag("--rl-submission-granularity", "refused", "--rl-forced-lag",
-                 "batches are submitted whole, through the L+1-permit gate"),
-    MegatronFlag("--rl-consumption-granularity", "refused", None,
-                 "batches are consumed whole, in order"),
-    MegatronFlag("--rl-durable-rollout-bank", "refused", "--save",
-                 "checkpoints save the pipeline as it stands (unconsumed groups, generation in flight)", False),
-    MegatronFlag("--rl-rollout-bank-dir", "refused", "--save",
-                 "checkpoints save the rollout state"),
-    MegatronFlag("--rl-rollout-bank-max-bytes", "refused", "--save",
-                 "checkpoints save the rollout state"),
-    MegatronFlag("--rl-inference-logprobs-is-correction", "same",
-                 "--rl-inference-logprobs-is-correction",
-                 "weight tokens by min(pi_old / pi_inference, C)", False),
-    MegatronFlag("--no-rl-inference-logprobs-is-correction", "same",
-                 "--no-rl-inference-logprobs-is-correction", "turn the IS correction off", False),
-    MegatronFlag("--rl-importance-sampling-truncation-coef", "same",
-                 "--rl-importance-sampling-truncation-coef",
-                 "C of the IS correction; our default is 1.0 (Megatron-LM: none), 'none' = no cap"),
-    MegatronFlag("--rl-use-sequence-packing", "same", "--rl-use-sequence-packing",
-                 "pack rollouts into rows of --seq-length (any --micro-batch-size here)", False),
-    MegatronFlag("--no-rl-use-sequence-packing", "same", "--no-rl-use-sequence-packing",
-                 "no packing", False),
-    MegatronFlag("--rl-sequence-packing-max-sequences-per-bin", "refused", None,
-                 "packing is first-fit decreasing into --seq-length rows, unbounded count"),
-    MegatronFlag("--rl-sequence-packing-algo", "refused", None,
-                 "packing runs per micro-batch on each data-parallel rank"),
-    MegatronFlag("--rl-training-cuda-graphs", "refused", None,
-                 "CUDA graphs are not used", False),
-    MegatronFlag("--no-rl-training-cuda-graphs", "refused", None,
-                 "CUDA graphs are not used", False),
-    MegatronFlag("--rl-inference-tensor-model-parallel-size", "refused", None,
-                 "inference runs on the trained model's own TP/PP layout"),
-    MegatronFlag("--rl-inference-pipeline-model-parallel-size", "refused", None,
-                 "inference runs on the trained model's own TP/PP layout"),
-    MegatronFlag("--rl-inference-expert-model-parallel-size", "refused", None,
-                 "no expert parallelism (dense models)"),
-    MegatronFlag("--rl-inference-expert-tensor-model-parallel-size", "refused", None,
-                 "no expert parallelism (dense models)"),
-    MegatronFlag("--rl-inference-model-unified-memory-level", "refused", None,
-                 "no separate inference model"),
-    MegatronFlag("--rl-offload-inference-model-weights-when-idle", "refused", None,
-                 "no separate inference model", False),
-    MegatronFlag("--refit-method", "refused", None,
-                 "no separate inference model: no weights to copy"),
-    MegatronFlag("--rl-verify-model-weights-swap", "refused", None,
-                 "no separate inference model", False),
-    MegatronFlag("--rl-skip-bos-token", "refused", None,
-                 "prompts are tokenized by the tokenizer's own rules", False),
-    MegatronFlag("--rl-profile", "refused", "--metrics-file",
-                 "per-step timings are in every metrics record", False),
-    MegatronFlag("--rl-profile-dir", "refused", "--metrics-file",
-                 "per-step timings are in every metrics record"),
-    MegatronFlag("--rl-inference-parsers", "refused", None,
-                 "responses are returned as generated"),
-)  # fmt: skip
+    MegatronFlag(
+        "--rl-default-top-k",
+        "same",
+        "--rl-default-top-k",
+        "top-k, -1 or 0 = off (Megatron-LM no longer forwards it to its engine)",
+    ),
+    MegatronFlag(
+        "--rl-offload-optimizer-during-inference",
+        "refused",
+        None,
+        "the engine shares the trained model's memory; offloading is not implemented",
+        False,
+    ),
+    MegatronFlag(
+        "--rl-kv-cache-management-mode",
+        "refused",
+        None,
+        "the CPU tier keeps its KV cache, the CUDA tier frees it during training",
+    ),
+    MegatronFlag(
+        "--rl-persist-cuda-graphs", "refused", None, "CUDA graphs are not used by the engine", False
+    ),
+    MegatronFlag(
+        "--no-rl-persist-cuda-graphs",
+        "refused",
+        None,
+        "CUDA graphs are not used by the engine",
+        False,
+    ),
+    MegatronFlag(
+        "--rl-partial-rollouts",
+        "refused",
+        "--rl-forced-lag",
+        "generation spans updates here by an exact forced lag L (--rl-forced-lag), "
+        "not an autotuned partial lag",
+        False,
+    ),
+    MegatronFlag(
+        "--no-rl-partial-rollouts",
+        "refused",
+        "--rl-forced-lag 0",
+        "synchronous on-policy GRPO is --rl-forced-lag 0 (the default)",
+        False,
+    ),
+    MegatronFlag(
+        "--rl-generation-lag",
+        "refused",
+        "--rl-forced-lag",
+        "our lag is exact (step N+L trains on batch N) and an integer",
+    ),
+    MegatronFlag(
+        "--rl-max-inflight-requests",
+        "refused",
+        "--inference-max-requests",
+        "in-flight batches are L+1 (--rl-forced-lag); engine slots are --inference-max-requests",
+    ),
+    MegatronFlag(
+        "--rl-submission-granularity",
+        "refused",
+        "--rl-forced-lag",
+        "batches are submitted whole, through the L+1-permit gate",
+    ),
+    MegatronFlag(
+        "--rl-consumption-granularity", "refused", None, "batches are consumed whole, in order"
+    ),
+    MegatronFlag(
+        "--rl-durable-rollout-bank",
+        "refused",
+        "--save",
+        "checkpoints save the pipeline as it stands (unconsumed groups, generation in flight)",
+        False,
+    ),
+    MegatronFlag(
+        "--rl-rollout-bank-dir", "refused", "--save", "checkpoints save the rollout state"
+    ),
+    MegatronFlag(
+        "--rl-rollout-bank-max-bytes", "refused", "--save", "checkpoints save the rollout state"
+    ),
+    MegatronFlag(
+        "--rl-inference-logprobs-is-correction",
+        "same",
+        "--rl-inference-logprobs-is-correction",
+        "weight tokens by min(pi_old / pi_inference, C)",
+        False,
+    ),
+    MegatronFlag(
+        "--no-rl-inference-logprobs-is-correction",
+        "same",
+        "--no-rl-inference-logprobs-is-correction",
+        "turn the IS correction off",
+        False,
+    ),
+    MegatronFlag(
+        "--rl-importance-sampling-truncation-coef",
+        "same",
+        "--rl-importance-sampling-truncation-coef",
+        "C of the IS correction; our default is 1.0 (Megatron-LM: none), 'none' = no cap",
+    ),
+    MegatronFlag(
+        "--rl-use-sequence-packing",
+        "same",
+        "--rl-use-sequence-packing",
+        "pack rollouts into rows of --seq-length (any --micro-batch-size here)",
+        False,
+    ),
+    MegatronFlag(
+        "--no-rl-use-sequence-packing", "same", "--no-rl-use-sequence-packing", "no packing", False
+    ),
+    MegatronFlag(
+        "--rl-sequence-packing-max-sequences-per-bin",
+        "refused",
+        None,
+        "packing is first-fit decreasing into --seq-length rows, unbounded count",
+    ),
+    MegatronFlag(
+        "--rl-sequence-packing-algo",
+        "refused",
+        None,
+        "packing runs per micro-batch on each data-parallel rank",
+    ),
+    MegatronFlag("--rl-training-cuda-graphs", "refused", None, "CUDA graphs are not used", False),
+    MegatronFlag(
+        "--no-rl-training-cuda-graphs", "refused", None, "CUDA graphs are not used", False
+    ),
+    MegatronFlag(
+        "--rl-inference-tensor-model-parallel-size",
+        "refused",
+        None,
+        "inference runs on the trained model's own TP/PP layout",
+    ),
+    MegatronFlag(
+        "--rl-inference-pipeline-model-parallel-size",
+        "refused",
+        None,
+        "inference runs on the trained model's own TP/PP layout",
+    ),
+    MegatronFlag(
+        "--rl-inference-expert-model-parallel-size",
+        "refused",
+        "--expert-model-parallel-size",
+        "inference runs on the trained model's own expert-parallel layout",
+    ),
+    MegatronFlag(
+        "--rl-inference-expert-tensor-model-parallel-size",
+        "refused",
+        "--tensor-model-parallel-size",
+        "inference runs on the trained model's own layout, whose experts are split "
+        "over the tensor-parallel ranks (megatron-core's default expert TP)",
+    ),
+    MegatronFlag(
+        "--rl-inference-model-unified-memory-level", "refused", None, "no separate inference model"
+    ),
+    MegatronFlag(
+        "--rl-offload-inference-model-weights-when-idle",
+        "refused",
+        None,
+        "no separate inference model",
+        False,
+    ),
+    MegatronFlag(
+        "--refit-method", "refused", None, "no separate inference model: no weights to copy"
+    ),
+    MegatronFlag(
+        "--rl-verify-model-weights-swap", "refused", None, "no separate inference model", False
+    ),
+    MegatronFlag(
+        "--rl-skip-bos-token",
+        "refused",
+        None,
+        "prompts are tokenized by the tokenizer's own rules",
+        False,
+    ),
+    MegatronFlag(
+        "--rl-profile",
+        "refused",
+        "--metrics-file",
+        "per-step timings are in every metrics record",
+        False,
+    ),
+    MegatronFlag(
+        "--rl-profile-dir",
+        "refused",
+        "--metrics-file",
+        "per-step timings are in every metrics record",
+    ),
+    MegatronFlag("--rl-inference-parsers", "refused", None, "responses are returned as generated"),
+)
 """Every flag of Megatron-LM's RL argument group, in its order."""
 
 
@@ -176,7 +320,7 @@ def aliases_of(flag: str) -> tuple[str, ...]:
 
 
 def render_table() -> str:
-    """The README's markdown table of ``MEGATRON_LM_RL_FLAGS``."""
+    """The user guide's markdown table of ``MEGATRON_LM_RL_FLAGS``."""
     rows = ["| Megatron-LM flag | here | ours | why |", "| --- | --- | --- | --- |"]
     for e in MEGATRON_LM_RL_FLAGS:
         ours = f"`{e.ours}`" if e.ours else ""

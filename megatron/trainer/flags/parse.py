@@ -18,7 +18,7 @@ import os
 import sys
 from typing import Any
 
-from megatron.trainer.exits import UsageError
+from megatron.trainer.errors import UsageError
 from megatron.trainer.flags.command_line import (
     CommandLineError,
     OneLineParser,
@@ -130,7 +130,7 @@ def parse_command(
 ) -> tuple[RunConfig, argparse.Namespace]:
     """The run config and a namespace of the options ``parser`` adds to the trainer's (another
     command on the same flags); ``UsageError`` (status 2, printed once by
-    ``megatron.trainer.exits``) with every message on bad input."""
+    ``megatron.trainer.runtime.exits``) with every message on bad input."""
     parser = parser or build_parser()
     values, explicit = parse_values(argv, parser)
     import torch  # after the parse: --help and a bad flag answer without loading it

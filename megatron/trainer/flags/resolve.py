@@ -143,10 +143,13 @@ def _layout_problems(run: RunConfig, cuda: bool) -> list[str]:
 def _routing_problems(run: RunConfig) -> list[str]:
     """Recorded routes against the model and the layout."""
     flag = next(
-        (f"--{n.replace('_', '-')}" for n in ("use_rollout_routing_replay", "record_rollout_routing")
-         if getattr(run.model, n)),
+        (
+            f"--{n.replace('_', '-')}"
+            for n in ("use_rollout_routing_replay", "record_rollout_routing")
+            if getattr(run.model, n)
+        ),
         None,
-    )  # fmt: skip
+    )
     if flag is None:
         return []
     if run.architecture_flags["num_experts"] is None:

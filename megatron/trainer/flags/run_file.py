@@ -48,8 +48,10 @@ def file_tokens(path: str, parser: argparse.ArgumentParser) -> tuple[list[str], 
     if data is None:
         return [], []
     if not isinstance(data, dict):
-        return [], [f"{CONFIG_FLAG} {path}: expected a mapping of flag: value, got a "
-                    f"{type(data).__name__}"]  # fmt: skip
+        return [], [
+            f"{CONFIG_FLAG} {path}: expected a mapping of flag: value, got a "
+            f"{type(data).__name__}"
+        ]
     options = {s: a for a in parser._actions for s in a.option_strings if s.startswith("--")}
     tokens: list[str] = []
     problems: list[str] = []

@@ -13,7 +13,7 @@ DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES = 10
 """``--distributed-timeout-minutes`` unless the watchdog's timeout is longer."""
 MAX_MMAP_THRESHOLD_KIB = 32 * 1024
 """The largest ``M_MMAP_THRESHOLD`` glibc accepts on 64-bit systems (``HEAP_MAX_SIZE / 2``), in
-KiB (``--malloc-mmap-threshold-kib``; ``megatron/trainer/allocator.py`` sets it)."""
+KiB (``--malloc-mmap-threshold-kib``; ``megatron/trainer/runtime/allocator.py`` sets it)."""
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron.trainer.flags.run import RunConfig
-from megatron.trainer.initialize import ParallelContext
-from megatron.trainer.tiers.base import Tier
+from megatron.trainer.parallel import ParallelContext
+from megatron.trainer.tiers.base import Tier, TierConfig
 from megatron.trainer.tiers.cpu import CPUTier
 from megatron.trainer.tiers.cuda import CUDATier
 
@@ -16,9 +15,9 @@ def tier_class(device: torch.device) -> type[Tier]:
     return CUDATier if device.type == "cuda" else CPUTier
 
 
-def select_tier(cfg: RunConfig, ctx: ParallelContext) -> Tier:
+def select_tier(config: TierConfig, ctx: ParallelContext) -> Tier:
     """The tier this process runs (by ``ctx.device``, set by ``initialize_distributed``)."""
-    return tier_class(ctx.device)(cfg, ctx)
+    return tier_class(ctx.device)(config, ctx)
 
 
-__all__ = ["CPUTier", "CUDATier", "Tier", "select_tier", "tier_class"]
+__all__ = ["CPUTier", "CUDATier", "Tier", "TierConfig", "select_tier", "tier_class"]

@@ -2,10 +2,10 @@
 
 Everything device-specific goes through a ``Tier``: the model (and the reference model), the
 optimizer and LR schedule, the ``Policy`` the training loop trains and queries
-(``megatron/trainer/policy.py``), the engine's step group and the inference engine, and the
+(``megatron/trainer/train/policy.py``), the engine's step group and the inference engine, and the
 checkpoint shards. Above the tier (rollout generator, agents, GRPO math, logging, servers) there
 is one code path, and the parts of a train step that do not depend on the device live in
-``megatron/trainer/step.py`` and ``forward.py``.
+``megatron/trainer/train/step.py`` and ``forward.py``.
 
 * ``CPUTier`` (``cpu.py``; development, CI): float32 GPT with the SDPA core attention, torch AdamW
   with a flattened DP all-reduce, ``CPUPolicy`` (micro-batches in a loop), the KV-cache row
@@ -16,14 +16,16 @@ is one code path, and the parts of a train step that do not depend on the device
   row runner, ``dist_checkpointing`` shards.
 
 Both tiers run the same scheduler (``ContinuousBatchingScheduler``) and the same checkpoint
-directory protocol (``megatron/trainer/checkpointing.py``). ``megatron.trainer.tiers.select_tier``
-is the only place that looks at the device.
+directory protocol (``megatron/trainer/checkpoint/directory.py``). ``megatron.trainer.tiers.select_tier``
+is the only place that looks at the device. A tier reads the run through its ``TierConfig``
+(built from the run config by ``config.tier_config``), never the run config itself.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -31,10 +33,24 @@ import torch
 from megatron.rl.inference.backends import InferenceBackend, RunnerInputs, default_backend
 from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig
 from megatron.rl.inference.step_group import StepGroup
-from megatron.trainer.checkpointing import CheckpointShards, TrainState
-from megatron.trainer.flags.run import RunConfig
-from megatron.trainer.initialize import ParallelContext
-from megatron.trainer.policy import Policy, PolicyConfig
+from megatron.trainer.checkpoint.directory import CheckpointShards, TrainState
+from megatron.trainer.model.provider import ModelBuild
+from megatron.trainer.parallel import ParallelContext
+from megatron.trainer.train.optimizer import OptimizerSettings
+from megatron.trainer.train.policy import Policy, PolicyConfig
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """What a tier reads of the run (``config.tier_config``)."""
+
+    model: ModelBuild
+    """The model, its precision, recompute, LoRA adapters and parallel layout."""
+    optimizer: OptimizerSettings
+    """The optimizer and the LR schedule."""
+    ref_load: str | None = None
+    """``--ref-load``: the checkpoints the reference model's weights come from (None: the
+    policy's initial weights; ``reference.py``)."""
 
 
 def no_reference_error() -> ValueError:
@@ -51,8 +67,8 @@ class Tier(ABC):
     name: ClassVar[str]
     """Short name for logs ("cpu", "cuda")."""
 
-    def __init__(self, cfg: RunConfig, ctx: ParallelContext) -> None:
-        self.cfg = cfg
+    def __init__(self, config: TierConfig, ctx: ParallelContext) -> None:
+        self.config = config
         self.ctx = ctx
 
     @abstractmethod

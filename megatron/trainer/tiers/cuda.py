@@ -1,6 +1,6 @@
 """The CUDA tier: megatron-core all the way (see ``megatron.trainer.tiers.base``).
 
-* Model: the same GPT as the CPU tier (``model_provider.architecture``), this rank's pipeline stage,
+* Model: the same GPT as the CPU tier (``model/provider.architecture``), this rank's pipeline stage,
   with the Transformer Engine layer spec when ``transformer_engine`` imports (else megatron-core's
   local modules with the SDPA core attention; they pick Apex's fused layer norm when Apex
   imports), ``Float16Module`` for ``--bf16``, wrapped in megatron-core's
@@ -48,13 +48,18 @@ from megatron.rl.models.architecture import (
 )
 from megatron.rl.models.gpt_spec import SDPASpecProvider, select_backend
 from megatron.rl.models.routing_replay import configure_routing
-from megatron.trainer.checkpointing import CheckpointShards
-from megatron.trainer.lora import attach_adapters
-from megatron.trainer.model_provider import architecture, padded_vocab_size, parallel_overrides
-from megatron.trainer.optimizer import build_scheduler
+from megatron.trainer.checkpoint.directory import CheckpointShards
+from megatron.trainer.model.lora import attach_adapters
+from megatron.trainer.model.provider import (
+    ModelBuild,
+    architecture,
+    padded_vocab_size,
+    parallel_overrides,
+)
 from megatron.trainer.tiers.base import Tier
 from megatron.trainer.tiers.cuda_checkpoint import DistShards
 from megatron.trainer.tiers.cuda_policy import CUDAPolicy
+from megatron.trainer.train.optimizer import OptimizerSettings, build_scheduler
 
 NO_CLIP = 1e30
 """``clip_grad`` given to megatron-core for ``--clip-grad 0``: it computes the norm only when
@@ -67,14 +72,14 @@ def apex_fused_wgrad_importable() -> bool:
 
 
 def cuda_transformer_config(
-    cfg, arch: GPTArchitecture, transformer_engine: bool, initialize: bool = True
+    spec: ModelBuild, arch: GPTArchitecture, transformer_engine: bool, initialize: bool = True
 ):
     """The model config of ``arch`` with the CUDA tier's layout, precision and fusions;
     ``initialize=False``: no random init (a checkpoint load fills every tensor)."""
-    dtype = torch.bfloat16 if cfg.training.bf16 else torch.float32
+    dtype = torch.bfloat16 if spec.bf16 else torch.float32
     return transformer_config(
         arch,
-        **parallel_overrides(cfg),
+        **parallel_overrides(spec),
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -82,42 +87,42 @@ def cuda_transformer_config(
         perform_initialization=initialize,
         bias_dropout_fusion=True,
         gradient_accumulation_fusion=transformer_engine or apex_fused_wgrad_importable(),
-        **recompute_overrides(cfg),
+        **recompute_overrides(spec),
     )
 
 
-def recompute_overrides(cfg) -> dict:
+def recompute_overrides(spec: ModelBuild) -> dict:
     """megatron-core's full, uniform, one-layer recompute for ``--recompute-granularity full``."""
-    if cfg.training.recompute_granularity != "full":
+    if not spec.recompute:
         return {}
     return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 
 
-def ddp_config(cfg) -> DistributedDataParallelConfig:
-    """megatron-core's DDP config of the flags: float32 gradient reduction, and its check of each
+def ddp_config(settings: OptimizerSettings) -> DistributedDataParallelConfig:
+    """megatron-core's DDP config of the run: float32 gradient reduction, and its check of each
     rank's gradients before it (``--check-for-nan-in-loss-and-grad``)."""
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
-        use_distributed_optimizer=cfg.parallelism.use_distributed_optimizer,
-        check_for_nan_in_grad=cfg.training.check_for_nan_in_loss_and_grad,
+        use_distributed_optimizer=settings.distributed,
+        check_for_nan_in_grad=settings.check_finite,
     )
 
 
-def optimizer_config(cfg, model_config) -> OptimizerConfig:
-    """megatron-core's optimizer config of the flags (``--clip-grad 0``: never clip)."""
+def optimizer_config(settings: OptimizerSettings, model_config) -> OptimizerConfig:
+    """megatron-core's optimizer config of the run (``--clip-grad 0``: never clip)."""
     return OptimizerConfig(
         optimizer="adam",
-        lr=cfg.training.lr,
-        min_lr=cfg.training.min_lr,
-        weight_decay=cfg.training.weight_decay,
-        adam_beta1=cfg.training.adam_beta1,
-        adam_beta2=cfg.training.adam_beta2,
-        adam_eps=cfg.training.adam_eps,
-        clip_grad=cfg.training.clip_grad if cfg.training.clip_grad > 0 else NO_CLIP,
+        lr=settings.lr,
+        min_lr=settings.min_lr,
+        weight_decay=settings.weight_decay,
+        adam_beta1=settings.adam_beta1,
+        adam_beta2=settings.adam_beta2,
+        adam_eps=settings.adam_eps,
+        clip_grad=settings.clip_grad if settings.clip_grad > 0 else NO_CLIP,
         bf16=model_config.bf16,
         params_dtype=model_config.params_dtype,
-        use_distributed_optimizer=cfg.parallelism.use_distributed_optimizer,
+        use_distributed_optimizer=settings.distributed,
     )
 
 
@@ -133,13 +138,13 @@ class CUDATier(Tier):
 
     def describe(self) -> str:
         """Tier, layer spec, precision, optimizer, PP and engine attention, for the log."""
-        cfg = self.cfg
+        spec, settings = self.config.model, self.config.optimizer
         return (
             f"tier: cuda | layer spec: "
             f"{'transformer_engine' if self.transformer_engine else 'local (sdpa)'} | "
-            f"{'bf16' if cfg.training.bf16 else 'fp32'} | optimizer: megatron-core "
-            f"{'distributed ' if cfg.parallelism.use_distributed_optimizer else ''}adam"
-            f" | pp: {cfg.parallelism.pipeline_model_parallel_size} | rollouts: megatron-core "
+            f"{'bf16' if spec.bf16 else 'fp32'} | optimizer: megatron-core "
+            f"{'distributed ' if settings.distributed else ''}adam"
+            f" | pp: {spec.pipeline_parallel} | rollouts: megatron-core "
             f"DynamicInferenceEngine ({attention_backend_name()})"
         )
 
@@ -150,16 +155,16 @@ class CUDATier(Tier):
     ) -> torch.nn.Module:
         """This stage's GPT on the current CUDA device (``load`` fills its weights before it is
         cast), in bf16 if asked (``Float16Module``); ``initialize=False``: no random init;
-        ``adapters``: the run's LoRA adapters, base frozen (``megatron/trainer/lora.py``; under
+        ``adapters``: the run's LoRA adapters, base frozen (``megatron/trainer/model/lora.py``; under
         ``--bf16`` ``Float16Module`` casts them too and the optimizer keeps float32 main copies,
         as for every trained parameter)."""
-        cfg = self.cfg
-        arch = architecture(cfg, vocab_size)
-        config = cuda_transformer_config(cfg, arch, self.transformer_engine, initialize)
+        spec = self.config.model
+        arch = architecture(spec, vocab_size)
+        config = cuda_transformer_config(spec, arch, self.transformer_engine, initialize)
         model = build_gpt_model(
             arch,
             config,
-            layer_spec(arch, select_backend(cuda=True), cfg.model.moe_grouped_gemm),
+            layer_spec(arch, select_backend(cuda=True), spec.section.moe_grouped_gemm),
             pre_process=parallel_state.is_pipeline_first_stage(),
             post_process=parallel_state.is_pipeline_last_stage(),
         )
@@ -167,20 +172,19 @@ class CUDATier(Tier):
         if load is not None:
             load(model)
         if adapters:
-            attach_adapters(model, cfg)
+            attach_adapters(model, spec)
         if config.bf16:
             model = Float16Module(config, model)
         return model
 
     def build_model(self, vocab_size, load=None):
         """This stage's GPT (``_stage_model``) wrapped in DDP."""
-        cfg = self.cfg
         model = self._stage_model(vocab_size, load, initialize=load is None, adapters=True)
-        config = model.config
-        ddp = DistributedDataParallel(config=config, ddp_config=ddp_config(cfg), module=model)
+        config, settings = model.config, self.config.optimizer
+        ddp = DistributedDataParallel(config=config, ddp_config=ddp_config(settings), module=model)
         config.no_sync_func = ddp.no_sync
         config.finalize_model_grads_func = finalize_model_grads
-        configure_routing(ddp, cfg.model.routing_mode)  # the engine's routes: R3
+        configure_routing(ddp, self.config.model.section.routing_mode)  # the engine's routes: R3
         return ddp
 
     def build_reference(self, vocab_size, initialize=True):
@@ -189,9 +193,10 @@ class CUDATier(Tier):
 
     def build_optimizer(self, model: torch.nn.Module) -> tuple[Any, Any]:
         """megatron-core's Adam(W) for the DDP model and the shared LR schedule."""
-        optimizer = get_megatron_optimizer(optimizer_config(self.cfg, model.config), [model])
+        settings = self.config.optimizer
+        optimizer = get_megatron_optimizer(optimizer_config(settings, model.config), [model])
         model.config.grad_scale_func = optimizer.scale_loss
-        return optimizer, build_scheduler(optimizer, self.cfg)
+        return optimizer, build_scheduler(optimizer, settings)
 
     # ----------------------------------------------------------------- policy
 
@@ -213,7 +218,7 @@ class CUDATier(Tier):
                 self.ctx.tp_group,
                 self.ctx.tp_size,
                 padded_vocab_size=padded_vocab_size(
-                    vocab_size, self.cfg.model.make_vocab_size_divisible_by
+                    vocab_size, self.config.model.section.make_vocab_size_divisible_by
                 ),
             )
         )

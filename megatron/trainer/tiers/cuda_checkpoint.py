@@ -1,7 +1,7 @@
 """CUDA-tier checkpoint shards: megatron-core's ``dist_checkpointing`` (torch_dist format).
 
 The directory protocol (iteration directories, staging + rename, tracker file, rollout state,
-resume-flag check) is ``megatron/trainer/checkpointing.py``'s, shared with the CPU tier; this
+resume-flag check) is ``megatron/trainer/checkpoint/directory.py``'s, shared with the CPU tier; this
 module writes and reads what goes into an iteration directory:
 
     iter_0000100/metadata.json, common.pt, *.distcp
@@ -29,8 +29,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.utils import unwrap_model
 
 from megatron.rl.lora.model import is_adapter_key, load_trainable_state_dict, lora_adapters
-from megatron.trainer.checkpointing import CheckpointShards, LoadOptions, TrainState
-from megatron.trainer.initialize import ParallelContext
+from megatron.trainer.checkpoint.directory import CheckpointShards, LoadOptions, TrainState
+from megatron.trainer.parallel import ParallelContext
 
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 """How the (distributed) optimizer lays out its state: resharding across layouts allowed."""

@@ -39,8 +39,10 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.rl.grpo.batch import TrainBatch
 from megatron.rl.grpo.packing import pack_sequences
 from megatron.rl.lora.model import base_model
-from megatron.trainer.checkpointing import TrainState
-from megatron.trainer.forward import (
+from megatron.trainer.checkpoint.directory import TrainState
+from megatron.trainer.parallel import ParallelContext
+from megatron.trainer.tiers.base import no_reference_error
+from megatron.trainer.train.forward import (
     ModelInputs,
     gather_data_parallel,
     micro_outputs,
@@ -50,14 +52,13 @@ from megatron.trainer.forward import (
     routed_forward,
     routes_cleared,
 )
-from megatron.trainer.initialize import ParallelContext
-from megatron.trainer.moe_step import (
+from megatron.trainer.train.moe import (
     MoEStepStats,
     set_schedule_aux_loss_weight,
     with_moe_metrics,
 )
-from megatron.trainer.nonfinite import LossCheck
-from megatron.trainer.policy import (
+from megatron.trainer.train.nonfinite import LossCheck
+from megatron.trainer.train.policy import (
     LossFunction,
     MicroBatch,
     PlannedUpdate,
@@ -67,14 +68,13 @@ from megatron.trainer.policy import (
     plan_updates,
     update_keys,
 )
-from megatron.trainer.step import (
+from megatron.trainer.train.step import (
     NamedSums,
     StepResult,
     Update,
     data_parallel_micro_batches,
     step_result,
 )
-from megatron.trainer.tiers.base import no_reference_error
 
 Consume = Callable[[Any, ModelInputs, torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict]]
 """megatron-core's loss function of one micro-batch: (its key, its model inputs, the last
@@ -203,9 +203,13 @@ class CUDAPolicy(Policy):
         def loss(micro: MicroBatch, inputs: ModelInputs, logits: torch.Tensor):
             """The loss *sum* of a micro-batch, its token count, and its metric sums."""
             logprobs, entropy = micro_outputs(
-                logits.float(), micro.data, inputs, config.vocab_size, ctx.tp_group,
+                logits.float(),
+                micro.data,
+                inputs,
+                config.vocab_size,
+                ctx.tp_group,
                 loss_fn.needs_entropy,
-            )  # fmt: skip
+            )
             out = loss_fn(micro, logprobs, entropy)
             check.record(out.loss_sum)
             sums.append(NamedSums.of({"loss": out.loss_sum.detach(), **out.metric_sums}, keys))

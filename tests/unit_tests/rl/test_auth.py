@@ -24,9 +24,13 @@ INFERENCE_URL = "http://trainer:9000"
 
 def request() -> GroupedRolloutRequest:
     return GroupedRolloutRequest(
-        batch_id=1, index_in_batch=0, groups_in_batch=2, group_size=3, seed=4,
+        batch_id=1,
+        index_in_batch=0,
+        groups_in_batch=2,
+        group_size=3,
+        seed=4,
         submission_policy_version=0,
-    )  # fmt: skip
+    )
 
 
 def call(app, method: str, path: str, headers: dict, body=None):
@@ -73,8 +77,9 @@ KEYED = EnvServerConfig(api_key=KEY, allowed_inference_urls=(INFERENCE_URL,))
 
 def test_env_server_with_the_key_generates_through_an_inference_server_that_needs_it_too():
     app = env_app(KEYED)
-    response = call(app, "POST", "/v1/grouped_rollouts", {"authorization": f"Bearer {KEY}"},
-                    grouped_call())  # fmt: skip
+    response = call(
+        app, "POST", "/v1/grouped_rollouts", {"authorization": f"Bearer {KEY}"}, grouped_call()
+    )
     assert response.status_code == 200
     group = RolloutGroup.model_validate(response.json())
     assert not any(r.is_placeholder for r in group.rollouts)  # the key reached the inference app
@@ -82,8 +87,9 @@ def test_env_server_with_the_key_generates_through_an_inference_server_that_need
 
 def test_inference_server_refusing_the_env_servers_key_is_a_424_not_placeholders():
     app = env_app(KEYED, inference_key="another-key")
-    response = call(app, "POST", "/v1/grouped_rollouts", {"authorization": f"Bearer {KEY}"},
-                    grouped_call())  # fmt: skip
+    response = call(
+        app, "POST", "/v1/grouped_rollouts", {"authorization": f"Bearer {KEY}"}, grouped_call()
+    )
     assert response.status_code == 424 and "HTTP 401" in response.json()["detail"]
 
 
@@ -147,9 +153,10 @@ def test_the_job_key_reaches_only_an_allowed_origin_and_no_other_listener():
                 transport = httpx.ASGITransport(app)
                 async with httpx.AsyncClient(transport=transport, base_url="http://s") as client:
                     refused = await client.post(
-                        "/v1/grouped_rollouts", headers=headers,
+                        "/v1/grouped_rollouts",
+                        headers=headers,
                         json=grouped_call(f"http://127.0.0.1:{port}7"),
-                    )  # fmt: skip
+                    )
                     served = await client.post(
                         "/v1/grouped_rollouts", headers=headers, json=grouped_call(allowed)
                     )
@@ -200,8 +207,13 @@ async def listeners_on_p_and_p7(heard: dict[int, bytes]):
     ],
 )
 def test_a_keyed_env_server_without_an_allow_list_sends_its_key_to_loopback_only(url, status):
-    response = call(env_app(EnvServerConfig(api_key=KEY)), "POST", "/v1/grouped_rollouts",
-                    {"authorization": f"Bearer {KEY}"}, grouped_call(url))  # fmt: skip
+    response = call(
+        env_app(EnvServerConfig(api_key=KEY)),
+        "POST",
+        "/v1/grouped_rollouts",
+        {"authorization": f"Bearer {KEY}"},
+        grouped_call(url),
+    )
     assert response.status_code == status, response.text
     if status == 403:
         assert "loopback servers only" in response.json()["detail"]
@@ -277,12 +289,13 @@ def test_env_server_cli_refuses_an_unreadable_key_file(tmp_path, capsys):
     "path, environ, source",
     [
         pytest.param("/run/job.key", {API_KEY_ENV: "s3cret"}, "--flag /run/job.key", id="file"),
-        pytest.param(None, {API_KEY_ENV: "s3cret"}, f"the environment variable {API_KEY_ENV}",
-                     id="variable"),
+        pytest.param(
+            None, {API_KEY_ENV: "s3cret"}, f"the environment variable {API_KEY_ENV}", id="variable"
+        ),
         pytest.param(None, {API_KEY_ENV: ""}, "none", id="empty-variable"),
         pytest.param(None, {}, "none", id="none"),
     ],
-)  # fmt: skip
+)
 def test_the_key_source_names_the_file_or_variable_never_the_key(path, environ, source):
     assert api_key_source(path, environ, "--flag") == source
     assert "s3cret" not in source

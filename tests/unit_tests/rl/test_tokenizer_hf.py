@@ -8,7 +8,8 @@ import shutil
 import pytest
 
 from megatron.rl.models.hf import HFCheckpointError
-from megatron.rl.tokenizer import HuggingFaceTokenizer, Tokenizer
+from megatron.rl.models.hf.tokenizer import HuggingFaceTokenizer
+from megatron.rl.tokenizer import Tokenizer
 
 MESSAGES = [{"role": "user", "content": "What is 12+7?"}]
 

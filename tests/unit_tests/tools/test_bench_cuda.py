@@ -74,12 +74,38 @@ def standalone_env() -> dict[str, str]:
 @pytest.mark.gpu
 def test_a_short_run_reports_throughput_and_mfu():
     proc = subprocess.run(
-        [sys.executable, "tools/bench_cuda.py", "--num-layers", "2", "--hidden-size", "128",
-         "--num-attention-heads", "4", "--seq-length", "256", "--prompt-len", "32",
-         "--gen-tokens", "32", "--gen-requests", "8", "--batch-size", "8",
-         "--micro-batch-size", "4", "--train-steps", "2", "--warmup-steps", "1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, env=standalone_env(),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "tools/bench_cuda.py",
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "128",
+            "--num-attention-heads",
+            "4",
+            "--seq-length",
+            "256",
+            "--prompt-len",
+            "32",
+            "--gen-tokens",
+            "32",
+            "--gen-requests",
+            "8",
+            "--batch-size",
+            "8",
+            "--micro-batch-size",
+            "4",
+            "--train-steps",
+            "2",
+            "--warmup-steps",
+            "1",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=standalone_env(),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout[proc.stdout.index("{") :])
     assert out["generated_tokens_per_s"] > 0 and out["train_tokens_per_s"] > 0

@@ -66,7 +66,7 @@ SIDES = [(1.01, "met"), (1.0, "met"), (0.99, "not met")]
 @pytest.mark.parametrize(
     "row, schedule", [("L=2", "deterministic"), ("L=2, throughput", "throughput")]
 )
-def test_issue7_lag_target(res, row, schedule, factor, expected):
+def test_l2_over_l0_steps_per_s_target(res, row, schedule, factor, expected):
     r = by_name(res["lag_sweep"]["results"], row)
     r["steps_per_s_ratio"] = targets.LAG_TARGET * factor
     text = line(targets.targets(res), f"- L=2 steps/s >= {targets.LAG_TARGET}x L=0, {schedule} ")
@@ -82,7 +82,7 @@ def test_issue7_lag_target(res, row, schedule, factor, expected):
         ("L=2, throughput", "throughput", targets.THROUGHPUT_LAG_TARGET),
     ],
 )
-def test_issue17_lag_targets(res, row, schedule, target, factor, expected):
+def test_l2_over_l0_target_of_each_lag_schedule(res, row, schedule, target, factor, expected):
     by_name(res["lag_sweep"]["results"], row)["steps_per_s_ratio"] = target * factor
     text = line(
         targets.lag_targets(res["lag_sweep"]), f"- L=2 steps/s >= {target}x L=0, {schedule}"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megatron.rl.models.hf import read_hf_config
-from megatron.rl.tokenizer import HuggingFaceTokenizer
+from megatron.rl.models.hf.tokenizer import HuggingFaceTokenizer
 
 ROOT = Path(__file__).resolve().parents[3]
 spec = importlib.util.spec_from_file_location(

@@ -15,13 +15,13 @@ from megatron.rl.grpo.batch import batch_advantages
 from megatron.rl.grpo.overlong import OverlongConfig
 from megatron.rl.rollout.generator import RolloutBatch
 from megatron.trainer import config
-from megatron.trainer.collection import KeyedCollection
-from megatron.trainer.exits import UsageError
+from megatron.trainer.errors import UsageError
 from megatron.trainer.flags.parse import check
 from megatron.trainer.grpo import advantages_of
-from megatron.trainer.initialize import ParallelContext
-from megatron.trainer.log_line import format_log_line
-from megatron.trainer.metrics import rollout_metrics
+from megatron.trainer.metrics.log_line import format_log_line
+from megatron.trainer.metrics.record import rollout_metrics
+from megatron.trainer.parallel import ParallelContext
+from megatron.trainer.train.collection import KeyedCollection
 
 
 def resolved(*argv: str):
@@ -55,19 +55,36 @@ def test_advantage_flags_and_their_peer_spellings(argv, estimator, scale):
 @pytest.mark.parametrize(
     "argv, expected",
     [
-        pytest.param(["--overlong-buffer-len", "4"], OverlongConfig(4, 1.0, False, 16),
-                     id="buffer"),
-        pytest.param(["--overlong-tokens", "4", "--overlong-buffer-penalty", "0.5"],
-                     OverlongConfig(4, 0.5, False, 16), id="areal-and-nemo-rl-spellings"),
-        pytest.param(["--overlong-buffer-length", "2", "--overlong-buffer-penalty-factor", "2",
-                      "--rl-default-max-tokens", "8"], OverlongConfig(2, 2.0, False, 8),
-                     id="default-budget"),
-        pytest.param(["--mask-truncated-completions"], OverlongConfig(0, 1.0, True, 16),
-                     id="mask-only"),
-        pytest.param(["--overlong-filtering"], OverlongConfig(0, 1.0, True, 16),
-                     id="nemo-rl-overlong-filtering"),
+        pytest.param(
+            ["--overlong-buffer-len", "4"], OverlongConfig(4, 1.0, False, 16), id="buffer"
+        ),
+        pytest.param(
+            ["--overlong-tokens", "4", "--overlong-buffer-penalty", "0.5"],
+            OverlongConfig(4, 0.5, False, 16),
+            id="areal-and-nemo-rl-spellings",
+        ),
+        pytest.param(
+            [
+                "--overlong-buffer-length",
+                "2",
+                "--overlong-buffer-penalty-factor",
+                "2",
+                "--rl-default-max-tokens",
+                "8",
+            ],
+            OverlongConfig(2, 2.0, False, 8),
+            id="default-budget",
+        ),
+        pytest.param(
+            ["--mask-truncated-completions"], OverlongConfig(0, 1.0, True, 16), id="mask-only"
+        ),
+        pytest.param(
+            ["--overlong-filtering"],
+            OverlongConfig(0, 1.0, True, 16),
+            id="nemo-rl-overlong-filtering",
+        ),
     ],
-)  # fmt: skip
+)
 def test_shaping_flags_and_their_peer_spellings(argv, expected):
     assert config.overlong_config(resolved(*argv)) == expected
 
@@ -75,16 +92,28 @@ def test_shaping_flags_and_their_peer_spellings(argv, expected):
 @pytest.mark.parametrize(
     "argv, needle",
     [
-        pytest.param(["--overlong-penalty-factor", "0.5"], "--overlong-penalty-factor needs",
-                     id="factor-without-buffer"),
-        pytest.param(["--overlong-buffer-len", "-1"], "--overlong-buffer-len must be >= 0",
-                     id="negative-buffer"),
-        pytest.param(["--overlong-buffer-len", "4", "--overlong-penalty-factor", "-1"],
-                     "--overlong-penalty-factor must be >= 0", id="negative-factor"),
-        pytest.param(["--mask-truncated-completions", "--rl-ignore-eos"],
-                     "would mask every rollout", id="mask-with-ignore-eos"),
+        pytest.param(
+            ["--overlong-penalty-factor", "0.5"],
+            "--overlong-penalty-factor needs",
+            id="factor-without-buffer",
+        ),
+        pytest.param(
+            ["--overlong-buffer-len", "-1"],
+            "--overlong-buffer-len must be >= 0",
+            id="negative-buffer",
+        ),
+        pytest.param(
+            ["--overlong-buffer-len", "4", "--overlong-penalty-factor", "-1"],
+            "--overlong-penalty-factor must be >= 0",
+            id="negative-factor",
+        ),
+        pytest.param(
+            ["--mask-truncated-completions", "--rl-ignore-eos"],
+            "would mask every rollout",
+            id="mask-with-ignore-eos",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_shaping_flags_are_reported_by_name(argv, needle):
     _, errors = check(argv)
     assert any(needle in e for e in errors), errors
@@ -112,8 +141,11 @@ def test_rank_0_publishes_the_configured_advantages_with_their_metrics():
         shaped.advantages, batch_advantages(groups, AdvantageConfig("rloo", "batch"))
     )
     assert shaped.masked is None and set(shaped.metrics) == {
-        "advantages_mean", "advantages_abs_mean", "advantages_min", "advantages_max"
-    }  # fmt: skip
+        "advantages_mean",
+        "advantages_abs_mean",
+        "advantages_min",
+        "advantages_max",
+    }
 
 
 def cut_off(groups, rows: set[int]):
@@ -125,9 +157,15 @@ def cut_off(groups, rows: set[int]):
         for r in g.rollouts:
             n = sum(r.generation_mask)
             cut = i in rows
-            rollouts.append(r.model_copy(update={
-                "max_tokens": n if cut else 64, "turn_lengths": [n], "truncated": cut,
-            }))  # fmt: skip
+            rollouts.append(
+                r.model_copy(
+                    update={
+                        "max_tokens": n if cut else 64,
+                        "turn_lengths": [n],
+                        "truncated": cut,
+                    }
+                )
+            )
             i += 1
         out.append(g.model_copy(update={"rollouts": rollouts}))
     return out
@@ -171,17 +209,32 @@ def test_a_truncated_completion_is_fully_masked_on_every_rank_and_leaves_the_res
     "shaping, shown",
     [
         pytest.param({}, None, id="off"),
-        pytest.param({"truncated_fraction": 0.25, "overlong_penalty_mean": -0.125},
-                     "| truncated rollouts 0.25 overlong penalty -0.125", id="penalty"),
-        pytest.param({"truncated_fraction": 0.5, "truncated_masked_rollouts": 3},
-                     "| truncated rollouts 0.50 masked 3", id="mask"),
+        pytest.param(
+            {"truncated_fraction": 0.25, "overlong_penalty_mean": -0.125},
+            "| truncated rollouts 0.25 overlong penalty -0.125",
+            id="penalty",
+        ),
+        pytest.param(
+            {"truncated_fraction": 0.5, "truncated_masked_rollouts": 3},
+            "| truncated rollouts 0.50 masked 3",
+            id="mask",
+        ),
     ],
-)  # fmt: skip
+)
 def test_the_log_line_shows_the_shaping_that_is_on(shaping, shown):
     groups = synthetic_groups(2, 2, vocab=20)
     record = rollout_metrics(RolloutBatch(0, groups, in_flight=1, queue_depth=0), step=0)
-    m = {**record, "step": 0, "loss": 0.0, "grad_norm": 0.0, "lr": 1e-3, "lag": 1,
-         "generated_tokens_per_s": 1.0, "trained_tokens_per_s": 1.0, "step_seconds": 0.1,
-         **shaping}  # fmt: skip
+    m = {
+        **record,
+        "step": 0,
+        "loss": 0.0,
+        "grad_norm": 0.0,
+        "lr": 1e-3,
+        "lag": 1,
+        "generated_tokens_per_s": 1.0,
+        "trained_tokens_per_s": 1.0,
+        "step_seconds": 0.1,
+        **shaping,
+    }
     line = format_log_line(m, 10)
     assert ("truncated rollouts" not in line) if shown is None else (shown in line)

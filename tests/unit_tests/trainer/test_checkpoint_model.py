@@ -8,16 +8,17 @@ import torch
 from megatron.core import parallel_state
 
 from megatron.rl.rollout.generator import PipelineState
-from megatron.trainer import checkpointing
+from megatron.trainer.checkpoint import directory as checkpointing
+from megatron.trainer.checkpoint.directory import TrainState
 from megatron.trainer.checkpoint_model import (
     architecture_mismatches,
     default_model_name,
     load_checkpoint_model,
 )
-from megatron.trainer.checkpointing import TrainState
+from megatron.trainer.config import tier_config
 from megatron.trainer.flags.parse import parse_args
 from megatron.trainer.flags.run import RunConfig
-from megatron.trainer.initialize import ParallelContext
+from megatron.trainer.parallel import ParallelContext
 from megatron.trainer.tiers import CPUTier
 
 
@@ -26,10 +27,16 @@ def context() -> ParallelContext:
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()
     return ParallelContext(
-        rank=0, world_size=1, device=torch.device("cpu"), tp_rank=0, tp_size=1, dp_rank=0,
-        dp_size=1, tp_group=parallel_state.get_tensor_model_parallel_group(),
+        rank=0,
+        world_size=1,
+        device=torch.device("cpu"),
+        tp_rank=0,
+        tp_size=1,
+        dp_rank=0,
+        dp_size=1,
+        tp_group=parallel_state.get_tensor_model_parallel_group(),
         dp_group=parallel_state.get_data_parallel_group(),
-    )  # fmt: skip
+    )
 
 
 def flags(*argv: str) -> RunConfig:
@@ -41,13 +48,17 @@ def save_trained(root: str, iteration: int, seed: int) -> dict[str, torch.Tensor
     """A trainer checkpoint of a freshly initialized model at ``iteration``; its weights."""
     args, ctx = flags("--seed", str(seed)), context()
     torch.manual_seed(seed)
-    tier = CPUTier(args, ctx)
+    tier = CPUTier(tier_config(args), ctx)
     model = tier.build_model(vocab_size=21)
     state = TrainState(model, *tier.build_optimizer(model))
     pipeline = PipelineState(
-        next_batch_id=iteration, submitted=iteration, forced_lag=0, groups_per_batch=1,
-        group_size=2, groups=[],
-    )  # fmt: skip
+        next_batch_id=iteration,
+        submitted=iteration,
+        forced_lag=0,
+        groups_per_batch=1,
+        group_size=2,
+        groups=[],
+    )
     shards = tier.checkpoint_shards()
     checkpointing.save_checkpoint(root, iteration, shards, state, pipeline, args, ctx)
     return {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
@@ -72,8 +83,10 @@ def test_a_trainer_checkpoint_loads_its_weights_and_iteration(checkpoint):
         assert torch.equal(state[name], value), name
     older = load_checkpoint_model(flags("--load", root, "--ckpt-step", "2"), context())
     assert older.policy_version == 2
-    assert not torch.equal(older.model.state_dict()["embedding.word_embeddings.weight"],
-                           weights["embedding.word_embeddings.weight"])  # fmt: skip
+    assert not torch.equal(
+        older.model.state_dict()["embedding.word_embeddings.weight"],
+        weights["embedding.word_embeddings.weight"],
+    )
 
 
 def test_another_architecture_is_refused_naming_the_flags(checkpoint):
@@ -103,8 +116,9 @@ def test_a_missing_iteration_names_the_one_to_load(checkpoint):
         pytest.param({}, {"qk_layernorm": False}, [], id="flag-added-later-is-off"),
         pytest.param({}, {"kv_channels": None}, [], id="unset-is-not-saved"),
         pytest.param({}, {"kv_channels": 16}, ["--kv-channels None (here: 16)"], id="set-now-only"),
-        pytest.param({"swiglu": True}, {"swiglu": False}, ["--swiglu True (here: False)"],
-                     id="switch"),  # fmt: skip
+        pytest.param(
+            {"swiglu": True}, {"swiglu": False}, ["--swiglu True (here: False)"], id="switch"
+        ),
     ],
 )
 def test_architecture_mismatches(saved, now, expected):

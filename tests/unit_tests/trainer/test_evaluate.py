@@ -14,6 +14,7 @@ import pytest
 from megatron.rl.eval.confidence import wilson_interval
 from megatron.rl.eval.runner import EnvEvaluation, EvalConfig, ResponseLengths
 from megatron.trainer.checkpoint_model import CheckpointModel
+from megatron.trainer.errors import UsageError
 from megatron.trainer.evaluate import (
     PROG,
     environment_numbers,
@@ -24,7 +25,6 @@ from megatron.trainer.evaluate import (
     summary,
     write_json,
 )
-from megatron.trainer.exits import UsageError
 from megatron.trainer.flags.run import RunConfig
 
 
@@ -36,10 +36,18 @@ def tiny(tiny_hf_checkpoints, monkeypatch) -> str:
 
 def record(pass_name: str, problem: int, reward: float, error: str | None = None, sample=0):
     return {
-        "env_id": "math", "pass": pass_name, "problem": problem, "sample": sample,
-        "problem_id": f"p{problem}", "prompt": "1+1=", "response": "2", "reward": reward,
-        "response_tokens": 2, "truncated": False, "error": error,
-    }  # fmt: skip
+        "env_id": "math",
+        "pass": pass_name,
+        "problem": problem,
+        "sample": sample,
+        "problem_id": f"p{problem}",
+        "prompt": "1+1=",
+        "response": "2",
+        "reward": reward,
+        "response_tokens": 2,
+        "truncated": False,
+        "error": error,
+    }
 
 
 def math_result() -> EnvEvaluation:
@@ -47,10 +55,17 @@ def math_result() -> EnvEvaluation:
     greedy = [record("greedy", 0, 1.0), record("greedy", 1, 0.5), record("greedy", 2, 0.0, "boom")]
     sampled = [record("sample", p, r, sample=s) for p in range(3) for s, r in enumerate([1.0, 0])]
     return EnvEvaluation(
-        env_id="math", greedy_reward=0.5, sample_reward=0.5, pass_at_k={1: 0.5, 2: 1.0},
-        failed=1, prompts=3, greedy_lengths=ResponseLengths(2.0, 3, 0.0),
-        sample_lengths=ResponseLengths(4.5, 9, 0.25), records=greedy + sampled, seconds=1.25,
-    )  # fmt: skip
+        env_id="math",
+        greedy_reward=0.5,
+        sample_reward=0.5,
+        pass_at_k={1: 0.5, 2: 1.0},
+        failed=1,
+        prompts=3,
+        greedy_lengths=ResponseLengths(2.0, 3, 0.0),
+        sample_lengths=ResponseLengths(4.5, 9, 0.25),
+        records=greedy + sampled,
+        seconds=1.25,
+    )
 
 
 def test_greedy_accuracy_counts_rewards_at_the_threshold_and_no_placeholder():
@@ -85,8 +100,16 @@ def test_the_summary_says_what_was_evaluated_and_keeps_the_trainers_metrics(tmp_
 
 
 def test_the_table_has_a_row_per_environment_with_the_interval():
-    other = EnvEvaluation("copy", 1.0, 0.75, {1: 0.75, 2: 1.0}, 0, prompts=2, seconds=0.5,
-                          records=[record("greedy", 0, 1.0), record("greedy", 1, 1.0)])  # fmt: skip
+    other = EnvEvaluation(
+        "copy",
+        1.0,
+        0.75,
+        {1: 0.75, 2: 1.0},
+        0,
+        prompts=2,
+        seconds=0.5,
+        records=[record("greedy", 0, 1.0), record("greedy", 1, 1.0)],
+    )
     text = report(numbers_of([math_result(), other]))
     lines = text.splitlines()
     assert lines[0].startswith("evaluated    --load CK (iteration 7) (policy version 7) on 2")
@@ -106,9 +129,17 @@ def test_format_table_aligns_columns():
 
 def test_the_validation_flags_need_no_training_flag(tiny, tmp_path):
     args, _ = parse_evaluate_args(
-        ["--hf-checkpoint", tiny, "--val-split-fraction", "0.5", "--val-dump-dir",
-         str(tmp_path / "dump"), "--output-json", str(tmp_path / "eval.json")]
-    )  # fmt: skip
+        [
+            "--hf-checkpoint",
+            tiny,
+            "--val-split-fraction",
+            "0.5",
+            "--val-dump-dir",
+            str(tmp_path / "dump"),
+            "--output-json",
+            str(tmp_path / "eval.json"),
+        ]
+    )
     assert args.evaluation.val_split_fraction == 0.5 and args.evaluation.val_dump_dir.endswith(
         "dump"
     )

@@ -15,16 +15,36 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
 SMALL = [
-    "--rl-forced-lag", "2", "--train-iters", "4", "--lr-warmup-iters", "1",
-    "--grpo-prompts-per-step", "4", "--grpo-group-size", "4", "--micro-batch-size", "8",
-    "--seed", "3",
-]  # fmt: skip
+    "--rl-forced-lag",
+    "2",
+    "--train-iters",
+    "4",
+    "--lr-warmup-iters",
+    "1",
+    "--grpo-prompts-per-step",
+    "4",
+    "--grpo-group-size",
+    "4",
+    "--micro-batch-size",
+    "8",
+    "--seed",
+    "3",
+]
 RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 DETERMINISTIC = (
-    "loss", "grad_norm", "reward_mean", "reward_std", "clip_fraction", "mismatch_kl",
-    "staleness_min", "staleness_max", "token_staleness_min", "token_staleness_mean",
-    "token_staleness_max", "completion_tokens_mean",
-)  # fmt: skip
+    "loss",
+    "grad_norm",
+    "reward_mean",
+    "reward_std",
+    "clip_fraction",
+    "mismatch_kl",
+    "staleness_min",
+    "staleness_max",
+    "token_staleness_min",
+    "token_staleness_mean",
+    "token_staleness_max",
+    "completion_tokens_mean",
+)
 
 
 def train(tmp_path: Path, name: str, *flags: str) -> subprocess.CompletedProcess:
@@ -37,8 +57,12 @@ def train(tmp_path: Path, name: str, *flags: str) -> subprocess.CompletedProcess
         metrics.unlink(missing_ok=True)
         proc = subprocess.run(
             [sys.executable, "pretrain_grpo.py", *SMALL, *flags, "--metrics-file", str(metrics)],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         if "EADDRINUSE" not in proc.stderr:
             break
     return proc
@@ -66,9 +90,17 @@ def runs(tmp_path_factory):
 def test_evaluation_does_not_perturb_training(runs):
     plain = runs("plain")
     evaluated = runs(
-        "eval", "--eval-interval", "2", "--eval-prompts", "4", "--eval-samples", "4",
-        "--eval-pass-k", "1", "4",
-    )  # fmt: skip
+        "eval",
+        "--eval-interval",
+        "2",
+        "--eval-prompts",
+        "4",
+        "--eval-samples",
+        "4",
+        "--eval-pass-k",
+        "1",
+        "4",
+    )
     for a, b in zip(plain, evaluated):
         assert {k: a[k] for k in DETERMINISTIC} == {k: b[k] for k in DETERMINISTIC}
     logged = [m for m in evaluated if "eval/greedy_reward" in m]
@@ -100,10 +132,16 @@ def test_evaluation_only_entries_are_evaluated_and_do_not_change_training(runs, 
 
 def test_optional_terms_log_their_metrics_and_keep_the_lag_exact(runs):
     metrics = runs(
-        "terms", "--rl-inference-logprobs-is-correction", "--grpo-kl-beta", "0.05",
-        "--grpo-entropy-term-weight", "0.001", "--grpo-iterations", "2",
+        "terms",
+        "--rl-inference-logprobs-is-correction",
+        "--grpo-kl-beta",
+        "0.05",
+        "--grpo-entropy-term-weight",
+        "0.001",
+        "--grpo-iterations",
+        "2",
         "--rl-use-sequence-packing",
-    )  # fmt: skip
+    )
     assert [m["batch_id"] for m in metrics] == [0, 0, 1, 1]  # two iterations per collection
     for m in metrics:
         assert m["batch_staleness"] == min(m["batch_id"], 2)
@@ -117,9 +155,13 @@ def test_optional_terms_log_their_metrics_and_keep_the_lag_exact(runs):
 
 def test_dynamic_sampling_keeps_the_lag_exact(runs):
     metrics = runs(
-        "dynamic", "--grpo-filter-groups-with-same-reward", "--grpo-max-generation-rounds", "6",
-        "--rl-default-temperature", "2.0",
-    )  # fmt: skip
+        "dynamic",
+        "--grpo-filter-groups-with-same-reward",
+        "--grpo-max-generation-rounds",
+        "6",
+        "--rl-default-temperature",
+        "2.0",
+    )
     for m in metrics:
         assert m["staleness_min"] == m["staleness_max"] == min(m["step"], 2)
         assert m["dynamic_sampling_generated_groups"] == 24  # L > 0: every round, eagerly
@@ -130,9 +172,15 @@ def test_dynamic_sampling_keeps_the_lag_exact(runs):
 
 def test_dynamic_sampling_at_lag_zero_generates_rounds_only_while_the_batch_is_short(runs):
     metrics = runs(
-        "dynamic-lazy", "--rl-forced-lag", "0", "--grpo-filter-groups-with-same-reward",
-        "--grpo-max-generation-rounds", "3", "--rl-default-temperature", "1.0",
-    )  # fmt: skip
+        "dynamic-lazy",
+        "--rl-forced-lag",
+        "0",
+        "--grpo-filter-groups-with-same-reward",
+        "--grpo-max-generation-rounds",
+        "3",
+        "--rl-default-temperature",
+        "1.0",
+    )
     for m in metrics:
         assert m["staleness_min"] == m["staleness_max"] == 0
         full = m["dynamic_sampling_kept_groups"] == 4

@@ -8,8 +8,8 @@ import signal
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from megatron.trainer.exits import write_error_file
 from megatron.trainer.launch import report
+from megatron.trainer.runtime.exits import write_error_file
 
 
 def failure(tmp_path, monkeypatch, rank: int, exitcode: int, message=None, expected="own"):

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 
 from megatron.rl.auth import API_KEY_ENV
-from megatron.trainer.exits import UsageError, run_main
+from megatron.trainer.errors import UsageError
+from megatron.trainer.runtime.exits import run_main
 from megatron.trainer.serve import PROG, build_serve_parser, main, parse_serve_args, served_key
 
 

@@ -19,11 +19,29 @@ ROOT = Path(__file__).resolve().parents[3]
 RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 DATA = "examples/rl/environments/math/tiny_arithmetic.jsonl"  # 8 problems: 2 held out at 0.25
 FLAGS = [
-    "--rl-forced-lag", "1", "--train-iters", "3", "--lr-warmup-iters", "1",
-    "--grpo-prompts-per-step", "2", "--grpo-group-size", "2", "--micro-batch-size", "4",
-    "--seed", "3", "--env-config", "examples/rl/environment_configs/math.yaml",
-    "--val-split-fraction", "0.25", "--val-at-start", "--val-at-end", "--eval-samples", "2",
-]  # fmt: skip
+    "--rl-forced-lag",
+    "1",
+    "--train-iters",
+    "3",
+    "--lr-warmup-iters",
+    "1",
+    "--grpo-prompts-per-step",
+    "2",
+    "--grpo-group-size",
+    "2",
+    "--micro-batch-size",
+    "4",
+    "--seed",
+    "3",
+    "--env-config",
+    "examples/rl/environment_configs/math.yaml",
+    "--val-split-fraction",
+    "0.25",
+    "--val-at-start",
+    "--val-at-end",
+    "--eval-samples",
+    "2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +54,12 @@ def run(tmp_path_factory):
     for _ in range(3):  # retried if the free port it picked was taken meanwhile
         proc = subprocess.run(
             [sys.executable, "pretrain_grpo.py", *argv],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         if "EADDRINUSE" not in proc.stderr:
             break
     assert proc.returncode == 0, proc.stderr[-3000:]

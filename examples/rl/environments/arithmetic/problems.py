@@ -32,15 +32,23 @@ Operation = Literal["add", "subtract", "multiply"]
 OPERATIONS: tuple[Operation, ...] = ("add", "subtract", "multiply")
 MIN_FACTOR = 2
 
-NAMES: tuple[str, ...] = (
-    "Anna", "Ben", "Carla", "David", "Emma", "Farid", "Grace", "Hugo",
-    "Ines", "Jack", "Kemal", "Lena", "Maya", "Noah", "Olga", "Pedro",
-)  # fmt: skip
+NAMES: tuple[str, ...] = tuple(
+    "Anna Ben Carla David Emma Farid Grace Hugo Ines Jack Kemal Lena Maya Noah Olga Pedro".split()
+)
 OBJECTS: tuple[tuple[str, str], ...] = (
-    ("apple", "apples"), ("marble", "marbles"), ("sticker", "stickers"), ("pencil", "pencils"),
-    ("book", "books"), ("cookie", "cookies"), ("stamp", "stamps"), ("shell", "shells"),
-    ("card", "cards"), ("balloon", "balloons"), ("coin", "coins"), ("toy car", "toy cars"),
-)  # fmt: skip
+    ("apple", "apples"),
+    ("marble", "marbles"),
+    ("sticker", "stickers"),
+    ("pencil", "pencils"),
+    ("book", "books"),
+    ("cookie", "cookies"),
+    ("stamp", "stamps"),
+    ("shell", "shells"),
+    ("card", "cards"),
+    ("balloon", "balloons"),
+    ("coin", "coins"),
+    ("toy car", "toy cars"),
+)
 """(singular, plural) of each object."""
 
 PHRASINGS: dict[Operation, tuple[str, ...]] = {

@@ -210,8 +210,11 @@ class LLMJudge(RewardFunction):
             prompt = users[-1] if users else prompt
         values = {"{prompt}": prompt, "{response}": sample.completion}
         values["{reference}"] = sample.reference
-        return re.sub("|".join(map(re.escape, FIELDS)), lambda m: values[m.group(0)],
-                      self.args.prompt_template)  # fmt: skip
+        return re.sub(
+            "|".join(map(re.escape, FIELDS)),
+            lambda m: values[m.group(0)],
+            self.args.prompt_template,
+        )
 
     async def ask(self, content: str) -> str:
         """The judge's answer to ``content``; ``JudgeError`` once the client gave up."""

@@ -87,9 +87,11 @@ class PromptsArgs(AgentArgs):
 
 
 def load_prompts(
-    path: str, prompt_field: str = "prompt", reference_field: str = "reference",
+    path: str,
+    prompt_field: str = "prompt",
+    reference_field: str = "reference",
     id_field: str | None = None,
-) -> list[PromptRecord]:  # fmt: skip
+) -> list[PromptRecord]:
     """The records of the JSONL file at ``path``; ValueError naming the file, line and field."""
     file = Path(path)
     try:

@@ -25,6 +25,9 @@ import torch
 
 from megatron.rl.grpo.policy_loss.base import Surrogate
 
+SUMS = ("cispo_weight_mean",)
+"""The capped weight summed over the loss tokens (logged per token)."""
+
 
 def surrogate(
     trainer_logprobs: torch.Tensor,
@@ -44,3 +47,8 @@ def surrogate(
         sums = {"cispo_weight_mean": (weight * mask).sum().double()}
     objective = weight * advantages * trainer_logprobs
     return Surrogate(objective, capped.float(), sums)
+
+
+def metrics(sums: dict[str, float]) -> dict[str, float]:
+    """None besides ``cispo_weight_mean``, a per-token sum the loss logs per token."""
+    return {}

@@ -32,7 +32,8 @@ current adapter of every policy version (or a multi-adapter server's selected se
 
 ``CachedForward.of(model)`` returns None for what it does not reproduce (pipeline parallelism,
 sequence parallelism, fused or Transformer Engine modules, MoE, fewer query groups than TP ranks,
-mixed-dtype residuals, multi-latent attention...): the caller then runs the model's own forward.
+mixed-dtype residuals, multi-latent attention...; ``plain_layers.py`` decides): the caller then runs
+the model's own forward.
 """
 
 from __future__ import annotations
@@ -42,33 +43,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from megatron.core.tensor_parallel import ColumnParallelLinear
-from megatron.core.transformer.identity_op import IdentityOp
 
 from megatron.rl.inference.cpu.kv_cache import KVCacheStep
+from megatron.rl.inference.cpu.plain_layers import PlainLayer, plain_layers
 from megatron.rl.lora.model import lora_adapters
-from megatron.rl.models.gpt_spec import SDPAColumnParallelLinear, SDPARowParallelLinear
-
-_NORMS = (torch.nn.LayerNorm, torch.nn.RMSNorm)
-
-_CONFIG_REQUIREMENTS = {
-    "sequence_parallel": False,
-    "fp32_residual_connection": False,
-    "apply_rope_fusion": False,
-    "rotary_interleaved": False,
-    "multi_latent_attention": False,
-    "bias_activation_fusion": False,
-    "use_te_activation_func": False,
-    "attention_output_gate": False,
-    "activation_func_clamp_value": None,
-    "num_moe_experts": None,
-    "context_parallel_size": 1,
-    "pipeline_model_parallel_size": 1,
-    "hidden_dropout": 0.0,
-    "attention_dropout": 0.0,
-}
-"""TransformerConfig values the plain program assumes (anything else: the model's own forward)."""
-
+from megatron.rl.models.rms_norm import RMSNorm, rms_norm
 
 _MODULE_FIELDS = {
     "linear_qkv": "qkv",
@@ -76,21 +55,7 @@ _MODULE_FIELDS = {
     "linear_fc1": "fc1",
     "linear_fc2": "fc2",
 }
-"""megatron-core's name of a linear layer -> its ``_Layer`` field."""
-
-
-@dataclass(frozen=True)
-class _Layer:
-    """The modules of one transformer layer that hold parameters (None: absent)."""
-
-    input_norm: torch.nn.Module
-    qkv: torch.nn.Module
-    q_norm: torch.nn.Module | None
-    k_norm: torch.nn.Module | None
-    proj: torch.nn.Module
-    pre_mlp_norm: torch.nn.Module
-    fc1: torch.nn.Module
-    fc2: torch.nn.Module
+"""megatron-core's name of a linear layer -> its ``PlainLayer`` field."""
 
 
 class TransposedWeights:
@@ -141,7 +106,7 @@ class CachedForward:
     def __init__(
         self,
         model: torch.nn.Module,
-        layers: list[_Layer],
+        layers: list[PlainLayer],
         tp_group,
         compute_dtype: torch.dtype | None = None,
     ) -> None:
@@ -174,29 +139,8 @@ class CachedForward:
         ``torch.autocast``, which the caller enters, as the trained model's layers do then: the
         weights' transposed copies are made in it, and so is the RoPE table (megatron-core casts
         its cos/sin to the queries' dtype)."""
-        c = getattr(model, "config", None)
-        if c is None or not all(hasattr(model, a) for a in ("embedding", "decoder")):
-            return None
-        for name, value in _CONFIG_REQUIREMENTS.items():
-            if getattr(c, name, value) != value:
-                return None
-        if getattr(model, "mtp_process", False) or not getattr(model, "post_process", True):
-            return None
-        kind = getattr(model, "position_embedding_type", None)
-        if kind not in ("rope", "learned_absolute"):
-            return None
-        if kind == "rope" and not hasattr(model.rotary_pos_emb, "at_positions"):
-            return None  # megatron-core's own GPTModel ignores per-row positions
-        tp = dist.get_world_size(tp_group) if tp_group is not None else 1
-        if c.num_query_groups is None or c.num_query_groups < tp:
-            return None
-        if c.activation_func not in (F.gelu, F.silu) or c.num_layers_in_first_pipeline_stage:
-            return None
-        final_norm = getattr(model.decoder, "final_layernorm", None)
-        if not isinstance(final_norm, _NORMS) or not _plain_column(model.output_layer):
-            return None
-        layers = [_layer_modules(layer) for layer in model.decoder.layers]
-        if any(layer is None for layer in layers):
+        layers = plain_layers(model, tp_group)
+        if layers is None:
             return None
         return cls(model, layers, tp_group, compute_dtype)
 
@@ -234,7 +178,7 @@ class CachedForward:
             weight = model.output_layer.weight
         return torch.matmul(hidden, self.transposed(weight))[:, 0]  # (B, V/tp)
 
-    def _layer(self, index, layer: _Layer, hidden, step: KVCacheStep, rotary) -> torch.Tensor:
+    def _layer(self, index, layer: PlainLayer, hidden, step: KVCacheStep, rotary) -> torch.Tensor:
         """One pre-norm transformer layer over the packed tokens: hidden (N, 1, H) -> (N, 1, H)."""
         x = _norm(layer.input_norm, hidden)
         query, key, value = self._qkv(layer, x, rotary)  # (N, 1, heads|groups, d)
@@ -255,7 +199,7 @@ class CachedForward:
             up = self.activation(up)
         return self._residual(self._row_parallel(layer, "linear_fc2", up), hidden)
 
-    def _qkv(self, layer: _Layer, x: torch.Tensor, rotary: "_Rotary | None"):
+    def _qkv(self, layer: PlainLayer, x: torch.Tensor, rotary: "_Rotary | None"):
         """megatron-core's fused QKV projection split per query group, then the q/k norms and
         the rotary embedding: (N, 1, heads, d), (N, 1, groups, d) twice.
 
@@ -285,7 +229,7 @@ class CachedForward:
             query, key = rotary.apply(query), rotary.apply(key)
         return query, key, value
 
-    def _row_parallel(self, layer: _Layer, name: str, x: torch.Tensor):
+    def _row_parallel(self, layer: PlainLayer, name: str, x: torch.Tensor):
         """A row-parallel projection without its bias: (output summed over TP, bias)."""
         module = layer.proj if name == "linear_proj" else layer.fc2
         out = torch.matmul(x, self.transposed(module.weight))
@@ -294,7 +238,7 @@ class CachedForward:
             dist.all_reduce(out, group=self.tp_group)
         return self._adapted(layer, name, x, out), module.bias
 
-    def _adapted(self, layer: _Layer, name: str, x: torch.Tensor, out: torch.Tensor):
+    def _adapted(self, layer: PlainLayer, name: str, x: torch.Tensor, out: torch.Tensor):
         """``out`` plus the current LoRA adapter of the layer's ``name`` on input ``x``
         (``LoRAAdapters.adapter_for``: the forward hook's sum, at the same point)."""
         if self.lora is None:
@@ -347,71 +291,12 @@ class _Rotary:
 
 
 def _norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)`` for torch's own LayerNorm/RMSNorm as the functional call their ``forward``
-    makes (without ``nn.Module.__call__``: ~10 norms per decode step); subclasses: ``module(x)``."""
+    """``module(x)`` for torch's own LayerNorm/RMSNorm and ``rms_norm.RMSNorm`` as the functional
+    call their ``forward`` makes (without ``nn.Module.__call__``: ~10 norms per decode step; an
+    RMSNorm of bfloat16 ``x`` with float32 weights as ``rms_norm``); others: ``module(x)``."""
     kind = type(module)
-    if kind is torch.nn.RMSNorm:
-        return F.rms_norm(x, module.normalized_shape, module.weight, module.eps)
+    if kind is torch.nn.RMSNorm or kind is RMSNorm:  # bfloat16 x, float32 weight: no warning
+        return rms_norm(module, x)
     if kind is torch.nn.LayerNorm:
         return F.layer_norm(x, module.normalized_shape, module.weight, module.bias, module.eps)
     return module(x)
-
-
-def _plain_column(module) -> bool:
-    """A local column-parallel linear layer whose forward is ``input @ weight.T`` (+ bias).
-
-    megatron-core's own ``ColumnParallelLinear`` computes that too (GPTModel's output layer is
-    one); its subclasses from other backends (Transformer Engine) do not qualify.
-    """
-    return (
-        type(module) in (SDPAColumnParallelLinear, ColumnParallelLinear)
-        and not module.gather_output
-        and not getattr(module, "sequence_parallel", False)
-    )
-
-
-def _plain_row(module) -> bool:
-    """A local row-parallel linear layer: ``input @ weight.T`` summed over TP (+ bias)."""
-    return isinstance(module, SDPARowParallelLinear) and not getattr(
-        module, "sequence_parallel", False
-    )
-
-
-def _norm_or_none(module) -> torch.nn.Module | None | bool:
-    """A norm module, None for megatron-core's identity, False for anything else."""
-    if isinstance(module, IdentityOp) or module is None:
-        return None
-    return module if isinstance(module, _NORMS) else False
-
-
-def _layer_modules(layer: torch.nn.Module) -> _Layer | None:
-    """The parameter-holding modules of a layer this program reproduces, or None."""
-    attention, mlp = getattr(layer, "self_attention", None), getattr(layer, "mlp", None)
-    if attention is None or mlp is None or not hasattr(mlp, "linear_fc1"):
-        return None
-    from megatron.rl.models.attention import SDPACoreAttention
-
-    if not isinstance(attention.core_attention, SDPACoreAttention):
-        return None
-    norms = [_norm_or_none(getattr(attention, n, None)) for n in ("q_layernorm", "k_layernorm")]
-    main = [
-        _norm_or_none(getattr(layer, n, None)) for n in ("input_layernorm", "pre_mlp_layernorm")
-    ]
-    if any(n is False for n in norms) or any(not isinstance(n, _NORMS) for n in main):
-        return None
-    column = (attention.linear_qkv, mlp.linear_fc1)
-    row = (attention.linear_proj, mlp.linear_fc2)
-    if not all(_plain_column(m) for m in column):
-        return None
-    if not all(_plain_row(m) for m in row):
-        return None
-    return _Layer(
-        input_norm=main[0],
-        qkv=attention.linear_qkv,
-        q_norm=norms[0],
-        k_norm=norms[1],
-        proj=attention.linear_proj,
-        pre_mlp_norm=main[1],
-        fc1=mlp.linear_fc1,
-        fc2=mlp.linear_fc2,
-    )

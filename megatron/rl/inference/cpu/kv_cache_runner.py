@@ -317,6 +317,10 @@ def build_kv_cache_runner(inputs: RunnerInputs) -> KVCacheRowRunner:
         device=inputs.device,
     )
     return KVCacheRowRunner(
-        inputs.model, cache, inputs.vocab_size, inputs.tp_group, inputs.compute_dtype,
+        inputs.model,
+        cache,
+        inputs.vocab_size,
+        inputs.tp_group,
+        inputs.compute_dtype,
         record_routing=inputs.config.record_routing,
-    )  # fmt: skip
+    )

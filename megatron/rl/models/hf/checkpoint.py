@@ -40,7 +40,7 @@ from megatron.rl.models.hf.mapping import (
 )
 
 if TYPE_CHECKING:
-    from megatron.rl.tokenizer import HuggingFaceTokenizer
+    from megatron.rl.models.hf.tokenizer import HuggingFaceTokenizer
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -293,7 +293,7 @@ def export_hf(
         tensors = {k: v.to(dtype) for k, v in tensors.items()}
     dtype_name = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
     if tokenizer_dir is not None:
-        from megatron.rl.tokenizer import HuggingFaceTokenizer
+        from megatron.rl.models.hf.tokenizer import HuggingFaceTokenizer
 
         tokenizer = HuggingFaceTokenizer(tokenizer_dir)
         if tokenizer.vocab_size > vocab_size:
@@ -356,7 +356,7 @@ def _write_weights(out: Path, tensors: dict[str, torch.Tensor], max_shard_bytes:
 
 def load_hf_tokenizer(directory: str | Path, hf: HFModelConfig) -> "HuggingFaceTokenizer":
     """``HuggingFaceTokenizer`` of ``directory``, refused if it has more tokens than ``hf`` rows."""
-    from megatron.rl.tokenizer import HuggingFaceTokenizer
+    from megatron.rl.models.hf.tokenizer import HuggingFaceTokenizer
 
     tokenizer = HuggingFaceTokenizer(directory)
     if tokenizer.vocab_size > hf.vocab_size:

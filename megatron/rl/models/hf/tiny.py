@@ -117,11 +117,16 @@ has no position table, so it costs nothing)."""
 
 SHAPES = {
     "qwen2.5-0.5b": dict(
-        family="qwen2", hidden_size=896, num_layers=24, num_attention_heads=14,
-        num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
+        family="qwen2",
+        hidden_size=896,
+        num_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        vocab_size=151936,
         max_position_embeddings=32768,
     ),
-}  # fmt: skip
+}
 """Published model shapes (random weights here): ``make_tiny_checkpoint(**SHAPES[name], ...)``."""
 
 

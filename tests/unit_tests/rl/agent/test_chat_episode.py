@@ -21,9 +21,9 @@ from megatron.rl.inference.interface import LocalInferenceInterface, render_chat
 from megatron.rl.inference.protocol import GenerationOutput
 from megatron.rl.inference.remote import RemoteInferenceInterface
 from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig
+from megatron.rl.models.hf.tokenizer import HuggingFaceTokenizer
 from megatron.rl.seeding import derive_seed
 from megatron.rl.server.inference_server import create_inference_app
-from megatron.rl.tokenizer import HuggingFaceTokenizer
 from megatron.rl.tools.parsers import tool_call_parser
 from megatron.rl.wire import ChatMessage, GroupedRolloutRequest, InferenceRequest, RolloutKey
 
@@ -79,9 +79,13 @@ class Nudge(ChatMultiTurnEnvironment):
 
 def grouped(group_size: int = GROUP) -> GroupedRolloutRequest:
     return GroupedRolloutRequest(
-        batch_id=BATCH, index_in_batch=INDEX, groups_in_batch=2, group_size=group_size,
-        seed=SEED, submission_policy_version=1,
-    )  # fmt: skip
+        batch_id=BATCH,
+        index_in_batch=INDEX,
+        groups_in_batch=2,
+        group_size=group_size,
+        seed=SEED,
+        submission_policy_version=1,
+    )
 
 
 class Recording(LocalInferenceInterface):
@@ -149,9 +153,13 @@ def test_a_rollout_is_the_generated_tokens_plus_the_templates_tokens_for_the_rep
         assert rollout.tokens == expected
         assert generated == [t for _, r in served for t in r.tokens]
         assert rollout.episode_metrics == {
-            "turns": len(served), "tool_calls": 0.0, "tool_errors": len(served) - 1,  # nudges
-            "truncated": float(len(served) == 3 or any(r.finish_reason == "length" for _, r in served)),
-        }  # fmt: skip
+            "turns": len(served),
+            "tool_calls": 0.0,
+            "tool_errors": len(served) - 1,  # nudges
+            "truncated": float(
+                len(served) == 3 or any(r.finish_reason == "length" for _, r in served)
+            ),
+        }
         assert rollout.turn_lengths == [len(r.tokens) for _, r in served]
         assert "user: No tool call found." in rollout.completion
         turns.append(len(served))
@@ -234,8 +242,12 @@ def test_a_turn_trains_the_sampled_tokens_not_the_re_encoded_text(tok):
         "truncated": 1.0,
     }
     # Rendering the conversation and encoding it again gives other tokens for the same text.
-    conversation = [*messages, ChatMessage(role="assistant", content=tok.decode(turn0)), *replies[0].messages,
-                    ChatMessage(role="assistant", content=tok.decode(turn1))]  # fmt: skip
+    conversation = [
+        *messages,
+        ChatMessage(role="assistant", content=tok.decode(turn0)),
+        *replies[0].messages,
+        ChatMessage(role="assistant", content=tok.decode(turn1)),
+    ]
     _, rendered = render_chat(tok, conversation[:-1], TOOLS)
     history = episode.turns[1].response.prompt_tokens  # what turn 1 was generated from
     assert tok.decode(rendered) == tok.decode(history)

@@ -31,9 +31,14 @@ class NumberedProblems(DatasetEnvironment):
 
 def request(batch: int, index: int = 0, seed: int = 7, eval_prompts: int | None = None):
     return GroupedRolloutRequest(
-        batch_id=batch, index_in_batch=index, groups_in_batch=8, group_size=2, seed=seed,
-        submission_policy_version=0, eval_prompts=eval_prompts,
-    )  # fmt: skip
+        batch_id=batch,
+        index_in_batch=index,
+        groups_in_batch=8,
+        group_size=2,
+        seed=seed,
+        submission_policy_version=0,
+        eval_prompts=eval_prompts,
+    )
 
 
 @pytest.mark.parametrize(

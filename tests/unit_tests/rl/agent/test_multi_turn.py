@@ -63,9 +63,13 @@ class Countdown(MultiTurnEnvironment):
 
 def request(group_size: int = GROUP) -> GroupedRolloutRequest:
     return GroupedRolloutRequest(
-        batch_id=BATCH, index_in_batch=INDEX, groups_in_batch=4, group_size=group_size,
-        seed=SEED, submission_policy_version=2,
-    )  # fmt: skip
+        batch_id=BATCH,
+        index_in_batch=INDEX,
+        groups_in_batch=4,
+        group_size=group_size,
+        seed=SEED,
+        submission_policy_version=2,
+    )
 
 
 def run_group(env: MultiTurnEnvironment, remote: bool = False, routes: bool = False):
@@ -235,9 +239,14 @@ def test_each_input_position_takes_the_route_of_the_first_turn_that_fed_it(remot
 def test_routes_of_turns_are_none_unless_every_turn_has_them():
     def turn(prompt, tokens, routes):
         return InferenceResponse(
-            prompt_tokens=prompt, tokens=tokens, text="", logprobs=[0.0] * len(tokens),
-            policy_versions=[0] * len(tokens), finish_reason="length", routed_experts=routes,
-        )  # fmt: skip
+            prompt_tokens=prompt,
+            tokens=tokens,
+            text="",
+            logprobs=[0.0] * len(tokens),
+            policy_versions=[0] * len(tokens),
+            finish_reason="length",
+            routed_experts=routes,
+        )
 
     first = turn([1, 2], [3, 4], [[0], [1], [2]])  # fed 1, 2, 3
     second = turn([1, 2, 3, 4, 9], [5, 6], [[7], [7], [7], [4], [9], [5]])  # fed 1..5

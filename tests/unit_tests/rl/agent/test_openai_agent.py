@@ -21,9 +21,14 @@ from megatron.rl.wire import GroupedRolloutRequest, SamplingParams
 PROBLEMS = [{"id": "p0", "question": "What is 12+7?", "a": 12, "b": 7, "answer": 19}]
 GROUP = 3
 REQUEST = GroupedRolloutRequest(
-    batch_id=0, index_in_batch=0, groups_in_batch=1, group_size=GROUP, seed=5,
-    submission_policy_version=0, sampling=SamplingParams(temperature=1.0, max_tokens=6),
-)  # fmt: skip
+    batch_id=0,
+    index_in_batch=0,
+    groups_in_batch=1,
+    group_size=GROUP,
+    seed=5,
+    submission_policy_version=0,
+    sampling=SamplingParams(temperature=1.0, max_tokens=6),
+)
 
 
 @pytest.fixture(scope="module")
@@ -150,9 +155,16 @@ def test_failing_and_misbehaving_agents_are_placeholders_and_do_not_stall_the_gr
 
 def test_the_env_config_builds_it_and_names_a_bad_agent_or_problem_source(tmp_path):
     mix = build_agents(
-        [{"agent_type": "openai_agent", "env_id": "calc",
-          "agent_args": {"agent": "examples.rl.environments.tool_agent.agent:solve",
-                         "problems": PROBLEMS}}]  # fmt: skip
+        [
+            {
+                "agent_type": "openai_agent",
+                "env_id": "calc",
+                "agent_args": {
+                    "agent": "examples.rl.environments.tool_agent.agent:solve",
+                    "problems": PROBLEMS,
+                },
+            }
+        ]
     )
     assert mix.requires_inference_server
     with pytest.raises(ValueError, match="exactly one of 'problems' and 'problems_file'"):

@@ -36,14 +36,19 @@ def adapter(env_class: str, **agent_args) -> RewardOnlyAdapter:
             **agent_args,
         },
     }
-    return build_agents([entry]).agents[0]  # fmt: skip
+    return build_agents([entry]).agents[0]
 
 
 def request(batch_id: int = 2, index: int = 1, eval_prompts: int | None = None):
     return GroupedRolloutRequest(
-        batch_id=batch_id, index_in_batch=index, groups_in_batch=4, group_size=4, seed=SEED,
-        submission_policy_version=1, eval_prompts=eval_prompts,
-    )  # fmt: skip
+        batch_id=batch_id,
+        index_in_batch=index,
+        groups_in_batch=4,
+        group_size=4,
+        seed=SEED,
+        submission_policy_version=1,
+        eval_prompts=eval_prompts,
+    )
 
 
 def run_groups(agent: RewardOnlyAdapter, requests: list, remote: bool = False):
@@ -51,9 +56,10 @@ def run_groups(agent: RewardOnlyAdapter, requests: list, remote: bool = False):
 
     async def run():
         engine = ContinuousBatchingScheduler(
-            FakeSteps(), SchedulerConfig(max_requests=8, max_seq_len=32, barrier_timeout_s=5),
+            FakeSteps(),
+            SchedulerConfig(max_requests=8, max_seq_len=32, barrier_timeout_s=5),
             lambda: 1,
-        )  # fmt: skip
+        )
         engine.start()
         engine.resume()
         local = LocalInferenceInterface(engine, TOK)
@@ -153,23 +159,31 @@ def test_a_failing_prompt_source_masks_the_group():
         pytest.param({"env_class": "grpo_testing.nosuch:X"}, "cannot import", id="module"),
         pytest.param({"env_class": "CopyDigits"}, "package.module:Class", id="not-a-spec"),
         pytest.param(
-            {"env_class": "grpo_testing.megatron_lm_style:NeedsArgument", "env_args": {"path": "p"}},
-            "FileNotFoundError", id="constructor-raises",
+            {
+                "env_class": "grpo_testing.megatron_lm_style:NeedsArgument",
+                "env_args": {"path": "p"},
+            },
+            "FileNotFoundError",
+            id="constructor-raises",
         ),
         pytest.param(
             {"env_class": "grpo_testing.megatron_lm_style:CopyDigits", "env_args": {"bad": 1}},
-            "unexpected keyword", id="unknown-constructor-argument",
+            "unexpected keyword",
+            id="unknown-constructor-argument",
         ),
         pytest.param(
-            {"env_class": "grpo_testing.fakes:SeededInference"}, "get_prompt", id="not-an-env",
+            {"env_class": "grpo_testing.fakes:SeededInference"},
+            "get_prompt",
+            id="not-an-env",
         ),
         pytest.param(
             {"env_class": "grpo_testing.megatron_lm_style:CopyDigits", "max_turns": 2},
-            "get_observation", id="multi-turn-without-observations",
+            "get_observation",
+            id="multi-turn-without-observations",
         ),
         pytest.param({}, "agent_args.env_class", id="no-class"),
     ],
-)  # fmt: skip
+)
 def test_config_errors_name_the_entry_and_the_problem(agent_args, needle):
     with pytest.raises(EnvConfigError) as info:
         build_agents([{"agent_type": "reward_only", "agent_args": agent_args}], "envs.yaml")

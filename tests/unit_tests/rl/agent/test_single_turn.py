@@ -289,10 +289,15 @@ class CutOffInference(FakeInference):
         if request.rollout_key.sample_index != 1:
             return response
         tokens = response.tokens[:-1]
-        return response.model_copy(update={
-            "tokens": tokens, "text": TOK.decode(tokens), "logprobs": response.logprobs[:-1],
-            "policy_versions": response.policy_versions[:-1], "finish_reason": "length",
-        })  # fmt: skip
+        return response.model_copy(
+            update={
+                "tokens": tokens,
+                "text": TOK.decode(tokens),
+                "logprobs": response.logprobs[:-1],
+                "policy_versions": response.policy_versions[:-1],
+                "finish_reason": "length",
+            }
+        )
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,8 @@ from pydantic import ValidationError
 from megatron.rl.agent.api import Problem, SingleTurnEnvironment
 from megatron.rl.inference.interface import LocalInferenceInterface
 from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig
-from megatron.rl.tokenizer import CharTokenizer, HuggingFaceTokenizer
+from megatron.rl.models.hf.tokenizer import HuggingFaceTokenizer
+from megatron.rl.tokenizer import CharTokenizer
 from megatron.rl.wire import (
     MAX_CHAT_MESSAGES,
     ChatMessage,

@@ -39,10 +39,13 @@ class EchoInference(InferenceInterface):
         text = prompt[:-1] if right else "x"
         tokens = self.tokenizer.encode(text.replace("x", "0" * 9)) + [self.tokenizer.eos_id]
         return InferenceResponse(
-            prompt_tokens=self.tokenizer.encode(prompt), tokens=tokens,
-            text=text, logprobs=[-0.1] * len(tokens), policy_versions=[0] * len(tokens),
+            prompt_tokens=self.tokenizer.encode(prompt),
+            tokens=tokens,
+            text=text,
+            logprobs=[-0.1] * len(tokens),
+            policy_versions=[0] * len(tokens),
             finish_reason="stop",
-        )  # fmt: skip
+        )
 
 
 def copy_env(env_id: str = "copy") -> DigitTaskEnvironment:
@@ -91,14 +94,29 @@ def test_results_are_deterministic_and_metrics_are_per_environment():
     assert first == second
     metrics = eval_metrics(first)
     assert set(metrics) == {
-        "eval/greedy_reward", "eval/greedy_reward/a", "eval/greedy_reward/b",
-        "eval/sample_reward", "eval/sample_reward/a", "eval/sample_reward/b",
-        "eval/pass@1", "eval/pass@1/a", "eval/pass@1/b",
-        "eval/pass@3", "eval/pass@3/a", "eval/pass@3/b", "eval/failed",
-        "eval/prompts", "eval/prompts/a", "eval/prompts/b",
-        *(f"eval/{p}_{m}{env}" for p in ("greedy", "sample") for env in ("", "/a", "/b")
-          for m in ("response_length_mean", "response_length_max", "truncated_fraction")),
-    }  # fmt: skip
+        "eval/greedy_reward",
+        "eval/greedy_reward/a",
+        "eval/greedy_reward/b",
+        "eval/sample_reward",
+        "eval/sample_reward/a",
+        "eval/sample_reward/b",
+        "eval/pass@1",
+        "eval/pass@1/a",
+        "eval/pass@1/b",
+        "eval/pass@3",
+        "eval/pass@3/a",
+        "eval/pass@3/b",
+        "eval/failed",
+        "eval/prompts",
+        "eval/prompts/a",
+        "eval/prompts/b",
+        *(
+            f"eval/{p}_{m}{env}"
+            for p in ("greedy", "sample")
+            for env in ("", "/a", "/b")
+            for m in ("response_length_mean", "response_length_max", "truncated_fraction")
+        ),
+    }
     assert metrics["eval/prompts"] == 8  # 4 per environment
     assert metrics["eval/pass@1"] == pytest.approx(
         (metrics["eval/pass@1/a"] + metrics["eval/pass@1/b"]) / 2
@@ -135,10 +153,13 @@ class AnswerInference(InferenceInterface):
         text = request.prompt[:-1] if right else "9999"
         tokens = self.tokenizer.encode(text) + ([self.tokenizer.eos_id] if right else [])
         return InferenceResponse(
-            prompt_tokens=self.tokenizer.encode(request.prompt), tokens=tokens, text=text,
-            logprobs=[-0.1] * len(tokens), policy_versions=[0] * len(tokens),
+            prompt_tokens=self.tokenizer.encode(request.prompt),
+            tokens=tokens,
+            text=text,
+            logprobs=[-0.1] * len(tokens),
+            policy_versions=[0] * len(tokens),
             finish_reason="stop" if right else "length",
-        )  # fmt: skip
+        )
 
 
 @pytest.mark.parametrize(
@@ -150,9 +171,14 @@ def test_a_held_out_partition_is_evaluated_once_with_lengths_and_records(num_pro
     env = NumberedProblems("numbers")
     env.hold_out(0.3)
     config = EvalConfig(
-        num_prompts=num_prompts, samples_per_prompt=2, pass_k=(1, 2), correct_threshold=1.0, seed=3,
-        sampling=SamplingParams(max_tokens=4), stop_token_ids=(tokenizer.eos_id,),
-    )  # fmt: skip
+        num_prompts=num_prompts,
+        samples_per_prompt=2,
+        pass_k=(1, 2),
+        correct_threshold=1.0,
+        seed=3,
+        sampling=SamplingParams(max_tokens=4),
+        stop_token_ids=(tokenizer.eos_id,),
+    )
     (result,) = asyncio.run(evaluate_agents([env], AnswerInference(tokenizer), config))
     held_out = [f"p{i}" for i in env.validation_indices[:evaluated]]
     assert result.prompts == evaluated

@@ -105,22 +105,36 @@ R3 = 2 / math.sqrt(3)  # RLOO of a half-right group of 4: (1 - 1/3) / sqrt(1/3)
     [
         # RLOO, unscaled: A_i = r_i - mean of the others
         pytest.param(
-            "rloo", "none", [[1, 0, 0, 0]], None, [[1.0, -1 / 3, -1 / 3, -1 / 3]],
+            "rloo",
+            "none",
+            [[1, 0, 0, 0]],
+            None,
+            [[1.0, -1 / 3, -1 / 3, -1 / 3]],
             id="rloo-none-one-right-of-4",
         ),
+        pytest.param("rloo", "none", [[1, 2, 3]], None, [[-1.5, 0.0, 1.5]], id="rloo-none-1-2-3"),
         pytest.param(
-            "rloo", "none", [[1, 2, 3]], None, [[-1.5, 0.0, 1.5]], id="rloo-none-1-2-3"
-        ),
-        pytest.param(
-            "rloo", "none", [[0.7, 0.7, 0.7]], None, [[0.0, 0.0, 0.0]],
+            "rloo",
+            "none",
+            [[0.7, 0.7, 0.7]],
+            None,
+            [[0.0, 0.0, 0.0]],
             id="rloo-all-equal-is-zero",
         ),
         pytest.param(
-            "rloo", "none", [[1, 0, 5, 1]], [[True, True, False, False]], [[1.0, -1.0, 0.0, 0.0]],
+            "rloo",
+            "none",
+            [[1, 0, 5, 1]],
+            [[True, True, False, False]],
+            [[1.0, -1.0, 0.0, 0.0]],
             id="rloo-placeholders-excluded-and-zero",
         ),
         pytest.param(
-            "rloo", "none", [[4, 0, 0]], [[True, False, False]], [[0.0, 0.0, 0.0]],
+            "rloo",
+            "none",
+            [[4, 0, 0]],
+            [[True, False, False]],
+            [[0.0, 0.0, 0.0]],
             id="rloo-single-valid-is-zero",
         ),
         # RLOO over the group's reward std (sample std 1 for 1 2 3; sqrt(1/3) for 1 0 0 1)
@@ -135,24 +149,40 @@ R3 = 2 / math.sqrt(3)  # RLOO of a half-right group of 4: (1 - 1/3) / sqrt(1/3)
         ),
         # batch std of 1 0 3 3: mean 1.75, sample var (0.5625 + 3.0625 + 2 x 1.5625) / 3 = 2.25
         pytest.param(
-            "grpo", "batch", [[1, 0], [3, 3]], None, [[1 / 3, -1 / 3], [0.0, 0.0]],
+            "grpo",
+            "batch",
+            [[1, 0], [3, 3]],
+            None,
+            [[1 / 3, -1 / 3], [0.0, 0.0]],
             id="grpo-batch-two-groups",
         ),
         pytest.param(
-            "rloo", "batch", [[1, 0], [3, 3]], None, [[2 / 3, -2 / 3], [0.0, 0.0]],
+            "rloo",
+            "batch",
+            [[1, 0], [3, 3]],
+            None,
+            [[2 / 3, -2 / 3], [0.0, 0.0]],
             id="rloo-batch-two-groups",
         ),
         # the placeholder's 9 is not in the batch std: std(1, 0) = sqrt(1/2)
         pytest.param(
-            "grpo", "batch", [[1, 0, 9]], [[True, True, False]],
-            [[math.sqrt(0.5), -math.sqrt(0.5), 0.0]], id="grpo-batch-placeholder-left-out",
+            "grpo",
+            "batch",
+            [[1, 0, 9]],
+            [[True, True, False]],
+            [[math.sqrt(0.5), -math.sqrt(0.5), 0.0]],
+            id="grpo-batch-placeholder-left-out",
         ),
         pytest.param(
-            "rloo", "batch", [[2, 2], [2, 2]], None, [[0.0, 0.0], [0.0, 0.0]],
+            "rloo",
+            "batch",
+            [[2, 2], [2, 2]],
+            None,
+            [[0.0, 0.0], [0.0, 0.0]],
             id="batch-all-equal-is-zero",
         ),
     ],
-)  # fmt: skip
+)
 def test_estimators_and_scales_hand_computed(estimator, scale, rewards, valid, expected):
     valid_t = None if valid is None else torch.tensor(valid)
     config = AdvantageConfig(estimator, scale)
@@ -191,7 +221,9 @@ def test_advantage_metrics_cover_the_valid_rollouts_only():
     adv = torch.tensor([1.0, -0.5, -0.5, 7.0])
     valid = torch.tensor([True, True, True, False])
     assert advantage_metrics(adv, valid) == {
-        "advantages_mean": 0.0, "advantages_abs_mean": 2 / 3,
-        "advantages_min": -0.5, "advantages_max": 1.0,
-    }  # fmt: skip
+        "advantages_mean": 0.0,
+        "advantages_abs_mean": 2 / 3,
+        "advantages_min": -0.5,
+        "advantages_max": 1.0,
+    }
     assert advantage_metrics(adv, torch.zeros(4, dtype=torch.bool))["advantages_max"] == 0.0

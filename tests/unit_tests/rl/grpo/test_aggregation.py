@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.rl.grpo.aggregation import AGG_MODES, LossAggregation
+from megatron.rl.grpo.aggregation import TOKEN_MEAN, LossAggregation
 from megatron.rl.grpo.loss import GRPOLossConfig, LossInputs, grpo_loss
+from megatron.rl.grpo.names import AGG_MODES, DEFAULT_AGG_MODE
 
 # Per-token losses of four rows of width 3 (masked values must not count):
 #   row 0: truncated completion, every column a loss token: 1, 2, 3  (n = 3, sum 6, mean 2)
@@ -23,6 +24,22 @@ MASK = torch.tensor(
     [[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0], [1.0, 1.0, 0.0]], dtype=torch.float64
 )
 TOKENS, SEQUENCES = 6, 3
+
+
+class Counts:
+    """A global batch's counts; the token mean must not read the sequences (a shard's counts
+    may lack them)."""
+
+    global_loss_tokens = TOKENS
+
+    def __init__(self, sequences: bool = True) -> None:
+        self.sequences = sequences
+
+    @property
+    def global_loss_sequences(self) -> int:
+        if not self.sequences:
+            raise AssertionError("the token mean read the sequences")
+        return SEQUENCES
 
 
 @pytest.mark.parametrize(
@@ -42,8 +59,13 @@ TOKENS, SEQUENCES = 6, 3
 def test_numerator_and_denominator_by_hand(mode, scale, numerator, denominator):
     agg = LossAggregation(mode, scale)
     assert agg.micro_batch_sum(PER_TOKEN, MASK).item() == pytest.approx(numerator)
-    assert agg.denominator(TOKENS, SEQUENCES) == denominator
+    assert agg.denominator(Counts(sequences=agg.per_sequence)) == denominator
     assert agg.per_sequence == (mode != "token-mean")
+
+
+def test_the_default_is_the_token_mean_spelled_once():
+    assert DEFAULT_AGG_MODE == "token-mean" == TOKEN_MEAN.mode
+    assert GRPOLossConfig(0.2, 0.28).aggregation == TOKEN_MEAN
 
 
 @pytest.mark.parametrize("mode", AGG_MODES)

@@ -11,7 +11,7 @@ from megatron.rl.dataplane import make_data_plane
 from megatron.rl.dataplane.batches import publish_groups, shard_batch
 from megatron.rl.grpo.batch import build_train_batch
 from megatron.rl.grpo.packing import pack_sequences
-from megatron.trainer.forward import model_inputs
+from megatron.trainer.train.forward import model_inputs
 
 
 def routed(prompt: list[int], completion: list[int], first_expert: int):
@@ -29,8 +29,12 @@ def test_routes_sit_on_input_positions_with_minus_one_elsewhere():
     )
     routes = batch.routed_experts
     assert routes.shape == (3, 4, 4) and routes.dtype == torch.int16
-    assert routes[0].tolist() == [[10, 100, 7, 8], [11, 101, 7, 8], [12, 102, 7, 8],
-                                  [13, 103, 7, 8]]  # fmt: skip
+    assert routes[0].tolist() == [
+        [10, 100, 7, 8],
+        [11, 101, 7, 8],
+        [12, 102, 7, 8],
+        [13, 103, 7, 8],
+    ]
     assert (routes[1] == -1).all() and (routes[2] == -1).all()  # no record, placeholder
 
 

@@ -15,12 +15,19 @@ from megatron.rl.wire import RolloutGroup, TokenRollout
 
 def rollout(reward: float, placeholder: bool = False) -> TokenRollout:
     return TokenRollout(
-        env_id="e", problem_id="p", prompt="", completion="", reward=reward,
-        error="boom" if placeholder else None, tokens=[] if placeholder else [3, 4],
+        env_id="e",
+        problem_id="p",
+        prompt="",
+        completion="",
+        reward=reward,
+        error="boom" if placeholder else None,
+        tokens=[] if placeholder else [3, 4],
         generation_mask=[] if placeholder else [False, True],
         logprobs=[] if placeholder else [-1.0],
-        policy_versions=[] if placeholder else [0], submission_policy_version=0, temperature=1.0,
-    )  # fmt: skip
+        policy_versions=[] if placeholder else [0],
+        submission_policy_version=0,
+        temperature=1.0,
+    )
 
 
 def group(index: int, *rewards: float, placeholders: int = 0) -> RolloutGroup:

@@ -36,17 +36,38 @@ def geo_mean(ratios):
 
 # ratios, advantage, s_i, sequence clipped, per-token loss value, per-token gradient
 CASES = [
-    pytest.param([1.2, 0.9], 1.0, math.sqrt(1.08), False, -math.sqrt(1.08), -math.sqrt(1.08),
-                 id="inside-range"),
-    pytest.param([1.5, 0.8], 1.0, math.sqrt(1.2), False, -math.sqrt(1.2), -math.sqrt(1.2),
-                 id="token-clipped-but-sequence-not"),
+    pytest.param(
+        [1.2, 0.9],
+        1.0,
+        math.sqrt(1.08),
+        False,
+        -math.sqrt(1.08),
+        -math.sqrt(1.08),
+        id="inside-range",
+    ),
+    pytest.param(
+        [1.5, 0.8],
+        1.0,
+        math.sqrt(1.2),
+        False,
+        -math.sqrt(1.2),
+        -math.sqrt(1.2),
+        id="token-clipped-but-sequence-not",
+    ),
     pytest.param([2.0, 2.0], 1.0, 2.0, True, -1.3, 0.0, id="above-upper-positive-adv-clipped"),
     pytest.param([2.0, 2.0], -1.0, 2.0, False, 2.0, 2.0, id="above-upper-negative-adv-kept"),
     pytest.param([0.5, 0.5], -1.0, 0.5, True, 0.8, 0.0, id="below-lower-negative-adv-clipped"),
     pytest.param([0.7], 2.0, 0.7, False, -1.4, -1.4, id="single-token-completion"),
-    pytest.param([1.7, 0.6, 1.1], 0.0, geo_mean([1.7, 0.6, 1.1]), False, 0.0, 0.0,
-                 id="all-equal-rewards-zero-advantage"),
-]  # fmt: skip
+    pytest.param(
+        [1.7, 0.6, 1.1],
+        0.0,
+        geo_mean([1.7, 0.6, 1.1]),
+        False,
+        0.0,
+        0.0,
+        id="all-equal-rewards-zero-advantage",
+    ),
+]
 
 
 @pytest.mark.parametrize("ratios, advantage, s, clipped, value, grad", CASES)
@@ -79,8 +100,10 @@ def test_a_fully_masked_sequence_contributes_and_counts_nothing():
     out = grpo_loss(inputs, GSPO)
     assert out.loss_sum.item() == 0.0 and out.clipped_tokens.item() == 0
     assert {k: v.item() for k, v in out.variant_sums.items()} == {
-        "gspo/ratio": 0.0, "gspo/clipped_sequences": 0.0, "gspo/sequences": 0.0,
-    }  # fmt: skip
+        "gspo/ratio": 0.0,
+        "gspo/clipped_sequences": 0.0,
+        "gspo/sequences": 0.0,
+    }
     out.loss_sum.backward()
     assert torch.all(trainer.grad == 0)
 
@@ -91,8 +114,9 @@ def test_the_token_form_has_the_sequence_objectives_gradient():
     torch.manual_seed(0)
     old = torch.log(torch.rand(4, 5, dtype=torch.float64) * 0.8 + 0.1)
     trainer = (old + 0.15 * torch.randn(4, 5, dtype=torch.float64)).requires_grad_()
-    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 0, 0]],
-                        dtype=torch.float64)  # fmt: skip
+    mask = torch.tensor(
+        [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 0, 0]], dtype=torch.float64
+    )
     adv = torch.tensor([1.0, -0.5, 2.0, -1.5], dtype=torch.float64)
     config = GRPOLossConfig(
         0.05, 0.05, policy_loss="gspo", aggregation=LossAggregation("seq-mean-token-mean", None)
@@ -116,8 +140,9 @@ def test_metrics_are_per_sequence():
         {"gspo_ratio_mean": 1.1, "gspo_clipped_sequence_fraction": 1 / 3}
     )
     assert gspo.metrics({k: 0.0 for k in sums}) == {
-        "gspo_ratio_mean": 0.0, "gspo_clipped_sequence_fraction": 0.0,
-    }  # fmt: skip
+        "gspo_ratio_mean": 0.0,
+        "gspo_clipped_sequence_fraction": 0.0,
+    }
     assert GSPO.sum_keys() == gspo.SUMS
 
 

@@ -92,7 +92,7 @@ def test_metrics_divide_token_sums_by_tokens_and_sequence_sums_by_sequences():
     }
 
 
-# --- the rollout-IS modes (--rl-importance-sampling-mode, issue 29) ---------------------------
+# --- the rollout-IS modes (--rl-importance-sampling-mode) -------------------------------------
 
 # Two rows of three tokens; ratios rho = pi_old / pi_inference per token:
 #   row 0: 2.0, 0.5, 3.0 (product 3.0)   row 1: 1.5, 1.2, (masked 9.0) (product 1.8)
@@ -109,25 +109,88 @@ def two_rows():
 
 # mode, C, C_min, weights (masked position: 1), truncated tokens/sequences, masked tokens/sequences
 MODES = [
-    pytest.param("token_truncate", 2.5, None, [[2.0, 0.5, 2.5], [1.5, 1.2, 1.0]], (1, 1), (0, 0),
-                 id="token-truncate-above"),
-    pytest.param("token_truncate", 2.5, 0.8, [[2.0, 0.8, 2.5], [1.5, 1.2, 1.0]], (2, 1), (0, 0),
-                 id="token-truncate-both-bounds"),
-    pytest.param("token_mask", 2.5, None, [[2.0, 0.5, 0.0], [1.5, 1.2, 1.0]], (0, 0), (1, 1),
-                 id="token-mask-above-icepop"),
-    pytest.param("token_mask", 2.5, 0.8, [[2.0, 0.0, 0.0], [1.5, 1.2, 1.0]], (0, 0), (2, 1),
-                 id="token-mask-range"),
-    pytest.param("token_mask", 1.4, 1.25, [[0.0, 0.0, 0.0], [0.0, 0.0, 1.0]], (0, 0), (5, 2),
-                 id="token-mask-narrow-range-masks-all"),
-    pytest.param("sequence_truncate", 2.0, None, [[2.0] * 3, [1.8, 1.8, 1.0]], (3, 1), (0, 0),
-                 id="sequence-truncate"),
-    pytest.param("sequence_truncate", 2.5, 2.0, [[2.5] * 3, [2.0, 2.0, 1.0]], (5, 2), (0, 0),
-                 id="sequence-truncate-both-bounds"),
-    pytest.param("sequence_mask", 2.0, None, [[0.0] * 3, [1.8, 1.8, 1.0]], (0, 0), (3, 1),
-                 id="sequence-mask-above"),
-    pytest.param("sequence_mask", 5.0, 2.0, [[3.0] * 3, [0.0, 0.0, 1.0]], (0, 0), (2, 1),
-                 id="sequence-mask-below"),
-]  # fmt: skip
+    pytest.param(
+        "token_truncate",
+        2.5,
+        None,
+        [[2.0, 0.5, 2.5], [1.5, 1.2, 1.0]],
+        (1, 1),
+        (0, 0),
+        id="token-truncate-above",
+    ),
+    pytest.param(
+        "token_truncate",
+        2.5,
+        0.8,
+        [[2.0, 0.8, 2.5], [1.5, 1.2, 1.0]],
+        (2, 1),
+        (0, 0),
+        id="token-truncate-both-bounds",
+    ),
+    pytest.param(
+        "token_mask",
+        2.5,
+        None,
+        [[2.0, 0.5, 0.0], [1.5, 1.2, 1.0]],
+        (0, 0),
+        (1, 1),
+        id="token-mask-above-icepop",
+    ),
+    pytest.param(
+        "token_mask",
+        2.5,
+        0.8,
+        [[2.0, 0.0, 0.0], [1.5, 1.2, 1.0]],
+        (0, 0),
+        (2, 1),
+        id="token-mask-range",
+    ),
+    pytest.param(
+        "token_mask",
+        1.4,
+        1.25,
+        [[0.0, 0.0, 0.0], [0.0, 0.0, 1.0]],
+        (0, 0),
+        (5, 2),
+        id="token-mask-narrow-range-masks-all",
+    ),
+    pytest.param(
+        "sequence_truncate",
+        2.0,
+        None,
+        [[2.0] * 3, [1.8, 1.8, 1.0]],
+        (3, 1),
+        (0, 0),
+        id="sequence-truncate",
+    ),
+    pytest.param(
+        "sequence_truncate",
+        2.5,
+        2.0,
+        [[2.5] * 3, [2.0, 2.0, 1.0]],
+        (5, 2),
+        (0, 0),
+        id="sequence-truncate-both-bounds",
+    ),
+    pytest.param(
+        "sequence_mask",
+        2.0,
+        None,
+        [[0.0] * 3, [1.8, 1.8, 1.0]],
+        (0, 0),
+        (3, 1),
+        id="sequence-mask-above",
+    ),
+    pytest.param(
+        "sequence_mask",
+        5.0,
+        2.0,
+        [[3.0] * 3, [0.0, 0.0, 1.0]],
+        (0, 0),
+        (2, 1),
+        id="sequence-mask-below",
+    ),
+]
 
 
 @pytest.mark.parametrize("mode, coef, low, weights, truncated, masked", MODES)
@@ -139,8 +202,9 @@ def test_mode_weights_and_counts(mode, coef, low, weights, truncated, masked):
     sums = named(mismatch_sums(old, inf, mask, config))
     assert (sums["truncated_tokens"], sums["truncated_sequences"]) == truncated
     assert (sums["masked_tokens"], sums["masked_sequences"]) == masked
-    assert sums["weight"] == pytest.approx(sum(w * m for r, mr in zip(weights, MASK)
-                                               for w, m in zip(r, mr)))  # fmt: skip
+    assert sums["weight"] == pytest.approx(
+        sum(w * m for r, mr in zip(weights, MASK) for w, m in zip(r, mr))
+    )
     metrics = mismatch_metrics({f"is/{k}": v for k, v in sums.items()}, config)
     assert ("is_masked_fraction" in metrics) == mode.endswith("mask")
     if mode.endswith("mask"):
@@ -148,8 +212,9 @@ def test_mode_weights_and_counts(mode, coef, low, weights, truncated, masked):
         assert metrics["is_masked_sequence_fraction"] == pytest.approx(masked[1] / 2)
 
 
-@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate",
-                                  "sequence_mask"])  # fmt: skip
+@pytest.mark.parametrize(
+    "mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+)
 def test_every_mode_gives_weight_one_when_the_logprobs_agree(mode):
     old = logs(0.3, 0.6, 0.01)
     mask = torch.ones_like(old)

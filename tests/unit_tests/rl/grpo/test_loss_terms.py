@@ -82,8 +82,13 @@ def test_all_terms_together():
         -0.5 * 2.2 + 0.1 * (q - math.log(q) - 1) - 0.02 * 1.5
     )
     assert set(out.metric_sums()) == {
-        "loss", "clip_fraction", "ratio_mean", "mismatch_kl", "ref_kl", "entropy"
-    }  # fmt: skip
+        "loss",
+        "clip_fraction",
+        "ratio_mean",
+        "mismatch_kl",
+        "ref_kl",
+        "entropy",
+    }
 
 
 @pytest.mark.parametrize(

@@ -25,15 +25,16 @@ CASES = [
     pytest.param((0.5, 0.5), (0.25, 0.25), (1, 1), -1.0, LN2, False, id="negative-adv-far-masked"),
     pytest.param((0.5, 0.5), (0.25, 0.5), (1, 1), -1.0, LN2 / 2, True, id="negative-adv-near-kept"),
     pytest.param((0.5, 0.5), (0.25, 0.25), (1, 1), 1.0, LN2, True, id="positive-adv-far-kept"),
-    pytest.param((0.5, 0.5), (0.1, 0.1), (1, 1), 0.0, math.log(5), True,
-                 id="all-equal-rewards-zero-adv-kept"),
-    pytest.param((0.5, 0.5), (0.8, 0.8), (1, 1), -1.0, math.log(0.625), True,
-                 id="negative-kl-kept"),
-    pytest.param((0.5, 0.9), (0.25, 0.01), (1, 0), -1.0, LN2, False,
-                 id="padding-not-in-the-mean"),
+    pytest.param(
+        (0.5, 0.5), (0.1, 0.1), (1, 1), 0.0, math.log(5), True, id="all-equal-rewards-zero-adv-kept"
+    ),
+    pytest.param(
+        (0.5, 0.5), (0.8, 0.8), (1, 1), -1.0, math.log(0.625), True, id="negative-kl-kept"
+    ),
+    pytest.param((0.5, 0.9), (0.25, 0.01), (1, 0), -1.0, LN2, False, id="padding-not-in-the-mean"),
     pytest.param((0.5,), (0.2,), (1,), -1.0, math.log(2.5), False, id="single-token-masked"),
     pytest.param((0.5, 0.5), (0.01, 0.01), (0, 0), -1.0, 0.0, True, id="fully-masked-row"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("sampling, current, mask, adv, kl, kept", CASES)
@@ -63,8 +64,9 @@ def test_the_mask_drops_the_surrogate_not_the_terms():
         loss_mask=torch.ones(2, 2, dtype=torch.float64),
         entropy=torch.full((2, 2), 2.0, dtype=torch.float64),
     )
-    config = GRPOLossConfig(0.2, 0.28, terms=(EntropyBonus(0.1),),
-                            off_policy_mask=OffPolicyMask(DELTA))  # fmt: skip
+    config = GRPOLossConfig(
+        0.2, 0.28, terms=(EntropyBonus(0.1),), off_policy_mask=OffPolicyMask(DELTA)
+    )
     out = grpo_loss(inputs, config)
     # row 1: ratio 0.5 < 0.8 with A = 1: min(0.5, 0.8) = 0.5 -> -0.5 per token; entropy -0.2 each
     assert out.loss_sum.item() == pytest.approx(4 * -0.2 + 2 * -0.5)

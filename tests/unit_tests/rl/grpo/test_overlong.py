@@ -43,36 +43,64 @@ def test_overlong_penalty_hand_computed(length, max_len, buffer_len, factor, exp
 def rollout(generated: int, reward: float = 1.0, **recorded) -> TokenRollout:
     """A rollout of a 2-token prompt and ``generated`` tokens, with what its agent recorded."""
     return TokenRollout(
-        env_id="e", problem_id="p", prompt="", completion="", reward=reward,
-        tokens=[5, 6] + [7] * generated, generation_mask=[False, False] + [True] * generated,
-        logprobs=[-1.0] * generated, policy_versions=[0] * generated,
-        submission_policy_version=0, **recorded,
-    )  # fmt: skip
+        env_id="e",
+        problem_id="p",
+        prompt="",
+        completion="",
+        reward=reward,
+        tokens=[5, 6] + [7] * generated,
+        generation_mask=[False, False] + [True] * generated,
+        logprobs=[-1.0] * generated,
+        policy_versions=[0] * generated,
+        submission_policy_version=0,
+        **recorded,
+    )
 
 
 def placeholder() -> TokenRollout:
     return TokenRollout(
-        env_id="e", problem_id="p", prompt="", completion="", reward=0.0, error="boom",
-        tokens=[], generation_mask=[], logprobs=[], policy_versions=[],
+        env_id="e",
+        problem_id="p",
+        prompt="",
+        completion="",
+        reward=0.0,
+        error="boom",
+        tokens=[],
+        generation_mask=[],
+        logprobs=[],
+        policy_versions=[],
         submission_policy_version=0,
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize(
     "recorded, generated, expected",
     [
-        pytest.param(dict(max_tokens=8, turn_lengths=[5], truncated=False), 5,
-                     CompletionLength(5, 8, False), id="single-turn-recorded"),
-        pytest.param(dict(max_tokens=8, turn_lengths=[3, 8, 2], truncated=True), 13,
-                     CompletionLength(8, 8, True), id="multi-turn-longest-turn"),
-        pytest.param(dict(max_tokens=8, turn_lengths=[8], truncated=False), 8,
-                     CompletionLength(8, 8, False), id="stop-token-at-the-budget"),
-        pytest.param(dict(max_tokens=32), 20, CompletionLength(20, 32, False),
-                     id="environment-budget"),
+        pytest.param(
+            dict(max_tokens=8, turn_lengths=[5], truncated=False),
+            5,
+            CompletionLength(5, 8, False),
+            id="single-turn-recorded",
+        ),
+        pytest.param(
+            dict(max_tokens=8, turn_lengths=[3, 8, 2], truncated=True),
+            13,
+            CompletionLength(8, 8, True),
+            id="multi-turn-longest-turn",
+        ),
+        pytest.param(
+            dict(max_tokens=8, turn_lengths=[8], truncated=False),
+            8,
+            CompletionLength(8, 8, False),
+            id="stop-token-at-the-budget",
+        ),
+        pytest.param(
+            dict(max_tokens=32), 20, CompletionLength(20, 32, False), id="environment-budget"
+        ),
         pytest.param({}, 16, CompletionLength(16, 16, True), id="unrecorded-at-default-budget"),
         pytest.param({}, 4, CompletionLength(4, 16, False), id="unrecorded-short"),
     ],
-)  # fmt: skip
+)
 def test_completion_length_reads_what_the_rollout_recorded(recorded, generated, expected):
     assert completion_length(rollout(generated, **recorded), default_max_tokens=16) == expected
 
@@ -85,12 +113,16 @@ CONFIG = OverlongConfig(
 def test_shaped_rewards_metrics_and_masked_rows_hand_computed():
     """Budget 16, buffer 4: a single-token completion (no penalty), one truncated at the budget
     (-1, masked), one of 14 tokens that stopped (-0.5), a placeholder (left out)."""
-    group = RolloutGroup(batch_id=0, index_in_batch=0, rollouts=[
-        rollout(1, 1.0, max_tokens=16, turn_lengths=[1], truncated=False),
-        rollout(16, 0.0, max_tokens=16, turn_lengths=[16], truncated=True),
-        rollout(14, 1.0, max_tokens=16, turn_lengths=[14], truncated=False),
-        placeholder(),
-    ])  # fmt: skip
+    group = RolloutGroup(
+        batch_id=0,
+        index_in_batch=0,
+        rollouts=[
+            rollout(1, 1.0, max_tokens=16, turn_lengths=[1], truncated=False),
+            rollout(16, 0.0, max_tokens=16, turn_lengths=[16], truncated=True),
+            rollout(14, 1.0, max_tokens=16, turn_lengths=[14], truncated=False),
+            placeholder(),
+        ],
+    )
     shaped = shape_rewards([group], CONFIG)
     assert shaped.penalties.tolist() == [0.0, -1.0, -0.5, 0.0]
     assert shaped.rewards.tolist() == [1.0, -1.0, 0.5, 0.0]
@@ -113,16 +145,21 @@ def test_shaped_rewards_metrics_and_masked_rows_hand_computed():
 def test_lengths_break_a_tie_of_equal_rewards():
     """All-equal rewards: no signal without shaping; 12 and 14 tokens of a 16 budget with a buffer
     of 4 shape them into 1 and 0.5 (GRPO: +-1/sqrt(2)); equal lengths leave them tied."""
-    tied = RolloutGroup(batch_id=0, index_in_batch=0, rollouts=[
-        rollout(12, max_tokens=16, turn_lengths=[12], truncated=False),
-        rollout(14, max_tokens=16, turn_lengths=[14], truncated=False),
-    ])  # fmt: skip
+    tied = RolloutGroup(
+        batch_id=0,
+        index_in_batch=0,
+        rollouts=[
+            rollout(12, max_tokens=16, turn_lengths=[12], truncated=False),
+            rollout(14, max_tokens=16, turn_lengths=[14], truncated=False),
+        ],
+    )
     assert batch_advantages([tied]).tolist() == [0.0, 0.0]
     shaped = shaped_advantages([tied], AdvantageConfig("grpo", "group"), CONFIG)
     torch.testing.assert_close(shaped.advantages, torch.tensor([1.0, -1.0]) / math.sqrt(2))
     same = RolloutGroup(batch_id=0, index_in_batch=0, rollouts=[tied.rollouts[1]] * 2)
-    assert shaped_advantages([same], AdvantageConfig("rloo", "none"), CONFIG).advantages.tolist() \
-        == [0.0, 0.0]  # fmt: skip
+    assert shaped_advantages(
+        [same], AdvantageConfig("rloo", "none"), CONFIG
+    ).advantages.tolist() == [0.0, 0.0]
 
 
 def test_only_the_options_that_are_on_log_metrics():
@@ -130,8 +167,10 @@ def test_only_the_options_that_are_on_log_metrics():
     penalty_only = OverlongConfig(4, 1.0, mask_truncated=False, default_max_tokens=16)
     mask_only = OverlongConfig(0, 1.0, mask_truncated=True, default_max_tokens=16)
     assert set(shape_rewards([group], penalty_only).metrics()) == {
-        "truncated_fraction", "overlong_penalty_mean", "overlong_penalized_fraction"
-    }  # fmt: skip
+        "truncated_fraction",
+        "overlong_penalty_mean",
+        "overlong_penalized_fraction",
+    }
     masked = shape_rewards([group], mask_only)
     assert masked.metrics() == {"truncated_fraction": 0.5, "truncated_masked_rollouts": 1}
     assert masked.rewards.tolist() == [1.0, 1.0]  # no penalty without a buffer

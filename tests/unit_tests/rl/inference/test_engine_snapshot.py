@@ -47,9 +47,12 @@ class Job:
         turns = TURNS[key[:2]]
         for turn in range(turns):
             out = await self.engine.generate(
-                prompt, SamplingParams(max_tokens=max_tokens(key, turn)), seed=sum(key) * 10 + turn,
-                key=key, continued=turn < turns - 1,
-            )  # fmt: skip
+                prompt,
+                SamplingParams(max_tokens=max_tokens(key, turn)),
+                seed=sum(key) * 10 + turn,
+                key=key,
+                continued=turn < turns - 1,
+            )
             self.outputs[(key, turn)] = out
             self.prompts[(key, turn)] = prompt
             prompt = prompt + out.tokens + [5]  # the environment answers between turns
@@ -219,8 +222,9 @@ def test_exported_kv_slots_continue_a_generation_bitwise(single_rank_world):
         return KVCacheRowRunner(model, KVCache(*shape, torch.float32, torch.device("cpu")), VOCAB)
 
     def rows(tokens, starts, slots=(1, 3)):
-        return [RowWork(s, tuple(t), st, 1.0, 1.0, 0, seed=s) for s, t, st in
-                zip(slots, tokens, starts)]  # fmt: skip
+        return [
+            RowWork(s, tuple(t), st, 1.0, 1.0, 0, seed=s) for s, t, st in zip(slots, tokens, starts)
+        ]
 
     a = runner()
     out = a.run(rows([[2, 3, 4], [5, 6]], [0, 0]))

@@ -12,7 +12,8 @@ from grpo_testing.fakes import FakeSteps
 from megatron.rl.inference.interface import LocalInferenceInterface
 from megatron.rl.inference.protocol import InvalidInferenceRequest
 from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig
-from megatron.rl.tokenizer import CharTokenizer, HuggingFaceTokenizer
+from megatron.rl.models.hf.tokenizer import HuggingFaceTokenizer
+from megatron.rl.tokenizer import CharTokenizer
 from megatron.rl.wire import InferenceRequest, InferenceResponse, SamplingParams
 
 MESSAGES = [

@@ -26,17 +26,24 @@ async def two_turns(inference: InferenceInterface):
     """Turn 0 from text, turn 1 from the history plus an observation, then the end."""
     first = await inference.generate(
         InferenceRequest(
-            prompt="12=", sampling=SamplingParams(max_tokens=2), seed=3, rollout_key=KEY,
+            prompt="12=",
+            sampling=SamplingParams(max_tokens=2),
+            seed=3,
+            rollout_key=KEY,
             continued=True,
         )
-    )  # fmt: skip
+    )
     history = first.prompt_tokens + first.tokens
     second = await inference.generate(
         InferenceRequest(
-            prompt_tokens=history, prompt_suffix="+", sampling=SamplingParams(max_tokens=2),
-            seed=4, rollout_key=KEY, continued=True,
+            prompt_tokens=history,
+            prompt_suffix="+",
+            sampling=SamplingParams(max_tokens=2),
+            seed=4,
+            rollout_key=KEY,
+            continued=True,
         )
-    )  # fmt: skip
+    )
     ended = await inference.end_rollout(KEY)
     return first, second, ended
 

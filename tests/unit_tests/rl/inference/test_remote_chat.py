@@ -15,8 +15,9 @@ from megatron.rl.inference.interface import LocalInferenceInterface
 from megatron.rl.inference.protocol import InvalidInferenceRequest
 from megatron.rl.inference.remote import RemoteInferenceInterface
 from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig
+from megatron.rl.models.hf.tokenizer import HuggingFaceTokenizer
 from megatron.rl.server.inference_server import create_inference_app
-from megatron.rl.tokenizer import CharTokenizer, HuggingFaceTokenizer
+from megatron.rl.tokenizer import CharTokenizer
 from megatron.rl.wire import InferenceRequest, RolloutKey, SamplingParams
 
 MESSAGES = [{"role": "user", "content": "What is 12+7?"}]

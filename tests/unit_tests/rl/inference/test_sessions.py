@@ -23,8 +23,9 @@ from megatron.rl.wire import (
     InferenceResponse,
     RolloutKey,
     SamplingParams,
+    ToolCall,
+    ToolCallFunction,
 )
-from megatron.rl.wire_messages import ToolCall, ToolCallFunction
 
 KEY = RolloutKey(batch_id=3, index_in_batch=1, sample_index=2)
 SAMPLING = SamplingParams(temperature=0.7, max_tokens=5)
@@ -47,9 +48,13 @@ class RecordingInference(InferenceInterface):
             raise InvalidInferenceRequest("prompt too long")
         prompt = [1, 2] if request.messages is not None else list(request.prompt_tokens) + [9]
         return InferenceResponse(
-            prompt_tokens=prompt, tokens=[100 + t, 101 + t], text=f"answer {t}",
-            logprobs=[-0.5, -0.25], policy_versions=[t, t], finish_reason="stop",
-        )  # fmt: skip
+            prompt_tokens=prompt,
+            tokens=[100 + t, 101 + t],
+            text=f"answer {t}",
+            logprobs=[-0.5, -0.25],
+            policy_versions=[t, t],
+            finish_reason="stop",
+        )
 
     async def end_rollout(self, key: RolloutKey) -> bool:
         self.ended.append(key)
@@ -97,12 +102,20 @@ def test_turns_continue_the_generated_tokens_with_the_new_messages_only():
 @pytest.mark.parametrize(
     "edit, status, names",
     [
-        pytest.param(lambda m: [m[0], m[1], reply_text("edited"), m[3]], 400, "messages.2",
-                     id="edited-assistant-message"),  # fmt: skip
+        pytest.param(
+            lambda m: [m[0], m[1], reply_text("edited"), m[3]],
+            400,
+            "messages.2",
+            id="edited-assistant-message",
+        ),
         pytest.param(lambda m: [m[0], USER, *m[2:]], 400, "messages.1", id="edited-user-message"),
         pytest.param(lambda m: m[:3], 400, "needs new ones", id="no-new-message"),
-        pytest.param(lambda m: [*m, reply_text("mine")], 400, "messages.4",
-                     id="assistant-message-not-generated"),  # fmt: skip
+        pytest.param(
+            lambda m: [*m, reply_text("mine")],
+            400,
+            "messages.4",
+            id="assistant-message-not-generated",
+        ),
     ],
 )
 def test_a_conversation_that_does_not_continue_the_session_is_refused_and_ends_it(
@@ -114,7 +127,9 @@ def test_a_conversation_that_does_not_continue_the_session_is_refused_and_ends_i
         first = [SYSTEM, ChatMessage(role="user", content="3+3?")]
         t0 = await registry.chat(session.token, first, None, None, reply)
         with pytest.raises(SessionError) as err:
-            await registry.chat(session.token, edit([*first, t0.message, tool("6")]), None, 4, reply)
+            await registry.chat(
+                session.token, edit([*first, t0.message, tool("6")]), None, 4, reply
+            )
         assert err.value.status == status and names in str(err.value)
         with pytest.raises(SessionError, match="ended after an error") as again:
             await registry.chat(session.token, [*first, t0.message, tool("6")], None, 4, reply)

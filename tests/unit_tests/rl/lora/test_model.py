@@ -19,7 +19,8 @@ from megatron.rl.lora.model import (
     store_frozen_linear_weights,
     trainable_state_dict,
 )
-from megatron.trainer.optimizer import build_optimizer
+from megatron.trainer.config import optimizer_settings
+from megatron.trainer.train.optimizer import build_optimizer
 
 LLAMA = dict(
     position_embedding_type="rope",
@@ -71,7 +72,7 @@ def test_only_the_adapters_get_gradients_and_optimizer_state(single_rank_world):
     model.train()
     model(ids, positions, None).float().logsumexp(-1).mean().backward()
     assert {n for n, p in model.named_parameters() if p.grad is not None} == trained
-    optimizer, _ = build_optimizer(model, tiny_args(**LLAMA, min_lr=0.0))
+    optimizer, _ = build_optimizer(model, optimizer_settings(tiny_args(**LLAMA, min_lr=0.0)))
     optimized = {id(p) for g in optimizer.param_groups for p in g["params"]}
     assert optimized == {id(p) for p in model.parameters() if p.requires_grad}
     # per layer: q (4 x 32), k and v (2 groups x 8 = 16 rows each), o, gate, up, down

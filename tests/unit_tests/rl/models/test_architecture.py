@@ -23,7 +23,7 @@ from megatron.rl.models.architecture import (
 )
 from megatron.rl.models.gpt_spec import SDPASpecProvider, gpt_layer_spec
 from megatron.rl.models.rope import RoPEGPTModel
-from megatron.trainer.model_provider import padded_vocab_size
+from megatron.trainer.model.provider import padded_vocab_size
 
 TOY = GPTArchitecture(  # tests/grpo_testing/models.py's tiny_args, as an architecture
     num_layers=2,
@@ -65,17 +65,26 @@ def test_toy_model_is_expressible_and_builds_the_same_model_bitwise(tp1):
     args = tiny_args()
     reference = GPTModel(
         config=TransformerConfig(
-            num_layers=args.model.num_layers, hidden_size=args.model.hidden_size,
-            num_attention_heads=args.model.num_attention_heads, ffn_hidden_size=args.model.ffn_hidden_size,
-            hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
-            params_dtype=torch.float32, pipeline_dtype=torch.float32, bias_dropout_fusion=False,
-            masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+            num_layers=args.model.num_layers,
+            hidden_size=args.model.hidden_size,
+            num_attention_heads=args.model.num_attention_heads,
+            ffn_hidden_size=args.model.ffn_hidden_size,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            use_cpu_initialization=True,
+            params_dtype=torch.float32,
+            pipeline_dtype=torch.float32,
+            bias_dropout_fusion=False,
+            masked_softmax_fusion=False,
+            gradient_accumulation_fusion=False,
         ),
         transformer_layer_spec=gpt_layer_spec(SDPASpecProvider()),
         vocab_size=padded_vocab_size(VOCAB, args.model.make_vocab_size_divisible_by),
-        max_sequence_length=args.model.max_position_embeddings, parallel_output=True,
-        share_embeddings_and_output_weights=True, position_embedding_type="learned_absolute",
-    )  # fmt: skip
+        max_sequence_length=args.model.max_position_embeddings,
+        parallel_output=True,
+        share_embeddings_and_output_weights=True,
+        position_embedding_type="learned_absolute",
+    )
     torch.manual_seed(5)
     ours = build_gpt_model(TOY, transformer_config(TOY), layer_spec(TOY, SDPASpecProvider()))
     assert type(ours) is GPTModel and ours.position_embedding_type == "learned_absolute"

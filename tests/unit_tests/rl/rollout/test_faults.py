@@ -23,9 +23,13 @@ from megatron.rl.wire import GroupedRolloutRequest
 
 def request(batch_id: int, index: int, group_size: int = 4) -> GroupedRolloutRequest:
     return GroupedRolloutRequest(
-        batch_id=batch_id, index_in_batch=index, groups_in_batch=8, group_size=group_size,
-        seed=5, submission_policy_version=2,
-    )  # fmt: skip
+        batch_id=batch_id,
+        index_in_batch=index,
+        groups_in_batch=8,
+        group_size=group_size,
+        seed=5,
+        submission_policy_version=2,
+    )
 
 
 def run_groups(agent, requests, faults):

@@ -43,11 +43,17 @@ class ScriptedAgent(Agent):
         differ = i in QUALIFYING.get(b % 5, set())
         rollouts = [
             TokenRollout(
-                env_id="scripted", problem_id=f"{b}/{i}", prompt="p", completion="c",
-                reward=float(k if differ else 1), tokens=[2, 3], generation_mask=[False, True],
-                logprobs=[-0.5], policy_versions=[request.submission_policy_version],
+                env_id="scripted",
+                problem_id=f"{b}/{i}",
+                prompt="p",
+                completion="c",
+                reward=float(k if differ else 1),
+                tokens=[2, 3],
+                generation_mask=[False, True],
+                logprobs=[-0.5],
+                policy_versions=[request.submission_policy_version],
                 submission_policy_version=request.submission_policy_version,
-            )  # fmt: skip
+            )
             for k in range(request.group_size)
         ]
         return RolloutGroup(batch_id=b, index_in_batch=i, rollouts=rollouts)
@@ -74,9 +80,13 @@ class Recorder:
 
 def generator(agent: Agent, lag: int, lazy: bool, version: list[int], **kwargs):
     config = RolloutConfig(
-        forced_lag=lag, groups_per_batch=P * R, group_size=GROUP_SIZE, seed=1, rounds=R,
+        forced_lag=lag,
+        groups_per_batch=P * R,
+        group_size=GROUP_SIZE,
+        seed=1,
+        rounds=R,
         lazy_rounds=lazy,
-    )  # fmt: skip
+    )
     return GroupedRolloutGenerator(agent, None, config, lambda: version[0], **kwargs)
 
 

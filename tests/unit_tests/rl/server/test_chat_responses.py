@@ -11,8 +11,13 @@ import pytest
 from megatron.rl.server.chat_responses import ToolCallCounter, chat_completion_response
 from megatron.rl.tokenizer import CharTokenizer
 from megatron.rl.tools.parsers import tool_call_parser
-from megatron.rl.wire import ChatMessage, InferenceRequest, InferenceResponse
-from megatron.rl.wire_chat import ChatCompletionRequest, ChatCompletionResponse
+from megatron.rl.wire import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    InferenceRequest,
+    InferenceResponse,
+)
 
 TOOL = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'

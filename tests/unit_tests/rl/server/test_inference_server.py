@@ -8,14 +8,14 @@ import time
 import httpx
 import pytest
 from grpo_testing.fakes import FakeSteps, SeededInference
+from grpo_testing.inference_apps import inference_app
 
 from megatron.rl.inference.interface import LocalInferenceInterface
 from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig
 from megatron.rl.seeding import derive_seed
-from megatron.rl.server.inference_server import completion_usage, create_inference_app
+from megatron.rl.server.inference_server import create_inference_app
 from megatron.rl.tokenizer import CharTokenizer
-from megatron.rl.wire import InferenceResponse
-from megatron.rl.wire_completions import CompletionResponse, ModelList
+from megatron.rl.wire import CompletionResponse, ModelList
 
 
 def post_completions(bodies: list, steps: FakeSteps | None = None, fail: bool = False):
@@ -24,21 +24,14 @@ def post_completions(bodies: list, steps: FakeSteps | None = None, fail: bool = 
     tokenizer = CharTokenizer()
 
     async def run():
-        engine = ContinuousBatchingScheduler(
-            steps, SchedulerConfig(max_requests=4, max_seq_len=24), lambda: 7
-        )
-        engine.start()
-        engine.resume()
-        if fail:
-            steps.fail_on_step = 0
-        app = create_inference_app(LocalInferenceInterface(engine, tokenizer), tokenizer)
-        try:
+        config = SchedulerConfig(max_requests=4, max_seq_len=24)
+        async with inference_app(steps, config, tokenizer, lambda: 7) as (app, _):
+            if fail:
+                steps.fail_on_step = 0
             async with httpx.AsyncClient(
                 transport=httpx.ASGITransport(app), base_url="http://trainer"
             ) as client:
                 return [await client.post("/v1/completions", json=b) for b in bodies]
-        finally:
-            await engine.aclose()
 
     return asyncio.run(run())
 
@@ -85,21 +78,6 @@ def test_n_samples_are_seeded_and_keyed_like_separate_requests():
     assert r.json()["usage"]["completion_tokens"] == 6
 
 
-def test_usage_counts_the_shared_prompt_once_and_every_sample():
-    def sample(n_tokens: int) -> InferenceResponse:
-        return InferenceResponse(
-            prompt_tokens=[5, 6, 7],
-            tokens=[2] * n_tokens,
-            text="x" * n_tokens,
-            logprobs=[-0.1] * n_tokens,
-            policy_versions=[0] * n_tokens,
-            finish_reason="length",
-        )
-
-    usage = completion_usage([sample(2), sample(4), sample(1)])
-    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (3, 7, 10)
-
-
 def test_token_prompt_and_logprobs_only_when_asked():
     (r,) = post_completions([{"prompt": [2, 3, 4], "max_tokens": 2}])
     choice = r.json()["choices"][0]
@@ -132,7 +110,9 @@ def test_rollout_key_and_seed_reach_the_inference_interface():
         pytest.param({"prompt": [2, 999]}, 422, "outside the vocabulary", id="token-out-of-vocab"),
         pytest.param({"prompt": "1" * 20, "max_tokens": 10}, 422, "max_seq_len", id="too-long"),
         pytest.param({"prompt": ""}, 422, "prompt", id="empty-prompt"),
-        pytest.param({"max_tokens": 3}, 422, "exactly one of 'prompt' and 'messages'", id="missing-prompt"),
+        pytest.param(
+            {"max_tokens": 3}, 422, "exactly one of 'prompt' and 'messages'", id="missing-prompt"
+        ),
         pytest.param({"prompt": "1=", "top_p": 0}, 422, "field 'top_p'", id="top-p-zero"),
         pytest.param(
             {"prompt": "1=", "prompt_suffix": "+"}, 422, "token ids", id="suffix-after-text"

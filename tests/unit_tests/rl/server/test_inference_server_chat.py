@@ -15,13 +15,15 @@ import torch
 from grpo_testing.fakes import FakeSteps
 from grpo_testing.hf_engine import load_hf_policy, running_engine
 from grpo_testing.hf_models import full_logits
+from grpo_testing.inference_apps import inference_app
 
 from megatron.rl.inference.interface import LocalInferenceInterface
-from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig
+from megatron.rl.inference.scheduler import SchedulerConfig
+from megatron.rl.models.hf.tokenizer import HuggingFaceTokenizer
 from megatron.rl.server.http import EmbeddedServer
 from megatron.rl.server.inference_server import create_inference_app
-from megatron.rl.tokenizer import CharTokenizer, HuggingFaceTokenizer
-from megatron.rl.wire_chat import ChatCompletionRequest, ChatCompletionResponse
+from megatron.rl.tokenizer import CharTokenizer
+from megatron.rl.wire import ChatCompletionRequest, ChatCompletionResponse
 
 MESSAGES = [
     {"role": "system", "content": "Answer with a number."},
@@ -152,19 +154,12 @@ def post_chat(bodies: list[dict]) -> list[httpx.Response]:
     tokenizer = CharTokenizer()
 
     async def run():
-        engine = ContinuousBatchingScheduler(
-            FakeSteps(), SchedulerConfig(max_requests=4, max_seq_len=24), lambda: 0
-        )
-        engine.start()
-        engine.resume()
-        app = create_inference_app(LocalInferenceInterface(engine, tokenizer), tokenizer)
-        try:
+        config = SchedulerConfig(max_requests=4, max_seq_len=24)
+        async with inference_app(FakeSteps(), config, tokenizer) as (app, _):
             async with httpx.AsyncClient(
                 transport=httpx.ASGITransport(app), base_url="http://trainer"
             ) as client:
                 return [await client.post("/v1/chat/completions", json=b) for b in bodies]
-        finally:
-            await engine.aclose()
 
     return asyncio.run(run())
 

@@ -14,9 +14,9 @@ import openai
 import pytest
 
 from megatron.rl.inference.interface import InferenceInterface, render_chat
+from megatron.rl.models.hf.tokenizer import HuggingFaceTokenizer
 from megatron.rl.server.http import EmbeddedServer
 from megatron.rl.server.inference_server import create_inference_app
-from megatron.rl.tokenizer import HuggingFaceTokenizer
 from megatron.rl.wire import InferenceRequest, InferenceResponse
 
 TEMPLATE = """\

@@ -10,10 +10,11 @@ import time
 import httpx
 import pytest
 from grpo_testing.fakes import FakeSteps, SeededInference
+from grpo_testing.inference_apps import inference_app
 
 from megatron.rl.agent.env_config import build_agents
-from megatron.rl.inference.interface import InferenceInterface, LocalInferenceInterface
-from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig
+from megatron.rl.inference.interface import InferenceInterface
+from megatron.rl.inference.scheduler import SchedulerConfig
 from megatron.rl.server.env_server import EnvServerConfig, create_app
 from megatron.rl.server.http import EmbeddedServer
 from megatron.rl.server.inference_server import create_inference_app
@@ -116,8 +117,14 @@ class Held(InferenceInterface):
         except asyncio.CancelledError:
             self.cancelled += 1
             raise
-        return InferenceResponse(prompt_tokens=[1], tokens=[1], text="", logprobs=[0.0],
-                                 policy_versions=[0], finish_reason="stop")  # fmt: skip
+        return InferenceResponse(
+            prompt_tokens=[1],
+            tokens=[1],
+            text="",
+            logprobs=[0.0],
+            policy_versions=[0],
+            finish_reason="stop",
+        )
 
 
 def test_a_client_over_its_in_flight_limit_gets_429_and_its_slots_come_back():
@@ -130,8 +137,9 @@ def test_a_client_over_its_in_flight_limit_gets_429_and_its_slots_come_back():
         body = {"prompt": "1", "max_tokens": 2}
         try:
             async with httpx.AsyncClient(base_url=server.url) as client:
-                first = [asyncio.create_task(client.post("/v1/completions", json=body))
-                         for _ in range(2)]  # fmt: skip
+                first = [
+                    asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(2)
+                ]
                 while held.started < 2:
                     await asyncio.sleep(0.01)
                 refused = await client.post("/v1/completions", json=body)
@@ -184,31 +192,26 @@ def test_after_abandoned_large_requests_a_fresh_request_is_answered_within_two_s
     tokenizer = CharTokenizer()
 
     async def run():
-        engine = ContinuousBatchingScheduler(
-            steps, SchedulerConfig(max_requests=16, max_seq_len=2048), lambda: 0
-        )
-        engine.start()
-        engine.resume()
-        app = create_inference_app(LocalInferenceInterface(engine, tokenizer), tokenizer)
-        server = await serving(app)
-        big = {"prompt": "12=", "max_tokens": 2000, "n": 4, "ignore_eos": True}
-        try:
-            async with httpx.AsyncClient(base_url=server.url, timeout=0.5) as client:
-                for outcome in await asyncio.gather(
-                    *(client.post("/v1/completions", json=big) for _ in range(3)),
-                    return_exceptions=True,
-                ):
-                    assert isinstance(outcome, httpx.ReadTimeout), outcome
-            await asyncio.sleep(0.2)  # the server notices the disconnects
-            before = len(steps.plans)
-            async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
-                fresh = await client.post(
-                    "/v1/completions", json={"prompt": "1", "max_tokens": 2, "ignore_eos": True}
-                )
-            return fresh, steps.plans[before:], engine.holds_requests()
-        finally:
-            await server.stop()
-            await engine.aclose()
+        config = SchedulerConfig(max_requests=16, max_seq_len=2048)
+        async with inference_app(steps, config, tokenizer) as (app, engine):
+            server = await serving(app)
+            big = {"prompt": "12=", "max_tokens": 2000, "n": 4, "ignore_eos": True}
+            try:
+                async with httpx.AsyncClient(base_url=server.url, timeout=0.5) as client:
+                    for outcome in await asyncio.gather(
+                        *(client.post("/v1/completions", json=big) for _ in range(3)),
+                        return_exceptions=True,
+                    ):
+                        assert isinstance(outcome, httpx.ReadTimeout), outcome
+                await asyncio.sleep(0.2)  # the server notices the disconnects
+                before = len(steps.plans)
+                async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
+                    fresh = await client.post(
+                        "/v1/completions", json={"prompt": "1", "max_tokens": 2, "ignore_eos": True}
+                    )
+                return fresh, steps.plans[before:], engine.holds_requests()
+            finally:
+                await server.stop()
 
     fresh, plans, holding = asyncio.run(run())
     assert fresh.status_code == 200 and len(fresh.json()["choices"][0]["token_ids"]) == 2

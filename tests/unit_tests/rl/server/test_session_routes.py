@@ -31,9 +31,13 @@ class ToolCallingInference(InferenceInterface):
         text = CALL if request.messages is not None else "3"
         prompt = [5, 6] if request.messages is not None else [*request.prompt_tokens, 7]
         return InferenceResponse(
-            prompt_tokens=prompt, tokens=[8, 9], text=text, logprobs=[-1.0, -1.0],
-            policy_versions=[0, 0], finish_reason="stop",
-        )  # fmt: skip
+            prompt_tokens=prompt,
+            tokens=[8, 9],
+            text=text,
+            logprobs=[-1.0, -1.0],
+            policy_versions=[0, 0],
+            finish_reason="stop",
+        )
 
 
 def run(work):
@@ -48,8 +52,9 @@ def run(work):
             client = openai.AsyncOpenAI(
                 base_url=session_base_url("http://test", session.token),
                 api_key=session.credential,
-                http_client=http, max_retries=0,
-            )  # fmt: skip
+                http_client=http,
+                max_retries=0,
+            )
             return await work(client, session)
 
     return asyncio.run(main()), inference, session
@@ -156,9 +161,13 @@ def test_a_session_credential_opens_its_own_session_and_nothing_else():
 
     answers = asyncio.run(main())
     assert {name: r.status_code for name, r in answers.items()} == {
-        "other session": 401, "job key on a session": 401, "no credential": 401,
-        "raw completions": 401, "end another rollout": 401, "own session": 200,
-    }  # fmt: skip
+        "other session": 401,
+        "job key on a session": 401,
+        "no credential": 401,
+        "raw completions": 401,
+        "end another rollout": 401,
+        "own session": 200,
+    }
     assert mine.credential not in answers["other session"].text
     assert len(inference.requests) == 1  # only the own session generated
     assert other.error is None and not other.closed  # a refused credential ends nothing

@@ -13,10 +13,14 @@ from megatron.rl.tools.errors import ToolError
     [
         pytest.param("(12 + 7) * 3", 57, id="parentheses"),
         pytest.param("-2 ** 2 + 7 // 2 + 7 % 4", -4 + 3 + 3, id="precedence"),
-        pytest.param("sqrt(16) + abs(-3) + max(1, 5) + min(2, 9) + round(2.6)", 4 + 3 + 5 + 2 + 3, id="functions"),
+        pytest.param(
+            "sqrt(16) + abs(-3) + max(1, 5) + min(2, 9) + round(2.6)",
+            4 + 3 + 5 + 2 + 3,
+            id="functions",
+        ),
         pytest.param("1 / 4", 0.25, id="division"),
     ],
-)  # fmt: skip
+)
 def test_arithmetic_is_evaluated(expression, value):
     assert calculate(expression) == value
 
@@ -59,8 +63,12 @@ def test_every_bounded_expression_answers_in_milliseconds():
     """The largest work each bound admits (power, rounding, long arithmetic) finishes at once."""
     import time
 
-    for expression in ("(10 ** 99) ** 256 % 7" , "round(10 ** 99, -100)", "round(0.5, 100)",
-                       "+".join(["10 ** 99"] * 40)):  # fmt: skip
+    for expression in (
+        "(10 ** 99) ** 256 % 7",
+        "round(10 ** 99, -100)",
+        "round(0.5, 100)",
+        "+".join(["10 ** 99"] * 40),
+    ):
         started = time.perf_counter()
         try:
             calculate(expression)

@@ -56,18 +56,30 @@ def test_errors_come_back_as_their_last_line(isolation, code, needle):
     "code, needle",
     [
         pytest.param("import socket\nsocket.socket()", "socket", id="network"),
-        pytest.param("import urllib.request\nurllib.request.urlopen('http://127.0.0.1:9')", "socket", id="http"),
-        pytest.param("print(open('/etc/passwd').read())", "opening '/etc/passwd'", id="read-passwd"),
+        pytest.param(
+            "import urllib.request\nurllib.request.urlopen('http://127.0.0.1:9')",
+            "socket",
+            id="http",
+        ),
+        pytest.param(
+            "print(open('/etc/passwd').read())", "opening '/etc/passwd'", id="read-passwd"
+        ),
         pytest.param("import os\nprint(os.listdir('/'))", "listing '/'", id="list-root"),
         pytest.param("import os\nos.remove('/tmp/x')", "os.remove", id="remove-outside"),
         pytest.param("import os\nos.fork()", "os.fork", id="fork"),
-        pytest.param("import subprocess\nsubprocess.run(['true'])", "subprocess.Popen", id="subprocess"),
+        pytest.param(
+            "import subprocess\nsubprocess.run(['true'])", "subprocess.Popen", id="subprocess"
+        ),
         pytest.param("import os\nos.system('true')", "os.system", id="system"),
         pytest.param("import os\nos.execv('/bin/true', ['true'])", "os.exec", id="exec"),
         pytest.param("import ctypes", "ctypes", id="ctypes"),
-        pytest.param("import resource\nresource.setrlimit(resource.RLIMIT_AS, (-1, -1))", "setrlimit", id="raise-limits"),
+        pytest.param(
+            "import resource\nresource.setrlimit(resource.RLIMIT_AS, (-1, -1))",
+            "setrlimit",
+            id="raise-limits",
+        ),
     ],
-)  # fmt: skip
+)
 def test_the_audit_hook_refuses_with_a_tool_error(code, needle):
     with pytest.raises(ToolError, match=needle):
         run(code, isolation="unsafe-audit-hook")

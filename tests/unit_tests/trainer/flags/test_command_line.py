@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.trainer.exits import UsageError
+from megatron.trainer.errors import UsageError
 from megatron.trainer.flags.megatron_lm import MEGATRON_LM_RL_FLAGS
 from megatron.trainer.flags.megatron_lm_common import MEGATRON_LM_COMMON_FLAGS, render_table
 from megatron.trainer.flags.parse import build_parser, parse_args
@@ -34,8 +34,10 @@ def flags_of(argv: list[str]) -> list[str]:
 
 @pytest.mark.parametrize(
     "command",
-    [pytest.param(QWEN25_32B_README, id="readme-qwen2.5-32b"),
-     pytest.param(QWEN25_3B_SCRIPT, id="qwen_2p5_3b.sh")],  # fmt: skip
+    [
+        pytest.param(QWEN25_32B_README, id="readme-qwen2.5-32b"),
+        pytest.param(QWEN25_3B_SCRIPT, id="qwen_2p5_3b.sh"),
+    ],
 )
 def test_megatron_lm_example_command_lines_get_every_flag_accepted_or_explained_at_once(command):
     text = message(command)
@@ -43,8 +45,12 @@ def test_megatron_lm_example_command_lines_get_every_flag_accepted_or_explained_
     assert lines[0].startswith("pretrain_grpo.py: error: ") and "problems" in lines[0]
     assert "usage:" not in text
     problems = [line.strip() for line in lines[1:]]
-    ours = {s for a in build_parser()._actions if hasattr(a, "full_help") or
-            a.help != argparse.SUPPRESS for s in a.option_strings}  # fmt: skip
+    ours = {
+        s
+        for a in build_parser()._actions
+        if hasattr(a, "full_help") or a.help != argparse.SUPPRESS
+        for s in a.option_strings
+    }
     accepted = {e.flag for e in MEGATRON_LM_COMMON_FLAGS if e.status != "refused"}
     refused = {e.flag for e in MEGATRON_LM_COMMON_FLAGS if e.status == "refused"}
     refused |= {e.flag for e in MEGATRON_LM_RL_FLAGS if e.status == "refused"}
@@ -74,13 +80,31 @@ def test_a_bad_value_is_one_line_without_the_usage_block():
 
 
 def test_megatron_lm_flags_with_our_meaning_are_accepted_or_respelled():
-    args = parse_args([
-        "--use-mcore-models", "--transformer-impl", "transformer_engine", "--te-rng-tracker",
-        "--attention-dropout", "0.0", "--hidden-dropout", "0", "--calculate-per-token-loss",
-        "--mock-data", "--seq-length", "48", "--inference-max-seq-length", "48",
-        "--inference-max-batch-size", "16", "--lr-warmup-samples", "0",
-        "--use-rotary-position-embeddings", "--ckpt-format", "torch",
-    ])  # fmt: skip
+    args = parse_args(
+        [
+            "--use-mcore-models",
+            "--transformer-impl",
+            "transformer_engine",
+            "--te-rng-tracker",
+            "--attention-dropout",
+            "0.0",
+            "--hidden-dropout",
+            "0",
+            "--calculate-per-token-loss",
+            "--mock-data",
+            "--seq-length",
+            "48",
+            "--inference-max-seq-length",
+            "48",
+            "--inference-max-batch-size",
+            "16",
+            "--lr-warmup-samples",
+            "0",
+            "--use-rotary-position-embeddings",
+            "--ckpt-format",
+            "torch",
+        ]
+    )
     assert (args.inference.max_requests, args.training.lr_warmup_iters) == (16, 0)
     assert args.model.position_embedding_type == "rope"
 
@@ -88,17 +112,32 @@ def test_megatron_lm_flags_with_our_meaning_are_accepted_or_respelled():
 @pytest.mark.parametrize(
     "argv, expected",
     [
-        pytest.param(["--attention-dropout", "0.1"], "--attention-dropout 0.1 (Megatron-LM): "
-                     "only 0 or 0.0 is supported", id="dropout"),
-        pytest.param(["--inference-max-seq-length", "64"], "--inference-max-seq-length 64 "
-                     "(Megatron-LM): must equal --seq-length (32)", id="seq-length"),
-        pytest.param(["--lr-warmup-samples", "100"], "--lr-warmup-samples 100 (Megatron-LM): "
-                     "only 0 is supported", id="warmup-samples"),
-        pytest.param(["--transformer-impl", "local"], "--transformer-impl local (Megatron-LM): "
-                     "only transformer_engine is supported", id="transformer-impl"),
-        pytest.param(["--ckpt-format", "torch_dist"], "--ckpt-format torch_dist: the CPU tier "
-                     "writes torch checkpoints", id="ckpt-format"),
-    ],  # fmt: skip
+        pytest.param(
+            ["--attention-dropout", "0.1"],
+            "--attention-dropout 0.1 (Megatron-LM): only 0 or 0.0 is supported",
+            id="dropout",
+        ),
+        pytest.param(
+            ["--inference-max-seq-length", "64"],
+            "--inference-max-seq-length 64 (Megatron-LM): must equal --seq-length (32)",
+            id="seq-length",
+        ),
+        pytest.param(
+            ["--lr-warmup-samples", "100"],
+            "--lr-warmup-samples 100 (Megatron-LM): only 0 is supported",
+            id="warmup-samples",
+        ),
+        pytest.param(
+            ["--transformer-impl", "local"],
+            "--transformer-impl local (Megatron-LM): only transformer_engine is supported",
+            id="transformer-impl",
+        ),
+        pytest.param(
+            ["--ckpt-format", "torch_dist"],
+            "--ckpt-format torch_dist: the CPU tier writes torch checkpoints",
+            id="ckpt-format",
+        ),
+    ],
 )
 def test_a_megatron_lm_value_with_another_meaning_is_refused_naming_it(argv, expected):
     assert expected in message(argv)
@@ -114,5 +153,5 @@ def test_the_common_table_declares_nothing_twice_and_points_at_real_flags():
     assert len(flags) == len(set(flags))
 
 
-def test_the_readme_table_is_the_common_flag_table():
-    assert render_table() in (ROOT / "README.md").read_text()
+def test_the_user_guide_table_is_the_common_flag_table():
+    assert render_table() in (ROOT / "docs" / "user_guide.md").read_text()

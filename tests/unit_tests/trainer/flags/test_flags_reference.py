@@ -1,12 +1,12 @@
-"""``docs/flags.md`` and the README's table of defaults that differ from Megatron-LM's are
-generated from the config tree (``flags/reference.py``): a stale copy fails here."""
+"""``docs/flags.md`` and the user guide's table of defaults that differ from Megatron-LM's are
+generated from the config tree (``flags/markdown.py``): a stale copy fails here."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from megatron.trainer.flags.markdown import defaults_table, render
 from megatron.trainer.flags.option import options
-from megatron.trainer.flags.reference import defaults_table, render
 from megatron.trainer.flags.run import SECTIONS
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[4]
 
 def test_docs_flags_md_is_the_generated_reference():
     stale = (ROOT / "docs" / "flags.md").read_text() != render()
-    assert not stale, "regenerate: python -m megatron.trainer.flags.reference > docs/flags.md"
+    assert not stale, "regenerate: python -m megatron.trainer.flags.markdown > docs/flags.md"
 
 
 def test_the_reference_lists_every_option_once():
@@ -24,8 +24,8 @@ def test_the_reference_lists_every_option_once():
             assert text.count(f"| `{flag}`") == 1, flag
 
 
-def test_the_readme_table_of_differing_defaults_is_generated():
+def test_the_user_guide_table_of_differing_defaults_is_generated():
     table = defaults_table()
     assert "| `--min-lr` | `--lr` / 10 | 0.0 |" in table
     assert "| `--lr-warmup-iters` | 10 | 0 |" in table
-    assert table in (ROOT / "README.md").read_text()
+    assert table in (ROOT / "docs" / "user_guide.md").read_text()

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from megatron.trainer.config import lora_config
 from megatron.trainer.flags.parse import check
-from megatron.trainer.lora import lora_config
 
 SWIGLU = ["--swiglu", "--disable-bias-linear", "--position-embedding-type", "rope"]
 
@@ -23,8 +23,14 @@ def test_rank_turns_it_on_with_alpha_rank_and_targets_as_projections():
     assert errors == []
     assert (args.lora.lora_rank, args.lora.lora_alpha) == (8, 8.0)
     assert args.lora.lora_target_modules == (
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-    )  # fmt: skip
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
     config = lora_config(args)
     assert config.scale == 1.0 and config.seed == args.training.seed
 

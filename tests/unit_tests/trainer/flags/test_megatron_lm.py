@@ -1,10 +1,13 @@
-"""Flags that share a name with Megatron-LM's mean what they mean there (one test per row of the
-README's "same name, different meaning" list), Megatron-LM spellings of our flags are accepted,
-the others are refused naming our equivalent, and the README table is the module's table."""
+"""Flags that share a name with Megatron-LM's mean what they mean there (one test per item of the
+user guide's "semantics that differ" list), Megatron-LM spellings of our flags are accepted, the
+others are refused naming our equivalent, and the user guide's tables are what the parser does:
+each refused row's reason is the parser's message, each accepted or alias row's flag parses."""
 
 from __future__ import annotations
 
 import argparse
+import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,11 +16,14 @@ import torch
 from megatron.rl.grpo.batch import TrainBatch
 from megatron.rl.grpo.importance import ImportanceConfig
 from megatron.trainer import config
-from megatron.trainer.collection import Collection
+from megatron.trainer.config import optimizer_settings
+from megatron.trainer.errors import UsageError
 from megatron.trainer.flags.megatron_lm import MEGATRON_LM_RL_FLAGS, render_table
-from megatron.trainer.flags.parse import build_parser, check
+from megatron.trainer.flags.megatron_lm_common import BY_FLAG as COMMON_BY_FLAG
+from megatron.trainer.flags.parse import build_parser, check, parse_args
 from megatron.trainer.flags.run import RunConfig
-from megatron.trainer.optimizer import build_scheduler
+from megatron.trainer.train.collection import Collection
+from megatron.trainer.train.optimizer import build_scheduler
 
 ROOT = Path(__file__).resolve().parents[4]
 
@@ -48,8 +54,9 @@ def test_a_global_batch_smaller_than_the_collection_gives_several_optimizer_step
 def rows_batch(rows: int) -> TrainBatch:
     ids = torch.arange(rows)[:, None].expand(rows, 3).clone()
     ones = torch.ones(rows, 3)
-    return TrainBatch(ids, ids, ones, ones, torch.zeros(rows), torch.ones(rows),
-                      torch.full((rows,), 3))  # fmt: skip
+    return TrainBatch(
+        ids, ids, ones, ones, torch.zeros(rows), torch.ones(rows), torch.full((rows,), 3)
+    )
 
 
 @pytest.mark.parametrize(
@@ -104,7 +111,7 @@ def test_a_warmup_longer_than_the_run_is_accepted_and_only_warms_up():
     args, errors = parsed("--train-iters", "5")  # default --lr-warmup-iters 10
     assert errors == []
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=args.training.lr)
-    scheduler = build_scheduler(optimizer, args)
+    scheduler = build_scheduler(optimizer, optimizer_settings(args))
     lrs = []
     for _ in range(5):
         scheduler.step(increment=1)
@@ -148,6 +155,91 @@ def test_every_same_flag_is_one_of_ours_with_help():
             assert getattr(action, "full_help", action.help) not in (None, argparse.SUPPRESS)
 
 
-def test_the_readme_table_is_the_flag_table():
-    readme = (ROOT / "README.md").read_text()
-    assert render_table() in readme
+GUIDE = ROOT / "docs" / "user_guide.md"
+RL_HEADER = "| Megatron-LM flag | here | ours | why |"
+COMMON_HEADER = "| Megatron-LM flag | here | why |"
+
+
+def table_rows(header: str) -> list[list[str]]:
+    """The cells of each row of the user guide's table whose first line is ``header``."""
+    text = GUIDE.read_text()
+    assert text.count(header + "\n") == 1, header
+    rows = []
+    for line in text[text.index(header + "\n") :].splitlines()[2:]:
+        if not line.startswith("| "):
+            break
+        rows.append([cell.strip() for cell in line[2:-2].split(" | ")])
+    return rows
+
+
+def usage_error(argv: list[str]) -> str:
+    """The message of the ``UsageError`` that ``argv`` gets."""
+    with pytest.raises(UsageError) as exc:
+        parse_args(argv)
+    return exc.value.message
+
+
+def test_the_user_guide_table_is_the_flag_table():
+    assert render_table() in GUIDE.read_text()
+    assert [row[0] for row in table_rows(RL_HEADER)] == [
+        f"`{e.flag}`" for e in MEGATRON_LM_RL_FLAGS
+    ]
+
+
+@pytest.mark.parametrize(
+    "row", [r for r in table_rows(RL_HEADER) if r[1] == "refused"], ids=lambda r: r[0]
+)
+def test_each_refused_row_s_reason_is_the_parser_s_message(row):
+    """The user guide's row, not the module's entry: what the table says is what a user gets."""
+    flag, _, ours, why = (cell.strip("`") for cell in row)
+    instead = f"; use {ours}" if ours else ""
+    assert f"{flag} (Megatron-LM): not supported: {why}{instead}" in usage_error([flag])
+
+
+@pytest.mark.parametrize(
+    "row", [r for r in table_rows(RL_HEADER) if r[1] != "refused"], ids=lambda r: r[0]
+)
+def test_each_same_or_alias_row_names_a_flag_the_parser_takes(row):
+    flag, here, ours, _ = (cell.strip("`") for cell in row)
+    options = {s for a in build_parser()._actions for s in a.option_strings}
+    assert here in ("same", "alias") and flag in options and ours in options
+    assert (flag == ours) == (here == "same")
+
+
+def common_status(cell: str) -> tuple[str, list[str], str | None, str | None]:
+    """A common-table ``here`` cell: status, the only values, the flag it must equal, the
+    rewrite (``accepted (`0` or `0.0` only)``, ``accepted (equal to `--seq-length`)``,
+    ``alias (`0` only): `--lr-warmup-iters```)."""
+    match = re.fullmatch(r"(accepted|alias|refused)(?: \((.*?)\))?(?:: `(.+)`)?", cell)
+    assert match, cell
+    status, condition, rewrite = match.groups()
+    values = re.findall(r"`([^`]+)`", condition) if condition and "only" in condition else []
+    equal = re.fullmatch(r"equal to `(.+)`", condition or "")
+    return status, values, equal.group(1) if equal else None, rewrite
+
+
+@pytest.mark.parametrize("row", table_rows(COMMON_HEADER), ids=lambda r: r[0])
+def test_each_common_row_is_what_the_parser_does(row):
+    """Refused: the row's reason is the message; accepted: it parses (with an allowed value, or
+    one equal to the flag named), another value is refused with the reason; alias: it parses as
+    the rewrite does."""
+    flag, why = row[0].strip("`"), row[2].replace("`", "")
+    status, values, equal, rewrite = common_status(row[1])
+    takes_value = COMMON_BY_FLAG[flag].takes_value
+    value = values[0] if values else "32" if equal else "1"
+    argv = [flag, value] if takes_value else [flag]
+    if status == "refused":
+        assert f"{flag} (Megatron-LM): not supported: {why}" in usage_error(argv)
+        return
+    extra = [equal, value] if equal else []
+    args = parse_args(argv + extra)
+    if status == "alias":
+        same = parse_args(rewrite.split() + argv[1:] + extra)
+        assert replace(args, started="") == replace(same, started="")  # the clock may tick
+    if values:
+        assert f"{flag} 7 (Megatron-LM): only " in usage_error([flag, "7"])
+        assert usage_error([flag, "7"]).endswith(
+            f"is supported: {why} (--help-all lists every flag)"
+        )
+    if equal:
+        assert f"must equal {equal} (33): {why}" in usage_error([flag, value, equal, "33"])

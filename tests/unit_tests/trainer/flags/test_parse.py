@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from megatron.trainer.exits import UsageError
+from megatron.trainer.errors import UsageError
 from megatron.trainer.flags.parse import build_parser, parse_args, parse_explicit
 
 
@@ -42,8 +42,10 @@ def test_bad_output_path_exits_within_seconds_with_one_message(tmp_path):
     start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "pretrain_grpo.py", "--metrics-file", str(tmp_path / "F" / "m.jsonl")],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and time.monotonic() - start < 30
     assert proc.stderr.splitlines()[-1].strip().startswith("--metrics-file")
     assert "Traceback" not in proc.stderr and "Warning" not in proc.stderr
@@ -91,7 +93,7 @@ def test_help_and_a_bad_flag_load_neither_torch_nor_megatron_core():
     (measured: 0.3 s for --help against 4.2 s when parsing imported megatron-core)."""
     probe = (
         "import sys\n"
-        "from megatron.trainer.exits import run_main\n"
+        "from megatron.trainer.runtime.exits import run_main\n"
         "from megatron.trainer.flags.parse import parse_args\n"
         "try:\n"
         "    run_main(lambda: parse_args(sys.argv[1:]))\n"

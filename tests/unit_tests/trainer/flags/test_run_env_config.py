@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from megatron.rl.agent.env_config import load_env_config
-from megatron.trainer.exits import run_main
 from megatron.trainer.flags.parse import check
 from megatron.trainer.flags.rollouts import env_config_problems
 from megatron.trainer.grpo import load_agent
+from megatron.trainer.runtime.exits import run_main
 
 ROOT = Path(__file__).resolve().parents[4]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron.trainer.exits import UsageError
+from megatron.trainer.errors import UsageError
 from megatron.trainer.flags.parse import build_parser, parse_args
 from megatron.trainer.flags.run_file import dump, file_tokens, resolved
 
@@ -22,12 +22,13 @@ def write(tmp_path, text: str):
         pytest.param("rl-forced-lag: 2\n", ["--rl-forced-lag", "2"], id="dashes"),
         pytest.param("rl_forced_lag: 2\n", ["--rl-forced-lag", "2"], id="underscores"),
         pytest.param("bf16: true\n", ["--bf16"], id="switch-on"),
-        pytest.param("rl-use-sequence-packing: false\n", ["--no-rl-use-sequence-packing"],
-                     id="switch-off"),
+        pytest.param(
+            "rl-use-sequence-packing: false\n", ["--no-rl-use-sequence-packing"], id="switch-off"
+        ),
         pytest.param("bf16: false\n", [], id="switch-off-without-a-no-form"),
         pytest.param("save: null\n", [], id="null-keeps-the-default"),
         pytest.param("eval-pass-k: [1, 4]\n", ["--eval-pass-k", "1", "4"], id="list"),
-    ],  # fmt: skip
+    ],
 )
 def test_a_run_file_becomes_the_flags_it_names(tmp_path, text, tokens):
     assert file_tokens(write(tmp_path, text), build_parser()) == (tokens, [])
@@ -60,9 +61,21 @@ def test_a_file_that_is_not_a_mapping_of_flags_is_one_message(tmp_path, text):
 
 def test_the_resolved_flags_parse_back_to_the_same_flags(tmp_path):
     parser = build_parser()
-    args = parse_args(["--rl-forced-lag", "2", "--lr", "3e-4", "--bf16", "--eval-pass-k", "1", "2",
-                       "--rl-inference-logprobs-is-correction",
-                       "--rl-importance-sampling-truncation-coef", "none"])  # fmt: skip
+    args = parse_args(
+        [
+            "--rl-forced-lag",
+            "2",
+            "--lr",
+            "3e-4",
+            "--bf16",
+            "--eval-pass-k",
+            "1",
+            "2",
+            "--rl-inference-logprobs-is-correction",
+            "--rl-importance-sampling-truncation-coef",
+            "none",
+        ]
+    )
     config = resolved(args)
     assert config["rl-forced-lag"] == 2 and config["bf16"] is True
     assert config["rl-importance-sampling-truncation-coef"] == "none"  # None is no cap here

@@ -71,7 +71,12 @@ def test_packing_is_refused_on_cuda_only_with_the_transformer_engine_spec(monkey
 
 def test_step_options_the_cuda_policy_has_are_accepted_on_cuda():
     argv = [
-        "--grpo-entropy-term-weight", "0.01", "--grpo-iterations", "2",
-        "--rl-inference-logprobs-is-correction", "--grpo-kl-beta", "0.1",
-    ]  # fmt: skip
+        "--grpo-entropy-term-weight",
+        "0.01",
+        "--grpo-iterations",
+        "2",
+        "--rl-inference-logprobs-is-correction",
+        "--grpo-kl-beta",
+        "0.1",
+    ]
     assert errors_for(argv, cuda=True) == []

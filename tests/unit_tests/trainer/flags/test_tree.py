@@ -58,8 +58,11 @@ def test_the_library_configs_take_the_trees_defaults():
     rollout, loss = config.rollout_config(cfg), config.loss_config(cfg)
     evaluation = config.eval_config(cfg)
     assert (rollout.forced_lag, rollout.groups_per_batch, rollout.group_size, rollout.seed) == (
-        Rollouts.forced_lag, cfg.grpo.prompts_per_step, cfg.grpo.group_size, cfg.training.seed
-    )  # fmt: skip
+        Rollouts.forced_lag,
+        cfg.grpo.prompts_per_step,
+        cfg.grpo.group_size,
+        cfg.training.seed,
+    )
     assert (loss.clamp_eps_lower, loss.clamp_eps_upper) == (0.2, 0.28)
     assert (loss.policy_loss, loss.off_policy_mask) == ("vanilla", None)
     assert loss.aggregation == LossAggregation("token-mean", None)
@@ -104,9 +107,20 @@ def test_the_parse_returns_a_frozen_run_config_and_variants_are_new_objects():
 def test_the_resume_options_are_the_ones_declared_resume():
     flags = {flag for _, flag, _ in resume_options()}
     assert flags == {
-        "--rl-forced-lag", "--grpo-prompts-per-step", "--grpo-group-size", "--seed",
-        "--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size",
-        "--num-experts", "--moe-router-topk",
-        "--grpo-filter-groups-with-same-reward", "--grpo-max-generation-rounds",
-        "--val-split-fraction", "--lora-rank", "--lora-alpha", "--lora-target-modules",
-    }  # fmt: skip
+        "--rl-forced-lag",
+        "--grpo-prompts-per-step",
+        "--grpo-group-size",
+        "--seed",
+        "--num-layers",
+        "--hidden-size",
+        "--num-attention-heads",
+        "--ffn-hidden-size",
+        "--num-experts",
+        "--moe-router-topk",
+        "--grpo-filter-groups-with-same-reward",
+        "--grpo-max-generation-rounds",
+        "--val-split-fraction",
+        "--lora-rank",
+        "--lora-alpha",
+        "--lora-target-modules",
+    }

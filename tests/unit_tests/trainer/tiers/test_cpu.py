@@ -14,17 +14,19 @@ from megatron.rl.inference.cpu.kv_cache_runner import KVCacheRowRunner
 from megatron.rl.inference.protocol import InferenceEngine, RowRunner
 from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig
 from megatron.rl.models.attention import SDPACoreAttention
-from megatron.trainer.checkpointing import TrainState
-from megatron.trainer.losses import GRPOLoss
-from megatron.trainer.policy import PolicyConfig
-from megatron.trainer.step import MicroBatchCache
-from megatron.trainer.tiers.cpu import CPUTier, TorchShards
+from megatron.trainer.checkpoint.directory import TrainState
+from megatron.trainer.config import tier_config
+from megatron.trainer.tiers.cpu import CPUTier
+from megatron.trainer.tiers.cpu_checkpoint import TorchShards
+from megatron.trainer.train.losses import GRPOLoss
+from megatron.trainer.train.policy import PolicyConfig
+from megatron.trainer.train.step import MicroBatchCache
 
 
 @pytest.fixture
 def tier(single_rank_world) -> CPUTier:
     parallel_state.initialize_model_parallel()
-    return CPUTier(train_args(), one_rank_context())
+    return CPUTier(tier_config(train_args()), one_rank_context())
 
 
 def test_the_model_is_a_float32_gpt_with_sdpa_attention_and_a_padded_tied_vocabulary(tier):

@@ -14,16 +14,21 @@ from megatron.core import parallel_state
 from megatron.rl.grpo.batch import TrainBatch, build_train_batch
 from megatron.rl.inference.protocol import RowWork
 from megatron.rl.inference.scheduler import SchedulerConfig
-from megatron.trainer.checkpointing import TrainState
-from megatron.trainer.forward import forward_outputs, model_inputs
-from megatron.trainer.policy import PolicyConfig
+from megatron.trainer.checkpoint.directory import TrainState
+from megatron.trainer.config import tier_config
 from megatron.trainer.tiers.cpu import CPUTier
+from megatron.trainer.train.forward import forward_outputs, model_inputs
+from megatron.trainer.train.policy import PolicyConfig
 
 LLAMA = dict(
-    position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
-    disable_bias_linear=True, group_query_attention=True, num_query_groups=2,
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    swiglu=True,
+    disable_bias_linear=True,
+    group_query_attention=True,
+    num_query_groups=2,
     untie_embeddings_and_output_weights=True,
-)  # fmt: skip
+)
 
 
 @pytest.fixture
@@ -33,7 +38,7 @@ def ctx(single_rank_world):
 
 
 def tier(ctx, bf16: bool, **overrides) -> CPUTier:
-    return CPUTier(train_args(bf16=bf16, **{**LLAMA, **overrides}), ctx)
+    return CPUTier(tier_config(train_args(bf16=bf16, **{**LLAMA, **overrides})), ctx)
 
 
 def a_batch(seed: int = 1) -> TrainBatch:
@@ -86,10 +91,14 @@ def test_the_engine_computes_what_training_computes_in_either_precision(ctx, bf1
     tokens, engine = engine_logprobs(steps.runner, prompt, steps=12)
     sequence = torch.tensor([prompt + tokens])  # (1, T + 1)
     batch = TrainBatch(
-        input_ids=sequence[:, :-1], target_ids=sequence[:, 1:],
-        loss_mask=torch.ones(1, sequence.shape[1] - 1), inference_logprobs=torch.zeros(1, 16),
-        advantages=torch.zeros(1), temperature=torch.ones(1), lengths=torch.tensor([16]),
-    )  # fmt: skip
+        input_ids=sequence[:, :-1],
+        target_ids=sequence[:, 1:],
+        loss_mask=torch.ones(1, sequence.shape[1] - 1),
+        inference_logprobs=torch.zeros(1, 16),
+        advantages=torch.zeros(1),
+        temperature=torch.ones(1),
+        lengths=torch.tensor([16]),
+    )
     policy = cpu.build_policy(TrainState(model, None, None), PolicyConfig.of(step_config(VOCAB)))
     trained = policy.get_logprobs(batch)[0, len(prompt) - 1 :]  # (12,) the generated tokens
     error = (trained - torch.tensor(engine)).abs().max().item()

@@ -16,14 +16,15 @@ from grpo_testing.rollouts import synthetic_groups
 
 from megatron.rl.grpo.batch import build_train_batch
 from megatron.rl.grpo.loss import GRPOLossConfig
-from megatron.trainer.checkpointing import TrainState
-from megatron.trainer.initialize import initialize_distributed
-from megatron.trainer.losses import GRPOLoss
-from megatron.trainer.model_provider import build_model
-from megatron.trainer.optimizer import build_optimizer
-from megatron.trainer.policy import PolicyConfig
-from megatron.trainer.step import StepConfig
+from megatron.trainer.checkpoint.directory import TrainState
+from megatron.trainer.config import model_build, optimizer_settings
+from megatron.trainer.model.provider import build_model
+from megatron.trainer.runtime.initialize import initialize_distributed
 from megatron.trainer.tiers.cpu import CPUPolicy
+from megatron.trainer.train.losses import GRPOLoss
+from megatron.trainer.train.optimizer import build_optimizer
+from megatron.trainer.train.policy import PolicyConfig
+from megatron.trainer.train.step import StepConfig
 
 
 def two_steps(rank: int, world_size: int, tp: int, micro_batch_size: int):
@@ -42,8 +43,8 @@ def two_steps(rank: int, world_size: int, tp: int, micro_batch_size: int):
         adam_eps=1e-8,
     )
     ctx = initialize_distributed(args)
-    model = build_model(args, VOCAB, ctx.device)
-    state = TrainState(model, *build_optimizer(model, args))
+    model = build_model(model_build(args), VOCAB, ctx.device)
+    state = TrainState(model, *build_optimizer(model, optimizer_settings(args)))
     config = StepConfig(GRPOLossConfig(0.2, 0.28), VOCAB, micro_batch_size, clip_grad=0.5)
     policy = CPUPolicy(state, PolicyConfig.of(config), ctx)
     results = []

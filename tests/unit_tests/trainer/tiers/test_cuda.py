@@ -17,15 +17,16 @@ from megatron.core import parallel_state
 from megatron.rl.grpo.batch import build_train_batch
 from megatron.rl.inference.protocol import InferenceEngine, RowRunner
 from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig
-from megatron.trainer.checkpointing import TrainState, load_checkpoint, save_checkpoint
-from megatron.trainer.model_provider import architecture
-from megatron.trainer.policy import PolicyConfig
-from megatron.trainer.step import data_parallel_micro_batches
+from megatron.trainer.checkpoint.directory import TrainState, load_checkpoint, save_checkpoint
+from megatron.trainer.config import model_build, optimizer_settings, tier_config
+from megatron.trainer.model.provider import architecture
 from megatron.trainer.tiers.cpu import CPUTier
 from megatron.trainer.tiers.cuda import NO_CLIP, CUDATier, cuda_transformer_config, optimizer_config
 from megatron.trainer.tiers.cuda_policy import CUDAPolicy
+from megatron.trainer.train.policy import PolicyConfig
+from megatron.trainer.train.step import data_parallel_micro_batches
 
-ARCH = architecture(train_args(), VOCAB)
+ARCH = architecture(model_build(train_args()), VOCAB)
 
 
 @pytest.fixture
@@ -35,10 +36,12 @@ def cpu_world(single_rank_world):
 
 
 def test_cuda_config_carries_precision_and_per_token_loss():
-    config = cuda_transformer_config(train_args(bf16=True), ARCH, transformer_engine=False)
+    config = cuda_transformer_config(
+        model_build(train_args(bf16=True)), ARCH, transformer_engine=False
+    )
     assert config.bf16 and config.params_dtype == torch.bfloat16
     assert config.pipeline_dtype == torch.bfloat16 and config.calculate_per_token_loss
-    fp32 = cuda_transformer_config(train_args(), ARCH, transformer_engine=True)
+    fp32 = cuda_transformer_config(model_build(train_args()), ARCH, transformer_engine=True)
     assert not fp32.bf16 and fp32.params_dtype == torch.float32
     assert fp32.gradient_accumulation_fusion  # Transformer Engine fuses weight gradients
 
@@ -49,7 +52,10 @@ def test_cuda_config_carries_precision_and_per_token_loss():
 )
 def test_optimizer_config_maps_the_flags(clip, want):
     args = train_args(clip_grad=clip, use_distributed_optimizer=True)
-    config = optimizer_config(args, cuda_transformer_config(args, ARCH, transformer_engine=False))
+    config = optimizer_config(
+        optimizer_settings(args),
+        cuda_transformer_config(model_build(args), ARCH, transformer_engine=False),
+    )
     assert config.optimizer == "adam" and config.use_distributed_optimizer
     assert (config.lr, config.min_lr, config.weight_decay) == (
         args.training.lr,
@@ -86,7 +92,7 @@ def test_the_cuda_policy_refuses_packing_with_the_transformer_engine_spec(cpu_wo
 
 @pytest.fixture
 def cuda_world():
-    from megatron.trainer.initialize import initialize_distributed, shutdown_distributed
+    from megatron.trainer.runtime.initialize import initialize_distributed, shutdown_distributed
 
     with mock.patch.dict(os.environ):  # the world's variables do not outlive the test
         ctx = initialize_distributed(train_args())
@@ -115,8 +121,8 @@ def run_steps(tier, steps: int = 2, seed: int = 3):
 @pytest.mark.parametrize("distributed_optimizer", [False, True], ids=["adam", "dist-opt"])
 def test_cuda_tier_steps_match_the_cpu_tier_on_the_same_gpu(cuda_world, distributed_optimizer):
     args = train_args(use_distributed_optimizer=distributed_optimizer)
-    _, cpu = run_steps(CPUTier(args, cuda_world))
-    _, cuda = run_steps(CUDATier(args, cuda_world))
+    _, cpu = run_steps(CPUTier(tier_config(args), cuda_world))
+    _, cuda = run_steps(CUDATier(tier_config(args), cuda_world))
     for a, b in zip(cpu, cuda):
         assert b.loss == pytest.approx(a.loss, rel=1e-4, abs=1e-6)
         assert b.grad_norm == pytest.approx(a.grad_norm, rel=1e-4)
@@ -126,8 +132,8 @@ def test_cuda_tier_steps_match_the_cpu_tier_on_the_same_gpu(cuda_world, distribu
 
 @pytest.mark.gpu
 def test_cuda_tier_bf16_tracks_fp32(cuda_world):
-    _, fp32 = run_steps(CUDATier(train_args(), cuda_world))
-    _, bf16 = run_steps(CUDATier(train_args(bf16=True), cuda_world))
+    _, fp32 = run_steps(CUDATier(tier_config(train_args()), cuda_world))
+    _, bf16 = run_steps(CUDATier(tier_config(train_args(bf16=True)), cuda_world))
     for a, b in zip(fp32, bf16):
         assert b.loss == pytest.approx(a.loss, rel=5e-2, abs=5e-3)
 
@@ -137,7 +143,7 @@ def test_dist_checkpoint_round_trip_continues_identically(cuda_world, tmp_path):
     from megatron.rl.rollout.generator import PipelineState
 
     args = train_args()
-    tier = CUDATier(args, cuda_world)
+    tier = CUDATier(tier_config(args), cuda_world)
     state, _ = run_steps(tier, steps=1)
     pipeline = PipelineState(
         next_batch_id=1, submitted=1, forced_lag=0, groups_per_batch=2, group_size=4, groups=[]
@@ -163,7 +169,7 @@ def test_dist_checkpoint_round_trip_continues_identically(cuda_world, tmp_path):
 def test_cuda_tier_engine_runs_megatron_cores_dynamic_engine(cuda_world):
     from megatron.rl.inference.megatron_core.dynamic_runner import DynamicEngineRowRunner
 
-    tier = CUDATier(train_args(), cuda_world)
+    tier = CUDATier(tier_config(train_args()), cuda_world)
     model = tier.build_model(VOCAB)
     config = SchedulerConfig(max_requests=4, max_seq_len=32, eos_id=1)
     steps = tier.build_step_group(model, config, VOCAB)

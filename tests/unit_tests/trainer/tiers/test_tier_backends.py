@@ -14,6 +14,7 @@ from megatron.rl.inference import backends
 from megatron.rl.inference.backends import InferenceBackend, RunnerInputs
 from megatron.rl.inference.scheduler import SchedulerConfig
 from megatron.rl.inference.step_group import StepGroup
+from megatron.trainer.config import tier_config
 from megatron.trainer.tiers import CPUTier, CUDATier
 
 
@@ -30,15 +31,17 @@ def fake_backend(monkeypatch) -> list[RunnerInputs]:
 
 def test_each_tier_runs_its_default_backend():
     ctx = None  # the backend depends on the tier only
-    assert CPUTier(train_args(), ctx).inference_backend() is backends.backend("cpu")
-    assert CUDATier(train_args(), ctx).inference_backend() is backends.backend("megatron_core")
+    assert CPUTier(tier_config(train_args()), ctx).inference_backend() is backends.backend("cpu")
+    assert CUDATier(tier_config(train_args()), ctx).inference_backend() is backends.backend(
+        "megatron_core"
+    )
 
 
 @pytest.mark.parametrize("tier_class", [CPUTier, CUDATier], ids=["cpu", "cuda"])
 def test_the_step_group_runs_the_registered_backend(single_rank_world, fake_backend, tier_class):
     parallel_state.initialize_model_parallel()
     ctx = one_rank_context()
-    tier = tier_class(train_args(), ctx)
+    tier = tier_class(tier_config(train_args()), ctx)
     model = torch.nn.Linear(1, 1)
     config = SchedulerConfig(max_requests=2, max_seq_len=32, eos_id=1)
     steps = tier.build_step_group(model, config, VOCAB)

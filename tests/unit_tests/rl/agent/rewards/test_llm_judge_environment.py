@@ -54,24 +54,39 @@ def llama3(single_rank_world, tiny_hf_checkpoints):
 def prompts(tmp_path):
     path = tmp_path / "questions.jsonl"
     path.write_text("".join(json.dumps({"q": q, "a": a}) + "\n" for q, a in QUESTIONS))
-    return {"path": str(path), "prompt_field": "q", "reference_field": "a",
-            "prompt_style": "chat", "max_tokens": 8}  # fmt: skip
+    return {
+        "path": str(path),
+        "prompt_field": "q",
+        "reference_field": "a",
+        "prompt_style": "chat",
+        "max_tokens": 8,
+    }
 
 
 def judge_entry(base_url: str, prompts: dict, **args) -> dict:
     return {
         "agent_type": "llm_judge",
         "env_id": "judged",
-        "agent_args": {"base_url": base_url, "model": "policy", "prompt_template": TEMPLATE,
-                       "max_tokens": 6, "prompts": prompts, **args},
-    }  # fmt: skip
+        "agent_args": {
+            "base_url": base_url,
+            "model": "policy",
+            "prompt_template": TEMPLATE,
+            "max_tokens": 6,
+            "prompts": prompts,
+            **args,
+        },
+    }
 
 
 def request(index: int, group_size: int = 4) -> GroupedRolloutRequest:
     return GroupedRolloutRequest(
-        batch_id=0, index_in_batch=index, groups_in_batch=2, group_size=group_size, seed=5,
+        batch_id=0,
+        index_in_batch=index,
+        groups_in_batch=2,
+        group_size=group_size,
+        seed=5,
         submission_policy_version=0,
-    )  # fmt: skip
+    )
 
 
 def policy_judges_itself(model, tokenizer, make_config):
@@ -112,10 +127,14 @@ def test_the_policy_judges_its_own_rollouts_through_the_openai_client(llama3, pr
         model,
         tokenizer,
         lambda url: [
-            judge_entry(url, prompts, score_parser="grpo_testing.rewards:judge_length",
-                        system_prompt="You are a strict grader.")
+            judge_entry(
+                url,
+                prompts,
+                score_parser="grpo_testing.rewards:judge_length",
+                system_prompt="You are a strict grader.",
+            )
         ],
-    )  # fmt: skip
+    )
     rollouts = [r for g in groups for r in g.rollouts]
     assert len(rollouts) == 8 and all(r.error is None for r in rollouts)
     judge_calls = [(req, resp) for req, resp in calls if req.rollout_key is None]
@@ -164,15 +183,27 @@ def test_judge_functions_beside_other_reward_functions(llama3, prompts):
     model, tokenizer = llama3
 
     def config(url):
-        return [{
-            "agent_type": "prompts", "env_id": "judged", "agent_args": prompts,
-            "reward_funcs": [
-                {"function": "llm_judge", "name": "judge", "weight": 2.0, "args": {
-                    "base_url": url, "model": "policy", "prompt_template": TEMPLATE,
-                    "score_parser": "grpo_testing.rewards:judge_length"}},
-                {"function": "regex", "name": "digit", "args": {"pattern": "[0-9]"}},
-            ],
-        }]  # fmt: skip
+        return [
+            {
+                "agent_type": "prompts",
+                "env_id": "judged",
+                "agent_args": prompts,
+                "reward_funcs": [
+                    {
+                        "function": "llm_judge",
+                        "name": "judge",
+                        "weight": 2.0,
+                        "args": {
+                            "base_url": url,
+                            "model": "policy",
+                            "prompt_template": TEMPLATE,
+                            "score_parser": "grpo_testing.rewards:judge_length",
+                        },
+                    },
+                    {"function": "regex", "name": "digit", "args": {"pattern": "[0-9]"}},
+                ],
+            }
+        ]
 
     groups, calls, _ = policy_judges_itself(model, tokenizer, config)
     assert len(calls) == 8  # one judge call per rollout
@@ -187,8 +218,7 @@ def test_an_unreachable_judge_fails_its_rollouts_not_the_run(tmp_path):
     (the judge is the environment's code, not the trainer's inference)."""
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "12+7="}\n')
-    config = [judge_entry("http://127.0.0.1:9/v1", {"path": str(path)}, max_retries=0,
-                          timeout_s=5)]  # fmt: skip
+    config = [judge_entry("http://127.0.0.1:9/v1", {"path": str(path)}, max_retries=0, timeout_s=5)]
     agent = build_agents(config)
     faults = FaultLog()
     group = asyncio.run(run_group(agent, request(0), SeededInference(), faults))
@@ -211,11 +241,12 @@ def judge(**args) -> LLMJudge:
         pytest.param({"score_match": "last"}, "out of 10 I give 3", 0.3, id="last-match"),
         pytest.param({"score_range": (1, 5)}, "rating 4", 0.75, id="range"),
         pytest.param({"score_range": (0, 1), "clip": True}, "2", 1.0, id="clipped"),
-        pytest.param({"score_pattern": r"<score>(\d)</score>"}, "x<score>6</score>", 0.6,
-                     id="pattern"),
+        pytest.param(
+            {"score_pattern": r"<score>(\d)</score>"}, "x<score>6</score>", 0.6, id="pattern"
+        ),
         pytest.param({"score_pattern": r"\d+"}, "a 10 b", 1.0, id="no-group"),
     ],
-)  # fmt: skip
+)
 def test_scores_are_parsed_and_normalised(args, text, expected):
     assert judge(**args).normalised(text) == pytest.approx(expected)
 
@@ -224,12 +255,20 @@ def test_scores_are_parsed_and_normalised(args, text, expected):
     "args, text, message",
     [
         pytest.param({}, "no idea", "the answer 'no idea' has no score matching", id="none"),
-        pytest.param({}, "11", "the score 11 in the answer '11' is outside score_range [0, 10]",
-                     id="out-of-range"),
-        pytest.param({"score_parser": "grpo_testing.rewards:raising"}, "x",
-                     "score_parser grpo_testing.rewards:raising failed", id="parser"),
+        pytest.param(
+            {},
+            "11",
+            "the score 11 in the answer '11' is outside score_range [0, 10]",
+            id="out-of-range",
+        ),
+        pytest.param(
+            {"score_parser": "grpo_testing.rewards:raising"},
+            "x",
+            "score_parser grpo_testing.rewards:raising failed",
+            id="parser",
+        ),
     ],
-)  # fmt: skip
+)
 def test_answers_without_a_usable_score_are_judge_errors(args, text, message):
     with pytest.raises(JudgeError, match=re.escape(message)):
         judge(**args).normalised(text)
@@ -242,31 +281,53 @@ def test_the_template_fills_prompt_response_and_reference_and_leaves_other_brace
 
     j = judge(prompt_template='{"q": "{prompt}", "a": "{response}", "ref": "{reference}"} {x}')
     response = InferenceResponse(
-        prompt_tokens=[1], tokens=[2], text="{reference}", logprobs=[0.0], policy_versions=[0],
-        finish_reason="stop", prompt_text="<rendered>",
-    )  # fmt: skip
-    chat = Problem("p", None, "42", messages=[{"role": "system", "content": "S"},
-                                               {"role": "user", "content": "Q?"}])  # fmt: skip
+        prompt_tokens=[1],
+        tokens=[2],
+        text="{reference}",
+        logprobs=[0.0],
+        policy_versions=[0],
+        finish_reason="stop",
+        prompt_text="<rendered>",
+    )
+    chat = Problem(
+        "p",
+        None,
+        "42",
+        messages=[{"role": "system", "content": "S"}, {"role": "user", "content": "Q?"}],
+    )
     assert j.render(Sample(chat, response)) == '{"q": "Q?", "a": "{reference}", "ref": "42"} {x}'
 
 
 @pytest.mark.parametrize(
     "args, field, message",
     [
-        pytest.param({"api_key_env": "NO_SUCH_VARIABLE_42"}, "api_key_env",
-                     "the environment variable NO_SUCH_VARIABLE_42 is not set", id="key"),
-        pytest.param({"prompt_template": "{prompt}"}, "prompt_template",
-                     "must contain '{response}'", id="template"),
-        pytest.param({"score_pattern": "(a)(b)"}, "score_pattern", "more than one group",
-                     id="groups"),
-        pytest.param({"score_range": [5, 1]}, "score_range", "low must be below high",
-                     id="range"),
-        pytest.param({"base_url": "ftp://judge"}, "base_url", "String should match pattern",
-                     id="url"),
-        pytest.param({"score_parser": "grpo_testing.rewards:nope"}, "score_parser",
-                     "has no function 'nope'", id="parser"),
+        pytest.param(
+            {"api_key_env": "NO_SUCH_VARIABLE_42"},
+            "api_key_env",
+            "the environment variable NO_SUCH_VARIABLE_42 is not set",
+            id="key",
+        ),
+        pytest.param(
+            {"prompt_template": "{prompt}"},
+            "prompt_template",
+            "must contain '{response}'",
+            id="template",
+        ),
+        pytest.param(
+            {"score_pattern": "(a)(b)"}, "score_pattern", "more than one group", id="groups"
+        ),
+        pytest.param({"score_range": [5, 1]}, "score_range", "low must be below high", id="range"),
+        pytest.param(
+            {"base_url": "ftp://judge"}, "base_url", "String should match pattern", id="url"
+        ),
+        pytest.param(
+            {"score_parser": "grpo_testing.rewards:nope"},
+            "score_parser",
+            "has no function 'nope'",
+            id="parser",
+        ),
     ],
-)  # fmt: skip
+)
 def test_config_errors_name_the_field(tmp_path, args, field, message):
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "1"}\n')

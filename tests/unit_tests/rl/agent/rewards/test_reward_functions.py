@@ -25,9 +25,13 @@ DIGITS = {"agent_type": "digits", "env_id": "copy", "agent_args": {"task": "copy
 
 def request(batch_id: int = 0, index: int = 0, group_size: int = 6) -> GroupedRolloutRequest:
     return GroupedRolloutRequest(
-        batch_id=batch_id, index_in_batch=index, groups_in_batch=4, group_size=group_size,
-        seed=7, submission_policy_version=2,
-    )  # fmt: skip
+        batch_id=batch_id,
+        index_in_batch=index,
+        groups_in_batch=4,
+        group_size=group_size,
+        seed=7,
+        submission_policy_version=2,
+    )
 
 
 def entry(*funcs: dict, base: dict = DIGITS) -> dict:
@@ -80,10 +84,12 @@ def test_builtins_exact_match_and_soft_overlong_punishment():
     config = [
         entry(
             {"function": "exact_match", "name": "exact"},
-            {"function": "soft_overlong_punishment",
-             "args": {"max_completion_tokens": 3, "soft_punish_tokens": 2}},
+            {
+                "function": "soft_overlong_punishment",
+                "args": {"max_completion_tokens": 3, "soft_punish_tokens": 2},
+            },
         )
-    ]  # fmt: skip
+    ]
     (group,) = run(config, [request(index=1, group_size=12)])
     (own,) = plain_rewards([request(index=1, group_size=12)])
     penalty = {2: -0.5, 3: -1.0, 4: -1.0}
@@ -138,25 +144,32 @@ def test_none_means_the_function_does_not_apply():
     "function, failed, error",
     [
         pytest.param(
-            "raising", lambda c: True,
+            "raising",
+            lambda c: True,
             "reward function 'raising': RuntimeError: the scorer's service is down",
             id="raises-for-the-group",
         ),
         pytest.param(
-            "nan_for_two", lambda c: len(c) == 2,
-            "reward function 'nan_for_two': the value is not finite: nan", id="non-finite",
+            "nan_for_two",
+            lambda c: len(c) == 2,
+            "reward function 'nan_for_two': the value is not finite: nan",
+            id="non-finite",
         ),
         pytest.param(
-            "wrong_length", lambda c: True,
+            "wrong_length",
+            lambda c: True,
             "reward function 'wrong_length': ValueError: grpo_testing.rewards:wrong_length "
-            "returned 1 values for 12", id="wrong-length",
+            "returned 1 values for 12",
+            id="wrong-length",
         ),
         pytest.param(
-            "always_none", lambda c: True,
-            "reward functions ['always_none']: every one returned None", id="all-none",
+            "always_none",
+            lambda c: True,
+            "reward functions ['always_none']: every one returned None",
+            id="all-none",
         ),
     ],
-)  # fmt: skip
+)
 def test_a_failing_function_makes_placeholders_naming_it(function, failed, error):
     config = [{**DIGITS, "reward_funcs": [{"function": f"grpo_testing.rewards:{function}"}]}]
     (group,) = run(config, [request(group_size=12)])
@@ -193,8 +206,13 @@ def test_failing_functions_follow_the_fault_policy_and_its_budget():
 def test_some_failed_rollouts_count_against_the_failed_share():
     """Two-digit completions get NaN: masked, counted; over the limit the run stops naming the
     environment and the function's error; under it the run trains on."""
-    config = [{**DIGITS, "env_id": "shaped",
-               "reward_funcs": [{"function": "grpo_testing.rewards:nan_for_two"}]}]  # fmt: skip
+    config = [
+        {
+            **DIGITS,
+            "env_id": "shaped",
+            "reward_funcs": [{"function": "grpo_testing.rewards:nan_for_two"}],
+        }
+    ]
     agent, faults = build_agents(config), FaultLog()
     groups = [
         asyncio.run(run_group(agent, request(0, i, 8), SeededInference(), faults)) for i in range(4)
@@ -272,9 +290,10 @@ def test_reward_funcs_need_a_single_turn_environment():
         "reward_funcs": [{"function": "regex", "args": {"pattern": "x"}}],
     }
     remote = {
-        "agent_type": "remote", "agent_args": {"url": "http://127.0.0.1:9"},
+        "agent_type": "remote",
+        "agent_args": {"url": "http://127.0.0.1:9"},
         "reward_funcs": [{"function": "environment"}],
-    }  # fmt: skip
+    }
     for config, name in ((guess, "GuessEnvironment"), (remote, "RemoteAgent")):
         with pytest.raises(
             EnvConfigError, match=f"field 'reward_funcs': needs a single-turn .*{name}"
@@ -313,8 +332,11 @@ def test_the_env_server_returns_what_the_in_process_environment_does():
     assert [a.status_code for a in answers] == [200] * len(calls)
     remote = [RolloutGroup.model_validate(a.json()) for a in answers]
     assert remote == run(config, [c.request for c in calls])
-    assert all(set(r.reward_components) == {"environment", "async_first_digit"}
-               for g in remote for r in g.rollouts)  # fmt: skip
+    assert all(
+        set(r.reward_components) == {"environment", "async_first_digit"}
+        for g in remote
+        for r in g.rollouts
+    )
 
 
 def test_the_wire_format_is_unchanged_without_reward_functions():

@@ -47,9 +47,13 @@ def rm_entry(model_dir, prompts, **args) -> dict:
 
 def request(batch_id: int = 0, index: int = 0, group_size: int = 5) -> GroupedRolloutRequest:
     return GroupedRolloutRequest(
-        batch_id=batch_id, index_in_batch=index, groups_in_batch=4, group_size=group_size,
-        seed=3, submission_policy_version=1,
-    )  # fmt: skip
+        batch_id=batch_id,
+        index_in_batch=index,
+        groups_in_batch=4,
+        group_size=group_size,
+        seed=3,
+        submission_policy_version=1,
+    )
 
 
 def run(config: list[dict], requests: list[GroupedRolloutRequest]):
@@ -135,13 +139,18 @@ def test_the_event_loop_runs_while_the_model_scores(models):
     [
         pytest.param({"transform": "sigmoid"}, lambda x: torch.sigmoid(x[:, 0]), id="sigmoid"),
         pytest.param(
-            {"transform": "softmax", "label_index": 1, "format": "plain",
-             "plain_template": "Q: {prompt} A: {completion}"},
-            lambda x: torch.softmax(x, -1)[:, 1], id="softmax-plain",
+            {
+                "transform": "softmax",
+                "label_index": 1,
+                "format": "plain",
+                "plain_template": "Q: {prompt} A: {completion}",
+            },
+            lambda x: torch.softmax(x, -1)[:, 1],
+            id="softmax-plain",
         ),
         pytest.param({"label_index": 1}, lambda x: x[:, 1], id="logit-label-1"),
     ],
-)  # fmt: skip
+)
 def test_transforms_labels_and_plain_format(models, args, pick):
     _, model_dir, prompts = models
     (group,), _ = run([rm_entry(model_dir, prompts, **args)], [request(group_size=4)])
@@ -212,13 +221,14 @@ def test_a_task_s_prompts_scored_by_the_model_and_more_reward_funcs(models, monk
         "agent_args": {"path": "examples/rl/environments/math/tiny_arithmetic.jsonl"},
     }
     config = {
-        "agent_type": "reward_model", "env_id": "math-rm",
+        "agent_type": "reward_model",
+        "env_id": "math-rm",
         "agent_args": {"model_dir": str(model_dir), "task": task},
         "reward_funcs": [
             {"function": "environment", "name": "rm", "weight": 0.5},
             {"function": "regex", "args": {"pattern": "^[0-9]+$"}},
         ],
-    }  # fmt: skip
+    }
     (agent,) = build_agents([config]).agents
     assert type(agent).__name__ == "MathEnvironment" and agent.env_id == "math-rm"
     assert isinstance(agent, DatasetEnvironment) and isinstance(
@@ -232,30 +242,24 @@ def test_a_task_s_prompts_scored_by_the_model_and_more_reward_funcs(models, monk
         assert r.problem_id.startswith("tiny_arithmetic.jsonl:")
 
 
-def hub_like(tmp_path):
-    return "some-org/some-reward-model"
+UNREADABLE_DIRS = {  # id: (the model_dir given, what the message says)
+    "missing": (lambda d, tmp: str(tmp / "missing"), "is not a local directory"),
+    "hub-id": (
+        lambda d, tmp: "some-org/some-rm",
+        "'some-org/some-rm' is not a local directory (nothing is downloaded: fetch a Hub "
+        "model first, e.g. `hf download some-org/some-rm --local-dir DIR`, and give DIR)",
+    ),
+    "no-config": (lambda d, tmp: _without(d, tmp, "config.json"), "has no config.json"),
+    "no-weights": (lambda d, tmp: _without(d, tmp, "model.safetensors"), "has no weights"),
+    "bad-config": (lambda d, tmp: _corrupt(d, tmp, "config.json"), "cannot read config.json"),
+    "no-tokenizer": (
+        lambda d, tmp: _without(d, tmp, "tokenizer.json", "tokenizer_config.json"),
+        "cannot load its tokenizer",
+    ),
+}
 
 
-@pytest.mark.parametrize(
-    "make, message",
-    [
-        pytest.param(lambda d, tmp: str(tmp / "missing"), "is not a local directory", id="missing"),
-        pytest.param(
-            lambda d, tmp: "some-org/some-rm",
-            "'some-org/some-rm' is not a local directory (nothing is downloaded: fetch a Hub "
-            "model first, e.g. `hf download some-org/some-rm --local-dir DIR`, and give DIR)",
-            id="hub-id",
-        ),
-        pytest.param(lambda d, tmp: _without(d, tmp, "config.json"), "has no config.json",
-                     id="no-config"),
-        pytest.param(lambda d, tmp: _without(d, tmp, "model.safetensors"), "has no weights",
-                     id="no-weights"),
-        pytest.param(lambda d, tmp: _corrupt(d, tmp, "config.json"), "cannot read config.json",
-                     id="bad-config"),
-        pytest.param(lambda d, tmp: _without(d, tmp, "tokenizer.json", "tokenizer_config.json"),
-                     "cannot load its tokenizer", id="no-tokenizer"),
-    ],
-)  # fmt: skip
+@pytest.mark.parametrize("make, message", UNREADABLE_DIRS.values(), ids=UNREADABLE_DIRS)
 def test_an_unreadable_model_dir_is_one_message_naming_the_field(models, tmp_path, make, message):
     model_dir, _, prompts = models
     bad = make(model_dir, tmp_path)
@@ -290,19 +294,16 @@ def _corrupt(model_dir, tmp, name):
     return copy
 
 
-@pytest.mark.parametrize(
-    "args, field, message",
-    [
-        pytest.param({"label_index": 1}, "label_index", "the reward model has 1 label(s)",
-                     id="label"),
-        pytest.param({"transform": "softmax"}, "transform", "softmax needs a model with two labels",
-                     id="softmax"),
-        pytest.param({"plain_template": "{prompt}"}, "plain_template",
-                     "must contain '{completion}'", id="template"),
-        pytest.param({"device": "gpu:0"}, "device", "not a torch device", id="device"),
-        pytest.param({"prompts": None}, "agent_args", "give exactly one of 'prompts'", id="source"),
-    ],
-)  # fmt: skip
+MISFITS = {  # id: (agent_args given, the field named, what the message says)
+    "label": ({"label_index": 1}, "label_index", "the reward model has 1 label(s)"),
+    "softmax": ({"transform": "softmax"}, "transform", "softmax needs a model with two labels"),
+    "template": ({"plain_template": "{prompt}"}, "plain_template", "must contain '{completion}'"),
+    "device": ({"device": "gpu:0"}, "device", "not a torch device"),
+    "source": ({"prompts": None}, "agent_args", "give exactly one of 'prompts'"),
+}
+
+
+@pytest.mark.parametrize("args, field, message", MISFITS.values(), ids=MISFITS)
 def test_options_that_do_not_fit_the_model_name_their_field(models, args, field, message):
     model_dir, _, prompts = models
     config = rm_entry(model_dir, prompts)
@@ -323,7 +324,7 @@ def test_weights_that_do_not_load_stop_the_start_naming_the_environment_and_fiel
     assert str(info.value).startswith(
         f"environment 'rm': field 'agent_args.model_dir' ({broken}): cannot load the reward model: "
     )
-    from megatron.trainer.exits import expected_errors
+    from megatron.trainer.runtime.exits import expected_errors
 
     assert isinstance(info.value, expected_errors())  # one message, no traceback
 
@@ -343,7 +344,7 @@ def test_the_env_server_cli_refuses_an_unreadable_model_dir_with_one_line(models
 
 
 def test_the_trainer_refuses_an_unreadable_model_dir_with_one_message(models, tmp_path):
-    from megatron.trainer.exits import UsageError
+    from megatron.trainer.errors import UsageError
     from megatron.trainer.flags.parse import check
     from megatron.trainer.grpo import load_agent
 
@@ -363,8 +364,10 @@ def test_the_trainer_refuses_an_unreadable_model_dir_with_one_message(models, tm
 def test_a_cuda_device_without_cuda_stops_the_start_naming_the_field(models):
     model_dir, _, prompts = models
     (agent,) = build_agents([rm_entry(model_dir, prompts, device="cuda:0")]).agents
-    with pytest.raises(RewardSourceError, match=r"^environment 'rm': field 'agent_args\.device': "
-                       r"cuda:0: CUDA is not available$"):  # fmt: skip
+    with pytest.raises(
+        RewardSourceError,
+        match=r"^environment 'rm': field 'agent_args\.device': cuda:0: CUDA is not available$",
+    ):
         asyncio.run(agent.astart())
 
 

@@ -32,18 +32,28 @@ def test_a_prompts_file_needs_reward_funcs_and_has_no_environment_reward(tmp_pat
 @pytest.mark.parametrize(
     "line, message",
     [
-        pytest.param('{"question": "1"}', "prompts.jsonl:1: field 'prompt' must be a non-empty "
-                     "string or a list of {role, content} messages, got None", id="no-prompt"),
-        pytest.param('{"prompt": [{"role": "robot", "content": "x"}]}',
-                     "prompts.jsonl:1: field 'prompt'", id="bad-message"),
+        pytest.param(
+            '{"question": "1"}',
+            "prompts.jsonl:1: field 'prompt' must be a non-empty "
+            "string or a list of {role, content} messages, got None",
+            id="no-prompt",
+        ),
+        pytest.param(
+            '{"prompt": [{"role": "robot", "content": "x"}]}',
+            "prompts.jsonl:1: field 'prompt'",
+            id="bad-message",
+        ),
         pytest.param("not json", "prompts.jsonl:1: invalid JSON", id="not-json"),
     ],
-)  # fmt: skip
+)
 def test_a_bad_prompts_file_names_its_line(tmp_path, line, message):
     path = tmp_path / "prompts.jsonl"
     path.write_text(line + "\n")
-    config = {"agent_type": "prompts", "agent_args": {"path": str(path)},
-              "reward_funcs": [{"function": "exact_match"}]}  # fmt: skip
+    config = {
+        "agent_type": "prompts",
+        "agent_args": {"path": str(path)},
+        "reward_funcs": [{"function": "exact_match"}],
+    }
     with pytest.raises(EnvConfigError) as info:
         build_agents([config])
     assert "field 'agent_args.path'" in str(info.value) and message in str(info.value)
@@ -57,8 +67,11 @@ def test_chat_prompts_from_a_file(tmp_path):
     ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = {"path": str(path), "prompt_field": "q", "id_field": "id"}
-    config = {"agent_type": "prompts", "agent_args": args,
-              "reward_funcs": [{"function": "exact_match"}]}  # fmt: skip
+    config = {
+        "agent_type": "prompts",
+        "agent_args": args,
+        "reward_funcs": [{"function": "exact_match"}],
+    }
     with pytest.raises(EnvConfigError, match=r"chat.jsonl:1: no field 'id'"):
         build_agents([config])
     args.pop("id_field")

@@ -30,11 +30,20 @@ def test_megatron_cores_engine_on_cpu_matches_the_local_engine(block_size, kv_ca
     if kv_cache_mode not in KV_CACHE_MODES:
         pytest.skip(f"this megatron-core has no {kv_cache_mode!r} KV-cache mode")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests/grpo_testing/emulated_dynamic_engine.py"),
-         "--block-size", str(block_size), "--kv-cache-mode", kv_cache_mode],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        [
+            sys.executable,
+            str(ROOT / "tests/grpo_testing/emulated_dynamic_engine.py"),
+            "--block-size",
+            str(block_size),
+            "--kv-cache-mode",
+            kv_cache_mode,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     runs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [(r["windows"], r["suspended_first"]) for r in runs] == [

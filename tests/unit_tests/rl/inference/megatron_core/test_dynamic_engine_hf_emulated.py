@@ -17,11 +17,17 @@ ROOT = Path(__file__).resolve().parents[5]
 
 def test_megatron_cores_engine_matches_the_local_engine_on_a_rope_model(tiny_hf_checkpoints):
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests/grpo_testing/emulated_dynamic_engine_hf.py"),
-         str(tiny_hf_checkpoints["llama3"])],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        [
+            sys.executable,
+            str(ROOT / "tests/grpo_testing/emulated_dynamic_engine_hf.py"),
+            str(tiny_hf_checkpoints["llama3"]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     (run,) = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert all(run["same_tokens"]), run

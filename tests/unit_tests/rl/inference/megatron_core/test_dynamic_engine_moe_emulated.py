@@ -24,11 +24,17 @@ def test_megatron_cores_engine_generates_and_records_the_routes_of_an_moe_model(
 ):
     pytest.importorskip("einops")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests/grpo_testing/emulated_dynamic_engine_moe.py"),
-         str(tiny_hf_checkpoints["qwen3_moe"])],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        [
+            sys.executable,
+            str(ROOT / "tests/grpo_testing/emulated_dynamic_engine_moe.py"),
+            str(tiny_hf_checkpoints["qwen3_moe"]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     runs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [r["windows"] for r in runs] == [False, True]

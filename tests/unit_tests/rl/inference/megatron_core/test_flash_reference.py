@@ -255,9 +255,13 @@ def fake_attention_module():
 
     config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
     module = types.SimpleNamespace(
-        training=False, batch_invariant_mode=False, softmax_scale=None, config=config,
-        layer_number=1, flash_attention_version=None,
-    )  # fmt: skip
+        training=False,
+        batch_invariant_mode=False,
+        softmax_scale=None,
+        config=config,
+        layer_number=1,
+        flash_attention_version=None,
+    )
     if hasattr(Attention, "_resolve_flash_version"):
         module._resolve_flash_version = types.MethodType(Attention._resolve_flash_version, module)
     return module

@@ -36,14 +36,14 @@ def tiny_config_json(family: HFFamily, recipe: str) -> dict:
     return {**tiny_config(recipe, 320).to_dict(), "architectures": [family.architectures[0]]}
 
 
+BY_ORDER = ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral"]
+"""The built-in families as ``families()`` lists them: by their ``order``."""
+
+
 def test_the_registry_lists_exactly_the_family_modules_of_the_package():
     modules = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in ("__init__", "base"))
-    assert sorted(f.name for f in families()) == modules == [
-        "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe"
-    ]  # fmt: skip
-    assert [f.name for f in families()] == [
-        "llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral"
-    ]  # by ``order``; fmt: skip
+    assert sorted(f.name for f in families()) == modules == sorted(BY_ORDER)
+    assert [f.name for f in families()] == BY_ORDER
 
 
 def test_tiny_recipes_keep_their_order():
@@ -145,9 +145,7 @@ def extra_module(tmp_path, monkeypatch):
 
 def test_adding_a_module_adds_its_family(extra_module):
     extra_module("falcon", FALCON.format(name="falcon", model_type="falcon"))
-    assert [f.name for f in families()] == [
-        "llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "falcon"
-    ]  # fmt: skip
+    assert [f.name for f in families()] == [*BY_ORDER, "falcon"]
     assert family_of("falcon").architectures == ("FalconForCausalLM",)
     assert "falcon" in str(pytest.raises(HFCheckpointError, family_of, "gpt2").value)
 

@@ -28,7 +28,7 @@ from megatron.rl.models.hf import (
     read_hf_config,
 )
 from megatron.rl.models.hf.tiny import TINY_FAMILIES
-from megatron.rl.tokenizer import HuggingFaceTokenizer
+from megatron.rl.models.hf.tokenizer import HuggingFaceTokenizer
 
 LOGIT_TOLERANCE = 1e-4
 PROMPTS = ["12+7=", "What is 33 - 8?", "9", "copy: 4071 -> 4071, is 40 > 7? yes. 81*3="]

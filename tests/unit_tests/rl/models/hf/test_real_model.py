@@ -13,7 +13,7 @@ from grpo_testing.hf_models import build_hf_model, full_logits, greedy_tokens, h
 
 from megatron.rl.models.hf import export_hf, gather_tensor_parallel_state_dicts
 from megatron.rl.models.hf.gguf import SOURCE_FILE
-from megatron.rl.tokenizer import HuggingFaceTokenizer
+from megatron.rl.models.hf.tokenizer import HuggingFaceTokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -94,10 +94,16 @@ def test_export_reloads_in_transformers_to_the_same_logits(
     ids, mask = right_padded(chat_prompts(smollm2_checkpoint))
     model, hf = build_hf_model(smollm2_checkpoint)
     out = export_hf(
-        tmp_path / "export", hf.arch, gather_tensor_parallel_state_dicts(model), family="llama",
-        vocab_size=hf.vocab_size, tokenizer_dir=smollm2_checkpoint,
-    )  # fmt: skip
+        tmp_path / "export",
+        hf.arch,
+        gather_tensor_parallel_state_dicts(model),
+        family="llama",
+        vocab_size=hf.vocab_size,
+        tokenizer_dir=smollm2_checkpoint,
+    )
     torch.testing.assert_close(
-        transformers_logprobs(out, ids, mask), transformers_logprobs(smollm2_checkpoint, ids, mask),
-        atol=0, rtol=0,
-    )  # fmt: skip
+        transformers_logprobs(out, ids, mask),
+        transformers_logprobs(smollm2_checkpoint, ids, mask),
+        atol=0,
+        rtol=0,
+    )

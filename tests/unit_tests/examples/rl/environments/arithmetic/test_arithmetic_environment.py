@@ -29,9 +29,14 @@ def env(**args) -> ArithmeticEnvironment:
 
 def request(batch: int, seed: int = 7, eval_prompts: int | None = None) -> GroupedRolloutRequest:
     return GroupedRolloutRequest(
-        batch_id=batch, index_in_batch=0, groups_in_batch=1, group_size=4, seed=seed,
-        submission_policy_version=0, eval_prompts=eval_prompts,
-    )  # fmt: skip
+        batch_id=batch,
+        index_in_batch=0,
+        groups_in_batch=1,
+        group_size=4,
+        seed=seed,
+        submission_policy_version=0,
+        eval_prompts=eval_prompts,
+    )
 
 
 def test_the_problems_are_the_generator_list_of_the_arguments():
@@ -136,7 +141,7 @@ def test_bad_arguments_stop_start_up_naming_the_field(agent_args, field, message
 
 def test_the_prompt_renders_with_smollm2s_chat_template(smollm2_checkpoint):
     """SmolLM2's template adds its default system message; prompt and budget fit 256 tokens."""
-    from megatron.rl.tokenizer import HuggingFaceTokenizer
+    from megatron.rl.models.hf.tokenizer import HuggingFaceTokenizer
 
     tokenizer = HuggingFaceTokenizer(smollm2_checkpoint)
     arithmetic = env()

@@ -87,15 +87,18 @@ def test_counts_of_one_are_singular():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        pytest.param({"num_problems": 577, "operations": ("add",), "max_operand": 1},
-                     "num_problems must be in 1..576", id="over-capacity"),
+        pytest.param(
+            {"num_problems": 577, "operations": ("add",), "max_operand": 1},
+            "num_problems must be in 1..576",
+            id="over-capacity",
+        ),
         pytest.param({"num_problems": 0}, "num_problems must be in 1..", id="none"),
         pytest.param({"operations": ()}, "operations must be distinct", id="no-operation"),
         pytest.param({"operations": ("add", "add")}, "operations must be distinct", id="repeated"),
         pytest.param({"operations": ("divide",)}, "operations must be distinct", id="unknown"),
         pytest.param({"max_factor": 1}, "max_factor >= 2", id="factor"),
     ],
-)  # fmt: skip
+)
 def test_impossible_arguments_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         generate_problems(**{"num_problems": 10, "seed": 0, **kwargs})

@@ -18,11 +18,11 @@ from examples.rl.environments.gsm8k import GSM8KArgs, GSM8KEnvironment
 from megatron.rl.agent.api import Problem
 from megatron.rl.agent.env_config import EnvConfigError, build_agents
 from megatron.rl.inference.interface import LocalInferenceInterface
+from megatron.rl.models.hf.tokenizer import HuggingFaceTokenizer
 from megatron.rl.seeding import derive_seed
 from megatron.rl.server.env_server import create_app
 from megatron.rl.server.http import EmbeddedServer
 from megatron.rl.server.inference_server import create_inference_app
-from megatron.rl.tokenizer import HuggingFaceTokenizer
 from megatron.rl.wire import (
     GroupedRolloutCall,
     GroupedRolloutRequest,

@@ -41,9 +41,14 @@ def test_feedback_says_higher_or_lower_and_ends_on_a_hit_or_a_forfeit(completion
 
 @pytest.mark.parametrize(
     "completions, reward",
-    [(["5"], 1.0), (["2", "5"], 0.9), (["2", "7", "9", "5"], 0.7), (["1", "2", "3", "4"], 0.0),
-     (["+"], 0.0)],
-)  # fmt: skip
+    [
+        (["5"], 1.0),
+        (["2", "5"], 0.9),
+        (["2", "7", "9", "5"], 0.7),
+        (["1", "2", "3", "4"], 0.0),
+        (["+"], 0.0),
+    ],
+)
 def test_earlier_right_guesses_earn_more(completions, reward):
     assert guess_reward(5, completions, 0, 9, turn_penalty=0.1) == pytest.approx(reward)
 
@@ -83,9 +88,13 @@ class BinarySearcher(InferenceInterface):
                 high = int(guess) - 1
         tokens = TOK.encode(str((low + high) // 2))
         return InferenceResponse(
-            prompt_tokens=prompt, tokens=tokens, text=TOK.decode(tokens), logprobs=[-0.5],
-            policy_versions=[0], finish_reason="length",
-        )  # fmt: skip
+            prompt_tokens=prompt,
+            tokens=tokens,
+            text=TOK.decode(tokens),
+            logprobs=[-0.5],
+            policy_versions=[0],
+            finish_reason="length",
+        )
 
 
 def test_a_binary_searcher_finds_every_secret_within_four_guesses():
@@ -93,9 +102,13 @@ def test_a_binary_searcher_finds_every_secret_within_four_guesses():
 
     async def play(batch_id: int):
         request = GroupedRolloutRequest(
-            batch_id=batch_id, index_in_batch=0, groups_in_batch=1, group_size=2, seed=9,
+            batch_id=batch_id,
+            index_in_batch=0,
+            groups_in_batch=1,
+            group_size=2,
+            seed=9,
             submission_policy_version=0,
-        )  # fmt: skip
+        )
         return await env.group_rollout(request, BinarySearcher())
 
     groups = [asyncio.run(play(b)) for b in range(60)]
@@ -124,9 +137,13 @@ def test_a_forfeit_ends_the_game_unsolved():
 
     env = GuessEnvironment("guess", GuessArgs())
     request = GroupedRolloutRequest(
-        batch_id=4, index_in_batch=0, groups_in_batch=1, group_size=1, seed=9,
+        batch_id=4,
+        index_in_batch=0,
+        groups_in_batch=1,
+        group_size=1,
+        seed=9,
         submission_policy_version=0,
-    )  # fmt: skip
+    )
     (rollout,) = asyncio.run(env.group_rollout(request, Forfeits())).rollouts
     assert rollout.problem_id == "guess:0-9:3"  # the first guess, 4, is wrong: "-"
     assert rollout.completion == "4-" and rollout.reward == 0.0

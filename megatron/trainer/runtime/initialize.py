@@ -1,0 +1,135 @@
+"""Process-group and megatron-core ``parallel_state`` set-up, seeds and threads."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import socket
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron.trainer.errors import PeerFailed
+from megatron.trainer.flags.run import RunConfig
+from megatron.trainer.flags.training import DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES
+from megatron.trainer.parallel import ParallelContext
+from megatron.trainer.runtime.allocator import set_mmap_threshold
+
+T = TypeVar("T")
+
+
+def initialize_distributed(cfg: RunConfig) -> ParallelContext:
+    """Start torch.distributed (gloo on CPU, nccl on CUDA) and megatron-core's parallel state.
+
+    Works under torchrun/SLURM (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment) and as a
+    plain ``python pretrain_grpo.py`` (a world of one on a free local port).
+    """
+    cuda = torch.cuda.is_available()
+    if "RANK" not in os.environ:
+        # One process, not started by a launcher: a world of its own on a fresh port (a
+        # MASTER_PORT inherited from a shell or a parent process may name a port still held).
+        os.environ.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+        )
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        # the trainer's flag; tools and tests that start a world with fewer flags have no policy
+        threshold = cfg.training.malloc_mmap_threshold_kib
+        if threshold is not None:
+            set_mmap_threshold(threshold)
+    if not dist.is_initialized():
+        # validation fills the flag; tools that start a world from unvalidated flags get the default
+        minutes = cfg.parallelism.distributed_timeout_minutes or DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES
+        dist.init_process_group(
+            backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=minutes)
+        )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=cfg.parallelism.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.parallelism.pipeline_model_parallel_size,
+        expert_model_parallel_size=cfg.parallelism.expert_model_parallel_size,
+    )
+    set_seeds(cfg.training.seed, cuda)
+    return ParallelContext(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        device=device,
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_size=parallel_state.get_data_parallel_world_size(),
+        tp_group=parallel_state.get_tensor_model_parallel_group(),
+        dp_group=parallel_state.get_data_parallel_group(),
+        ep_rank=parallel_state.get_expert_model_parallel_rank(),
+        ep_size=parallel_state.get_expert_model_parallel_world_size(),
+        expert_dp_rank=parallel_state.get_expert_data_parallel_rank(),
+        expert_dp_group=parallel_state.get_expert_data_parallel_group(),
+        expert_model_group=parallel_state.get_expert_tensor_and_model_parallel_group(),
+    )
+
+
+def set_seeds(seed: int, cuda: bool) -> None:
+    """Same seed on every rank, so every parallel layout initializes identical weights."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if cuda:
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(seed)
+
+
+def agree_on_error(error: str | None) -> str | None:
+    """The first failing rank's error message, on every rank (collective when distributed), so
+    that every rank stops at the same point instead of waiting in a later collective."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return error
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((e for e in errors if e is not None), None)
+
+
+def raise_agreed_failure(failure: BaseException | None) -> None:
+    """Stop every rank at the same point (collective): raise this rank's ``failure``, else
+    ``PeerFailed`` with the first failing rank's message, else return."""
+    agreed = agree_on_error(None if failure is None else f"{type(failure).__name__}: {failure}")
+    if failure is not None:
+        raise failure
+    if agreed is not None:
+        raise PeerFailed(agreed)
+
+
+def main_rank_value(value: T) -> T:
+    """Global rank 0's ``value`` on every rank (collective when distributed)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def shutdown_distributed() -> None:
+    """Tear down megatron-core's groups and the default process group."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,82 @@
+"""``--malloc-mmap-threshold-kib``: freed large blocks go back to the OS (glibc)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[4]
+
+# Frees 40 touched 2 MiB blocks that lie between live 200 KiB ones (as activations lie between
+# longer-lived tensors; 200 KiB is too large for the interpreter's free chunks, so they come from
+# the heap's top) and prints how many MiB of them stay resident. The first 2 MiB block freed
+# raises glibc's own threshold, so without a set threshold the 40 blocks come from the heap.
+PROGRAM = textwrap.dedent("""
+    import ctypes, os, sys
+    from megatron.trainer.runtime.allocator import set_mmap_threshold
+    if sys.argv[1] == "set":
+        assert set_mmap_threshold(1024)
+    if sys.argv[1] == "flag":  # the trainer's start-up with the flag
+        from megatron.trainer.flags.parse import parse_args
+        from megatron.trainer.runtime.initialize import initialize_distributed
+        initialize_distributed(parse_args(["--malloc-mmap-threshold-kib", "1024"]))
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    size = 2 << 20
+    libc.free(libc.malloc(size))
+    before = rss()
+    big, small = [], []
+    for _ in range(40):
+        p = libc.malloc(size)
+        ctypes.memset(p, 1, size)
+        big.append(p)
+        small.append(libc.malloc(200 << 10))
+    for p in big:
+        libc.free(p)
+    print(rss() - before)
+    """)
+
+
+DISTRIBUTED_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+def retained_mib(mode: str) -> float:
+    # A world of its own: earlier tests of this process may have set the rendezvous variables.
+    env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}
+    out = subprocess.run(
+        [sys.executable, "-c", PROGRAM, mode],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return float(out.stdout.split()[-1])
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
+def test_set_threshold_returns_freed_large_blocks_to_the_os():
+    assert retained_mib("default") > 60  # glibc's own threshold keeps the 80 MiB freed
+    assert retained_mib("set") < 8
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
+def test_the_flag_sets_the_threshold_when_the_trainer_starts():
+    assert retained_mib("flag") < 8
