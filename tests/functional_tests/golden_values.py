@@ -91,7 +91,7 @@ def training_command(
 ) -> list[str]:
     """The command line of ``script`` with ``args`` (flag -> value; True: a switch) under
     ``launcher`` (the README's ``megatron.trainer.launch``, or ``torch.distributed.run``)."""
-    argv = [f"--{k}" if v is True else f"--{k}={v}" for k, v in args.items()]
+    argv = flag_argv(args)
     return [
         sys.executable,
         "-m",
@@ -105,8 +105,12 @@ def training_command(
 
 def python_command(args: dict) -> list[str]:
     """``python pretrain_grpo.py`` with ``args`` (no launcher: a world of one)."""
-    argv = [f"--{k}" if v is True else f"--{k}={v}" for k, v in args.items()]
-    return [sys.executable, "pretrain_grpo.py", *argv]
+    return [sys.executable, "pretrain_grpo.py", *flag_argv(args)]
+
+
+def flag_argv(args: dict) -> list[str]:
+    """``--flag=value`` per entry of ``args`` (flag without dashes -> value; True: a switch)."""
+    return [f"--{k}" if v is True else f"--{k}={v}" for k, v in args.items()]
 
 
 def subprocess_env() -> dict[str, str]:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from golden_values import ROOT
+from golden_values import ROOT, flag_argv
 from serving import (
     KEY,
     Served,
@@ -91,36 +91,27 @@ def trained(tiny, env_config, tmp_path_factory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("trained")
     paths = {"ck": out / "CK", "hf": out / "exported", "dump": out / "trainer-dump"}
     argv = [
-        "--hf-checkpoint",
-        str(tiny),
-        "--env-config",
-        str(env_config),
         *MODEL_FLAGS,
         *EVAL_FLAGS,
-        "--grpo-prompts-per-step",
-        "2",
-        "--grpo-group-size",
-        "2",
-        "--micro-batch-size",
-        "4",
-        "--train-iters",
-        "1",
-        "--lr",
-        "0.05",
-        "--lr-warmup-iters",
-        "0",
-        "--val-at-start",
-        "--grpo-entropy-term-weight",
-        "0.5",  # a gradient even where every reward is 0
-        "--val-at-end",
-        "--val-dump-dir",
-        str(paths["dump"]),
-        "--save",
-        str(paths["ck"]),
-        "--save-hf",
-        str(paths["hf"]),
-        "--plot-file",
-        "none",
+        *flag_argv(
+            {
+                "hf-checkpoint": str(tiny),
+                "env-config": str(env_config),
+                "grpo-prompts-per-step": "2",
+                "grpo-group-size": "2",
+                "micro-batch-size": "4",
+                "train-iters": "1",
+                "lr": "0.05",
+                "lr-warmup-iters": "0",
+                "val-at-start": True,
+                "grpo-entropy-term-weight": "0.5",  # a gradient even where every reward is 0
+                "val-at-end": True,
+                "val-dump-dir": str(paths["dump"]),
+                "save": str(paths["ck"]),
+                "save-hf": str(paths["hf"]),
+                "plot-file": "none",
+            }
+        ),
     ]
     proc = subprocess.run(
         [sys.executable, "pretrain_grpo.py", *argv],

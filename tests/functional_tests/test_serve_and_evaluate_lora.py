@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from golden_values import ROOT
+from golden_values import ROOT, flag_argv
 from serving import (
     assert_greedy,
     assert_one_message,
@@ -38,38 +38,28 @@ def trained(tiny, env_config, tmp_path_factory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("trained_lora")
     paths = {"ck": out / "CK", "hf": out / "merged", "lora": out / "adapter", "dump": out / "dump"}
     argv = [
-        "--hf-checkpoint",
-        str(tiny),
-        "--env-config",
-        str(env_config),
         *MODEL_FLAGS,
         *EVAL_FLAGS,
         *LORA_FLAGS,
-        "--grpo-prompts-per-step",
-        "2",
-        "--grpo-group-size",
-        "2",
-        "--micro-batch-size",
-        "4",
-        "--train-iters",
-        "2",
-        "--lr",
-        "0.2",
-        "--lr-warmup-iters",
-        "0",
-        "--grpo-entropy-term-weight",
-        "0.5",
-        "--val-at-end",
-        "--val-dump-dir",
-        str(paths["dump"]),
-        "--save",
-        str(paths["ck"]),
-        "--save-hf",
-        str(paths["hf"]),
-        "--save-lora",
-        str(paths["lora"]),
-        "--plot-file",
-        "none",
+        *flag_argv(
+            {
+                "hf-checkpoint": str(tiny),
+                "env-config": str(env_config),
+                "grpo-prompts-per-step": "2",
+                "grpo-group-size": "2",
+                "micro-batch-size": "4",
+                "train-iters": "2",
+                "lr": "0.2",
+                "lr-warmup-iters": "0",
+                "grpo-entropy-term-weight": "0.5",
+                "val-at-end": True,
+                "val-dump-dir": str(paths["dump"]),
+                "save": str(paths["ck"]),
+                "save-hf": str(paths["hf"]),
+                "save-lora": str(paths["lora"]),
+                "plot-file": "none",
+            }
+        ),
     ]
     proc = subprocess.run(
         [sys.executable, "pretrain_grpo.py", *argv],

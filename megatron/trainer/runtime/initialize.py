@@ -6,7 +6,6 @@ import datetime
 import os
 import random
 import socket
-from dataclasses import dataclass
 from typing import TypeVar
 
 import torch

@@ -12,14 +12,14 @@ import pytest
 import torch
 from grpo_testing.models import tiny_args, tiny_gpt
 from grpo_testing.rollouts import synthetic_groups
-from megatron.core import parallel_state
+from grpo_testing.trainer import one_rank_context
 
 from megatron.rl.rollout.generator import PipelineState
 from megatron.trainer.checkpoint import directory as checkpointing
 from megatron.trainer.checkpoint.directory import TRACKER, TrainState
 from megatron.trainer.config import optimizer_settings
 from megatron.trainer.parallel import ParallelContext
-from megatron.trainer.tiers.cpu import TorchShards
+from megatron.trainer.tiers.cpu_checkpoint import TorchShards
 from megatron.trainer.train.optimizer import build_optimizer, load_optimizer_state
 
 pytestmark = pytest.mark.usefixtures("single_rank_world")
@@ -47,17 +47,7 @@ def run_args(**overrides) -> argparse.Namespace:
 
 
 def context() -> ParallelContext:
-    return ParallelContext(
-        rank=0,
-        world_size=1,
-        device=torch.device("cpu"),
-        tp_rank=0,
-        tp_size=1,
-        dp_rank=0,
-        dp_size=1,
-        tp_group=parallel_state.get_tensor_model_parallel_group(),
-        dp_group=parallel_state.get_data_parallel_group(),
-    )
+    return one_rank_context()
 
 
 def pipeline_state(next_batch_id: int) -> PipelineState:

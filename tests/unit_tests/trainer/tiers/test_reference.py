@@ -7,6 +7,7 @@ import argparse
 import pytest
 import torch
 from grpo_testing.models import VOCAB, tiny_args
+from grpo_testing.trainer import one_rank_context
 from megatron.core import parallel_state
 
 from megatron.rl.rollout.generator import PipelineState
@@ -50,17 +51,7 @@ def run_args(**overrides) -> argparse.Namespace:
 def context() -> ParallelContext:
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()
-    return ParallelContext(
-        rank=0,
-        world_size=1,
-        device=torch.device("cpu"),
-        tp_rank=0,
-        tp_size=1,
-        dp_rank=0,
-        dp_size=1,
-        tp_group=parallel_state.get_tensor_model_parallel_group(),
-        dp_group=parallel_state.get_data_parallel_group(),
-    )
+    return one_rank_context()
 
 
 def start(args, ctx):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from grpo_testing.models import VOCAB
 from grpo_testing.rollouts import synthetic_groups
-from grpo_testing.trainer import train_args
+from grpo_testing.trainer import one_rank_context, train_args
 from megatron.core import parallel_state
 
 from megatron.rl.grpo.batch import build_train_batch
@@ -39,17 +39,7 @@ REWARDS = {1: 1.0, 6: 0.0, 9: 0.3}
 
 
 def context() -> ParallelContext:
-    return ParallelContext(
-        rank=0,
-        world_size=1,
-        device=torch.device("cpu"),
-        tp_rank=0,
-        tp_size=1,
-        dp_rank=0,
-        dp_size=1,
-        tp_group=parallel_state.get_tensor_model_parallel_group(),
-        dp_group=parallel_state.get_data_parallel_group(),
-    )
+    return one_rank_context()
 
 
 def fresh_policy() -> Policy:
