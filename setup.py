@@ -45,6 +45,10 @@ setup(
             "gguf>=0.17,<1",  # SmolLM2-135M-Instruct's GGUF file -> the real-model tests' fixture
             "accelerate>=1.0,<2",
             "peft>=0.17,<1",  # the LoRA round-trip tests load our adapters with PEFT (0.21.2)
+            # Real clients of the served endpoints (tested: lm-eval 0.4.13, openai-agents 0.24.0;
+            # together about 20-40 s of pip install on top of the rest)
+            "lm-eval[api]>=0.4.13,<0.5",  # lm-evaluation-harness: echo scoring, chat generation
+            "openai-agents>=0.24,<0.25",  # the Agents SDK's tool loop over the chat endpoint
         ],
         # Hugging Face checkpoints and tokenizers (megatron/rl/models/hf, HuggingFaceTokenizer;
         # tested: transformers 5.23.0, safetensors 0.8.0, tokenizers 0.23.3 with torch 2.13.0 CPU

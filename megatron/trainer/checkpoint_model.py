@@ -2,7 +2,8 @@
 ``megatron.trainer.evaluate`` load.
 
 Both commands take ``pretrain_grpo.py``'s flags (``command_parser`` extends
-``arguments.build_parser``; ``parse_command_args`` runs the trainer's validation, then the checks
+``flags.parse.build_parser``, whose ``--help`` lists the options the command reads and
+``--help-all`` every one; ``parse_command_args`` runs the trainer's validation, then the checks
 of ``checkpoint_problems`` and the command's own) and build the model the trainer would, on the
 tier the device picks, from one of two checkpoints:
 
@@ -81,12 +82,20 @@ class CheckpointModel:
     (iteration N)``."""
 
 
-def command_parser(prog: str, description: str) -> argparse.ArgumentParser:
+def command_parser(prog: str, description: str, command: str) -> argparse.ArgumentParser:
     """The trainer's parser (every option of ``megatron/trainer/flags``) under another command's
-    name; the command adds its own group."""
-    parser = build_parser()
+    name, ``--help`` listing the options ``command`` reads (``Option.commands``), ``--help-all``
+    every one; the command adds its own group."""
+    parser = build_parser(command=command)
     parser.prog = prog
     parser.description = description
+    parser.epilog = (
+        "--help-all lists every option: the command accepts all of pretrain_grpo.py's (in argv "
+        "or a --config run file) and checks them as the trainer does. Besides those listed here "
+        "it reads the architecture flags (which --load needs without --hf-checkpoint) and a few "
+        "settings of the process and the model build; training's own options have no effect on "
+        "it. docs/flags.md documents every option."
+    )
     return parser
 
 

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from megatron.trainer.flags.option import EVALUATE
 from megatron.trainer.flags.run import RunConfig
 from megatron.trainer.runtime.exits import run_main
 from megatron.trainer.runtime.kernels import kernel_warnings
@@ -53,8 +54,9 @@ PROG = "megatron.trainer.evaluate"
 
 
 def build_evaluate_parser() -> argparse.ArgumentParser:
-    """The trainer's flags (model, checkpoint, ``--env-config``, the evaluation group, sampling,
-    ``--seed``) plus ``--output-json``."""
+    """The trainer's flags plus ``--output-json``; ``--help`` lists those evaluate reads (model,
+    checkpoint, ``--env-config``, the evaluation group, sampling, ``--seed``), ``--help-all``
+    every one."""
     parser = command_parser(
         PROG,
         "Evaluate a Hugging Face (--hf-checkpoint) or trainer (--load) checkpoint on every "
@@ -63,6 +65,7 @@ def build_evaluate_parser() -> argparse.ArgumentParser:
         "flags are pretrain_grpo.py's (evaluation group: --eval-prompts, --eval-samples, "
         "--eval-pass-k, --eval-correct-threshold, --val-split-fraction, --val-dump-dir; sampling: "
         "--rl-default-*; --seed). One process (world size 1).",
+        EVALUATE,
     )
     # The command is one evaluation after the last (here: no) training step, so the trainer's
     # checks of the evaluation flags (--val-split-fraction, --val-dump-dir need evaluation) hold.

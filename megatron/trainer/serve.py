@@ -38,6 +38,7 @@ import os
 import signal
 from collections.abc import Iterator
 
+from megatron.trainer.flags.option import SERVE
 from megatron.trainer.flags.run import RunConfig
 from megatron.trainer.runtime.exits import run_main
 from megatron.trainer.runtime.kernels import kernel_warnings
@@ -68,8 +69,9 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def build_serve_parser() -> argparse.ArgumentParser:
-    """The trainer's flags (model, checkpoint, tokenizer, ``--inference-max-requests``,
-    ``--rl-api-key-file``, ``--tool-call-parser``, ...) plus the server's own."""
+    """The trainer's flags plus the server's own; ``--help`` lists those serve reads (model,
+    checkpoint, tokenizer, ``--inference-max-requests``, ``--rl-api-key-file``,
+    ``--tool-call-parser``, ...), ``--help-all`` every one."""
     parser = command_parser(
         PROG,
         "Serve a Hugging Face (--hf-checkpoint) or trainer (--load) checkpoint on the trainer's "
@@ -77,6 +79,7 @@ def build_serve_parser() -> argparse.ArgumentParser:
         "/v1/chat/completions). The model flags are pretrain_grpo.py's; --seq-length bounds "
         "prompt + completion, --inference-max-requests the requests decoded at once. One process "
         "(world size 1); runs until SIGTERM or SIGINT, then exits 0.",
+        SERVE,
     )
     g = parser.add_argument_group("serving")
     g.add_argument(

@@ -14,6 +14,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,6 +98,23 @@ def start_server(argv: list[str], env: dict[str, str], timeout: float = 300) -> 
         if match:
             name, url, _, keyed = match.groups()
             return Served(proc, name, url, keyed == "key required", out, err)
+
+
+@contextmanager
+def running_server(argv: list[str], env: dict[str, str] | None = None) -> Iterator[Served]:
+    """``start_server`` for a ``with`` block: the server is stopped (SIGTERM) at its end, killed
+    if it does not stop."""
+    served = start_server(argv, env or command_env())
+    try:
+        yield served
+    finally:
+        if served.proc.poll() is None:
+            served.proc.terminate()
+            try:
+                served.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                served.proc.kill()
+                served.proc.wait()
 
 
 def run(module: str, argv: list[str], timeout: float = 600) -> subprocess.CompletedProcess:

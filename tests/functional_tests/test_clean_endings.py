@@ -83,7 +83,7 @@ def corrupt(root: Path, kind: str) -> Path:
     path = files[kind]
     data = path.read_bytes()
     if kind == "random-shard":
-        path.write_bytes(bytes(random.Random(0).randrange(256) for _ in range(len(data))))
+        path.write_bytes(random.Random(0).randbytes(len(data)))
     elif kind == "garbage-tracker":
         path.write_text("garbage\n")
     else:
@@ -110,12 +110,15 @@ def test_corrupt_checkpoint_names_load_the_file_and_the_iteration_to_fall_back_t
     else:
         assert "iteration 2" in message and "--ckpt-step 1" in message
     assert sorted(str(p) for p in root.rglob("*")) == before  # nothing written
-    step = 2 if kind == "garbage-tracker" else 1
-    resumed = tmp_path / "resumed.jsonl"
-    proc, _ = run(python_command({**args, "ckpt-step": step, "metrics-file": resumed}), 300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [m["step"] for m in read_metrics(resumed)] == list(range(step, 4))
     print(f"{kind}: exited 1 in {seconds:.1f} s: {message}")
+    # The suggested --ckpt-step resumes. The kinds that damage iteration 2 fall back to
+    # iteration 1 alike (its files are untouched): one of them resumes, as the tracker's does.
+    if kind in ("truncated-shard", "garbage-tracker"):
+        step = 2 if kind == "garbage-tracker" else 1
+        resumed = tmp_path / "resumed.jsonl"
+        proc, _ = run(python_command({**args, "ckpt-step": step, "metrics-file": resumed}), 300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert [m["step"] for m in read_metrics(resumed)] == list(range(step, 4))
 
 
 def test_corrupt_checkpoint_under_the_launcher_with_two_ranks_prints_one_message(
@@ -221,12 +224,15 @@ def test_plain_torchrun_shows_the_workers_message_as_the_root_cause(tmp_path):
 # --------------------------------------------------------------------------- hangs and NaNs
 
 FAULTY = "tests/grpo_testing/faulty_train.py"
+TIMEOUT_MINUTES = 0.15
+"""The watchdog's timeout in these runs (9 s): each waits it out once; their start-up and steps
+take a fraction of it."""
 WATCHDOG = {
     **TINY,
     "train-iters": 6,
     "rl-forced-lag": 0,
     "micro-batch-size": 4,
-    "watchdog-timeout-minutes": 0.25,
+    "watchdog-timeout-minutes": TIMEOUT_MINUTES,
 }
 
 
@@ -263,14 +269,15 @@ def test_an_environment_that_never_answers_is_stopped_by_the_watchdog(tmp_path, 
     proc, seconds = run(python_command(args))
     message = assert_one_message(
         proc,
-        f"pretrain_grpo.py: error: no progress in 0.25 min: step {silent_from} has not finished "
+        f"pretrain_grpo.py: error: no progress in {TIMEOUT_MINUTES:g} min: step {silent_from} "
+        "has not finished "
         "(watchdog, --watchdog-timeout-minutes); rank 0 waits in megatron/trainer/generation/host.py:",
         f"stacks of every rank are in {tmp_path}/watchdog-",
     )
-    assert proc.returncode == 1 and 15 <= seconds < 90
+    assert proc.returncode == 1 and TIMEOUT_MINUTES * 60 <= seconds < 90
     (stacks,) = stacks_files(message)  # next to --metrics-file
     text = stacks.read_text()
-    assert f"step {silent_from} has not finished after 0.25 min" in text
+    assert f"step {silent_from} has not finished after {TIMEOUT_MINUTES:g} min" in text
     assert "in next_batch" in text  # the main thread's Python stack (faulthandler)
     assert text.count("in SilentDigits.group_rollout") == 4  # the event loop's tasks: 4 groups
     steps = [m["step"] for m in read_metrics(metrics)] if metrics.exists() else []
@@ -295,11 +302,11 @@ def test_a_rank_that_never_enters_a_collective_is_stopped_by_the_watchdog(tmp_pa
     proc, seconds = run(training_command(2, args, script=FAULTY))
     message = assert_one_message(
         proc,
-        "no progress in 0.25 min: step 2 has not finished",
+        f"no progress in {TIMEOUT_MINUTES:g} min: step 2 has not finished",
         "rank 0 waits in megatron/trainer/train/optimizer.py:",
         "(allreduce_gradients)",
     )
-    assert proc.returncode == 1 and 15 <= seconds < 120
+    assert proc.returncode == 1 and TIMEOUT_MINUTES * 60 <= seconds < 120
     rank0, rank1 = stacks_files(message)
     assert "in all_reduce" in rank0.read_text() and "in hanging" in rank1.read_text()
     assert [m["step"] for m in read_metrics(metrics)] == [0, 1]

@@ -46,9 +46,30 @@ def assert_same_run(cpu: list[dict], cuda: list[dict]) -> None:
             assert b[metric] == a[metric], (a["step"], metric)
 
 
+SAVE_LAST = {"save-interval": BASE["train-iters"]}
+"""Save the last iteration only (the reference model of the ``--ref-load`` test)."""
+
+
 @pytest.fixture(scope="module")
-def cpu_runs():
-    return {lag: run_training(1, {**BASE, "rl-forced-lag": lag}) for lag in (0, 1)}
+def saved(tmp_path_factory) -> Path:
+    """Where the synchronous one-process runs save: ``cpu/`` and ``cuda/``."""
+    return tmp_path_factory.mktemp("saved")
+
+
+@pytest.fixture(scope="module")
+def cpu_runs(saved):
+    """Forced lag -> the CPU tier's run; the lag-0 run saves its last iteration to ``saved``."""
+    return {
+        0: run_training(1, {**BASE, "rl-forced-lag": 0, "save": saved / "cpu", **SAVE_LAST}),
+        1: run_training(1, {**BASE, "rl-forced-lag": 1}),
+    }
+
+
+@pytest.fixture(scope="module")
+def cuda_run(saved):
+    """The CUDA tier's synchronous one-process run; it saves its last iteration to ``saved``."""
+    args = {**BASE, "rl-forced-lag": 0, "save": saved / "cuda", **SAVE_LAST}
+    return run_training(1, args, script=EMULATED)
 
 
 @pytest.mark.parametrize(
@@ -59,8 +80,11 @@ def cpu_runs():
         pytest.param(2, {}, id="dp2"),
     ],
 )
-def test_synchronous_runs_match_the_cpu_tier(cpu_runs, nproc, layout):
-    cuda = run_training(nproc, {**BASE, "rl-forced-lag": 0, **layout}, script=EMULATED)
+def test_synchronous_runs_match_the_cpu_tier(cpu_runs, cuda_run, nproc, layout):
+    if nproc == 1:
+        cuda = cuda_run
+    else:
+        cuda = run_training(nproc, {**BASE, "rl-forced-lag": 0, **layout}, script=EMULATED)
     assert_same_run(cpu_runs[0], cuda)
 
 
@@ -152,15 +176,16 @@ def test_reference_kl_and_sequence_packing_match_the_cpu_tier():
     assert cpu[0]["ref_kl"] == 0.0 and cpu[-1]["ref_kl"] > 0  # the policy leaves the reference
 
 
-def test_ref_load_reads_the_cuda_tiers_checkpoint_as_the_cpu_tier_reads_its_own(tmp_path):
+def test_ref_load_reads_the_cuda_tiers_checkpoint_as_the_cpu_tier_reads_its_own(
+    cpu_runs, cuda_run, saved
+):
     """``--ref-load`` on CUDA: the reference model's weights from a ``dist_checkpointing``
-    checkpoint (the CPU tier reads its ``torch.save`` shards); both runs' KL terms agree."""
-    save = {**BASE, "rl-forced-lag": 0, "train-iters": 2, "save-interval": 2}
-    run_training(1, {**save, "save": tmp_path / "cpu"})
-    run_training(1, {**save, "save": tmp_path / "cuda"}, script=EMULATED)
+    checkpoint (the CPU tier reads its ``torch.save`` shards); both runs' KL terms agree. The
+    checkpoints are those the synchronous runs of both tiers saved (``cpu_runs``, ``cuda_run``)."""
+    assert (saved / "cuda" / "iter_0000003" / "metadata.json").is_file()  # torch_dist format
     options = {**BASE, "rl-forced-lag": 0, "grpo-kl-beta": 0.1}
-    cpu = run_training(1, {**options, "ref-load": tmp_path / "cpu"})
-    cuda = run_training(1, {**options, "ref-load": tmp_path / "cuda"}, script=EMULATED)
+    cpu = run_training(1, {**options, "ref-load": saved / "cpu"})
+    cuda = run_training(1, {**options, "ref-load": saved / "cuda"}, script=EMULATED)
     assert_same_run(cpu, cuda)
     for a, b in zip(cpu, cuda):
         assert b["ref_kl"] == pytest.approx(a["ref_kl"], rel=1e-4, abs=1e-7), a["step"]
@@ -225,8 +250,9 @@ def test_moe_aux_loss_trains_as_on_the_cpu_tier(moe_args):
         assert b["moe_aux_loss"] > 0 and b["grad_norm"] > 0
 
 
-def policy_results(nproc: int, flags: list[str]) -> list[dict]:
-    """Each rank's ``{tier: results}`` of ``grpo_testing/emulated_cuda_policy.py``."""
+def policy_results(nproc: int, flags: list[str], cases: list[list[str]]) -> list[list[dict]]:
+    """Per ``--case`` of ``grpo_testing/emulated_cuda_policy.py`` (one launch for all): each
+    rank's ``{tier: results}``."""
     with tempfile.TemporaryDirectory() as out:
         cmd = [
             sys.executable,
@@ -238,33 +264,53 @@ def policy_results(nproc: int, flags: list[str]) -> list[dict]:
             "--out",
             out,
             *flags,
+            *(arg for case in cases for arg in ["--case", *case]),
         ]
         proc = subprocess.run(
             cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600
         )
         assert proc.returncode == 0, proc.stderr[-4000:]
-        return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
+        ranks = [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
+        return [[rank[i] for rank in ranks] for i in range(len(cases))]
 
 
-@pytest.mark.parametrize(
-    "nproc, flags",
-    [
-        pytest.param(1, [], id="one-process"),
-        pytest.param(1, ["--packing", "24"], id="packed"),
-        pytest.param(2, ["--tp", "2", "--packing", "24"], id="tp2-packed"),
-        pytest.param(2, [], id="dp2"),
-        pytest.param(1, ["--variant", "gspo"], id="gspo-seq-mean-token-mean-sequence-mis"),
-        pytest.param(2, ["--variant", "gspo"], id="gspo-seq-mean-token-mean-sequence-mis-dp2"),
-        pytest.param(2, ["--variant", "cispo"], id="cispo-opsm-dp2"),
-    ],
-)
-def test_every_policy_method_matches_the_cpu_tier(nproc, flags):
+POLICY_CASES = {
+    "one-process": (1, [], []),
+    "packed": (1, [], ["packing=24"]),
+    "tp2-packed": (2, ["--tp", "2"], ["packing=24"]),
+    "dp2": (2, [], []),
+    "gspo-seq-mean-token-mean-sequence-mis": (1, [], ["variant=gspo"]),
+    "gspo-seq-mean-token-mean-sequence-mis-dp2": (2, [], ["variant=gspo"]),
+    "cispo-opsm-dp2": (2, [], ["variant=cispo"]),
+}
+"""Case -> (processes, layout flags, ``--case`` fields) of ``emulated_cuda_policy.py``."""
+
+
+@pytest.fixture(scope="module")
+def policy_case():
+    """Case -> each rank's results; the cases of one layout (processes and flags) run in one
+    launch, the first time one of them is asked for."""
+    cache: dict[str, list[dict]] = {}
+
+    def get(name: str) -> list[dict]:
+        if name not in cache:
+            nproc, flags, _ = POLICY_CASES[name]
+            names = [n for n, (p, f, _) in POLICY_CASES.items() if (p, f) == (nproc, flags)]
+            results = policy_results(nproc, flags, [POLICY_CASES[n][2] for n in names])
+            cache.update(zip(names, results))
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("case", list(POLICY_CASES))
+def test_every_policy_method_matches_the_cpu_tier(policy_case, case):
     """``get_logprobs``, ``get_reference_policy_logprobs``, ``get_topk_logits`` and ``train``
     (eval mode, a supervised NLL loss, GRPO with the KL and entropy terms) on both tiers; the
-    ``--variant`` cases run the GRPO updates with policy-loss variants: GSPO with
+    ``variant=`` cases run the GRPO updates with policy-loss variants: GSPO with
     seq-mean-token-mean (each micro-batch hands megatron-core its sequence count) and
     sequence-level masked IS, and CISPO with off-policy sequence masking."""
-    for rank in policy_results(nproc, flags):
+    for rank in policy_case(case):
         cpu, cuda = rank["cpu"], rank["cuda"]
         mask = cpu["valid"]
         for key in ("logprobs", "ref_logprobs", "topk_values"):
@@ -277,7 +323,7 @@ def test_every_policy_method_matches_the_cpu_tier(nproc, flags):
         for a, b in zip(cpu["grpo_metrics"], cuda["grpo_metrics"]):
             assert b == pytest.approx(a, rel=1e-5, abs=1e-7)
         assert cpu["grpo_metrics"][1]["ref_kl"] > 0  # the NLL updates moved the policy
-        variant = flags[flags.index("--variant") + 1] if "--variant" in flags else None
+        variant = next((f[8:] for f in POLICY_CASES[case][2] if f.startswith("variant=")), None)
         metrics = cuda["grpo_metrics"][1]
         if variant == "gspo":
             assert metrics["gspo_ratio_mean"] != 1.0 and 0 < metrics["is_masked_fraction"] < 1
@@ -291,7 +337,8 @@ def test_policy_methods_agree_with_each_other_under_pipeline_parallelism():
     """PP=2 (no CPU twin): every stage returns the last stage's results, and the forward-only
     path and ``train``'s forward give the same numbers (a GRPO update against pi_old from
     ``get_logprobs`` has ratio exactly 1; the NLL of ``get_logprobs`` is ``train``'s)."""
-    first, last = (rank["cuda"] for rank in policy_results(2, ["--pp", "2", "--packing", "24"]))
+    (results,) = policy_results(2, ["--pp", "2"], [["packing=24"]])
+    first, last = (rank["cuda"] for rank in results)
     for key in ("logprobs", "ref_logprobs", "topk_values", "topk_indices"):
         assert torch.equal(first[key], last[key]), key
     assert first["nll"] == last["nll"] and first["grad_norm"] == last["grad_norm"]

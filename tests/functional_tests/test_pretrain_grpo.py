@@ -24,6 +24,7 @@ from golden_values import (
     format_table,
     load_case,
     missing_modules,
+    read_metrics,
     remote_env_config,
     run_case,
     run_training,
@@ -221,10 +222,6 @@ def test_a_yaml_run_file_with_overrides_reproduces_the_cli_run_bitwise(runs, tmp
         "".join(f"{k.replace('-', '_')}: {v}\n" for k, v in case["args"].items() if k != "seed")
         + "seed: 7\n"
     )
-    from_file = run_training(case["nproc_per_node"], {"config": run_file, "seed": 1234})
-    reference = runs("lag2")
-    for metric in DETERMINISTIC:
-        assert [m[metric] for m in from_file] == [m[metric] for m in reference], metric
     metrics = tmp_path / "written.jsonl"
     proc = subprocess.run(
         [
@@ -244,6 +241,9 @@ def test_a_yaml_run_file_with_overrides_reproduces_the_cli_run_bitwise(runs, tmp
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    from_file, reference = read_metrics(metrics), runs("lag2")
+    for metric in DETERMINISTIC:
+        assert [m[metric] for m in from_file] == [m[metric] for m in reference], metric
     resolved = metrics.with_suffix(".config.yaml")
     assert "rl-forced-lag: 2" in resolved.read_text() and "seed: 1234" in resolved.read_text()
     again = run_training(1, {"config": resolved})

@@ -1,16 +1,21 @@
 """Every ``Policy`` method on the CUDA tier (emulated on the CPU) and on the CPU tier.
 
     python -m torch.distributed.run --nproc-per-node=N tests/grpo_testing/emulated_cuda_policy.py \\
-        --out DIR [--tp T] [--packing CAPACITY] [--variant gspo|cispo]
+        --out DIR [--tp T] [--pp P] [--case [packing=CAPACITY] [variant=gspo|cispo]] ...
 
 Each rank builds both tiers' policies from the same seed (each with its reference model, a copy
 of the initial weights), runs the same calls on both: ``train`` in eval mode (NLL, and GRPO
 against pi_old from ``get_logprobs``) and with a supervised NLL loss (two global batches),
 ``get_logprobs``, ``get_reference_policy_logprobs``,
 ``get_topk_logits`` and a GRPO update with the reference KL and entropy terms, and saves both
-tiers' results to ``DIR/rank<r>.pt`` (``--pp`` > 1: the CUDA tier's only). One process per rank: the emulation patches torch globally.
+tiers' results to ``DIR/rank<r>.pt`` (``--pp`` > 1: the CUDA tier's only). One process per rank:
+the emulation patches torch globally.
 
-``--variant`` runs the GRPO updates with policy-loss variants on top of the terms:
+Each ``--case`` (default: one, unpacked, the default loss) builds fresh policies from the same
+seed in the same processes (one start-up for several cases of a layout); ``rank<r>.pt`` holds one
+``{tier: results}`` per case, in order.
+
+``variant=`` runs the GRPO updates with policy-loss variants on top of the terms:
 ``gspo`` is GSPO with ``seq-mean-token-mean`` and sequence-level masked IS (``sequence_mask``),
 ``cispo`` is CISPO with off-policy sequence masking.
 """
@@ -65,7 +70,7 @@ VARIANTS = {
     ),
     "cispo": (dict(policy_loss="cispo", off_policy_mask=OffPolicyMask(0.05)), None),
 }
-"""``--variant`` -> (``GRPOLossConfig`` fields, ``StepConfig.importance``)."""
+"""``variant=`` -> (``GRPOLossConfig`` fields, ``StepConfig.importance``)."""
 
 
 def run_policy(tier_class, cfg, ctx, packing: int | None, variant: str | None = None) -> dict:
@@ -117,23 +122,50 @@ def run_policy(tier_class, cfg, ctx, packing: int | None, variant: str | None = 
     }
 
 
+def parse_case(fields: list[str]) -> tuple[int | None, str | None]:
+    """``[packing=CAPACITY] [variant=NAME]`` -> (packing capacity, variant); None: not given."""
+    case: dict[str, str] = {}
+    for field in fields:
+        key, _, value = field.partition("=")
+        if key not in ("packing", "variant") or not value or key in case:
+            raise SystemExit(f"--case: expected packing=CAPACITY or variant=NAME, got {field!r}")
+        case[key] = value
+    variant = case.get("variant")
+    if variant not in VARIANTS:
+        raise SystemExit(f"--case: variant={variant} is not one of gspo, cispo")
+    packing = case.get("packing")
+    if packing is not None and not packing.isdigit():
+        raise SystemExit(f"--case: packing={packing} is not a positive integer")
+    return (int(packing) if packing is not None else None), variant
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1, help="> 1: the CUDA tier only")
-    parser.add_argument("--packing", type=int, default=None)
-    parser.add_argument("--variant", choices=("gspo", "cispo"), default=None)
+    parser.add_argument(
+        "--case",
+        nargs="*",
+        action="append",
+        default=None,
+        metavar="FIELD",
+        help="one run: packing=CAPACITY and/or variant=gspo|cispo (repeatable)",
+    )
     opts = parser.parse_args()
+    cases = [parse_case(fields) for fields in opts.case or [[]]]
     cfg = train_args(  # the KL term's weight is the StepConfig's (ReferenceKL(0.1))
         tensor_model_parallel_size=opts.tp, pipeline_model_parallel_size=opts.pp, ref_load=None
     )
     torch.cuda.is_available = lambda: False  # gloo and the CPU as the context's device
     ctx = initialize_distributed(cfg)
     torch.cuda.is_available = lambda: True
-    results = {"cuda": run_policy(CUDATier, cfg, ctx, opts.packing, opts.variant)}
-    if opts.pp == 1:  # the CPU tier has no pipeline stages
-        results["cpu"] = run_policy(CPUTier, cfg, ctx, opts.packing, opts.variant)
+    results = []
+    for packing, variant in cases:
+        tiers = {"cuda": run_policy(CUDATier, cfg, ctx, packing, variant)}
+        if opts.pp == 1:  # the CPU tier has no pipeline stages
+            tiers["cpu"] = run_policy(CPUTier, cfg, ctx, packing, variant)
+        results.append(tiers)
     torch.save(results, Path(opts.out) / f"rank{ctx.rank}.pt")
     torch.distributed.destroy_process_group()
 

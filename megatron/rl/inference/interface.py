@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from megatron.rl.async_utils import gather_all
 from megatron.rl.inference.chat_continuation import environment_tokens
-from megatron.rl.inference.protocol import InferenceEngine, InvalidInferenceRequest
+from megatron.rl.inference.protocol import Alternatives, InferenceEngine, InvalidInferenceRequest
+from megatron.rl.inference.text_stream import TextStream
 from megatron.rl.seeding import derive_seed
 from megatron.rl.tokenizer import Tokenizer
 from megatron.rl.wire import (
@@ -17,7 +20,27 @@ from megatron.rl.wire import (
     InferenceResponse,
     RolloutKey,
     SamplingParams,
+    ScoreRequest,
+    ScoreResponse,
 )
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """One generated token as a stream sees it, before the request ends."""
+
+    token: int
+    logprob: float
+    policy_version: int
+    alternatives: Alternatives
+    """The ``top_logprobs`` most likely tokens at its position (empty when none asked)."""
+    text: str
+    """The text it adds, possibly empty (held back: half a character, or a possible start of a
+    stop string); the final response's ``text`` is the whole of it."""
+
+
+StreamEvent = TokenDelta | InferenceResponse
+"""What ``InferenceInterface.stream`` yields: token deltas, then the whole response."""
 
 
 class InferenceInterface(ABC):
@@ -35,6 +58,18 @@ class InferenceInterface(ABC):
         fault) and any other exception when inference itself failed.
         """
 
+    async def stream(self, request: InferenceRequest) -> AsyncIterator[StreamEvent]:
+        """``generate``'s answer as it is generated: a ``TokenDelta`` per token, then the
+        ``InferenceResponse``, whose ``text`` starts with the deltas' text joined. The default
+        (an interface that cannot stream) yields the response alone. Closing the iterator early
+        cancels the generation."""
+        yield await self.generate(request)
+
+    async def score(self, request: ScoreRequest) -> ScoreResponse:
+        """The logprob of each token of a text given those before it (nothing generated).
+        Raises ``InvalidInferenceRequest`` where the interface cannot score."""
+        raise InvalidInferenceRequest(f"{type(self).__name__} does not score texts")
+
     async def generate_group(self, request: InferenceRequest, n: int) -> list[InferenceResponse]:
         """``n`` samples of one prompt; sample i is ``sample_request(request, i)``.
 
@@ -50,6 +85,23 @@ class InferenceInterface(ABC):
         with ``continued=True``. True if the engine was waiting; the default has no engine.
         """
         return False
+
+
+async def streamed_response(
+    inference: InferenceInterface, request: InferenceRequest, emit: Callable[[TokenDelta], None]
+) -> InferenceResponse:
+    """``request``'s response, generated through ``inference.stream`` with each token delta
+    handed to ``emit`` on the way."""
+    stream = inference.stream(request)
+    try:
+        async for event in stream:
+            if isinstance(event, TokenDelta):
+                emit(event)
+            else:
+                return event
+    finally:
+        await stream.aclose()
+    raise RuntimeError(f"{type(inference).__name__}.stream ended without a response")
 
 
 def sample_request(request: InferenceRequest, i: int) -> InferenceRequest:
@@ -107,7 +159,44 @@ class LocalInferenceInterface(InferenceInterface):
         model; None: the engine's model as it is)."""
 
     async def generate(self, request: InferenceRequest) -> InferenceResponse:
-        """Run ``request`` on the engine and detokenize the result."""
+        """Run ``request`` on the engine and detokenize the result (watched for its stop
+        strings, if it has any)."""
+        return await self._generate(request, None)
+
+    async def stream(self, request: InferenceRequest) -> AsyncIterator[StreamEvent]:
+        """``generate`` token by token (``InferenceInterface.stream``): the engine hands each
+        token to this request's watcher, which queues its delta for this iterator."""
+        queue: asyncio.Queue[TokenDelta | None] = asyncio.Queue()
+        task = asyncio.ensure_future(self._generate(request, queue.put_nowait))
+        task.add_done_callback(lambda _: queue.put_nowait(None))
+        try:
+            while (delta := await queue.get()) is not None:
+                yield delta
+            yield task.result()
+        finally:  # the consumer left (or failed): the generation is cancelled
+            if not task.done():
+                task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def score(self, request: ScoreRequest) -> ScoreResponse:
+        """Score the text's tokens on the engine (a plain forward of the current policy)."""
+        if request.prompt is not None:
+            tokens = await asyncio.to_thread(self._encode, request.prompt, "prompt")
+        else:
+            tokens = self._checked_ids(request.prompt_tokens, "prompt")
+        adapter = {} if self.adapter is None else {"adapter": self.adapter}
+        out = await self.engine.score(tokens, request.top_logprobs, **adapter)
+        return ScoreResponse(
+            prompt_tokens=tokens,
+            logprobs=out.logprobs,
+            top_logprobs=[list(top) for top in out.top_logprobs],
+        )
+
+    async def _generate(
+        self, request: InferenceRequest, emit: Callable[[TokenDelta], None] | None
+    ) -> InferenceResponse:
+        """Run ``request``; with ``emit`` or stop strings its tokens are watched as they come
+        (``TextStream``: the deltas handed to ``emit``, the stop strings ending it)."""
         key = request.rollout_key
         engine_key = None if key is None else (key.batch_id, key.index_in_batch, key.sample_index)
         try:
@@ -119,19 +208,34 @@ class LocalInferenceInterface(InferenceInterface):
             if engine_key is not None:  # an awaited next turn arrived, unusable: stop waiting
                 self.engine.end_rollout(engine_key)
             raise
-        adapter = {} if self.adapter is None else {"adapter": self.adapter}
+        options: dict[str, Any] = {} if self.adapter is None else {"adapter": self.adapter}
+        text = None
+        if emit is not None or request.sampling.stop:
+            text = TextStream(self.tokenizer, request.sampling.stop or ())
+
+            def watch(token: int, logprob: float, version: int, top: Alternatives) -> bool:
+                delta = text.push(token)
+                if emit is not None:
+                    emit(TokenDelta(token, logprob, version, top, delta))
+                return text.stopped
+
+            options["watch"] = watch
         out = await self.engine.generate(
-            prompt, request.sampling, request.seed, engine_key, request.continued, **adapter
+            prompt, request.sampling, request.seed, engine_key, request.continued, **options
         )
+        tops = None
+        if out.top_logprobs is not None:
+            tops = [list(top) for top in out.top_logprobs]
         return InferenceResponse(
             prompt_tokens=prompt,
             tokens=out.tokens,
-            text=self.tokenizer.decode(out.tokens),
+            text=self.tokenizer.decode(out.tokens) if text is None else text.final_text(),
             logprobs=out.logprobs,
             policy_versions=out.policy_versions,
             finish_reason=out.finish_reason,
             prompt_text=prompt_text,
             routed_experts=out.routed_experts,
+            top_logprobs=tops,
         )
 
     async def end_rollout(self, key: RolloutKey) -> bool:
@@ -147,12 +251,7 @@ class LocalInferenceInterface(InferenceInterface):
             return ids, text
         if request.prompt_tokens is None:
             return self._encode(request.prompt, "prompt"), None
-        prompt = list(request.prompt_tokens)
-        bad = [t for t in prompt if not 0 <= t < self.tokenizer.vocab_size]
-        if bad:
-            raise InvalidInferenceRequest(
-                f"prompt_tokens has ids outside the vocabulary: {bad[:5]}"
-            )
+        prompt = self._checked_ids(request.prompt_tokens, "prompt_tokens")
         if request.prompt_suffix is not None:
             prompt += self._encode(request.prompt_suffix, "prompt_suffix", continuation=True)
         if request.suffix_messages is not None:
@@ -160,6 +259,14 @@ class LocalInferenceInterface(InferenceInterface):
                 self.tokenizer, request.suffix_messages, prompt, request.tools
             )
         return prompt, None
+
+    def _checked_ids(self, ids: list[int], field: str) -> list[int]:
+        """``ids`` as a list, or ``InvalidInferenceRequest`` naming ``field`` for an id outside
+        the vocabulary."""
+        bad = [t for t in ids if not 0 <= t < self.tokenizer.vocab_size]
+        if bad:
+            raise InvalidInferenceRequest(f"{field} has ids outside the vocabulary: {bad[:5]}")
+        return list(ids)
 
     def _encode(self, text: str, field: str, continuation: bool = False) -> list[int]:
         encode = self.tokenizer.encode_continuation if continuation else self.tokenizer.encode

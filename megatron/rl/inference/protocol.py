@@ -8,7 +8,8 @@ generation windows) imports from here, never from an implementation module.
   lifecycle (``start``/``aclose``) and the generation window (``resume``/``suspend``). One
   implementation: ``scheduler.ContinuousBatchingScheduler``.
 * ``RowRunner``: what a ``StepGroup`` executes on every rank, one engine step of a data-parallel
-  replica's rows (``RowWork`` -> ``RowResult``). Implementations, one package per inference
+  replica's rows (``RowWork`` -> ``RowResult``) and the plain forwards that score sequences
+  (``ScoreWork`` -> ``ScoreOutput``). Implementations, one package per inference
   backend, chosen through ``backends.py``: ``KVCacheRowRunner`` (``cpu/``; the CPU tier: the
   trained model with a per-slot KV cache) and ``DynamicEngineRowRunner`` (``megatron_core/``; the
   CUDA tier: megatron-core's ``DynamicInferenceEngine`` on the trained model).
@@ -19,6 +20,7 @@ member names, the conformance tests exercise the behaviour.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
@@ -46,6 +48,30 @@ class GenerationOutput:
     routed_experts: list[list[int]] | None = None
     """Routing replay (``SchedulerConfig.record_routing``, MoE models): per position the request
     fed (prompt + tokens[:-1]), the experts of every MoE layer, flat layer-major (L * k ids)."""
+    top_logprobs: list[Alternatives] | None = None
+    """Per generated token, the ``SamplingParams.top_logprobs`` most likely tokens of the
+    distribution its logprob is from (None: none asked)."""
+
+
+Alternatives = tuple[tuple[int, float], ...]
+"""The most likely tokens at one position: (token id, logprob) pairs, most likely first."""
+
+
+TokenWatch = Callable[[int, float, int, Alternatives], bool]
+"""Sees each token of one request as the engine records it (token, logprob, policy version,
+alternatives) and says whether the request ends there (a stop string completed): how the
+inference interface streams and stops. It runs inside the engine's step: it must be quick, and
+an exception it raises fails its request only."""
+
+
+@dataclass(frozen=True)
+class ScoreOutput:
+    """What the engine returns for scoring a sequence (a plain forward, nothing generated)."""
+
+    logprobs: list[float]
+    """Logprob of each token after the first, given the tokens before it (temperature 1)."""
+    top_logprobs: list[Alternatives]
+    """The most likely tokens at each of those positions (empty tuples when none asked)."""
 
 
 class EngineError(RuntimeError):
@@ -83,6 +109,8 @@ class RowWork:
     adapter: str | None = None
     """The named LoRA adapter set the row generates with (a multi-adapter server's request;
     None: the model's own weights and adapters)."""
+    top_logprobs: int = 0
+    """Alternatives to return with the sampled token (``RowResult.alternatives``)."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +123,19 @@ class RowResult:
     routes: torch.Tensor | None = None
     """(n_fed, L, k) int16: the experts each of the L MoE layers chose for each token this row fed
     (None: routing not recorded)."""
+    alternatives: Alternatives = ()
+    """The row's ``top_logprobs`` most likely tokens of the same distribution."""
+
+
+@dataclass(frozen=True)
+class ScoreWork:
+    """One sequence to score: a plain forward over ``tokens`` (no KV cache, nothing sampled)."""
+
+    tokens: tuple[int, ...]
+    top_logprobs: int = 0
+    """Alternatives per position (``ScoreOutput.top_logprobs``)."""
+    adapter: str | None = None
+    """The named LoRA adapter set to score with (None: the model as it is)."""
 
 
 @runtime_checkable
@@ -169,6 +210,7 @@ class InferenceEngine(BatchScheduler, Protocol):
         key: Key | None = None,
         continued: bool = False,
         adapter: str | None = None,
+        watch: TokenWatch | None = None,
     ) -> GenerationOutput:
         """Generate a completion of ``prompt_tokens``; resolves when it stops.
 
@@ -177,12 +219,21 @@ class InferenceEngine(BatchScheduler, Protocol):
         ``InvalidInferenceRequest`` for a request that cannot be served and ``EngineError`` once
         the engine failed or was closed. ``continued`` (keyed requests): another turn of the
         rollout may follow under ``key``; the deterministic schedule waits for it.
-        ``adapter``: a named LoRA adapter set to generate with (unkeyed requests).
+        ``adapter``: a named LoRA adapter set to generate with (unkeyed requests). ``watch``:
+        sees each token as it is recorded and may end the request (``TokenWatch``).
         """
         ...
 
     def end_rollout(self, key: Key) -> bool:
         """Rollout ``key`` sends no further turn; True if the engine was waiting for one."""
+        ...
+
+    async def score(
+        self, tokens: list[int], top_logprobs: int = 0, adapter: str | None = None
+    ) -> ScoreOutput:
+        """The logprob of each token of ``tokens`` after the first under the current policy (a
+        plain forward, run at the next engine step of an open window); raises
+        ``InvalidInferenceRequest`` for a sequence that does not fit."""
         ...
 
     def start(self) -> None:
@@ -218,6 +269,10 @@ class RowRunner(Protocol):
     def end_window(self, idle: bool = False) -> None:
         """The generation window closed on this rank (the weights are about to change);
         ``idle``: no request holds a slot, so the runner may release its KV memory."""
+        ...
+
+    def score(self, jobs: list[ScoreWork]) -> list[ScoreOutput]:
+        """A plain forward of each job's tokens (collective like ``run``), in job order."""
         ...
 
 

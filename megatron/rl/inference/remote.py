@@ -18,6 +18,8 @@ from megatron.rl.wire import (
     InferenceRequest,
     InferenceResponse,
     RolloutKey,
+    ScoreRequest,
+    ScoreResponse,
     WireModel,
 )
 
@@ -64,6 +66,30 @@ class RemoteInferenceInterface(InferenceInterface):
         """``n`` samples in one HTTP call. 4xx answers raise ``InvalidInferenceRequest``, other
         failures (``REFUSED`` answers among them) ``InferenceUnavailable``."""
         return await self._complete(request, n)
+
+    async def score(self, request: ScoreRequest) -> ScoreResponse:
+        """``POST {base_url}/v1/completions`` with ``echo``, ``logprobs`` 0 and ``max_tokens`` 0:
+        the prompt's token logprobs from any server that scores that way (ours included).
+        Alternatives are refused: OpenAI's format names them by text, not by token id."""
+        if request.top_logprobs:
+            raise InvalidInferenceRequest(
+                "top_logprobs: a remote server names alternatives by their text, not their ids"
+            )
+        prompt = request.prompt if request.prompt is not None else request.prompt_tokens
+        body = CompletionRequest(prompt=prompt, max_tokens=0, echo=True, logprobs=0)
+        payload = await self._call("/v1/completions", body)
+        try:
+            (choice,) = CompletionResponse.model_validate(payload).choices
+            values = choice.logprobs.token_logprobs[1:] if choice.logprobs is not None else None
+            return ScoreResponse(
+                prompt_tokens=choice.prompt_token_ids,
+                logprobs=values,
+                top_logprobs=[[] for _ in values or ()],
+            )
+        except ValueError as exc:
+            raise InferenceUnavailable(
+                f"inference server {self.base_url} sent an invalid scored prompt: {exc}"
+            ) from None
 
     async def end_rollout(self, key: RolloutKey) -> bool:
         """``POST {base_url}/v1/rollouts/end``: the engine stops waiting for another turn."""

@@ -10,7 +10,15 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron.rl.inference.engine_snapshot import SavedTurn
-from megatron.rl.inference.protocol import Key, RowWork
+from megatron.rl.inference.protocol import (
+    Alternatives,
+    GenerationOutput,
+    InvalidInferenceRequest,
+    Key,
+    RowResult,
+    RowWork,
+    TokenWatch,
+)
 from megatron.rl.wire import SamplingParams
 
 
@@ -58,6 +66,25 @@ class SchedulerConfig:
         return self.max_requests + self.outside_slots
 
 
+def check_request(
+    prompt: list[int], sampling: SamplingParams, key: Key | None, adapter: str | None, seq: int
+) -> None:
+    """``InvalidInferenceRequest`` for a request the engine cannot serve: an empty prompt, one
+    that does not fit ``seq`` tokens with its budget, or a rollout (keyed) that asks for an
+    adapter, stop strings or alternatives (a rollout generates with the policy, ends at stop
+    tokens and records its tokens' logprobs only)."""
+    if not prompt or len(prompt) + sampling.max_tokens > seq:
+        raise InvalidInferenceRequest(
+            f"prompt of {len(prompt)} tokens plus max_tokens={sampling.max_tokens} does not fit "
+            f"the engine's max_seq_len={seq}"
+        )
+    if key is not None and (adapter is not None or sampling.top_logprobs or sampling.stop):
+        raise InvalidInferenceRequest(
+            "a rollout (keyed request) generates with the policy, ends at stop tokens and "
+            "records only its tokens' logprobs: no adapter, 'stop' or 'top_logprobs'"
+        )
+
+
 @dataclass
 class Request:
     order: tuple
@@ -76,6 +103,10 @@ class Request:
     """Requests of the same key before this one (the turns of a multi-turn rollout)."""
     adapter: str | None = None
     """The named LoRA adapter set it generates with (``RowWork.adapter``)."""
+    watch: TokenWatch | None = field(default=None, compare=False)
+    """Called with each token as it is recorded (``TokenWatch``); True ends the request."""
+    tops: list[Alternatives] = field(default_factory=list, compare=False)
+    """Per generated token, its alternatives (``SamplingParams.top_logprobs`` > 0 only)."""
     routes: list[torch.Tensor] = field(default_factory=list, compare=False)
     """Routing replay: the routes of the positions fed so far, in order, as (n, L * k) int16
     chunks (the prompt's, then one per decode step)."""
@@ -84,6 +115,28 @@ class Request:
         """Keep a step's (n_fed, L, k) routes (None: not recorded)."""
         if routes is not None:
             self.routes.append(routes.reshape(routes.shape[0], -1))  # (n_fed, L * k)
+
+    def record(self, res: RowResult, version: int) -> None:
+        """Keep one sampled token (and its logprob, ``version``, routes and alternatives)."""
+        self.tokens.append(res.token)
+        self.logprobs.append(res.logprob)
+        self.versions.append(version)
+        self.add_routes(res.routes)
+        if self.sampling.top_logprobs:
+            self.tops.append(res.alternatives)
+
+    def watched(self, res: RowResult, version: int) -> bool:
+        """Whether the request's watcher (if any) ends it at the token just recorded."""
+        if self.watch is None:
+            return False
+        return bool(self.watch(res.token, res.logprob, version, res.alternatives))
+
+    def output(self, reason: str) -> GenerationOutput:
+        """What the request returns, finished for ``reason``."""
+        tops = self.tops if self.sampling.top_logprobs else None
+        return GenerationOutput(
+            self.tokens, self.logprobs, self.versions, reason, self.routed_experts(), tops
+        )
 
     def routed_experts(self) -> list[list[int]] | None:
         """The routes of every position fed so far (the prompt and the generated tokens but the
@@ -112,6 +165,7 @@ class Request:
             max_tokens=s.max_tokens,
             ignore_eos=s.ignore_eos,
             adapter=self.adapter,
+            top_logprobs=s.top_logprobs,
         )
 
 

@@ -6,6 +6,9 @@ only on its own logits and RNG, never on which other requests share the batch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -19,6 +22,21 @@ def sample_tokens(
     top_k: torch.Tensor,
     uniforms: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens and logprobs of ``sample_with_alternatives`` (no alternatives)."""
+    tokens, logprobs, _, _ = sample_with_alternatives(
+        logits, temperature, top_p, top_k, uniforms, 0
+    )
+    return tokens, logprobs
+
+
+def sample_with_alternatives(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    uniforms: torch.Tensor,
+    top_n: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample one token per row by inverse-CDF over the filtered, tempered distribution.
 
     Args:
@@ -28,10 +46,14 @@ def sample_tokens(
         top_k: (B,) int; 0 disables.
         uniforms: (B,) draws in [0, 1).
 
+        top_n: alternatives to return per row (0: none).
+
     Returns:
         tokens (B,) int64 and logprobs (B,) float32: the log-probability of each token under the
         tempered distribution before top-k/top-p truncation (temperature 1 for greedy rows), which
-        is the distribution the trainer recomputes for the importance ratio.
+        is the distribution the trainer recomputes for the importance ratio; and the ``top_n``
+        most likely tokens of that same distribution, ids (B, top_n) int64 and logprobs
+        (B, top_n) float32 (``top_alternatives``).
     """
     logits = logits.float()
     greedy = temperature <= 0
@@ -47,7 +69,23 @@ def sample_tokens(
     pick = torch.searchsorted(cdf, target, right=True).clamp_(max=logits.shape[-1] - 1)
     sampled = order.gather(-1, pick).squeeze(-1)  # (B,)
     tokens = torch.where(greedy, order[:, 0], sampled)
-    return tokens, logprobs_all.gather(-1, tokens[:, None]).squeeze(-1)
+    top_ids, top_logprobs = top_alternatives(logprobs_all, top_n)
+    return tokens, logprobs_all.gather(-1, tokens[:, None]).squeeze(-1), top_ids, top_logprobs
+
+
+def top_alternatives(logprobs: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``n`` largest entries of each row of (B, V) ``logprobs``: ids (B, n) int64 and their
+    values (B, n), most likely first, ties by the lower id. The values are the entries
+    themselves (no recomputation), so they equal the sampled token's logprob bitwise where the
+    ids agree."""
+    if n <= 0:
+        empty = torch.empty(logprobs.shape[0], 0)
+        return empty.long(), empty.to(logprobs.dtype)
+    values, ids = torch.topk(logprobs, min(n, logprobs.shape[-1]), dim=-1)  # (B, n)
+    by_id = torch.argsort(ids, dim=-1, stable=True)
+    ids, values = ids.gather(-1, by_id), values.gather(-1, by_id)
+    by_value = torch.sort(values, dim=-1, descending=True, stable=True).indices
+    return ids.gather(-1, by_value), values.gather(-1, by_value)
 
 
 def _truncate(probs: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
@@ -93,3 +131,15 @@ def token_uniform(seed: int, position: int) -> float:
     24 bits, so it is exact in float32 and never rounds up to 1.0.
     """
     return (derive_seed(seed, position) >> 39) / 2**24
+
+
+def alternatives_of(
+    rows: Sequence[Any], top_ids: torch.Tensor, top_values: torch.Tensor
+) -> list[tuple[tuple[int, float], ...]]:
+    """Each row's first ``row.top_logprobs`` (id, logprob) pairs of the (B, n) alternatives."""
+    if not top_ids.shape[-1]:
+        return [()] * len(rows)
+    return [
+        tuple(zip(ids[: row.top_logprobs], values[: row.top_logprobs]))
+        for row, ids, values in zip(rows, top_ids.tolist(), top_values.tolist())
+    ]

@@ -54,13 +54,15 @@ from megatron.rl.inference.protocol import (
     EngineCounters,
     EngineError,
     GenerationOutput,
-    InvalidInferenceRequest,
     Key,
     RowResult,
     RowWork,
+    ScoreWork,
+    TokenWatch,
 )
-from megatron.rl.inference.requests import Request, SchedulerConfig
+from megatron.rl.inference.requests import Request, SchedulerConfig, check_request
 from megatron.rl.inference.scheduler_checkpoint import CheckpointedScheduling
+from megatron.rl.inference.scoring_queue import ScoreQueue
 from megatron.rl.inference.slots import Admission, SlotPools
 from megatron.rl.inference.step_group import StepGroup, StepPlan
 from megatron.rl.inference.window_budget import WindowBudget
@@ -69,7 +71,7 @@ from megatron.rl.wire import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-class ContinuousBatchingScheduler(CheckpointedScheduling, Admission):
+class ContinuousBatchingScheduler(CheckpointedScheduling, Admission, ScoreQueue):
     """Continuous batching over a ``StepGroup`` (``protocol.InferenceEngine``); suspended outside
     generation windows.
 
@@ -102,6 +104,7 @@ class ContinuousBatchingScheduler(CheckpointedScheduling, Admission):
         self._window = WindowBudget(config.reward_wait_steps, config.window_target)
         self._resumed = asyncio.Event()
         self._wakeup = asyncio.Event()
+        self._scoring: list[tuple[ScoreWork, asyncio.Future]] = []  # ``ScoreQueue``'s
         self._task: asyncio.Task | None = None
         self._error: BaseException | None = None
         self.counters = EngineCounters()
@@ -117,13 +120,15 @@ class ContinuousBatchingScheduler(CheckpointedScheduling, Admission):
         key: Key | None = None,
         continued: bool = False,
         adapter: str | None = None,
+        watch: TokenWatch | None = None,
     ) -> GenerationOutput:
         """Generate a completion of ``prompt_tokens``; resolves when it stops.
 
         ``continued`` (keyed requests only): the rollout may send its next turn under ``key``
         once this one finished; the engine waits for it (see the module docstring).
-        ``adapter``: the named LoRA adapter set to generate with (unkeyed requests of a
-        multi-adapter server; the row runner must offer it).
+        ``adapter``: the named LoRA adapter set (unkeyed requests of a multi-adapter server).
+        ``watch``: sees every token recorded and may end the request (``protocol.TokenWatch``;
+        a keyed turn replayed from a snapshot is answered whole, unwatched).
         """
         if key is not None and key in self._continuations:  # the awaited turn, valid or not
             self._continuations.discard(key)
@@ -140,21 +145,20 @@ class ContinuousBatchingScheduler(CheckpointedScheduling, Admission):
                 self._drop_mismatched()
                 if saved is not None:
                     return await self._replayed(saved)
-        total = len(prompt_tokens) + sampling.max_tokens
-        if not prompt_tokens or total > self.config.max_seq_len:
-            raise InvalidInferenceRequest(
-                f"prompt of {len(prompt_tokens)} tokens plus max_tokens={sampling.max_tokens} "
-                f"does not fit the engine's max_seq_len={self.config.max_seq_len}"
-            )
+        check_request(prompt_tokens, sampling, key, adapter, self.config.max_seq_len)
         arrival, self._arrivals = self._arrivals, self._arrivals + 1
         order = (0, *key, arrival) if key is not None else (1, arrival)
         future = asyncio.get_running_loop().create_future()
-        if adapter is not None and key is not None:
-            raise InvalidInferenceRequest(
-                "a rollout (keyed request) generates with the policy: no adapter"
-            )
         request = Request(
-            order, list(prompt_tokens), sampling, seed, key, future, turn=turn, adapter=adapter
+            order,
+            list(prompt_tokens),
+            sampling,
+            seed,
+            key,
+            future,
+            turn=turn,
+            adapter=adapter,
+            watch=watch,
         )
         request.continued = continued and key is not None
         if key is not None:
@@ -250,6 +254,8 @@ class ContinuousBatchingScheduler(CheckpointedScheduling, Admission):
             barrier_since: float | None = None
             while True:
                 await self._resumed.wait()
+                if self._scoring:
+                    self._score_waiting()
                 self._release_cancelled()
                 replaying = self._replay is not None and bool(self._replay.unclaimed)
                 if self.config.window_target and (
@@ -347,13 +353,17 @@ class ContinuousBatchingScheduler(CheckpointedScheduling, Admission):
         return keyed
 
     def _record(self, req: Request, res: RowResult, version: int) -> None:
-        req.tokens.append(res.token)
-        req.logprobs.append(res.logprob)
-        req.versions.append(version)
-        req.add_routes(res.routes)
+        req.record(res, version)
         self.counters.generated_tokens += 1
+        try:
+            watched_stop = req.watched(res, version)
+        except Exception as exc:  # the watcher's fault fails its own request only
+            self._release(req)
+            if not req.future.done():
+                req.future.set_exception(exc)
+            return
         stop = res.token == self.config.eos_id or res.token in self.config.extra_stop_ids
-        if stop and not req.sampling.ignore_eos:
+        if (stop and not req.sampling.ignore_eos) or watched_stop:
             self._finish(req, "stop")
         elif len(req.tokens) >= req.sampling.max_tokens:
             self._finish(req, "length")
@@ -365,19 +375,12 @@ class ContinuousBatchingScheduler(CheckpointedScheduling, Admission):
                 self._done_turns.setdefault(req.key[:2], []).append(req)  # replays this turn
             if req.continued:  # before any further step: the barrier now awaits the next turn
                 self._continuations.add(req.key)
-            req.future.set_result(
-                GenerationOutput(
-                    req.tokens, req.logprobs, req.versions, reason, req.routed_experts()
-                )
-            )
+            req.future.set_result(req.output(reason))
 
     def _arrived(self, group: tuple[int, int]) -> None:
-        left = self._expected.get(group)
-        if left is not None:
-            if left <= 1:
-                del self._expected[group]
-            else:
-                self._expected[group] = left - 1
+        left = self._expected.pop(group, None)
+        if left is not None and left > 1:
+            self._expected[group] = left - 1
 
     def _fail_pending(self, message: str, cause: BaseException | None = None) -> None:
         """Fail every queued and active request with an ``EngineError`` of its own.
@@ -386,6 +389,7 @@ class ContinuousBatchingScheduler(CheckpointedScheduling, Admission):
         task's frames in its traceback as each of them re-raises it.
         """
         self._window.wake_waiters()  # window_spent raises the error
+        self._fail_scoring(message)
         for req in [*self._waiting, *self._outside, *self._active.values()]:
             if not req.future.done():
                 error = EngineError(message)

@@ -35,7 +35,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron.rl.inference.interface import InferenceInterface, turn_request
+from megatron.rl.inference.interface import (
+    InferenceInterface,
+    TokenDelta,
+    streamed_response,
+    turn_request,
+)
 from megatron.rl.inference.protocol import EngineError, InvalidInferenceRequest
 from megatron.rl.wire import (
     ChatMessage,
@@ -234,8 +239,10 @@ class SessionRegistry:
         tools: list[dict[str, Any]] | None,
         max_tokens: int | None,
         reply: Reply,
+        emit: Callable[[TokenDelta], None] | None = None,
     ) -> SessionTurn:
-        """Generate the next turn of session ``token`` for the agent's ``messages``.
+        """Generate the next turn of session ``token`` for the agent's ``messages``; ``emit``
+        (a streamed answer) sees each token as it is generated (the tokens are the same).
 
         Raises ``SessionError`` for a request the session refuses (the session then ends), and
         ``EngineError`` when the engine failed.
@@ -251,7 +258,10 @@ class SessionRegistry:
                 request = session.next_request(messages, tools, max_tokens)
                 if not session.turns:
                     session.tools = tools
-                response = await self.inference.generate(request)
+                if emit is None:
+                    response = await self.inference.generate(request)
+                else:
+                    response = await streamed_response(self.inference, request, emit)
                 turn = SessionTurn(response, *reply(response))
             except (SessionError, InvalidInferenceRequest) as exc:
                 status = exc.status if isinstance(exc, SessionError) else 422

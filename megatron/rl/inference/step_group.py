@@ -5,6 +5,9 @@ Protocol (all messages are broadcast from global rank 0 over the world group):
 * ``("step", plan)``: every rank runs ``plan.rows[its data-parallel replica]`` on its
   ``RowRunner`` (collective inside the replica's tensor-parallel group); each replica leader
   (TP rank 0) sends its results back with ``gather_object``.
+* ``("score", jobs)``: every rank scores the same jobs (plain forwards; collective inside each
+  replica, and every replica runs them, so expert-parallel replicas stay in lockstep); rank 0
+  keeps its own results.
 * ``("stop", idle)``: the generation window is over; followers return from ``follow()``
   (``idle``: the engine holds no request, so no KV-cache slot needs its contents).
 * ``("abort", reason)``: rank 0 failed; followers raise instead of waiting forever.
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from megatron.rl.inference.protocol import RowResult, RowRunner, RowWork
+from megatron.rl.inference.protocol import RowResult, RowRunner, RowWork, ScoreOutput, ScoreWork
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,12 @@ class StepGroup:
         self._broadcast(("step", plan))
         return self._run_and_gather(plan)
 
+    def score(self, jobs: list[ScoreWork]) -> list[ScoreOutput]:
+        """Score ``jobs`` on every rank (rank 0 only); rank 0's results, in job order."""
+        if self.distributed:
+            self._broadcast(("score", jobs))
+        return self.runner.score(jobs)
+
     def follow(self) -> None:
         """Execute rank 0's plans until it stops the window, then end it here (other ranks)."""
         idle = False
@@ -76,6 +85,9 @@ class StepGroup:
                     return
                 if kind == "abort":
                     raise GenerationAborted(f"rank 0 aborted generation: {payload}")
+                if kind == "score":
+                    self.runner.score(payload)
+                    continue
                 self._run_and_gather(payload)
         finally:
             self.runner.end_window(idle)

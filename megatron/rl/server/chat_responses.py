@@ -30,7 +30,7 @@ import itertools
 import json
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from megatron.rl.tokenizer import Tokenizer
@@ -42,6 +42,7 @@ from megatron.rl.wire import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatTokenLogprob,
+    ChatTopLogprob,
     CompletionUsage,
     InferenceResponse,
     NamedToolChoice,
@@ -133,9 +134,13 @@ class ToolCallCounter:
     def record(self, response: ChatCompletionResponse) -> None:
         """Add ``response``'s choices, calls and errors."""
         for choice in response.choices:
-            self.chat_choices += 1
-            self.tool_calls += len(choice.message.tool_calls or ())
-            self.tool_call_errors += choice.tool_call_errors
+            self.count(len(choice.message.tool_calls or ()), choice.tool_call_errors)
+
+    def count(self, tool_calls: int, errors: int) -> None:
+        """Add one choice with ``tool_calls`` returned calls and ``errors`` tool-call errors."""
+        self.chat_choices += 1
+        self.tool_calls += tool_calls
+        self.tool_call_errors += errors
 
     def snapshot(self) -> ToolCallMetrics:
         """The counts as their wire model."""
@@ -147,11 +152,31 @@ class ToolCallCounter:
 
 
 def chat_logprobs(tokenizer: Tokenizer, out: InferenceResponse) -> ChatChoiceLogprobs:
-    """OpenAI's ``logprobs.content``: one entry per generated token (the stop token included)."""
+    """OpenAI's ``logprobs.content``: one entry per generated token (the stop token included),
+    with its alternatives when the request asked for ``top_logprobs``."""
+    return token_logprobs(tokenizer, out.tokens, out.logprobs, out.top_logprobs)
+
+
+def token_logprobs(
+    tokenizer: Tokenizer,
+    tokens: Sequence[int],
+    logprobs: Sequence[float],
+    alternatives: Sequence[Sequence[tuple[int, float]]] | None,
+) -> ChatChoiceLogprobs:
+    """``logprobs.content`` of ``tokens`` (``alternatives``: each token's most likely tokens)."""
     content = []
-    for token, logprob in zip(out.tokens, out.logprobs):
+    for i, (token, logprob) in enumerate(zip(tokens, logprobs)):
         piece = tokenizer.decode([token])
+        tops = []
+        for alternative, value in alternatives[i] if alternatives is not None else ():
+            text = tokenizer.decode([alternative])
+            tops.append(ChatTopLogprob(token=text, logprob=value, bytes=list(text.encode("utf-8"))))
         content.append(
-            ChatTokenLogprob(token=piece, logprob=logprob, bytes=list(piece.encode("utf-8")))
+            ChatTokenLogprob(
+                token=piece,
+                logprob=logprob,
+                bytes=list(piece.encode("utf-8")),
+                top_logprobs=tops,
+            )
         )
     return ChatChoiceLogprobs(content=content)

@@ -2,20 +2,24 @@
 
 ``create_inference_app(inference, tokenizer)`` exposes an ``InferenceInterface`` (in the trainer:
 the ``LocalInferenceInterface`` over the engine that serves local agents too) as a subset of the
-OpenAI completions API: ``POST /v1/completions`` (``wire.CompletionRequest``) and
-``POST /v1/chat/completions`` (``wire.ChatCompletionRequest``; the messages are rendered by
-the tokenizer's chat template, and a tokenizer without one answers 422 naming it; ``tools`` are
-rendered by the template and the model's tool calls parsed out of its text by the
-``tool_call_parser``, see ``chat_responses``), plus ``GET /v1/models`` (the one model served,
-``model_name``, in OpenAI's list format), ``GET /metrics`` (running tool-call counts,
-``wire.ToolCallMetrics``) and one OpenAI base URL per agent session,
-``/sessions/{token}/v1`` (``sessions.py``). Requests go
-into the same engine queue as local ones, so they belong to the same batches, follow the same
-forced-lag schedule and return the same per-token logprobs and policy versions.
+OpenAI API: ``POST /v1/completions`` (``wire.CompletionRequest``: one prompt or a batch; ``echo``
+with the prompt's logprobs from a plain forward, ``InferenceInterface.score``, and ``max_tokens``
+0 to score only; ``completion_responses``) and ``POST /v1/chat/completions``
+(``wire.ChatCompletionRequest``; the messages are rendered by the tokenizer's chat template, and
+a tokenizer without one answers 422 naming it; ``tools`` are rendered by the template and the
+model's tool calls parsed out of its text by the ``tool_call_parser``, see ``chat_responses``),
+both with ``stop`` strings, up to 20 alternatives per token and ``stream`` (server-sent chunks,
+``streaming.py``), plus ``GET /v1/models`` (the models served, OpenAI's list format; another
+``model`` is a 404 naming it), ``GET /metrics`` (running tool-call counts,
+``wire.ToolCallMetrics``) and one OpenAI base URL per agent session, ``/sessions/{token}/v1``
+(``sessions.py``). Requests go into the same engine queue as local ones, so they belong to the
+same batches, follow the same forced-lag schedule and return the same per-token logprobs and
+policy versions.
 
-Outside requests (no rollout key) are bounded (``limits.py``): the body size (413), ``n`` x
-``max_tokens`` (422), the requests in flight per client address (429); a client that disconnects
-cancels its generation, whose slot the engine frees at its next step.
+Outside requests (no rollout key) are bounded (``limits.py``): the body size (413), prompts x
+``n`` x ``max_tokens`` (422), the requests in flight per client address (429; a stream holds its
+slot until it ends); a client that disconnects cancels its generation, whose slot the engine
+frees at its next step.
 
 Note that the trainer's event loop, and with it this server, only runs while the trainer waits
 for a batch; a request sent during a training step is answered when the next window opens.
@@ -23,30 +27,44 @@ for a batch; a request sent during a training step is answered when the next win
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, HTTPException, Request
 
+from megatron.rl.async_utils import gather_all
 from megatron.rl.auth import require_api_key
-from megatron.rl.inference.interface import InferenceInterface
+from megatron.rl.inference.interface import InferenceInterface, sample_request
 from megatron.rl.inference.protocol import EngineError, InvalidInferenceRequest
 from megatron.rl.inference.sessions import SESSIONS_PREFIX
-from megatron.rl.server.chat_responses import (
-    ToolCallCounter,
-    chat_completion_response,
-)
+from megatron.rl.server.chat_responses import ToolCallCounter, chat_completion_response
+from megatron.rl.server.completion_responses import completion_choices
 from megatron.rl.server.http import ERROR_RESPONSES, install_error_handlers
-from megatron.rl.server.limits import BodyLimit, ClientSlots, ServerLimits, unless_disconnected
+from megatron.rl.server.limits import (
+    BodyLimit,
+    ClientSlots,
+    ServerLimits,
+    client_of,
+    unless_disconnected,
+)
 from megatron.rl.server.sessions import install_session_routes
+from megatron.rl.server.streaming import (
+    ChatChunks,
+    CompletionChunks,
+    EventStream,
+    merged_events,
+    prepend,
+    sse_events,
+)
 from megatron.rl.tokenizer import Tokenizer
 from megatron.rl.tools.parsers import AUTO, resolve_tool_call_parser
 from megatron.rl.wire import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     CompletionUsage,
@@ -56,9 +74,11 @@ from megatron.rl.wire import (
     InferenceResponse,
     ModelCard,
     ModelList,
+    ScoreRequest,
     ToolCallMetrics,
-    choice_extensions,
 )
+
+T = TypeVar("T")
 
 
 def create_inference_app(
@@ -77,9 +97,8 @@ def create_inference_app(
     ``none`` (``ValueError`` for another).
 
     ``adapters`` (a multi-adapter server): further models by name, each generating with its
-    named LoRA adapter set; a request's ``model`` picks one, ``model_name`` (or no model) is
-    ``inference``'s, any other name is answered 404 naming the models served. Without
-    ``adapters`` every request is ``inference``'s, whatever model it names. ``limits``: what
+    named LoRA adapter set. A request's ``model`` picks one: ``model_name`` (or no model) is
+    ``inference``'s, any other name is answered 404 naming the models served. ``limits``: what
     one outside request and one client may take (``limits.py``)."""
     parser = resolve_tool_call_parser(tool_call_parser, getattr(tokenizer, "chat_template", None))
     counter = ToolCallCounter()
@@ -98,42 +117,72 @@ def create_inference_app(
 
     def pick(model: str | None) -> tuple[InferenceInterface, str]:
         """The interface and the answer's model name of a request's ``model`` (404: unknown)."""
-        if not by_name or model in (None, "", model_name):
-            return inference, model or model_name
+        if model in (None, "", model_name):
+            return inference, model_name
         if model in by_name:
             return by_name[model], model
         names = ", ".join(repr(card.id) for card in served)
         raise HTTPException(404, f"field 'model': the model {model!r} is not served here ({names})")
 
-    async def generate(
-        request: InferenceRequest, n: int, model: str | None, http: Request
-    ) -> list[InferenceResponse]:
-        """``n`` samples of ``request`` by ``model``; the caller's faults are 422 (404 for an
-        unknown model, 429 over its in-flight limit), the engine's 503. An outside request is
-        cancelled when its client disconnects."""
-        chosen, _ = pick(model)
+    async def answer(work: Awaitable[T]) -> T:
+        """``work``'s result; the caller's faults are 422, the engine's 503."""
+        try:
+            return await work
+        except InvalidInferenceRequest as exc:
+            raise HTTPException(422, str(exc)) from None
+        except EngineError as exc:
+            raise HTTPException(503, f"inference engine unavailable: {exc}") from None
 
-        async def samples() -> list[InferenceResponse]:
-            try:
-                if n == 1:
-                    return [await chosen.generate(request)]
-                return await chosen.generate_group(request, n)
-            except InvalidInferenceRequest as exc:
-                raise HTTPException(422, str(exc)) from None
-            except EngineError as exc:
-                raise HTTPException(503, f"inference engine unavailable: {exc}") from None
-
-        if request.rollout_key is not None:  # the trainer's rollout: its schedule owns it
-            return await samples()
-        tokens = n * request.sampling.max_tokens
+    def check_size(requests: list[InferenceRequest], n: int) -> None:
+        """422 for an outside request over the server's token limit (``limits``)."""
+        if any(r.rollout_key is not None for r in requests):
+            return  # the trainer's rollout: its schedule owns it
+        budget = requests[0].sampling.max_tokens
+        tokens = len(requests) * n * budget
         if tokens > limits.max_request_tokens:
             raise HTTPException(
                 422,
-                f"field 'n' x 'max_tokens': {n} x {request.sampling.max_tokens} = {tokens} tokens, "
-                f"more than this server generates for one request ({limits.max_request_tokens})",
+                f"field 'n' x 'max_tokens': {len(requests)} prompt(s) x {n} x {budget} = "
+                f"{tokens} tokens, more than this server generates for one request "
+                f"({limits.max_request_tokens})",
             )
-        with slots.hold(http.client.host if http.client else "unknown"):
-            return await unless_disconnected(http, samples())
+
+    async def outside(http: Request, keyed: bool, work: Awaitable[T]) -> T:
+        """Run ``work`` for a request: an outside one holds one of its client's slots (429 over
+        the limit) and is cancelled when its client disconnects; a keyed one just runs."""
+        if keyed:
+            return await work
+        with slots.hold(client_of(http)):
+            return await unless_disconnected(http, work)
+
+    async def samples(chosen: InferenceInterface, request: InferenceRequest, n: int):
+        """``n`` samples of ``request``."""
+        if n == 1:
+            return [await answer(chosen.generate(request))]
+        return await answer(chosen.generate_group(request, n))
+
+    async def streamed(
+        http: Request,
+        chosen: InferenceInterface,
+        requests: list[InferenceRequest],
+        n: int,
+        chunks: ChatChunks | CompletionChunks,
+        include_usage: bool,
+    ) -> EventStream:
+        """The streamed answer of ``n`` samples of each request: the engine's first event (or
+        its refusal, as a status) is awaited before the response starts."""
+        keyed = any(r.rollout_key is not None for r in requests)
+        release = slots.take(client_of(http)) if not keyed else (lambda: None)
+        seeded = [r if n == 1 else sample_request(r, i) for r in requests for i in range(n)]
+        streams = [chosen.stream(sample) for sample in seeded]  # seeded as ``samples`` does
+        events = merged_events(streams)
+        try:
+            first = await unless_disconnected(http, answer(anext(events)))
+        except BaseException:
+            await events.aclose()
+            release()
+            raise
+        return EventStream(sse_events(chunks, prepend(first, events), include_usage), release)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -151,42 +200,69 @@ def create_inference_app(
         return ModelList(data=served)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
-    async def completions(body: CompletionRequest, http: Request) -> CompletionResponse:
-        """Generate ``n`` completions of the prompt with the trainer's current policy."""
+    async def completions(body: CompletionRequest, http: Request) -> Any:
+        """Generate ``n`` completions of each prompt with the current policy (``echo``: after
+        the prompt and its logprobs; ``max_tokens`` 0: the scored prompt alone)."""
+        chosen, name = pick(body.model)
         try:
-            request = body.to_inference_request()
+            requests = [body.to_inference_request(p) for p in body.prompts() or [None]]
         except ValueError as exc:
             raise HTTPException(422, f"field 'prompt': {exc}") from None
-        outs = await generate(request, body.n, body.model, http)
-        choices = []
-        for index, out in enumerate(outs):
-            logprobs = None
-            if body.logprobs is not None:
-                pieces = [tokenizer.decode([t]) for t in out.tokens]
-                logprobs = CompletionLogprobs(tokens=pieces, token_logprobs=out.logprobs)
-            choices.append(
-                CompletionChoice(
-                    index=index,
-                    text=out.text,
-                    finish_reason=out.finish_reason,
-                    logprobs=logprobs,
-                    **choice_extensions(out),
-                )
-            )
+        check_size(requests, body.n)
+        response_id = f"cmpl-{next(ids)}"
+        if body.stream:
+            chunks = CompletionChunks(body, tokenizer, response_id, name)
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            return await streamed(http, chosen, requests, body.n, chunks, usage)
+        keyed = requests[0].rollout_key is not None
+        work = (completion_of(chosen, body, r, p * body.n) for p, r in enumerate(requests))
+        answers = await outside(http, keyed, gather_all(*work))
+        choices = [choice for _, prompt_choices in answers for choice in prompt_choices]
+        prompt_tokens = sum(len(prompt) for prompt, _ in answers)
+        generated = sum(len(c.token_ids) for c in choices)
         return CompletionResponse(
-            id=f"cmpl-{next(ids)}",
+            id=response_id,
             created=int(time.time()),
-            model=pick(body.model)[1],
+            model=name,
             choices=choices,
-            usage=CompletionUsage.of(outs),
+            usage=CompletionUsage(
+                prompt_tokens=prompt_tokens,
+                completion_tokens=generated,
+                total_tokens=prompt_tokens + generated,
+            ),
         )
+
+    async def completion_of(
+        chosen: InferenceInterface, body: CompletionRequest, request: InferenceRequest, first: int
+    ) -> tuple[list[int], list[CompletionChoice]]:
+        """(prompt ids, choices numbered from ``first``) of one prompt of a completion request."""
+        scoring = body.echo and body.logprobs is not None
+        outs: list[InferenceResponse] = []
+        if body.max_tokens > 0:
+            outs = await samples(chosen, request, body.n)
+        prompt_ids = outs[0].prompt_tokens if outs else None
+        scored = None
+        if scoring or prompt_ids is None:
+            score = ScoreRequest(
+                prompt=request.prompt,
+                prompt_tokens=prompt_ids or request.prompt_tokens,
+                top_logprobs=body.logprobs or 0,
+            )
+            if scoring:
+                scored = await answer(chosen.score(score))
+                prompt_ids = scored.prompt_tokens
+            else:  # echo without logprobs, nothing generated: the prompt's ids only
+                prompt_ids = request.prompt_tokens or await asyncio.to_thread(
+                    tokenizer.encode, request.prompt
+                )
+        text = request.prompt if request.prompt is not None else tokenizer.decode(prompt_ids)
+        choices = completion_choices(body, first, prompt_ids, text, outs, scored, tokenizer)
+        return prompt_ids, choices
 
     @app.post(
         "/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES
     )
-    async def chat_completions(
-        body: ChatCompletionRequest, http: Request
-    ) -> ChatCompletionResponse:
+    async def chat_completions(body: ChatCompletionRequest, http: Request) -> Any:
         """Generate ``n`` assistant messages for the conversation with the current policy; the
         messages (and ``tools``) are rendered by the trainer tokenizer's chat template and tool
         calls parsed out of the text (``chat_responses``)."""
@@ -196,10 +272,18 @@ def create_inference_app(
                 "field 'tool_choice': this server parses no tool calls (--tool-call-parser "
                 "none); give 'auto' or 'none'",
             )
-        outs = await generate(body.to_inference_request(), body.n, body.model, http)
-        name = pick(body.model)[1] if by_name else model_name
+        chosen, name = pick(body.model)
+        request = body.to_inference_request()
+        check_size([request], body.n)
+        response_id = f"chatcmpl-{next(ids)}"
+        if body.stream:
+            chunks = ChatChunks(body, tokenizer, parser, response_id, name, counter)
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            return await streamed(http, chosen, [request], body.n, chunks, usage)
+        keyed = request.rollout_key is not None
+        outs = await outside(http, keyed, samples(chosen, request, body.n))
         response = chat_completion_response(
-            body, outs, tokenizer, parser, response_id=f"chatcmpl-{next(ids)}", model=name
+            body, outs, tokenizer, parser, response_id=response_id, model=name
         )
         counter.record(response)
         return response

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import json
 from collections import Counter
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -105,6 +105,15 @@ class ClientSlots:
     @contextlib.contextmanager
     def hold(self, client: str) -> Iterator[None]:
         """One of ``client``'s slots for the ``with`` block; 429 when it has none left."""
+        release = self.take(client)
+        try:
+            yield
+        finally:
+            release()
+
+    def take(self, client: str) -> Callable[[], None]:
+        """One of ``client``'s slots until the returned function is called (once; later calls do
+        nothing); 429 when it has none left."""
         if self._in_flight[client] >= self.limit:
             raise HTTPException(
                 429,
@@ -112,12 +121,22 @@ class ClientSlots:
                 "one client: wait for one to finish",
             )
         self._in_flight[client] += 1
-        try:
-            yield
-        finally:
-            self._in_flight[client] -= 1
-            if not self._in_flight[client]:
-                del self._in_flight[client]
+        held = True
+
+        def release() -> None:
+            nonlocal held
+            if held:
+                held = False
+                self._in_flight[client] -= 1
+                if not self._in_flight[client]:
+                    del self._in_flight[client]
+
+        return release
+
+
+def client_of(http: Request) -> str:
+    """The client address a request's slots are counted under."""
+    return http.client.host if http.client else "unknown"
 
 
 async def unless_disconnected(http: Request, work: Awaitable[T]) -> T:

@@ -25,15 +25,19 @@ api_key=session.credential)``.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, HTTPException, Request
 
-from megatron.rl.inference.interface import InferenceInterface
+from megatron.rl.inference.interface import InferenceInterface, StreamEvent, TokenDelta
 from megatron.rl.inference.protocol import EngineError
 from megatron.rl.inference.sessions import SESSIONS_PREFIX, SessionError, session_registry
 from megatron.rl.server.chat_responses import chat_completion_response
 from megatron.rl.server.http import ERROR_RESPONSES
+from megatron.rl.server.streaming import ChatChunks, EventStream, sse_events
 from megatron.rl.tokenizer import Tokenizer
 from megatron.rl.tools.parsers import ToolCallParser
 from megatron.rl.wire import (
@@ -44,6 +48,8 @@ from megatron.rl.wire import (
     ModelCard,
     ModelList,
 )
+
+T = TypeVar("T")
 
 
 def install_session_routes(
@@ -83,10 +89,9 @@ def install_session_routes(
         response_model=ChatCompletionResponse,
         responses={**ERROR_RESPONSES, 404: ERROR_RESPONSES[422], 409: ERROR_RESPONSES[422]},
     )
-    async def session_chat(
-        token: str, body: ChatCompletionRequest, http: Request
-    ) -> ChatCompletionResponse:
-        """The session's next assistant turn for the agent's conversation."""
+    async def session_chat(token: str, body: ChatCompletionRequest, http: Request) -> Any:
+        """The session's next assistant turn for the agent's conversation (streamed: the same
+        tokens, sent as they come; a client that leaves does not end the turn)."""
         authorized(token, http)
         refused = _refused_field(body, parser)
         if refused is not None:
@@ -114,19 +119,70 @@ def install_session_routes(
             return echoed, choice.tool_call_errors
 
         max_tokens = body.max_completion_tokens or body.max_tokens
-        try:
-            await registry.chat(token, body.messages, body.tool_schemas(), max_tokens, reply)
-        except SessionError as exc:
-            raise HTTPException(exc.status, f"session: {exc}") from None
-        except EngineError as exc:
-            raise HTTPException(503, f"inference engine unavailable: {exc}") from None
-        return answers[-1]
+        tools = body.tool_schemas()
+        if not body.stream:
+            await _answered(registry.chat(token, body.messages, tools, max_tokens, reply))
+            return answers[-1]
+        outs: list[InferenceResponse] = []
+        queue: asyncio.Queue[TokenDelta | None] = asyncio.Queue()
+
+        def record(out: InferenceResponse) -> tuple[ChatMessage, int]:
+            outs.append(out)
+            return reply(out)
+
+        turn = asyncio.ensure_future(
+            _answered(
+                registry.chat(token, body.messages, tools, max_tokens, record, queue.put_nowait)
+            )
+        )
+        turn.add_done_callback(lambda _: queue.put_nowait(None))
+        first = await queue.get()
+        if first is None:
+            await turn  # the refusal, as its status
+        chunks = ChatChunks(body, tokenizer, parser, f"chatcmpl-s{next(ids)}", model_name)
+        usage = bool(body.stream_options and body.stream_options.include_usage)
+        return EventStream(sse_events(chunks, _turn_events(first, queue, turn, outs), usage))
+
+
+async def _answered(work: Awaitable[T]) -> T:
+    """``work``'s result; a session's refusal and the engine's failure as statuses."""
+    try:
+        return await work
+    except SessionError as exc:
+        raise HTTPException(exc.status, f"session: {exc}") from None
+    except EngineError as exc:
+        raise HTTPException(503, f"inference engine unavailable: {exc}") from None
+
+
+async def _turn_events(
+    first: TokenDelta | None,
+    queue: asyncio.Queue[TokenDelta | None],
+    turn: asyncio.Future,
+    outs: list[InferenceResponse],
+) -> AsyncIterator[tuple[int, StreamEvent]]:
+    """The streamed events of a session's turn: its token deltas, then its response. The turn
+    is the trainer's (a keyed rollout): closing this iterator early waits for it to finish
+    instead of cancelling it, as for an answer that was not streamed."""
+    try:
+        delta = first
+        while delta is not None:
+            yield 0, delta
+            delta = await queue.get()
+        await turn
+        yield 0, outs[-1]
+    finally:
+        await asyncio.gather(asyncio.shield(turn), return_exceptions=True)
 
 
 def _refused_field(body: ChatCompletionRequest, parser: ToolCallParser | None) -> str | None:
     """Why a session refuses ``body`` (naming the field), or None."""
     if body.n != 1:
         return "field 'n': a session generates one sample per request (n=1)"
+    if body.stop is not None or body.top_logprobs:
+        return (
+            "fields 'stop' and 'top_logprobs': a session's turns are rollout turns, ended by the "
+            "environment's stop tokens, with their tokens' logprobs only"
+        )
     if body.rollout_key is not None:
         return "field 'rollout_key': a session's requests carry the session's rollout key"
     if body.ignore_eos:

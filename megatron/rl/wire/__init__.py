@@ -12,7 +12,8 @@ these models, so server and client validate against the same definitions. Import
 * ``env_server``: the env server's health, grouped-rollout and evaluation messages;
 * ``completions``: the inference server's ``/v1/completions``, ``/v1/rollouts/end`` and
   ``/v1/models``;
-* ``chat``: the inference server's ``/v1/chat/completions`` and ``GET /metrics``.
+* ``chat``: the inference server's ``/v1/chat/completions`` and ``GET /metrics``;
+* ``streaming``: the server-sent chunks of both endpoints' streamed answers.
 """
 
 from megatron.rl.wire.base import (
@@ -60,10 +61,22 @@ from megatron.rl.wire.completions import (
     GeneratedChoice,
     ModelCard,
     ModelList,
+    StreamOptions,
     choice_extensions,
     engine_response,
 )
-from megatron.rl.wire.engine import InferenceRequest, InferenceResponse, RolloutKey, SamplingParams
+from megatron.rl.wire.engine import (
+    MAX_STOP_LENGTH,
+    MAX_STOP_STRINGS,
+    MAX_TOP_LOGPROBS,
+    InferenceRequest,
+    InferenceResponse,
+    RolloutKey,
+    SamplingParams,
+    ScoreRequest,
+    ScoreResponse,
+    TokenAlternative,
+)
 from megatron.rl.wire.env_server import (
     EnvironmentInfo,
     EvaluationRequest,
@@ -74,6 +87,15 @@ from megatron.rl.wire.env_server import (
 )
 from megatron.rl.wire.messages import ChatMessage, ToolCall, ToolCallFunction, check_chat_messages
 from megatron.rl.wire.rollouts import GroupedRolloutRequest, Rollout, RolloutGroup, TokenRollout
+from megatron.rl.wire.streaming import (
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatDelta,
+    CompletionChunk,
+    CompletionChunkChoice,
+    ToolCallDelta,
+    ToolCallFunctionDelta,
+)
 
 __all__ = [
     "MAX_ID",
@@ -98,6 +120,12 @@ __all__ = [
     "RolloutKey",
     "InferenceRequest",
     "InferenceResponse",
+    "MAX_TOP_LOGPROBS",
+    "MAX_STOP_STRINGS",
+    "MAX_STOP_LENGTH",
+    "TokenAlternative",
+    "ScoreRequest",
+    "ScoreResponse",
     "GroupedRolloutRequest",
     "Rollout",
     "TokenRollout",
@@ -136,4 +164,12 @@ __all__ = [
     "ChatCompletionChoice",
     "ChatCompletionResponse",
     "ToolCallMetrics",
+    "StreamOptions",
+    "CompletionChunkChoice",
+    "CompletionChunk",
+    "ToolCallFunctionDelta",
+    "ToolCallDelta",
+    "ChatDelta",
+    "ChatChunkChoice",
+    "ChatCompletionChunk",
 ]

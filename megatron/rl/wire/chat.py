@@ -3,19 +3,20 @@
 A subset of OpenAI's chat completions API, shared by the server
 (``megatron.rl.server.inference_server``) and its client (``megatron.rl.inference.remote``):
 
-* request: ``model`` (ignored), ``messages`` (roles system/user/assistant/tool, text content;
-  an assistant's ``tool_calls`` and a tool's ``tool_call_id``), ``max_tokens`` or
+* request: ``model`` (a served one), ``messages`` (roles system/user/assistant/tool, text
+  content; an assistant's ``tool_calls`` and a tool's ``tool_call_id``), ``max_tokens`` or
   ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``n``, ``logprobs`` (bool),
-  ``top_logprobs`` (0 only), ``stream`` (false only), ``tools`` (function tools only),
-  ``tool_choice``, ``parallel_tool_calls``, plus our extensions ``top_k`` and ``rollout_key``.
-  Every other OpenAI parameter (``stop``, ``response_format``, penalties, ...) is refused by name
-  (422), never ignored.
+  ``top_logprobs`` (up to 20, with ``logprobs``), ``stop`` (strings), ``stream`` and
+  ``stream_options`` (the chunks: ``streaming.py``), ``user`` (ignored), ``tools`` (function
+  tools only), ``tool_choice``, ``parallel_tool_calls``, plus our extensions ``top_k``,
+  ``ignore_eos`` and ``rollout_key``. Every other OpenAI parameter (``response_format``,
+  penalties, ...) is refused by name (422), never ignored.
 * response: OpenAI's ``chat.completion`` object (``choices[i].message`` with ``content`` and
   ``tool_calls``, ``finish_reason`` ``stop``/``length``/``tool_calls``,
-  ``logprobs.content[j]`` with ``token``, ``logprob``, ``bytes``, empty ``top_logprobs``), plus
-  the extensions RL needs on each choice: ``token_ids``, ``prompt_token_ids``,
-  ``policy_versions``, ``prompt_text`` (the prompt the chat template rendered) and
-  ``tool_call_errors``. How tool calls are parsed and what ``tool_choice`` does:
+  ``logprobs.content[j]`` with ``token``, ``logprob``, ``bytes`` and the ``top_logprobs``
+  alternatives), plus the extensions RL needs on each choice: ``token_ids``,
+  ``prompt_token_ids``, ``policy_versions``, ``prompt_text`` (the prompt the chat template
+  rendered) and ``tool_call_errors``. How tool calls are parsed and what ``tool_choice`` does:
   ``megatron.rl.server.chat_responses`` (decoding is never constrained).
 
 ``logprobs.content`` has one entry per generated token, the stop token included (its text is
@@ -30,8 +31,20 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from megatron.rl.wire.base import MAX_CHAT_MESSAGES, MAX_TOKENS, Routes, Seed, WireModel
-from megatron.rl.wire.completions import CompletionUsage, engine_response
-from megatron.rl.wire.engine import InferenceRequest, InferenceResponse, RolloutKey, SamplingParams
+from megatron.rl.wire.completions import (
+    CompletionUsage,
+    StopString,
+    StreamOptions,
+    engine_response,
+)
+from megatron.rl.wire.engine import (
+    MAX_STOP_STRINGS,
+    MAX_TOP_LOGPROBS,
+    InferenceRequest,
+    InferenceResponse,
+    RolloutKey,
+    SamplingParams,
+)
 from megatron.rl.wire.messages import ChatMessage, ToolCall, check_chat_messages
 
 DEFAULT_MAX_TOKENS = 16
@@ -82,7 +95,9 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 class ChatCompletionRequest(WireModel):
     """``POST /v1/chat/completions`` of the trainer's inference server."""
 
-    model: str | None = Field(None, max_length=256, description="Ignored: the trainer's policy.")
+    model: str | None = Field(
+        None, max_length=256, description="A served model (GET /v1/models; 404 for another)."
+    )
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
     max_tokens: int | None = Field(
         None, ge=1, le=MAX_TOKENS, description="Most tokens to generate."
@@ -103,9 +118,17 @@ class ChatCompletionRequest(WireModel):
     )
     logprobs: bool = Field(False, description="Return each generated token's logprob.")
     top_logprobs: int | None = Field(
-        None, description="Only 0: the engine returns the sampled tokens' logprobs only."
+        None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="With logprobs: each token's k most likely alternatives.",
     )
-    stream: Literal[False] = False
+    stop: StopString | list[StopString] | None = Field(
+        None, max_length=MAX_STOP_STRINGS, description="Strings that end the text (cut before)."
+    )
+    stream: bool = Field(False, description="Server-sent events, one chunk per token.")
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=256, description="Accepted, unused.")
     rollout_key: RolloutKey | None = Field(None, description="Extension: see InferenceRequest.")
     ignore_eos: bool = Field(False, description="Extension: see SamplingParams.")
     tools: list[ToolDefinition] | None = Field(
@@ -130,13 +153,6 @@ class ChatCompletionRequest(WireModel):
             )
         return value
 
-    @field_validator("top_logprobs")
-    @classmethod
-    def _no_alternatives(cls, value: int | None) -> int | None:
-        if value not in (None, 0):
-            raise ValueError("only 0 is supported (the engine returns no alternative tokens)")
-        return value
-
     @model_validator(mode="after")
     def _consistent(self) -> "ChatCompletionRequest":
         check_chat_messages(self.messages)
@@ -154,7 +170,18 @@ class ChatCompletionRequest(WireModel):
             self.max_tokens != self.max_completion_tokens
         ):
             raise ValueError("'max_tokens' and 'max_completion_tokens' differ; give one of them")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("'top_logprobs' needs 'logprobs': true")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("'stream_options' needs 'stream'")
         return self
+
+    @property
+    def stop_strings(self) -> list[str] | None:
+        """``stop`` as a list (None: none)."""
+        if self.stop is None or self.stop == []:
+            return None
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     @property
     def budget(self) -> int:
@@ -187,6 +214,8 @@ class ChatCompletionRequest(WireModel):
                 top_k=self.top_k,
                 max_tokens=self.budget,
                 ignore_eos=self.ignore_eos,
+                top_logprobs=self.top_logprobs or 0,
+                stop=self.stop_strings,
             ),
             seed=self.seed,
             rollout_key=self.rollout_key,
@@ -217,6 +246,8 @@ class ChatCompletionRequest(WireModel):
             top_k=s.top_k,
             seed=request.seed,
             logprobs=True,
+            top_logprobs=s.top_logprobs or None,
+            stop=s.stop,
             rollout_key=request.rollout_key,
         )
 
@@ -230,7 +261,7 @@ class ChatCompletionMessage(WireModel):
 
 
 class ChatTopLogprob(WireModel):
-    """An alternative token (never sent: ``top_logprobs`` is always empty)."""
+    """One of the most likely tokens at a position."""
 
     token: str
     logprob: float
@@ -243,7 +274,11 @@ class ChatTokenLogprob(WireModel):
     token: str
     logprob: float
     bytes: list[int] | None = Field(description="UTF-8 bytes of the token's decoded text.")
-    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list, max_length=0)
+    top_logprobs: list[ChatTopLogprob] = Field(
+        default_factory=list,
+        max_length=MAX_TOP_LOGPROBS,
+        description="The request's top_logprobs most likely tokens, most likely first.",
+    )
 
 
 class ChatChoiceLogprobs(WireModel):

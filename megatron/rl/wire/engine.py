@@ -3,7 +3,7 @@ for (in process or through the inference server) and what it answers."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -19,6 +19,15 @@ from megatron.rl.wire.base import (
 )
 from megatron.rl.wire.messages import ChatMessage, check_chat_messages
 
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives per token a request may ask for (OpenAI's limit)."""
+MAX_STOP_STRINGS = 16
+"""Most stop strings of one request."""
+MAX_STOP_LENGTH = 256
+"""Longest stop string (characters)."""
+TokenAlternative = tuple[TokenId, float]
+"""One alternative at a position: (token id, logprob)."""
+
 
 class SamplingParams(WireModel):
     """How one generation request samples tokens."""
@@ -31,6 +40,21 @@ class SamplingParams(WireModel):
         False,
         description="Generate exactly max_tokens: EOS and the other stop tokens do not end the "
         "generation (the same work for every request).",
+    )
+    top_logprobs: int = Field(
+        0,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="Alternatives returned per generated token: the most likely tokens of the "
+        "distribution its logprob is from (unkeyed requests only).",
+    )
+    stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]] | None = Field(
+        None,
+        max_length=MAX_STOP_STRINGS,
+        exclude_if=lambda v: v is None,
+        description="Strings that end the generation where the text first contains one; the "
+        "text is cut before it, the tokens end with the one that completed it (unkeyed requests "
+        "only).",
     )
 
 
@@ -148,9 +172,49 @@ class InferenceResponse(WireModel):
         description="Routing replay: the experts each MoE layer chose for each position fed "
         "(prompt_tokens + tokens but the last), flat layers x top-k ids; omitted if unrecorded.",
     )
+    top_logprobs: list[list[TokenAlternative]] | None = Field(
+        None,
+        max_length=MAX_TOKENS,
+        exclude_if=lambda value: value is None,
+        description="Per generated token, its SamplingParams.top_logprobs most likely tokens as "
+        "(token id, logprob), most likely first; omitted when none were asked.",
+    )
 
     @model_validator(mode="after")
     def _routes_cover_fed_positions(self) -> "InferenceResponse":
         fed = len(self.prompt_tokens) + len(self.tokens) - 1
         check_routes(self.routed_experts, fed, "routed_experts", "fed position")
+        if self.top_logprobs is not None and len(self.top_logprobs) != len(self.tokens):
+            raise ValueError("'top_logprobs' must have one entry per generated token")
         return self
+
+
+class ScoreRequest(WireModel):
+    """Scoring a text (nothing generated): the logprob of each of its tokens given those before
+    it under the current policy, with the most likely alternatives at each position."""
+
+    prompt: str | None = Field(
+        None, max_length=MAX_TOKENS, description="Text, tokenized by the trainer."
+    )
+    prompt_tokens: list[TokenId] | None = Field(
+        None, max_length=MAX_TOKENS, description="Token ids (instead of text)."
+    )
+    top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS, description="Alternatives per token.")
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> "ScoreRequest":
+        if (self.prompt is None) == (self.prompt_tokens is None):
+            raise ValueError("exactly one of 'prompt' and 'prompt_tokens' must be given")
+        if not (self.prompt or self.prompt_tokens):
+            raise ValueError("the text to score must not be empty")
+        return self
+
+
+class ScoreResponse(WireModel):
+    """The scored tokens: ``logprobs[i]`` is token ``i + 1``'s given tokens ``0 .. i``."""
+
+    prompt_tokens: list[int]
+    logprobs: list[float] = Field(description="One per token after the first.")
+    top_logprobs: list[list[TokenAlternative]] = Field(
+        description="One list per token after the first (empty lists when none were asked)."
+    )

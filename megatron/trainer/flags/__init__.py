@@ -10,7 +10,7 @@
 * ``parse.py``: the parser derived from the sections and ``parse_args``; ``command_line.py``,
   ``megatron_lm.py`` and ``megatron_lm_common.py``: Megatron-LM's command lines in one pass;
   ``run_file.py``: ``--config`` YAML files and the resolved config a run writes;
-  ``reference.py``: ``docs/flags.md``.
+  ``markdown.py``: ``docs/flags.md``.
 
 Nothing here imports torch or megatron-core at module level: ``--help`` takes well under a second.
 """

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron.trainer.flags.megatron_lm import aliases_of
-from megatron.trainer.flags.option import Section, option
+from megatron.trainer.flags.option import EVALUATE, Section, option
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class Evaluation(Section):
         "Held-out prompts per environment.",
         aliases=aliases_of("--eval-prompts"),
         minimum=1,
+        commands=(EVALUATE,),
     )
     iters: int = option(
         0,
@@ -42,15 +43,19 @@ class Evaluation(Section):
         "n: sampled completions per held-out prompt for pass@k (at the training sampling "
         "parameters).",
         minimum=1,
+        commands=(EVALUATE,),
     )
     pass_k: tuple[int, ...] = option(
         [1],
         "The k of the unbiased pass@k estimator to log (each <= --eval-samples).",
         parse=int,
         nargs="+",
+        commands=(EVALUATE,),
     )
     correct_threshold: float = option(
-        1.0, "A sampled completion counts as correct for pass@k when its reward is >= this."
+        1.0,
+        "A sampled completion counts as correct for pass@k when its reward is >= this.",
+        commands=(EVALUATE,),
     )
     val_split_fraction: float = option(
         0.0,
@@ -60,6 +65,7 @@ class Evaluation(Section):
         "size, not by --seed. 0 = off (the held-out set is drawn).",
         flag="--val-split-fraction",
         resume=True,
+        commands=(EVALUATE,),
     )
     val_at_start: bool = option(
         False,
@@ -81,6 +87,7 @@ class Evaluation(Section):
         "<dir>/eval-v<policy version>.jsonl, one line per rollout of both passes.",
         flag="--val-dump-dir",
         parse=str,
+        commands=(EVALUATE,),
     )
 
     @property

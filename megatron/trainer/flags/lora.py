@@ -17,7 +17,7 @@ from megatron.rl.lora.config import (
     read_adapter_config,
     target_projections,
 )
-from megatron.trainer.flags.option import Section, option
+from megatron.trainer.flags.option import COMMANDS, Section, option
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class LoRA(Section):
         resume=True,
         common=True,
         spellings=("TRL: lora_r", "NeMo-RL: policy.megatron_cfg.peft.dim", "verl: lora_rank"),
+        commands=COMMANDS,
     )
     lora_alpha: float | None = option(
         None,
@@ -42,6 +43,7 @@ class LoRA(Section):
         parse=float,
         resume=True,
         spellings=("TRL: lora_alpha", "NeMo-RL: policy.megatron_cfg.peft.alpha"),
+        commands=COMMANDS,
     )
     lora_dropout: float = option(
         0.0,
@@ -59,6 +61,7 @@ class LoRA(Section):
         choices=TARGET_NAMES,
         resume=True,
         spellings=("TRL: lora_target_modules", "NeMo-RL: policy.megatron_cfg.peft.target_modules"),
+        commands=COMMANDS,
     )
     lora_init: str = option(
         "kaiming",
@@ -73,6 +76,7 @@ class LoRA(Section):
         "to the model they load.",
         parse=str,
         common=True,
+        commands=COMMANDS,
     )
     save_lora: str | None = option(
         None,

@@ -19,9 +19,12 @@ HEADER = """# Flags of `pretrain_grpo.py`
 Generated from the config tree (`megatron/trainer/flags`) by
 `python -m megatron.trainer.flags.markdown > docs/flags.md`; a test fails when it is stale.
 `python pretrain_grpo.py --help` lists the common options (marked * here), `--help-all` every one.
-A run file (`--config run.yaml`) takes the same names without the dashes. *Resume*: a resumed
-run must keep the value. Megatron-LM's flags that are not ours (accepted, respelled or refused) are
-in the [user guide](user_guide.md#coming-from-megatron-lm).
+`python -m megatron.trainer.serve --help` and `python -m megatron.trainer.evaluate --help` list
+the options those commands read (marked serve, evaluate; their own flags are in the
+[user guide](user_guide.md#serving-a-checkpoint)); both accept every option, `--help-all` lists
+them. A run file (`--config run.yaml`) takes the same names without the dashes. *Resume*: a
+resumed run must keep the value. Megatron-LM's flags that are not ours (accepted, respelled or
+refused) are in the [user guide](user_guide.md#coming-from-megatron-lm).
 """
 
 
@@ -55,13 +58,15 @@ def _row(flag: str, field: str, declared: Option, default: Any) -> list[str]:
     names = ", ".join(f"`{a}`" for a in declared.aliases)
     others = "; ".join(declared.spellings)
     theirs = "" if declared.megatron_lm_default is NO_VALUE else _text(declared.megatron_lm_default)
-    marks = ("*" if declared.common else "") + (" resume" if declared.resume else "")
+    marks = " ".join(
+        ["*"] * declared.common + ["resume"] * declared.resume + list(declared.commands)
+    )
     return [
         f"`{flag}`" + (f" ({names})" if names else ""),
         f"`{field}`",
         "" if default is None else f"`{_text(default)}`",
         theirs,
-        marks.strip(),
+        marks,
         " ".join(declared.help.split()).replace("|", "\\|"),
         others,
     ]

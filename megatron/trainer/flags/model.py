@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from megatron.trainer.flags.option import Section, option
+from megatron.trainer.flags.option import COMMANDS, Section, option
 
 if TYPE_CHECKING:
     from megatron.rl.models.architecture import GPTArchitecture
@@ -68,6 +68,7 @@ class Model(Section):
         parse=str,
         common=True,
         spellings=("TRL: model_name_or_path", "NeMo-RL: policy.model_name"),
+        commands=COMMANDS,
     )
     tokenizer_type: str | None = option(
         None,
@@ -75,9 +76,13 @@ class Model(Section):
         "HuggingFaceTokenizer with --hf-checkpoint or --tokenizer-model, else CharTokenizer).",
         choices=TOKENIZER_TYPES,
         parse=str,
+        commands=COMMANDS,
     )
     tokenizer_model: str | None = option(
-        None, "Hugging Face tokenizer directory (default: --hf-checkpoint).", parse=str
+        None,
+        "Hugging Face tokenizer directory (default: --hf-checkpoint).",
+        parse=str,
+        commands=COMMANDS,
     )
     save_hf: str | None = option(
         None,
@@ -190,6 +195,7 @@ class Model(Section):
         "Longest prompt + completion, in tokens (also the KV-cache length).",
         minimum=1,
         common=True,
+        commands=COMMANDS,
     )
     max_position_embeddings: int | None = option(
         None, "Size of the learned position table (default: --seq-length).", parse=int

@@ -3,9 +3,10 @@
 A section is a frozen dataclass (``Section``) whose fields are ``option(default, help, ...)``: the
 field's name, type (``parse``), default, constraint (``minimum``, ``choices``), one-line help, the
 Megatron-LM spellings (``aliases``) and default where ours differs, the TRL / NeMo-RL spellings,
-and whether a resumed run must keep the value (``resume``). Everything else is derived from that
-one declaration: the argparse flags (``add_section``), ``--help`` and ``--help-all``, the YAML run
-files, ``docs/flags.md`` and the resume check.
+whether a resumed run must keep the value (``resume``) and which of the other commands on these
+flags read it (``commands``). Everything else is derived from that one declaration: the argparse
+flags (``add_section``), each command's ``--help`` and ``--help-all``, the YAML run files,
+``docs/flags.md`` and the resume check.
 
 This module imports neither torch nor megatron-core: ``--help`` parses in a fraction of a second.
 """
@@ -19,6 +20,11 @@ from typing import Any, Callable, ClassVar, Iterator
 
 NO_VALUE = object()
 """``megatron_lm_default`` of an option whose Megatron-LM default is ours (or that it lacks)."""
+
+SERVE, EVALUATE = "serve", "evaluate"
+COMMANDS = (SERVE, EVALUATE)
+"""The commands besides ``pretrain_grpo.py`` on these flags (``python -m megatron.trainer.<name>``):
+each accepts every option, its ``--help`` lists those whose ``Option.commands`` name it."""
 
 
 @dataclass(frozen=True)
@@ -45,7 +51,11 @@ class Option:
     resume: bool = False
     """A resumed run must keep the checkpoint's value (the check names the flag)."""
     common: bool = False
-    """Listed by ``--help``; every option is listed by ``--help-all``."""
+    """Listed by ``pretrain_grpo.py --help``; every option is listed by ``--help-all``."""
+    commands: tuple[str, ...] = ()
+    """The other commands (of ``COMMANDS``) whose ``--help`` lists the option: only ones that
+    read it. Left out besides: the architecture flags (``--hf-checkpoint``'s config.json or a run
+    file gives them) and what only the default fits there (one process: the parallel sizes)."""
     megatron_lm_default: Any = NO_VALUE
     """Megatron-LM's default where it differs from ours (shown by ``--help`` and docs/flags.md)."""
     spellings: tuple[str, ...] = ()
@@ -54,6 +64,9 @@ class Option:
 
 def option(default: Any, help: str, **declaration: Any) -> Any:
     """A section field declaring one option (see ``Option`` for ``declaration``)."""
+    unknown = set(declaration.get("commands", ())) - set(COMMANDS)
+    if unknown:
+        raise ValueError(f"commands {sorted(unknown)}: not one of {COMMANDS}")
     if isinstance(default, list):
         default = tuple(default)
     return dataclasses.field(default=default, metadata={"option": Option(help, **declaration)})
@@ -108,12 +121,22 @@ def default_text(declared: Option, default: Any) -> str:
     return shown
 
 
-def add_section(parser: argparse.ArgumentParser, section: type[Section], every: bool) -> None:
-    """Declare ``section``'s flags on ``parser`` (hidden from the help unless ``every`` or the
-    option is ``common``)."""
+def listed(declared: Option, command: str | None) -> bool:
+    """Whether ``command``'s ``--help`` lists the option (None: ``pretrain_grpo.py``'s)."""
+    return declared.common if command is None else command in declared.commands
+
+
+def add_section(
+    parser: argparse.ArgumentParser,
+    section: type[Section],
+    every: bool,
+    command: str | None = None,
+) -> None:
+    """Declare ``section``'s flags on ``parser`` (hidden from the help unless ``every`` or
+    ``listed`` for ``command``, None: ``pretrain_grpo.py``)."""
     group = parser.add_argument_group(section.title)
     for f, declared, flag in options(section):
-        shown = every or declared.common
+        shown = every or listed(declared, command)
         text = (declared.help + default_text(declared, f.default)).replace("%", "%%")
         kwargs: dict[str, Any] = dict(
             dest=dest_of(flag), default=f.default, help=text if shown else argparse.SUPPRESS

@@ -9,7 +9,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron.trainer.flags.option import Section, option
+from megatron.trainer.flags.option import COMMANDS, Section, option
 
 OUTPUT_PATHS = (
     ("--save", "dir"),
@@ -32,7 +32,9 @@ class Checkpointing(Section):
     save_interval: int | None = option(
         None, "Save every N steps.", parse=int, minimum=1, common=True
     )
-    load: str | None = option(None, "Checkpoint directory to resume from.", parse=str, common=True)
+    load: str | None = option(
+        None, "Checkpoint directory to resume from.", parse=str, common=True, commands=COMMANDS
+    )
     no_load_optim: bool = option(
         False, "With --load: do not restore the optimizer state (fresh AdamW moments).", switch=True
     )
@@ -49,6 +51,7 @@ class Checkpointing(Section):
         "complete checkpoint an unreadable one's error names).",
         parse=int,
         minimum=1,
+        commands=COMMANDS,
     )
     ckpt_format: str | None = option(
         None,
@@ -118,6 +121,7 @@ class Logging(Section):
         "Print the traceback of expected errors too (bad input, unreadable checkpoint, "
         "environment failures); also on with the environment variable GRPO_DEBUG_TRACEBACKS=1.",
         switch=True,
+        commands=COMMANDS,
     )
 
     def problems(self) -> list[str]:

@@ -1,12 +1,12 @@
 """The command line of ``pretrain_grpo.py``: the parser derived from the sections, and the parse.
 
 ``build_parser`` declares every option of ``run.SECTIONS`` (and one weight per loss term) with its
-help; ``--help`` lists the options users change most, ``--help-all`` every one. ``parse_args``
-reads the command line in one pass (``command_line.py``: Megatron-LM's flags accepted, respelled
-or refused, unknown flags with the closest of ours, argparse's own errors, a ``--config`` run
-file's keys) and exits with status 2 and every problem in one message, never the usage block;
-then ``resolve.resolve`` returns the frozen ``RunConfig`` or every problem of the values, again in one
-message. Parsing imports neither torch nor megatron-core.
+help; ``--help`` lists the options users change most (``serve`` and ``evaluate``: the ones they
+read), ``--help-all`` every one. ``parse_args`` reads the command line in one pass
+(``command_line.py``: Megatron-LM's flags accepted, respelled or refused, unknown flags with the
+closest of ours, argparse's own errors, a ``--config`` run file's keys) and exits with status 2
+and every problem in one message, never the usage block; then ``resolve.resolve`` returns the
+frozen ``RunConfig`` or every problem of the values, again in one message. Parsing imports neither torch nor megatron-core.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from megatron.trainer.flags.command_line import (
     report,
 )
 from megatron.trainer.flags.megatron_lm import add_refused_flags
-from megatron.trainer.flags.option import add_section, default_text
+from megatron.trainer.flags.option import Section, add_section, default_text
 from megatron.trainer.flags.resolve import resolve
 from megatron.trainer.flags.run import SECTIONS, RunConfig, term_options
 from megatron.trainer.flags.run_file import CONFIG_FLAG, RUN_CONFIG_FILE, file_tokens
@@ -50,9 +50,10 @@ class HelpAll(argparse.Action):
         parser.exit()
 
 
-def build_parser(every: bool = False) -> OneLineParser:
+def build_parser(every: bool = False, command: str | None = None) -> OneLineParser:
     """The parser of every option; ``every``: list them all in the help, otherwise only the
-    common ones (``--help``; ``--help-all`` shows the rest)."""
+    common ones (``--help``; ``--help-all`` shows the rest), or for another ``command``
+    (``option.COMMANDS``) the ones it reads (``Option.commands``)."""
     p = OneLineParser(
         prog="pretrain_grpo.py",
         description=DESCRIPTION,
@@ -69,17 +70,28 @@ def build_parser(every: bool = False) -> OneLineParser:
         "such a file next to --metrics-file (<name>.config.yaml) and into each checkpoint "
         f"({RUN_CONFIG_FILE}).",
     )
-    for _, section in SECTIONS:
-        add_section(p, section, every)
+    for _, section in SECTIONS if command is None else loading_first():
+        add_section(p, section, every, command)
         if section.title == "GRPO":
             group = p.add_argument_group("GRPO loss terms (one per megatron/rl/grpo/terms module)")
             for flag, declared, default in term_options():
-                text = declared.help + default_text(declared, default)
-                group.add_argument(
-                    flag, type=float, default=default, metavar="X", help=text.replace("%", "%%")
+                text = (declared.help + default_text(declared, default)).replace("%", "%%")
+                shown = every or command is None  # training's own: hidden by other commands
+                action = group.add_argument(
+                    flag,
+                    type=float,
+                    default=default,
+                    metavar="X",
+                    help=text if shown else argparse.SUPPRESS,
                 )
+                action.full_help = text  # what --help-all shows
     add_refused_flags(p)
     return p
+
+
+def loading_first() -> list[tuple[str, type[Section]]]:
+    """``SECTIONS`` in the order of another command's help: what loads the model first."""
+    return sorted(SECTIONS, key=lambda item: item[0] not in ("model", "lora", "checkpointing"))
 
 
 def parse_explicit(

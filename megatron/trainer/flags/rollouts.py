@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from megatron.rl.tools.parsers import DEFAULT_PARSER, parser_choices
 from megatron.trainer.flags.megatron_lm import aliases_of
-from megatron.trainer.flags.option import Section, option
+from megatron.trainer.flags.option import COMMANDS, EVALUATE, SERVE, Section, option
 
 if TYPE_CHECKING:
     from megatron.rl.agent.mixture import MixtureAgent
@@ -37,18 +37,28 @@ class Rollouts(Section):
         aliases=aliases_of("--env-config"),
         parse=str,
         common=True,
+        commands=(EVALUATE,),
     )
     default_temperature: float = option(
-        1.0, "Sampling temperature (0 = greedy).", common=True, spellings=("TRL: temperature",)
+        1.0,
+        "Sampling temperature (0 = greedy).",
+        common=True,
+        spellings=("TRL: temperature",),
+        commands=(EVALUATE,),
     )
-    default_top_p: float = option(0.0, "Nucleus mass (0 or 1 = off).", spellings=("TRL: top_p",))
-    default_top_k: int = option(-1, "Top-k (-1 or 0 = off).", spellings=("TRL: top_k",))
+    default_top_p: float = option(
+        0.0, "Nucleus mass (0 or 1 = off).", spellings=("TRL: top_p",), commands=(EVALUATE,)
+    )
+    default_top_k: int = option(
+        -1, "Top-k (-1 or 0 = off).", spellings=("TRL: top_k",), commands=(EVALUATE,)
+    )
     default_max_tokens: int = option(
         16,
         "Generation budget when the environment sets none.",
         minimum=1,
         common=True,
         spellings=("TRL: max_completion_length",),
+        commands=(EVALUATE,),
     )
     ignore_eos: bool = option(
         False,
@@ -109,6 +119,7 @@ class Inference(Section):
         flag="--inference-max-requests",
         minimum=1,
         common=True,
+        commands=COMMANDS,
     )
     deterministic_schedule: bool = option(
         True,
@@ -153,12 +164,14 @@ class Inference(Section):
         "Largest request body the inference server (and serve) reads, MiB: a larger one is "
         "answered 413 before it is read whole.",
         minimum=0.001,
+        commands=(SERVE,),
     )
     max_request_tokens: int = option(
         65536,
         "Largest n x max_tokens of one outside request (no rollout key) to the inference server "
         "(and serve): a larger one is answered 422. Rollouts are the trainer's own and exempt.",
         minimum=1,
+        commands=(SERVE,),
     )
     max_requests_per_client: int = option(
         16,
@@ -166,6 +179,7 @@ class Inference(Section):
         "serve); the next is answered 429. A client that disconnects cancels its request (its "
         "KV-cache slot is freed at the next engine step).",
         minimum=1,
+        commands=(SERVE,),
     )
     api_key_file: str | None = option(
         None,
@@ -173,6 +187,7 @@ class Inference(Section):
         "(401 without) and remote environments send it to env servers. Default: the environment "
         "variable MEGATRON_RL_API_KEY; neither: no key (keep servers on loopback).",
         parse=str,
+        commands=(SERVE,),
     )
     tool_call_parser: str = option(
         "auto",
@@ -184,6 +199,7 @@ class Inference(Section):
         "named function is refused). Decoding is not constrained.",
         flag="--tool-call-parser",
         choices=parser_choices(),
+        commands=(SERVE,),
     )
 
     def problems(self) -> list[str]:

@@ -7,7 +7,7 @@ import decimal
 import math
 from dataclasses import dataclass, replace
 
-from megatron.trainer.flags.option import Section, option
+from megatron.trainer.flags.option import COMMANDS, Section, option
 
 DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES = 10
 """``--distributed-timeout-minutes`` unless the watchdog's timeout is longer."""
@@ -124,6 +124,7 @@ class Training(Section):
         "is bfloat16.",
         switch=True,
         common=True,
+        commands=COMMANDS,
     )
     recompute_granularity: str | None = option(
         None,
@@ -177,7 +178,9 @@ class Training(Section):
         "--no-check-for-nan-in-loss-and-grad trains on.",
         negatable=True,
     )
-    seed: int = option(1234, "Seed of init, prompts and sampling.", resume=True, common=True)
+    seed: int = option(
+        1234, "Seed of init, prompts and sampling.", resume=True, common=True, commands=COMMANDS
+    )
     log_interval: int = option(
         1, "Print a log line every N steps.", minimum=1, megatron_lm_default=100
     )

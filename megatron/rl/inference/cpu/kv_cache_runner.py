@@ -26,8 +26,13 @@ import torch.distributed as dist
 
 from megatron.rl.inference.cpu.cached_forward import CachedForward
 from megatron.rl.inference.cpu.kv_cache import KVCache
-from megatron.rl.inference.protocol import RowResult, RowWork
-from megatron.rl.inference.sampling import sample_tokens, token_uniform
+from megatron.rl.inference.protocol import RowResult, RowWork, ScoreOutput, ScoreWork
+from megatron.rl.inference.sampling import (
+    alternatives_of,
+    sample_with_alternatives,
+    token_uniform,
+)
+from megatron.rl.inference.scoring import ScoringForward
 from megatron.rl.lora.model import selected_adapters
 from megatron.rl.models.lockstep import agreed_counts, expert_lockstep_group, padding_forward
 from megatron.rl.models.routing_replay import (
@@ -99,6 +104,8 @@ class KVCacheRowRunner:
             )
         self.lockstep_group = expert_lockstep_group(model)
         """TP x EP group whose ranks run every forward together (None: no expert parallelism)."""
+        self.scoring = ScoringForward(model, vocab_size, self.device, tp_group, self._autocast)
+        """Plain forwards that score sequences (``score``)."""
 
     @torch.no_grad()
     def run(self, rows: list[RowWork]) -> list[RowResult]:
@@ -159,6 +166,10 @@ class KVCacheRowRunner:
             order = torch.argsort(torch.tensor(decode + prefill))
             logits = torch.cat([part for part, _ in parts])[order]  # (B, V)
         return self._sample(rows, logits, routes)
+
+    def score(self, jobs: list[ScoreWork]) -> list[ScoreOutput]:
+        """A plain forward of each job's tokens (``scoring.py``); the KV cache is untouched."""
+        return self.scoring(jobs)
 
     def _copy_prompts(self, rows: list[RowWork], unique: list[int], source: list[int]) -> None:
         """Give each row whose prompt was prefilled in another row's slot that slot's keys and
@@ -288,17 +299,19 @@ class KVCacheRowRunner:
         routes: list[torch.Tensor] | None = None,
     ) -> list[RowResult]:
         uniforms = torch.tensor([token_uniform(r.seed, r.start + len(r.tokens)) for r in rows])
-        tokens, logprobs = sample_tokens(
+        tokens, logprobs, top_ids, top_values = sample_with_alternatives(
             logits,
             temperature=torch.tensor([r.temperature for r in rows]),
             top_p=torch.tensor([r.top_p for r in rows]),
             top_k=torch.tensor([r.top_k for r in rows]),
             uniforms=uniforms,
+            top_n=max(r.top_logprobs for r in rows),
         )
         routes = routes or [None] * len(rows)
+        tops = alternatives_of(rows, top_ids, top_values)
         return [
-            RowResult(slot=r.slot, token=int(t), logprob=float(lp), routes=rt)
-            for r, t, lp, rt in zip(rows, tokens.tolist(), logprobs.tolist(), routes)
+            RowResult(slot=r.slot, token=int(t), logprob=float(lp), routes=rt, alternatives=top)
+            for r, t, lp, rt, top in zip(rows, tokens.tolist(), logprobs.tolist(), routes, tops)
         ]
 
 

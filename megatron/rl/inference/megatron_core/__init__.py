@@ -3,8 +3,8 @@
 
 * ``dynamic_engine.py``: the engine's construction on this rank's shard (seeded sampling,
   stepped on a detached loop) and ``build_dynamic_runner``, the backend's provider.
-* ``dynamic_runner.py``: ``DynamicEngineRowRunner`` (``protocol.RowRunner``) and
-  ``SeededSampler``.
+* ``dynamic_runner.py``: ``DynamicEngineRowRunner`` (``protocol.RowRunner``);
+  ``seeded_sampler.py``: ``SeededSampler``, the trainer's sampling inside megatron-core's step.
 * ``flash_reference.py``: a PyTorch reference of the flash-attn functions megatron-core's dynamic
   engine calls, installed where flash-attn is missing.
 

@@ -28,6 +28,7 @@ from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
 from megatron.core.inference.text_generation_controllers.text_generation_controller import (
     TextGenerationController,
@@ -40,6 +41,7 @@ from megatron.rl.inference.megatron_core.dynamic_runner import (
     SeededSampler,
     split_routes,
 )
+from megatron.rl.inference.scoring import ScoringForward
 from megatron.rl.inference.step_group import StepGroup
 from megatron.rl.models.routing_replay import recorded_routes, routing_replays, start_recording
 
@@ -186,7 +188,6 @@ def build_megatron_engine(
     sized for ``max_requests`` requests of ``max_seq_len`` tokens, so requests are never paused or
     evicted for lack of blocks.
     """
-    from megatron.core import parallel_state
     from megatron.core.transformer import attention
     from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
@@ -253,7 +254,19 @@ def dynamic_row_runner(
         start_recording(model)
         sampler.record_routing = True
     engine = build_megatron_engine(model, config, vocab_size, padded_vocab_size, sampler)
-    return DynamicEngineRowRunner(engine, sampler, config)
+    return DynamicEngineRowRunner(engine, sampler, config, model_scoring(model, vocab_size))
+
+
+def model_scoring(model: torch.nn.Module, vocab_size: int) -> ScoringForward | None:
+    """Plain forwards of ``model`` over megatron-core's tensor-parallel group (None with
+    pipeline parallelism: a stage is not the whole model)."""
+    tp_group = None
+    if parallel_state.model_parallel_is_initialized():
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            return None
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+    device = next(model.parameters()).device
+    return ScoringForward(model, vocab_size, device, tp_group)
 
 
 def build_dynamic_runner(inputs: RunnerInputs) -> DynamicEngineRowRunner:

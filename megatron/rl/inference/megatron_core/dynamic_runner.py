@@ -10,11 +10,12 @@ runner differs:
   by one megatron-core step (``async_forward`` + ``async_bookkeep``: dynamic context, paged KV
   cache via ``block_table``, flash attention or ``flash_reference``). It runs on every rank of the
   replica; all ranks see the same rows, so their engines stay in lockstep.
-* ``SeededSampler`` replaces megatron-core's sampling (one generator for all requests) with the
-  trainer's: each request draws the uniform of its token at position p from
-  ``token_uniform(seed, p)`` and samples with ``sample_tokens``, so tokens do not depend on batch
-  composition, every TP rank draws the same token without a broadcast, and the logprob is the one
-  of the tempered policy, as the trainer recomputes it.
+* ``SeededSampler`` (``seeded_sampler.py``) replaces megatron-core's sampling (one generator for
+  all requests) with the trainer's: each request draws the uniform of its token at position p
+  from ``token_uniform(seed, p)``, so tokens do not depend on batch composition, every TP rank
+  draws the same token without a broadcast, and the logprob is the one of the tempered policy,
+  as the trainer recomputes it. A runner also scores sequences with a plain forward of the model
+  (``scoring.ScoringForward``; none with pipeline parallelism).
 * With ``record_routing`` (an MoE model), the controller hands the sampler each request's slice
   of the step's router rows (``split_routes``: the active requests' tokens are packed in request
   order, ``request_query_lengths`` of each), and every ``RowResult`` carries the routes of the
@@ -47,8 +48,14 @@ import torch
 from megatron.core.inference.inference_request import Status
 from megatron.core.inference.sampling_params import SamplingParams as MegatronSamplingParams
 
-from megatron.rl.inference.protocol import RowResult, RowWork
-from megatron.rl.inference.sampling import sample_tokens, token_uniform
+from megatron.rl.inference.megatron_core.seeded_sampler import RowSampling, SeededSampler
+from megatron.rl.inference.protocol import (
+    RowResult,
+    RowWork,
+    ScoreOutput,
+    ScoreWork,
+)
+from megatron.rl.inference.scoring import ScoringForward
 
 
 @dataclass(frozen=True)
@@ -82,76 +89,6 @@ class DynamicEngineConfig:
         if self.max_tokens_per_step is not None:
             return max(self.max_tokens_per_step, self.max_requests, self.max_seq_len)
         return max(min(self.max_requests * self.max_seq_len, 16384), self.max_seq_len)
-
-
-@dataclass(frozen=True)
-class RowSampling:
-    """How one request samples: its seed and sampling parameters."""
-
-    seed: int
-    """The request's sampling seed."""
-    temperature: float
-    """0 means greedy."""
-    top_p: float
-    """Nucleus mass; 1 disables."""
-    top_k: int
-    """0 disables."""
-
-
-class SeededSampler:
-    """Samples the next token of each active request from the request's own seeded uniforms.
-
-    Shared by the runner (which registers each request's ``RowSampling``) and the controller
-    (which calls ``sample`` inside megatron-core's step); ``take`` hands the runner what the last
-    step sampled.
-    """
-
-    def __init__(self, vocab_size: int) -> None:
-        self.vocab_size = vocab_size
-        self.requests: dict[int, RowSampling] = {}
-        self.record_routing = False
-        """The controller hands over each step's routes (``keep_routes``)."""
-        self._last: list[tuple[int, int, float]] = []
-        self._routes: dict[int, torch.Tensor] = {}
-
-    def sample(
-        self, logits: torch.Tensor, request_ids: list[int], positions: list[int]
-    ) -> torch.Tensor:
-        """Tokens (n,) int64 on ``logits``' device for the n active requests.
-
-        ``logits`` (n, V_padded) are full-vocabulary logits at each request's last fed token;
-        ``positions[i]`` is the position of the token being sampled for request i.
-        """
-        logits = logits.float().clone()
-        logits[:, self.vocab_size :] = float("-inf")  # padded embedding rows are never sampled
-        params = [self.requests[r] for r in request_ids]
-        dev = logits.device
-        tokens, logprobs = sample_tokens(
-            logits,
-            temperature=torch.tensor([p.temperature for p in params], device=dev),
-            top_p=torch.tensor([p.top_p for p in params], device=dev),
-            top_k=torch.tensor([p.top_k for p in params], device=dev),
-            uniforms=torch.tensor(
-                [token_uniform(p.seed, pos) for p, pos in zip(params, positions)], device=dev
-            ),
-        )
-        self._last = list(zip(request_ids, tokens.tolist(), logprobs.tolist()))
-        return tokens
-
-    def take(self) -> list[tuple[int, int, float]]:
-        """(request id, token, logprob) of every request the last step sampled, then forget."""
-        last, self._last = self._last, []
-        return last
-
-    def keep_routes(self, routes: dict[int, torch.Tensor]) -> None:
-        """Request id -> (fed, L, k) routes of the tokens the last step fed (from the
-        controller)."""
-        self._routes = routes
-
-    def take_routes(self) -> dict[int, torch.Tensor]:
-        """The routes ``keep_routes`` got for the last step (empty if none), then forget."""
-        routes, self._routes = self._routes, {}
-        return routes
 
 
 def split_routes(
@@ -199,7 +136,8 @@ class _Outstanding:
     """Per-request state of megatron-core requests the runner has added."""
 
     ahead: deque = field(default_factory=deque)
-    """(token, logprob, routes or None) sampled but not yet asked for by the scheduler."""
+    """(token, logprob, routes or None, alternatives) sampled but not yet asked for by the
+    scheduler."""
     sampled: int = 0
     """Tokens megatron-core sampled for it so far."""
     live: bool = True
@@ -217,10 +155,19 @@ class DynamicEngineRowRunner:
     ``sampler``.
     """
 
-    def __init__(self, engine: Any, sampler: SeededSampler, config: DynamicEngineConfig) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        sampler: SeededSampler,
+        config: DynamicEngineConfig,
+        scoring: ScoringForward | None = None,
+    ) -> None:
         self.engine = engine
         self.sampler = sampler
         self.config = config
+        self.scoring = scoring
+        """Plain forwards of the model that score sequences (None: this runner cannot score,
+        e.g. a pipeline stage holds only part of the model)."""
         self._ids = itertools.count()
         self._slots: dict[int, _Slot] = {}
         self._requests: dict[int, _Outstanding] = {}
@@ -257,9 +204,9 @@ class DynamicEngineRowRunner:
         for row, rid in zip(rows, request_ids):
             ahead = self._requests[rid].ahead
             if ahead:
-                token, logprob, routes = ahead.popleft()
+                token, logprob, routes, top = ahead.popleft()
                 self._slots[row.slot].delivered += 1
-                results.append(RowResult(row.slot, token, logprob, routes))
+                results.append(RowResult(row.slot, token, logprob, routes, top))
         self._forget_finished()
         return results
 
@@ -271,12 +218,22 @@ class DynamicEngineRowRunner:
             self.engine.suspend()
             self._suspended = True
 
+    def score(self, jobs: list[ScoreWork]) -> list[ScoreOutput]:
+        """A plain forward of each job's tokens, beside megatron-core's engine (its KV cache and
+        requests are untouched)."""
+        if self.scoring is None:
+            raise RuntimeError(
+                "dynamic engine: scoring needs the whole model on each rank of a replica "
+                "(no pipeline parallelism)"
+            )
+        return self.scoring(jobs)
+
     # ----------------------------------------------------------------- internals
 
     def _bind(self, row: RowWork) -> int:
         """The megatron-core request serving ``row``, added to the engine on its first row."""
         slot = self._slots.get(row.slot)
-        sampling = RowSampling(row.seed, row.temperature, row.top_p, row.top_k)
+        sampling = RowSampling(row.seed, row.temperature, row.top_p, row.top_k, row.top_logprobs)
         if row.start == 0:  # a request's first row: its whole prompt
             same = (
                 slot is not None
@@ -336,11 +293,11 @@ class DynamicEngineRowRunner:
         self.steps += 1
         sampled = self.sampler.take() if forward[0] is not None else []
         routes = self.sampler.take_routes()
-        for rid, token, logprob in sampled:
+        for rid, token, logprob, top in sampled:
             state = self._requests.get(rid)
             if state is not None and not state.abandoned:
                 fed = self._fed_routes(routes.get(rid), first=state.sampled == 0)
-                state.ahead.append((token, logprob, fed))
+                state.ahead.append((token, logprob, fed, top))
                 state.sampled += 1
         finished = drive(self.engine.async_bookkeep(*forward))["finished_request_records"]
         for record in finished:

@@ -9,7 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.rl.inference.sampling import sample_tokens, sort_descending_stable
+from megatron.rl.inference.sampling import (
+    sample_tokens,
+    sample_with_alternatives,
+    sort_descending_stable,
+    top_alternatives,
+)
 
 N = 20_000
 GRID = (torch.arange(N, dtype=torch.float64) + 0.5) / N
@@ -240,3 +245,33 @@ def test_fast_descending_sort_is_torchs_stable_sort(width):
     values, order = sort_descending_stable(x)
     assert torch.equal(order, want_order)
     assert torch.equal(values, want_values)
+
+
+@pytest.mark.parametrize(
+    "row, n, ids",
+    [
+        pytest.param([0.1, 0.5, 0.2, 0.5], 2, [1, 3], id="tie-lower-id-first"),
+        pytest.param([0.1, 0.5, 0.2, 0.4], 3, [1, 3, 2], id="most-likely-first"),
+        pytest.param([0.3, 0.1], 5, [0, 1], id="more-than-the-vocabulary"),
+        pytest.param([0.3, 0.1], 0, [], id="none"),
+    ],
+)
+def test_alternatives_are_the_largest_entries_themselves(row, n, ids):
+    logprobs = torch.log(torch.tensor([row]))  # (1, V)
+    top_ids, top_values = top_alternatives(logprobs, n)
+    assert top_ids.tolist() == [ids]
+    assert top_values.tolist() == [[logprobs[0, i].item() for i in ids]]  # no recomputation
+
+
+def test_sampled_tokens_and_alternatives_share_one_distribution():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    temperature = torch.tensor([0.0, 0.7, 1.3])
+    args = (temperature, torch.ones(3), torch.zeros(3, dtype=torch.long), torch.rand(3))
+    tokens, logprobs, top_ids, top_values = sample_with_alternatives(logits, *args, top_n=50)
+    plain_tokens, plain_logprobs = sample_tokens(logits, *args)
+    assert torch.equal(tokens, plain_tokens) and torch.equal(logprobs, plain_logprobs)
+    for b in range(3):  # every token's logprob is bitwise its entry among the alternatives
+        where = top_ids[b].tolist().index(int(tokens[b]))
+        assert top_values[b, where].item() == logprobs[b].item()
+    assert top_ids[0, 0] == tokens[0]  # greedy: the most likely

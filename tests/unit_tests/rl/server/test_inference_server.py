@@ -103,9 +103,16 @@ def test_rollout_key_and_seed_reach_the_inference_interface():
 @pytest.mark.parametrize(
     "body, status, needle",
     [
-        pytest.param({"prompt": "12=", "stop": ["\n"]}, 422, "field 'stop'", id="unsupported-stop"),
+        pytest.param(
+            {"prompt": "12=", "best_of": 2}, 422, "field 'best_of'", id="unsupported-field"
+        ),
+        pytest.param({"prompt": "12=", "stop": [""]}, 422, "field 'stop", id="empty-stop-string"),
+        pytest.param({"prompt": "12=", "max_tokens": 0}, 422, "'echo'", id="nothing-to-generate"),
         pytest.param({"prompt": "12=", "n": 0}, 422, "field 'n'", id="n-zero"),
-        pytest.param({"prompt": "12=", "stream": True}, 422, "field 'stream'", id="streaming"),
+        pytest.param(
+            {"prompt": "12=", "stream": True, "echo": True}, 422, "'echo'", id="echo-stream"
+        ),
+        pytest.param({"prompt": "12=", "logprobs": 21}, 422, "field 'logprobs'", id="logprobs-21"),
         pytest.param({"prompt": "hello"}, 422, "prompt", id="character-outside-alphabet"),
         pytest.param({"prompt": [2, 999]}, 422, "outside the vocabulary", id="token-out-of-vocab"),
         pytest.param({"prompt": "1" * 20, "max_tokens": 10}, 422, "max_seq_len", id="too-long"),

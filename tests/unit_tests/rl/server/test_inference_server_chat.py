@@ -58,7 +58,7 @@ def test_openai_client_gets_text_per_token_logprobs_and_policy_versions(llama3):
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         async with client:
             return await client.chat.completions.create(
-                model="tiny",
+                model="policy",
                 messages=MESSAGES,
                 max_completion_tokens=8,
                 temperature=1.0,
@@ -70,7 +70,7 @@ def test_openai_client_gets_text_per_token_logprobs_and_policy_versions(llama3):
             )
 
     completion = asyncio.run(serve(model, tokenizer, work))
-    assert completion.object == "chat.completion" and completion.model == "tiny"
+    assert completion.object == "chat.completion" and completion.model == "policy"
     prompt = tokenizer.encode_chat(MESSAGES)
     assert len(completion.choices) == 2
     sampled = []
@@ -139,7 +139,7 @@ def test_a_tokenizer_without_a_chat_template_is_a_422_naming_it(
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         async with client:
             with pytest.raises(openai.UnprocessableEntityError) as info:
-                await client.chat.completions.create(model="tiny", messages=MESSAGES)
+                await client.chat.completions.create(model="policy", messages=MESSAGES)
             return info.value
 
     error = asyncio.run(serve(model, tokenizer, work))
@@ -170,7 +170,7 @@ USER = [{"role": "user", "content": "1+1="}]
 @pytest.mark.parametrize(
     "body, needle",
     [
-        pytest.param({"messages": USER, "stop": ["\n"]}, "field 'stop'", id="stop"),
+        pytest.param({"messages": USER, "stop": [""]}, "field 'stop", id="empty-stop"),
         pytest.param(
             {"messages": USER, "tools": [{"type": "code_interpreter"}]},
             "field 'tools.0.type'",
@@ -189,8 +189,17 @@ USER = [{"role": "user", "content": "1+1="}]
         pytest.param(
             {"messages": USER, "tool_choice": "any"}, "field 'tool_choice'", id="tool-choice"
         ),
-        pytest.param({"messages": USER, "top_logprobs": 2}, "field 'top_logprobs'", id="top-2"),
-        pytest.param({"messages": USER, "stream": True}, "field 'stream'", id="streaming"),
+        pytest.param({"messages": USER, "top_logprobs": 2}, "needs 'logprobs'", id="top-2"),
+        pytest.param(
+            {"messages": USER, "logprobs": True, "top_logprobs": 21},
+            "field 'top_logprobs'",
+            id="top-21",
+        ),
+        pytest.param(
+            {"messages": USER, "stream_options": {"include_usage": True}},
+            "needs 'stream'",
+            id="options-without-stream",
+        ),
         pytest.param({"messages": USER, "n": 0}, "field 'n'", id="n-zero"),
         pytest.param(
             {"messages": USER, "max_tokens": 4, "max_completion_tokens": 5},
@@ -218,3 +227,12 @@ def test_bad_chat_requests_are_422_naming_the_problem(body, needle):
     (r,) = post_chat([body])
     assert r.status_code == 422
     assert needle in r.json()["detail"]
+
+
+def test_a_model_not_served_is_a_404_naming_it_and_the_served_one():
+    served, unknown = post_chat(
+        [{"messages": USER, "model": "policy"}, {"messages": USER, "model": "gpt-x"}]
+    )
+    assert served.status_code != 404
+    assert unknown.status_code == 404
+    assert "the model 'gpt-x' is not served here ('policy')" in unknown.json()["detail"]

@@ -114,7 +114,7 @@ def ask(**kwargs):
 
     async def work(client, inference):
         kwargs.setdefault("messages", USER)
-        return await client.chat.completions.create(model="tiny", **kwargs)
+        return await client.chat.completions.create(model="policy", **kwargs)
 
     return work
 
@@ -232,13 +232,15 @@ def test_tool_choice(tokenizer, kwargs, text, content, calls, finish_reason, err
 
 def test_a_tool_result_continues_the_conversation(tokenizer):
     async def work(client, inference):
-        first = await client.chat.completions.create(model="t", messages=USER, tools=[WEATHER])
+        first = await client.chat.completions.create(model="policy", messages=USER, tools=[WEATHER])
         call = first.choices[0].message.tool_calls[0]
         history = USER + [
             first.choices[0].message.model_dump(exclude_none=True),
             {"role": "tool", "tool_call_id": call.id, "content": "22 C, sunny"},
         ]
-        second = await client.chat.completions.create(model="t", messages=history, tools=[WEATHER])
+        second = await client.chat.completions.create(
+            model="policy", messages=history, tools=[WEATHER]
+        )
         return history, second
 
     (history, second), _ = serve(tokenizer, [PARIS, "It is 22 C and sunny."], work)
@@ -278,10 +280,10 @@ def test_llama3_parser_by_name_and_auto_detection_from_the_template(tokenizer):
 
 def test_a_server_without_a_parser_returns_text_and_refuses_forced_choices(tokenizer):
     async def work(client, inference):
-        plain = await client.chat.completions.create(model="t", messages=USER, tools=[WEATHER])
+        plain = await client.chat.completions.create(model="policy", messages=USER, tools=[WEATHER])
         with pytest.raises(openai.UnprocessableEntityError) as info:
             await client.chat.completions.create(
-                model="t", messages=USER, tools=[WEATHER], tool_choice="required"
+                model="policy", messages=USER, tools=[WEATHER], tool_choice="required"
             )
         return plain, info.value
 
@@ -327,3 +329,36 @@ def test_bad_tool_requests_are_422_naming_the_field(tokenizer, kwargs, needle):
     error, metrics = serve(tokenizer, [], work)
     assert needle in error.body["detail"]
     assert metrics["chat_choices"] == 0
+
+
+def streamed(**kwargs):
+    """A ``work`` that streams one chat completion with ``kwargs`` and returns its chunks."""
+
+    async def work(client, inference):
+        kwargs.setdefault("messages", USER)
+        stream = await client.chat.completions.create(model="policy", stream=True, **kwargs)
+        return [chunk async for chunk in stream]
+
+    return work
+
+
+def test_streamed_tool_calls_are_deltas_that_join_to_the_answer_not_streamed(tokenizer):
+    text = f"Checking both.\n{PARIS}\n{NOW}"
+    whole, _ = serve(tokenizer, [text], ask(tools=[WEATHER, TIME]))
+    chunks, metrics = serve(tokenizer, [text], streamed(tools=[WEATHER, TIME]))
+    choices = [chunk.choices[0] for chunk in chunks]
+    assert choices[0].delta.role == "assistant"
+    assert "".join(c.delta.content or "" for c in choices) == whole.choices[0].message.content
+    calls: dict[int, dict] = {}  # what a client's tool-call parser accumulates
+    for c in choices:
+        for piece in c.delta.tool_calls or ():
+            call = calls.setdefault(piece.index, {"id": None, "name": "", "arguments": ""})
+            call["id"] = piece.id or call["id"]
+            call["name"] += piece.function.name or ""
+            call["arguments"] += piece.function.arguments or ""
+    assert [(c["id"], c["name"], json.loads(c["arguments"])) for c in calls.values()] == calls_of(
+        whole.choices[0]
+    )
+    assert choices[-1].finish_reason == "tool_calls"
+    assert [c.finish_reason for c in choices[:-1]] == [None] * (len(choices) - 1)
+    assert metrics == {"chat_choices": 1, "tool_calls": 2, "tool_call_errors": 0}

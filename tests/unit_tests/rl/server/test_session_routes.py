@@ -171,3 +171,41 @@ def test_a_session_credential_opens_its_own_session_and_nothing_else():
     assert mine.credential not in answers["other session"].text
     assert len(inference.requests) == 1  # only the own session generated
     assert other.error is None and not other.closed  # a refused credential ends nothing
+
+
+def test_a_streamed_session_turn_is_the_turn_not_streamed():
+    async def turns(client, stream: bool):
+        messages = [{"role": "user", "content": "1+2?"}]
+        first = await client.chat.completions.create(
+            model="m", messages=messages, tools=TOOLS, stream=stream
+        )
+        if stream:
+            chunks = [chunk.choices[0] async for chunk in first]
+            piece_head, piece_args = [p for c in chunks for p in c.delta.tool_calls or ()]
+            call = {"id": piece_head.id, "type": "function"}
+            call["function"] = {
+                "name": piece_head.function.name,
+                "arguments": piece_args.function.arguments,
+            }
+            message = {"role": "assistant", "tool_calls": [call]}
+            assert chunks[-1].finish_reason == "tool_calls"
+        else:
+            message = first.choices[0].message.model_dump(exclude_none=True)
+        messages += [message, {"role": "tool", "tool_call_id": "call_0", "content": "3"}]
+        second = await client.chat.completions.create(
+            model="m", messages=messages, tools=TOOLS, stream=stream
+        )
+        if stream:
+            return "".join([c.choices[0].delta.content or "" async for c in second])
+        return second.choices[0].message.content
+
+    async def streamed(client, session):
+        return await turns(client, True)
+
+    async def whole(client, session):
+        return await turns(client, False)
+
+    text, streamed_inference, _ = run(streamed)
+    expected, whole_inference, _ = run(whole)
+    assert text == expected == "3"
+    assert streamed_inference.requests == whole_inference.requests  # the trainer's tokens

@@ -36,9 +36,9 @@ def test_budget(kwargs, budget):
 @pytest.mark.parametrize(
     "kwargs, loc",
     [
-        pytest.param({"stop": "\n"}, ("stop",), id="stop"),
-        pytest.param({"top_logprobs": 1}, ("top_logprobs",), id="top-logprobs"),
-        pytest.param({"stream": True}, ("stream",), id="stream"),
+        pytest.param({"top_logprobs": 21}, ("top_logprobs",), id="top-logprobs-over-20"),
+        pytest.param({"stream": [True]}, ("stream",), id="stream-not-a-bool"),
+        pytest.param({"response_format": {"type": "json"}}, ("response_format",), id="format"),
         pytest.param({"presence_penalty": 0.5}, ("presence_penalty",), id="penalty"),
         pytest.param({"max_completion_tokens": 0}, ("max_completion_tokens",), id="zero-budget"),
     ],
@@ -49,9 +49,11 @@ def test_unsupported_or_bad_parameters_name_the_field(kwargs, loc):
     assert [e["loc"] for e in info.value.errors()] == [loc]
 
 
-def test_top_logprobs_zero_is_accepted_and_others_explained():
-    assert ChatCompletionRequest(messages=[USER], logprobs=True, top_logprobs=0).top_logprobs == 0
-    with pytest.raises(ValidationError, match="only 0 is supported"):
+def test_top_logprobs_need_logprobs_and_reach_the_engine():
+    body = ChatCompletionRequest(messages=[USER], logprobs=True, top_logprobs=20, stop="\n\n")
+    assert body.to_inference_request().sampling.top_logprobs == 20
+    assert body.to_inference_request().sampling.stop == ["\n\n"]
+    with pytest.raises(ValidationError, match="'top_logprobs' needs 'logprobs'"):
         ChatCompletionRequest(messages=[USER], top_logprobs=3)
 
 

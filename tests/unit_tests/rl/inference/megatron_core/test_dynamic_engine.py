@@ -258,7 +258,7 @@ def test_sampler_is_seeded_per_request_and_masks_padded_vocabulary():
     together = sampler.sample(logits, [7, 8], [10, 3]).tolist()
     assert together[0] == alone[0]  # independent of batch composition
     assert all(t < 5 for t in together)
-    assert [rid for rid, _, _ in sampler.take()] == [7, 8]
+    assert [rid for rid, _, _, _ in sampler.take()] == [7, 8]
     assert sampler.take() == []
 
 
