@@ -169,10 +169,9 @@ def create_inference_app(
         chunks: ChatChunks | CompletionChunks,
         include_usage: bool,
     ) -> EventStream:
-        """The streamed answer of ``n`` samples of each request: the engine's first event (or
-        its refusal, as a status) is awaited before the response starts."""
-        keyed = any(r.rollout_key is not None for r in requests)
-        release = slots.take(client_of(http)) if not keyed else (lambda: None)
+        """The streamed answer of ``n`` samples of each (outside) request: the engine's first
+        event (or its refusal, as a status) is awaited before the response starts."""
+        release = slots.take(client_of(http))
         seeded = [r if n == 1 else sample_request(r, i) for r in requests for i in range(n)]
         streams = [chosen.stream(sample) for sample in seeded]  # seeded as ``samples`` does
         events = merged_events(streams)

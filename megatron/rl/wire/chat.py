@@ -32,6 +32,7 @@ from pydantic import Field, field_validator, model_validator
 
 from megatron.rl.wire.base import MAX_CHAT_MESSAGES, MAX_TOKENS, Routes, Seed, WireModel
 from megatron.rl.wire.completions import (
+    STREAMED_ROLLOUT,
     CompletionUsage,
     StopString,
     StreamOptions,
@@ -174,6 +175,8 @@ class ChatCompletionRequest(WireModel):
             raise ValueError("'top_logprobs' needs 'logprobs': true")
         if self.stream_options is not None and not self.stream:
             raise ValueError("'stream_options' needs 'stream'")
+        if self.stream and self.rollout_key is not None:
+            raise ValueError(STREAMED_ROLLOUT)
         return self
 
     @property

@@ -35,6 +35,12 @@ from megatron.rl.wire.messages import ChatMessage
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
 
 
+STREAMED_ROLLOUT = (
+    "'stream' with 'rollout_key': a rollout's turn is answered whole here, never cancelled "
+    "(agents' session URLs stream their turns)"
+)
+
+
 class StreamOptions(WireModel):
     """OpenAI's ``stream_options``."""
 
@@ -124,6 +130,8 @@ class CompletionRequest(WireModel):
             raise ValueError("'echo' needs 'prompt', no 'stream' and no 'rollout_key'")
         if self.stream_options is not None and not self.stream:
             raise ValueError("'stream_options' needs 'stream'")
+        if self.stream and self.rollout_key is not None:
+            raise ValueError(STREAMED_ROLLOUT)
         return self
 
     def prompts(self) -> list[str | list[int]]:

@@ -71,7 +71,7 @@ class SeededSampler:
             uniforms=torch.tensor(
                 [token_uniform(p.seed, pos) for p, pos in zip(params, positions)], device=dev
             ),
-            top_n=max(p.top_logprobs for p in params),
+            top_n=max((p.top_logprobs for p in params), default=0),
         )
         tops = alternatives_of(params, top_ids, top_values)
         self._last = list(zip(request_ids, tokens.tolist(), logprobs.tolist(), tops))

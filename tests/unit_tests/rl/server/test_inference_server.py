@@ -113,6 +113,16 @@ def test_rollout_key_and_seed_reach_the_inference_interface():
             {"prompt": "12=", "stream": True, "echo": True}, 422, "'echo'", id="echo-stream"
         ),
         pytest.param({"prompt": "12=", "logprobs": 21}, 422, "field 'logprobs'", id="logprobs-21"),
+        pytest.param(
+            {
+                "prompt": [2],
+                "stream": True,
+                "rollout_key": {"batch_id": 0, "index_in_batch": 0, "sample_index": 0},
+            },
+            422,
+            "'stream' with 'rollout_key'",
+            id="streamed-rollout",
+        ),
         pytest.param({"prompt": "hello"}, 422, "prompt", id="character-outside-alphabet"),
         pytest.param({"prompt": [2, 999]}, 422, "outside the vocabulary", id="token-out-of-vocab"),
         pytest.param({"prompt": "1" * 20, "max_tokens": 10}, 422, "max_seq_len", id="too-long"),
