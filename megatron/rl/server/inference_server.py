@@ -239,21 +239,18 @@ def create_inference_app(
         outs: list[InferenceResponse] = []
         if body.max_tokens > 0:
             outs = await samples(chosen, request, body.n)
-        prompt_ids = outs[0].prompt_tokens if outs else None
+        prompt_ids = outs[0].prompt_tokens if outs else request.prompt_tokens
         scored = None
-        if scoring or prompt_ids is None:
+        if scoring:  # the generation's tokens of the prompt, else the text tokenized there
             score = ScoreRequest(
-                prompt=request.prompt,
-                prompt_tokens=prompt_ids or request.prompt_tokens,
+                prompt=None if prompt_ids else request.prompt,
+                prompt_tokens=prompt_ids,
                 top_logprobs=body.logprobs or 0,
             )
-            if scoring:
-                scored = await answer(chosen.score(score))
-                prompt_ids = scored.prompt_tokens
-            else:  # echo without logprobs, nothing generated: the prompt's ids only
-                prompt_ids = request.prompt_tokens or await asyncio.to_thread(
-                    tokenizer.encode, request.prompt
-                )
+            scored = await answer(chosen.score(score))
+            prompt_ids = scored.prompt_tokens
+        elif prompt_ids is None:  # echo without logprobs, nothing generated: the ids only
+            prompt_ids = await asyncio.to_thread(tokenizer.encode, request.prompt)
         text = request.prompt if request.prompt is not None else tokenizer.decode(prompt_ids)
         choices = completion_choices(body, first, prompt_ids, text, outs, scored, tokenizer)
         return prompt_ids, choices

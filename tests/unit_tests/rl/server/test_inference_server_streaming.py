@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 from grpo_testing.fakes import FakeSteps
-from grpo_testing.hf_engine import load_hf_policy, running_engine
+from grpo_testing.hf_engine import load_hf_policy, running_engine, serve_on_port
 from grpo_testing.hf_models import full_logits
 
 from megatron.rl.http_client import ClientPool, RetryPolicy
@@ -32,13 +32,7 @@ MESSAGES = [{"role": "user", "content": "What is 12+7?"}]
 
 async def serve(model, tokenizer, work, max_seq_len: int = 96):
     """``await work(base_url)`` against the inference server on a real local port."""
-    async with running_engine(model, tokenizer.vocab_size, tokenizer.eos_id, 4, max_seq_len) as e:
-        app = create_inference_app(LocalInferenceInterface(e, tokenizer), tokenizer)
-        server = await EmbeddedServer.start(app, "127.0.0.1", 0)
-        try:
-            return await work(server.url)
-        finally:
-            await server.stop()
+    return await serve_on_port(model, tokenizer, work, max_seq_len)
 
 
 def client(url: str) -> openai.AsyncOpenAI:
@@ -333,3 +327,24 @@ def test_a_remote_interface_scores_through_the_server_as_in_process(llama3):
     here, there = asyncio.run(run())
     assert there.prompt_tokens == here.prompt_tokens == prompt
     assert there.logprobs == here.logprobs and len(here.logprobs) == len(prompt) - 1
+
+
+def test_echo_of_a_text_prompt_scores_the_tokens_it_generated_after(llama3):
+    model, tokenizer = llama3
+    text = "The answer to 12+7 is"
+
+    async def work(url):
+        async with client(url) as c:
+            by_text = await c.completions.create(
+                model="policy", prompt=text, max_tokens=2, echo=True, logprobs=1, temperature=0
+            )
+            ids = by_text.choices[0].model_extra["prompt_token_ids"]
+            by_ids = await c.completions.create(
+                model="policy", prompt=ids, max_tokens=2, echo=True, logprobs=1, temperature=0
+            )
+            return by_text.choices[0], by_ids.choices[0]
+
+    by_text, by_ids = asyncio.run(serve(model, tokenizer, work))
+    assert by_text.text.startswith(text)
+    assert by_text.logprobs.token_logprobs == by_ids.logprobs.token_logprobs
+    assert len(by_text.logprobs.token_logprobs) == len(by_text.model_extra["prompt_token_ids"]) + 2
