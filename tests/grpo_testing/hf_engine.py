@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -56,3 +57,26 @@ async def running_engine(
         yield engine
     finally:
         await engine.aclose()
+
+
+async def serve_on_port(
+    model: torch.nn.Module,
+    tokenizer: HuggingFaceTokenizer,
+    work: Callable[[str], Any],
+    max_seq_len: int = 64,
+    policy_version: Callable[[], int] = lambda: 0,
+) -> Any:
+    """``await work(base_url)`` against the inference server over ``running_engine`` on a real
+    local port; the server and the engine are stopped afterwards."""
+    from megatron.rl.inference.interface import LocalInferenceInterface
+    from megatron.rl.server.http import EmbeddedServer
+    from megatron.rl.server.inference_server import create_inference_app
+
+    vocab, eos = tokenizer.vocab_size, tokenizer.eos_id
+    async with running_engine(model, vocab, eos, 4, max_seq_len, policy_version) as engine:
+        app = create_inference_app(LocalInferenceInterface(engine, tokenizer), tokenizer)
+        server = await EmbeddedServer.start(app, "127.0.0.1", 0)
+        try:
+            return await work(server.url)
+        finally:
+            await server.stop()

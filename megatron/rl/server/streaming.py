@@ -18,6 +18,7 @@ frees their slots at its next step).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -127,7 +128,7 @@ class ChatChunks:
         self.holds_text = parser is not None and body.effective_tool_choice != "none"
         """Tool calls are parsed from the whole text: content is sent at the choice's end."""
         self._choices = [_Choice() for _ in range(body.n)]
-        self._call_ids = iter(range(1 << 62))
+        self._call_ids = itertools.count()
 
     def start(self) -> Iterator[ChatCompletionChunk]:
         """Each choice's role chunk."""

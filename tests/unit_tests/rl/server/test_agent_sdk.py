@@ -14,12 +14,11 @@ import shutil
 
 import openai
 import pytest
+from grpo_testing.inference_apps import ScriptedChatInference
 
-from megatron.rl.inference.interface import InferenceInterface, render_chat
 from megatron.rl.models.hf.tokenizer import HuggingFaceTokenizer
 from megatron.rl.server.http import EmbeddedServer
 from megatron.rl.server.inference_server import create_inference_app
-from megatron.rl.wire import InferenceRequest, InferenceResponse
 
 pytest.importorskip("agents", reason="needs openai-agents (pip install -e '.[test]')")
 
@@ -40,30 +39,6 @@ QUESTION = "What is the weather in Paris?"
 INSTRUCTIONS = "Answer with the weather tool."
 
 
-class ScriptedInference(InferenceInterface):
-    """Answers each chat request with the next scripted text (tokenized by the real tokenizer,
-    the stop token appended); keeps every request."""
-
-    def __init__(self, tokenizer: HuggingFaceTokenizer, texts: list[str]) -> None:
-        self.tokenizer = tokenizer
-        self.texts = list(texts)
-        self.requests: list[InferenceRequest] = []
-
-    async def generate(self, request: InferenceRequest) -> InferenceResponse:
-        self.requests.append(request)
-        prompt_text, prompt = render_chat(self.tokenizer, request.messages, request.tools)
-        tokens = self.tokenizer.encode_continuation(self.texts.pop(0)) + [self.tokenizer.eos_id]
-        return InferenceResponse(
-            prompt_tokens=prompt,
-            tokens=tokens,
-            text=self.tokenizer.decode(tokens),
-            logprobs=[-1.0] * len(tokens),
-            policy_versions=[0] * len(tokens),
-            finish_reason="stop",
-            prompt_text=prompt_text,
-        )
-
-
 @pytest.fixture(scope="module")
 def tokenizer(tiny_hf_checkpoints, tmp_path_factory):
     """The tiny qwen2 tokenizer (byte-level BPE) with a template that renders tools, tool calls
@@ -75,7 +50,7 @@ def tokenizer(tiny_hf_checkpoints, tmp_path_factory):
     return HuggingFaceTokenizer(directory)
 
 
-def run_agent(tokenizer, streamed: bool) -> tuple[object, list[str], ScriptedInference, list]:
+def run_agent(tokenizer, streamed: bool) -> tuple[object, list[str], ScriptedChatInference, list]:
     """One agent run against a server over the scripted engine (a tool call, then the answer):
     the SDK's result, the cities the tool was called with, the engine (its requests) and, when
     ``streamed``, the stream's events."""
@@ -88,7 +63,7 @@ def run_agent(tokenizer, streamed: bool) -> tuple[object, list[str], ScriptedInf
         function_tool,
     )
 
-    inference = ScriptedInference(tokenizer, [CALL, ANSWER])
+    inference = ScriptedChatInference(tokenizer, [CALL, ANSWER])
     cities: list[str] = []
 
     @function_tool
@@ -125,7 +100,7 @@ def run_agent(tokenizer, streamed: bool) -> tuple[object, list[str], ScriptedInf
     return result, cities, inference, events
 
 
-def assert_tool_loop(result, cities: list[str], inference: ScriptedInference) -> None:
+def assert_tool_loop(result, cities: list[str], inference: ScriptedChatInference) -> None:
     """The SDK called the tool with the parsed arguments once, sent its result back in the next
     request (after the assistant's call, with its id) and returned the final answer."""
     assert cities == ["Paris"]

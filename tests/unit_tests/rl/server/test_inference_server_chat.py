@@ -13,15 +13,13 @@ import openai
 import pytest
 import torch
 from grpo_testing.fakes import FakeSteps
-from grpo_testing.hf_engine import load_hf_policy, running_engine
+from grpo_testing.hf_engine import load_hf_policy, running_engine, serve_on_port
 from grpo_testing.hf_models import full_logits
 from grpo_testing.inference_apps import inference_app
 
 from megatron.rl.inference.interface import LocalInferenceInterface
 from megatron.rl.inference.scheduler import SchedulerConfig
 from megatron.rl.models.hf.tokenizer import HuggingFaceTokenizer
-from megatron.rl.server.http import EmbeddedServer
-from megatron.rl.server.inference_server import create_inference_app
 from megatron.rl.tokenizer import CharTokenizer
 from megatron.rl.wire import ChatCompletionRequest, ChatCompletionResponse
 
@@ -34,15 +32,7 @@ POLICY_VERSION = 5
 
 async def serve(model, tokenizer, work, max_seq_len: int = 64):
     """Run ``await work(base_url)`` against the inference server on a real local port."""
-    async with running_engine(
-        model, tokenizer.vocab_size, tokenizer.eos_id, 4, max_seq_len, lambda: POLICY_VERSION
-    ) as engine:
-        app = create_inference_app(LocalInferenceInterface(engine, tokenizer), tokenizer)
-        server = await EmbeddedServer.start(app, "127.0.0.1", 0)
-        try:
-            return await work(server.url)
-        finally:
-            await server.stop()
+    return await serve_on_port(model, tokenizer, work, max_seq_len, lambda: POLICY_VERSION)
 
 
 @pytest.fixture

@@ -12,12 +12,11 @@ import shutil
 import httpx
 import openai
 import pytest
+from grpo_testing.inference_apps import ScriptedChatInference
 
-from megatron.rl.inference.interface import InferenceInterface, render_chat
 from megatron.rl.models.hf.tokenizer import HuggingFaceTokenizer
 from megatron.rl.server.http import EmbeddedServer
 from megatron.rl.server.inference_server import create_inference_app
-from megatron.rl.wire import InferenceRequest, InferenceResponse
 
 TEMPLATE = """\
 {%- if tools %}<|system|>You may call:{% for tool in tools %}
@@ -53,29 +52,6 @@ ROME = call_text("get_weather", {"city": "Rome"})
 NOW = call_text("get_time", {})
 
 
-class ScriptedInference(InferenceInterface):
-    """Renders each chat request with the real template and answers the next scripted text."""
-
-    def __init__(self, tokenizer: HuggingFaceTokenizer, texts: list[str]) -> None:
-        self.tokenizer = tokenizer
-        self.texts = list(texts)
-        self.prompts: list[str] = []
-
-    async def generate(self, request: InferenceRequest) -> InferenceResponse:
-        prompt_text, prompt = render_chat(self.tokenizer, request.messages, request.tools)
-        self.prompts.append(prompt_text)
-        tokens = self.tokenizer.encode_continuation(self.texts.pop(0)) + [self.tokenizer.eos_id]
-        return InferenceResponse(
-            prompt_tokens=prompt,
-            tokens=tokens,
-            text=self.tokenizer.decode(tokens),
-            logprobs=[-1.0] * len(tokens),
-            policy_versions=[0] * len(tokens),
-            finish_reason="stop",
-            prompt_text=prompt_text,
-        )
-
-
 @pytest.fixture(scope="module")
 def tokenizer(tiny_hf_checkpoints, tmp_path_factory):
     """The tiny qwen2 tokenizer (byte-level BPE) with the tool-rendering template above."""
@@ -87,9 +63,9 @@ def tokenizer(tiny_hf_checkpoints, tmp_path_factory):
 
 
 def serve(tokenizer, texts: list[str], work, parser: str = "auto"):
-    """``await work(client, inference)`` against an inference server over ``ScriptedInference``;
+    """``await work(client, inference)`` against an inference server over ``ScriptedChatInference``;
     returns its result and the server's ``GET /metrics``."""
-    inference = ScriptedInference(tokenizer, texts)
+    inference = ScriptedChatInference(tokenizer, texts)
 
     async def run():
         app = create_inference_app(inference, tokenizer, tool_call_parser=parser)
