@@ -18,6 +18,7 @@ from megatron.rl.auth import API_KEY_ENV, api_key_source, read_api_key
 from megatron.rl.eval.runner import EvalConfig
 from megatron.rl.grpo.advantages import AdvantageConfig
 from megatron.rl.grpo.aggregation import LossAggregation
+from megatron.rl.grpo.distill import DistillConfig
 from megatron.rl.grpo.filtering import DynamicSamplingConfig
 from megatron.rl.grpo.importance import ImportanceConfig
 from megatron.rl.grpo.loss import GRPOLossConfig
@@ -27,7 +28,7 @@ from megatron.rl.grpo.seq_logprob_error import SeqLogprobErrorConfig
 from megatron.rl.grpo.terms import LossTerm, loss_terms
 from megatron.rl.inference.scheduler import SchedulerConfig
 from megatron.rl.lora.config import LoRAConfig
-from megatron.rl.models.hf import HFCheckpointError, load_hf_tokenizer
+from megatron.rl.models.hf import HFCheckpointError, load_hf_tokenizer, read_hf_config
 from megatron.rl.models.hf.tokenizer import HuggingFaceTokenizer
 from megatron.rl.rollout.faults import FailureBudget
 from megatron.rl.rollout.generator import RolloutConfig
@@ -35,11 +36,12 @@ from megatron.rl.server.limits import ServerLimits
 from megatron.rl.tokenizer import CharTokenizer, Tokenizer
 from megatron.rl.wire import SamplingParams
 from megatron.trainer.checkpoint.directory import saved_args
+from megatron.trainer.flags.distill import teacher_kind
 from megatron.trainer.flags.run import RunConfig
 from megatron.trainer.generation.rollouts import InferenceServerConfig, PipelineConfig
 from megatron.trainer.metrics.record import WandbConfig
 from megatron.trainer.model.provider import ModelBuild
-from megatron.trainer.tiers.base import TierConfig
+from megatron.trainer.tiers.base import TeacherSource, TierConfig
 from megatron.trainer.train.optimizer import OptimizerSettings
 from megatron.trainer.train.step import StepConfig
 
@@ -80,7 +82,26 @@ def step_config(cfg: RunConfig, vocab_size: int) -> StepConfig:
         importance=importance,
         packing_capacity=cfg.model.seq_length if cfg.training.use_sequence_packing else None,
         check_finite=cfg.training.check_for_nan_in_loss_and_grad,
+        distill=distill_config(cfg),
     )
+
+
+def distill_config(cfg: RunConfig) -> DistillConfig | None:
+    """The teacher term of ``--distill-teacher`` / ``--distill-coef`` (None: off)."""
+    distill = cfg.distillation
+    return DistillConfig(distill.coef, distill.reward) if distill.enabled else None
+
+
+def teacher_source(cfg: RunConfig) -> TeacherSource | None:
+    """Where the distillation teacher's weights come from (None: no teacher, or coefficient 0)."""
+    distill = cfg.distillation
+    if not distill.enabled:
+        return None
+    directory = distill.distill_teacher
+    if teacher_kind(directory) != "hf":
+        return TeacherSource(directory)
+    divisible_by = cfg.model.make_vocab_size_divisible_by
+    return TeacherSource(directory, read_hf_config(directory, divisible_by))
 
 
 def seq_logprob_error_config(cfg: RunConfig) -> SeqLogprobErrorConfig | None:
@@ -322,8 +343,11 @@ def optimizer_settings(cfg: RunConfig) -> OptimizerSettings:
 
 
 def tier_config(cfg: RunConfig) -> TierConfig:
-    """What a tier reads (``tiers.select_tier``): the model, the optimizer, ``--ref-load``."""
-    return TierConfig(model_build(cfg), optimizer_settings(cfg), cfg.grpo.ref_load)
+    """What a tier reads (``tiers.select_tier``): the model, the optimizer, ``--ref-load``,
+    ``--distill-teacher``."""
+    return TierConfig(
+        model_build(cfg), optimizer_settings(cfg), cfg.grpo.ref_load, teacher_source(cfg)
+    )
 
 
 def pipeline_config(cfg: RunConfig, dp_size: int, tokenizer: Tokenizer) -> PipelineConfig:

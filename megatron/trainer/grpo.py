@@ -62,6 +62,7 @@ from megatron.trainer.runtime.watchdog import Watchdog
 from megatron.trainer.stopping import end_of_collection, stop_on_signals
 from megatron.trainer.tiers import Tier, select_tier
 from megatron.trainer.tiers.reference import build_reference_model
+from megatron.trainer.tiers.teacher import build_teacher_model
 from megatron.trainer.train.collection import KeyedCollection, training_groups
 from megatron.trainer.train.policy import Policy, PolicyConfig
 from megatron.trainer.train.seq_logprob_error import apply_seq_logprob_error
@@ -151,7 +152,7 @@ class Run:
 
 
 def build_run(cfg: RunConfig, ctx: ParallelContext) -> Run:
-    """Tier, tokenizer, model (``--hf-checkpoint`` weights), reference, optimizer, ``--load``."""
+    """Tier, tokenizer, model (``--hf-checkpoint``), reference, teacher, optimizer, ``--load``."""
     tier = select_tier(config.tier_config(cfg), ctx)  # CPU or CUDA: model, optimizer, ...
     tokenizer = config.tokenizer(cfg)
     step_config = config.step_config(cfg, tokenizer.vocab_size)
@@ -159,8 +160,9 @@ def build_run(cfg: RunConfig, ctx: ParallelContext) -> Run:
     reference = build_reference_model(  # before --load overwrites the initial weights
         tier, model, tokenizer.vocab_size, step_config.needs_reference
     )
+    teacher = build_teacher_model(tier, tokenizer.vocab_size)  # --distill-teacher
     state = TrainState(model, *tier.build_optimizer(model))
-    policy = tier.build_policy(state, PolicyConfig.of(step_config), reference)
+    policy = tier.build_policy(state, PolicyConfig.of(step_config), reference, teacher)
     resumed = Checkpoint(iteration=0, pipeline=None)
     if cfg.checkpointing.load:
         shards, options = tier.checkpoint_shards(), LoadOptions.of(cfg)

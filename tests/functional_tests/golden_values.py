@@ -12,6 +12,9 @@ A case is a folder ``test_cases/<name>/`` holding ``model_config.yaml``::
     tiny_hf_checkpoint: {family: qwen2, seed: 1}  # optional: train a tiny random Hugging Face
                                                   #   checkpoint (megatron.rl.models.hf.tiny)
                                                   #   made for the run (--hf-checkpoint)
+    teacher: {rl-forced-lag: 0, train-iters: 10}  # optional: train a run of these flags with
+                                                  #   --save first; its checkpoint is the
+                                                  #   run's --distill-teacher
     resume: {save-interval: 10, kill-after-step: 12}   # optional: save every 10 steps, kill -9
                                                   #   the job once step 12 is logged, resume
     requires: [transfer_queue, ray]               # optional: modules the case needs (an extra);
@@ -290,28 +293,40 @@ def tolerances(case: dict) -> dict[str, dict[str, float]]:
     return merged
 
 
+def prepare_case(case: dict, workdir: Path, stack: contextlib.ExitStack) -> dict:
+    """The flags of ``case`` with what it asks for made in ``workdir`` (a tiny Hugging Face
+    checkpoint, an env config, an env server entered into ``stack``, a distillation teacher)."""
+    args = dict(case["args"])
+    if "tiny_hf_checkpoint" in case:
+        from megatron.rl.models.hf.tiny import make_tiny_checkpoint
+
+        tiny = case["tiny_hf_checkpoint"]
+        args["hf-checkpoint"] = make_tiny_checkpoint(
+            tiny["family"], workdir / "tiny_hf", seed=tiny.get("seed", 0)
+        )
+    if "env_config" in case:
+        args["env-config"] = workdir / "envs.yaml"
+        args["env-config"].write_text(case["env_config"])
+    if "env_server" in case:
+        url, _ = stack.enter_context(env_server(workdir, case["env_server"]))
+        entries = yaml.safe_load(case["env_server"])
+        env_ids = [e.get("env_id") or f"{e['agent_type']}{i}" for i, e in enumerate(entries)]
+        args["env-config"] = remote_env_config(workdir, url, env_ids)
+    if "teacher" in case:  # trained here with --save; its checkpoint is the teacher
+        teacher = workdir / "teacher"
+        run_training(1, {**case["teacher"], "save": teacher})
+        args["distill-teacher"] = teacher
+    return args
+
+
 def run_case(name: str) -> list[dict]:
     """Per-step metrics of case ``name`` (for a resume case: logged before the kill up to the
     checkpoint, then the resumed run's)."""
     case = load_case(name)
-    nproc, args = case["nproc_per_node"], dict(case["args"])
+    nproc = case["nproc_per_node"]
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         workdir = Path(tmp)
-        if "tiny_hf_checkpoint" in case:
-            from megatron.rl.models.hf.tiny import make_tiny_checkpoint
-
-            tiny = case["tiny_hf_checkpoint"]
-            args["hf-checkpoint"] = make_tiny_checkpoint(
-                tiny["family"], workdir / "tiny_hf", seed=tiny.get("seed", 0)
-            )
-        if "env_config" in case:
-            args["env-config"] = workdir / "envs.yaml"
-            args["env-config"].write_text(case["env_config"])
-        if "env_server" in case:
-            url, _ = stack.enter_context(env_server(workdir, case["env_server"]))
-            entries = yaml.safe_load(case["env_server"])
-            env_ids = [e.get("env_id") or f"{e['agent_type']}{i}" for i, e in enumerate(entries)]
-            args["env-config"] = remote_env_config(workdir, url, env_ids)
+        args = prepare_case(case, workdir, stack)
         if "resume" not in case:
             return run_training(nproc, args)
         resume = case["resume"]

@@ -176,20 +176,29 @@ def test_reference_kl_and_sequence_packing_match_the_cpu_tier():
     assert cpu[0]["ref_kl"] == 0.0 and cpu[-1]["ref_kl"] > 0  # the policy leaves the reference
 
 
-def test_ref_load_reads_the_cuda_tiers_checkpoint_as_the_cpu_tier_reads_its_own(
+def test_ref_load_and_a_teacher_read_the_cuda_tiers_checkpoint_as_the_cpu_tier_reads_its_own(
     cpu_runs, cuda_run, saved
 ):
-    """``--ref-load`` on CUDA: the reference model's weights from a ``dist_checkpointing``
-    checkpoint (the CPU tier reads its ``torch.save`` shards); both runs' KL terms agree. The
-    checkpoints are those the synchronous runs of both tiers saved (``cpu_runs``, ``cuda_run``)."""
+    """``--ref-load`` and ``--distill-teacher`` on CUDA: the reference model's and the frozen
+    teacher's weights from a ``dist_checkpointing`` checkpoint (the CPU tier reads its
+    ``torch.save`` shards); both runs' KL terms and teacher logprobs agree
+    (``CUDAPolicy.get_teacher_logprobs`` through megatron-core's schedule). The checkpoints are
+    those the synchronous runs of both tiers saved (``cpu_runs``, ``cuda_run``)."""
     assert (saved / "cuda" / "iter_0000003" / "metadata.json").is_file()  # torch_dist format
     options = {**BASE, "rl-forced-lag": 0, "grpo-kl-beta": 0.1}
-    cpu = run_training(1, {**options, "ref-load": saved / "cpu"})
-    cuda = run_training(1, {**options, "ref-load": saved / "cuda"}, script=EMULATED)
+    cpu = run_training(1, {**options, "ref-load": saved / "cpu", "distill-teacher": saved / "cpu"})
+    cuda = run_training(
+        1,
+        {**options, "ref-load": saved / "cuda", "distill-teacher": saved / "cuda"},
+        script=EMULATED,
+    )
     assert_same_run(cpu, cuda)
     for a, b in zip(cpu, cuda):
-        assert b["ref_kl"] == pytest.approx(a["ref_kl"], rel=1e-4, abs=1e-7), a["step"]
+        for metric in ("ref_kl", "distill/reverse_kl", "distill/teacher_logprob"):
+            assert b[metric] == pytest.approx(a[metric], rel=1e-4, abs=1e-7), (a["step"], metric)
+        assert b["distill/argmax_mismatch"] == a["distill/argmax_mismatch"], a["step"]
     assert cpu[0]["ref_kl"] > 0  # the reference is the trained checkpoint, not the initial weights
+    assert cpu[0]["distill/reverse_kl"] != 0  # and so is the teacher
 
 
 MOE_ENV = """\

@@ -141,7 +141,6 @@ def test_sigterm_to_the_launchers_process_group_then_resume_is_exact(
 @pytest.mark.parametrize(
     "flags, exit_at",
     [
-        pytest.param({"rl-forced-lag": 0}, 3, id="lag0"),
         pytest.param({}, 3, id="lag2"),
         pytest.param(
             {"grpo-filter-groups-with-same-reward": True, "grpo-max-generation-rounds": 2},

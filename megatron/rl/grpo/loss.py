@@ -13,6 +13,9 @@ weighs the same). Per token:
 * ``old_logprobs`` given (``--grpo-iterations`` > 1 or the IS correction): r_t = pi_theta / pi_old
   with pi_old the trainer's pre-update policy, and ``is_weights`` w_t = min(pi_old / pi_inference,
   C) correct for the train/inference mismatch (``importance.py``).
+* ``token_advantages`` given (on-policy distillation, ``distill.py``): A becomes per token,
+  A_t = A + a_t, for the per-token surrogates (a variant declares ``TOKEN_ADVANTAGES``); OPSM
+  reads each sequence's mean A_t.
 * ``terms``: additive per-token terms, one module each in ``terms/`` (the k3 penalty towards the
   reference policy ``beta * k3_t``, the entropy bonus ``-entropy_weight * H_t``, ...); each
   reports its metric by name.
@@ -122,12 +125,17 @@ class LossOutput:
 def grpo_loss(inputs: LossInputs, config: GRPOLossConfig) -> LossOutput:
     """Per-token GRPO loss (module docstring), summed over masked tokens (or, with a per-sequence
     ``aggregation``, over sequences)."""
+    if inputs.token_advantages is not None and not config.variant.token_advantages:
+        raise ValueError(
+            f"policy loss {config.policy_loss!r} takes one advantage per sequence, not per-token "
+            "advantages (on-policy distillation's)"
+        )
     mask = inputs.loss_mask  # (B, T)
     old = inputs.inference_logprobs if inputs.old_logprobs is None else inputs.old_logprobs
     surrogate = config.variant.surrogate(
         inputs.trainer_logprobs,
         old,
-        inputs.advantages[:, None],
+        inputs.advantage_per_token(),  # (B, 1), or (B, T) with per-token advantages
         mask,
         config.clamp_eps_lower,
         config.clamp_eps_upper,
@@ -144,7 +152,7 @@ def grpo_loss(inputs: LossInputs, config: GRPOLossConfig) -> LossOutput:
         keep, opsm_sums = opsm.off_policy_keep(
             inputs.trainer_logprobs,
             inputs.inference_logprobs,
-            inputs.advantages,
+            inputs.advantage_per_sequence(),
             mask,
             config.off_policy_mask,
         )

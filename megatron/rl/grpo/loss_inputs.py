@@ -31,3 +31,19 @@ class LossInputs:
     """(B, T) log pi_ref of the reference policy (no gradient), for terms that require it."""
     entropy: torch.Tensor | None = None
     """(B, T) differentiable policy entropy, for terms that require it."""
+    token_advantages: torch.Tensor | None = None
+    """(B, T) per-token advantages added to each token's sequence advantage (on-policy
+    distillation's teacher term, ``distill.py``; no gradient); None: none."""
+
+    def advantage_per_token(self) -> torch.Tensor:
+        """(B, 1) the sequence advantages, or (B, T) with the per-token ones added."""
+        sequence = self.advantages[:, None]  # (B, 1)
+        return sequence if self.token_advantages is None else sequence + self.token_advantages
+
+    def advantage_per_sequence(self) -> torch.Tensor:
+        """(B,) the sequence advantages, with the per-token ones' mean over each row's loss
+        tokens added (what a sequence-level decision such as OPSM's reads)."""
+        if self.token_advantages is None:
+            return self.advantages
+        tokens = self.loss_mask.sum(dim=1).clamp(min=1)  # (B,)
+        return self.advantages + (self.token_advantages * self.loss_mask).sum(dim=1) / tokens

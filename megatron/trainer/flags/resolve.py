@@ -12,6 +12,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from megatron.trainer.flags.distill import distill_problems
 from megatron.trainer.flags.lora import resolve_lora
 from megatron.trainer.flags.model import (
     Model,
@@ -257,7 +258,7 @@ def _across_sections(run: RunConfig, cuda: bool) -> list[str]:
         errors.append(problem)
     if run.model.save_hf is not None:
         errors += _export_problems(run)
-    errors += _lora_problems(run)
+    errors += _lora_problems(run) + distill_problems(run.distillation, run.model, run.grpo)
     if cuda and run.training.use_sequence_packing:
         from megatron.rl.models.gpt_spec import transformer_engine_importable
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Mapping
 
+from megatron.trainer.flags.distill import Distillation
 from megatron.trainer.flags.evaluation import Evaluation
 from megatron.trainer.flags.grpo import GRPO, term_options, term_weights
 from megatron.trainer.flags.lora import LoRA
@@ -37,6 +38,7 @@ SECTIONS: tuple[tuple[str, type[Section]], ...] = (
     ("lora", LoRA),
     ("checkpointing", Checkpointing),
     ("grpo", GRPO),
+    ("distillation", Distillation),
     ("evaluation", Evaluation),
     ("inference", Inference),
     ("logging", Logging),
@@ -55,6 +57,7 @@ class RunConfig:
     lora: LoRA = field(default_factory=LoRA)
     checkpointing: Checkpointing = field(default_factory=Checkpointing)
     grpo: GRPO = field(default_factory=GRPO)
+    distillation: Distillation = field(default_factory=Distillation)
     evaluation: Evaluation = field(default_factory=Evaluation)
     inference: Inference = field(default_factory=Inference)
     logging: Logging = field(default_factory=Logging)

@@ -115,6 +115,8 @@ def header(
         + (f", PEFT adapters {cfg.lora.save_lora}" if cfg.lora.save_lora else "")
         + (f", curves {plot_file}" if plot_file else ""),
     ]
+    if cfg.distillation.enabled:  # after the rollouts line
+        lines.insert(4, distill_line(cfg))
     if cfg.lora.enabled:
         lines.insert(1, lora_line(cfg, parameters, trainable))
     if missing_kernels:
@@ -122,6 +124,14 @@ def header(
     if kernels.notices():
         lines.append(notices_line(kernels.notices()))
     return "\n".join(lines)
+
+
+def distill_line(cfg: RunConfig) -> str:
+    """The header line of a distilling run: the teacher and each token's advantage."""
+    distill = cfg.distillation
+    term = "(log pi_teacher - log pi_old)"
+    advantage = f"A_env + {distill.coef:g} x {term}" if distill.reward else f"{term}, no reward"
+    return f"distill      teacher {distill.distill_teacher} (frozen); token advantage {advantage}"
 
 
 def lora_line(cfg: RunConfig, parameters: int, trainable: int | None) -> str:

@@ -23,13 +23,15 @@ is the only place that looks at the device. A tier reads the run through its ``T
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from megatron.rl.grpo.batch import TrainBatch
 from megatron.rl.inference.backends import InferenceBackend, RunnerInputs, default_backend
 from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig
 from megatron.rl.inference.step_group import StepGroup
@@ -38,6 +40,20 @@ from megatron.trainer.model.provider import ModelBuild
 from megatron.trainer.parallel import ParallelContext
 from megatron.trainer.train.optimizer import OptimizerSettings
 from megatron.trainer.train.policy import Policy, PolicyConfig
+
+if TYPE_CHECKING:
+    from megatron.rl.models.hf import HFModelConfig
+
+
+@dataclass(frozen=True)
+class TeacherSource:
+    """Where the teacher's weights come from (``config.teacher_source``; built by ``teacher.py``)."""
+
+    directory: str
+    """The ``--distill-teacher`` directory."""
+    hf: HFModelConfig | None = None
+    """Its ``config.json`` when it is a Hugging Face directory; None: a checkpoint directory of
+    ours (the policy's architecture)."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +67,19 @@ class TierConfig:
     ref_load: str | None = None
     """``--ref-load``: the checkpoints the reference model's weights come from (None: the
     policy's initial weights; ``reference.py``)."""
+    teacher: TeacherSource | None = None
+    """``--distill-teacher``: where the distillation teacher's weights come from (None: no
+    teacher; ``teacher.py``)."""
+
+
+def no_teacher_error() -> ValueError:
+    """What asking a policy without a teacher for teacher logprobs raises."""
+    return ValueError("the policy has no distillation teacher (--distill-teacher)")
+
+
+def teacher_inputs(data: TrainBatch) -> TrainBatch:
+    """``data`` at temperature 1: the teacher's own distribution scores the sampled tokens."""
+    return dataclasses.replace(data, temperature=torch.ones_like(data.temperature))
 
 
 def no_reference_error() -> ValueError:
@@ -80,11 +109,17 @@ class Tier(ABC):
         ``GPTModel``'s weights (a Hugging Face checkpoint) before any wrapping."""
 
     @abstractmethod
-    def build_reference(self, vocab_size: int, initialize: bool = True) -> torch.nn.Module:
+    def build_reference(
+        self,
+        vocab_size: int,
+        initialize: bool = True,
+        load: Callable[[torch.nn.Module], None] | None = None,
+    ) -> torch.nn.Module:
         """A second model of ``build_model``'s architecture on this rank (its shard and stage),
-        for forward passes only (no DDP); ``reference.py`` sets its weights and freezes it.
-        ``initialize=False`` skips the random initialization (for a caller that overwrites every
-        tensor: its values are then uninitialized memory)."""
+        for forward passes only (no DDP); ``reference.py`` and ``teacher.py`` set its weights
+        and freeze it. ``initialize=False`` skips the random initialization (for a caller that
+        overwrites every tensor: its values are then uninitialized memory); ``load`` fills the
+        bare ``GPTModel``'s weights (a Hugging Face checkpoint) before any cast."""
 
     @abstractmethod
     def build_optimizer(self, model: torch.nn.Module) -> tuple[Any, Any]:
@@ -96,9 +131,11 @@ class Tier(ABC):
         state: TrainState,
         config: PolicyConfig,
         reference: torch.nn.Module | None = None,
+        teacher: torch.nn.Module | None = None,
     ) -> Policy:
-        """The ``Policy`` over ``state`` (model, optimizer, LR schedule) and the frozen
-        ``reference`` model (None: no reference logprobs)."""
+        """The ``Policy`` over ``state`` (model, optimizer, LR schedule), the frozen
+        ``reference`` model (None: no reference logprobs) and the frozen distillation
+        ``teacher`` (None: no teacher logprobs)."""
 
     @abstractmethod
     def build_step_group(

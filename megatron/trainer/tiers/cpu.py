@@ -44,12 +44,13 @@ from megatron.trainer.checkpoint.directory import CheckpointShards, TrainState
 from megatron.trainer.model import provider as model_provider
 from megatron.trainer.model.lora import attach_adapters
 from megatron.trainer.parallel import ParallelContext
-from megatron.trainer.tiers.base import Tier, no_reference_error
+from megatron.trainer.tiers.base import Tier, no_reference_error, no_teacher_error, teacher_inputs
 from megatron.trainer.tiers.cpu_checkpoint import TorchShards
 from megatron.trainer.train.forward import (
     ModelInputs,
     forward_outputs,
     gather_data_parallel,
+    micro_outputs,
     micro_topk,
     model_inputs,
     padded_rows,
@@ -81,6 +82,7 @@ from megatron.trainer.train.policy import (
 from megatron.trainer.train.step import (
     NamedSums,
     StepResult,
+    TeacherLogprobs,
     Update,
     data_parallel_micro_batches,
     policy_logprobs,
@@ -123,19 +125,22 @@ class CPUTier(Tier):
         configure_routing(model, spec.section.routing_mode)  # the engine's routes: R3
         return model
 
-    def build_reference(self, vocab_size, initialize=True):
-        """The same GPT as ``build_model``."""
-        return model_provider.build_model(
-            self.config.model, vocab_size, self.ctx.device, initialize
+    def build_reference(self, vocab_size, initialize=True, load=None):
+        """The same GPT as ``build_model`` (``load`` fills its weights)."""
+        model = model_provider.build_model(
+            self.config.model, vocab_size, self.ctx.device, initialize and load is None
         )
+        if load is not None:
+            load(model)
+        return model
 
     def build_optimizer(self, model: torch.nn.Module) -> tuple[Any, Any]:
         """torch AdamW and the shared LR schedule."""
         return build_optimizer(model, self.config.optimizer)
 
-    def build_policy(self, state, config, reference=None):
+    def build_policy(self, state, config, reference=None, teacher=None):
         """A ``CPUPolicy``."""
-        return CPUPolicy(state, config, self.ctx, reference, self.config.model.bf16)
+        return CPUPolicy(state, config, self.ctx, reference, self.config.model.bf16, teacher)
 
     def build_step_group(self, model, config, vocab_size):
         """The tier's inference backend (``cpu``: a ``KVCacheRowRunner`` with its own per-slot KV
@@ -162,12 +167,14 @@ class CPUPolicy(Policy):
         ctx: ParallelContext,
         reference: torch.nn.Module | None = None,
         bf16: bool = False,
+        teacher: torch.nn.Module | None = None,
     ) -> None:
         self.state = state
         self.config = config
         self.ctx = ctx
         self.reference = reference
         self.bf16 = bf16
+        self.teacher = teacher
 
     def _precision(self) -> contextlib.AbstractContextManager:
         """bfloat16 compute on float32 weights (``--bf16``: ``torch.autocast``), else nothing.
@@ -193,6 +200,23 @@ class CPUPolicy(Policy):
         with base_model(reference):  # a LoRA policy's own base: adapters off
             (logprobs,) = self._forward_only(reference, data, micro_batch_size, outputs)
         return logprobs
+
+    def get_teacher_logprobs(self, data, micro_batch_size=None):
+        """The teacher's logprobs and argmax from one forward per micro-batch, at temperature 1,
+        gathered over DP."""
+        if self.teacher is None:
+            raise no_teacher_error()
+        teacher, vocab, tp = self.teacher, self.config.vocab_size, self.ctx.tp_group
+
+        def outputs(micro: TrainBatch, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor]:
+            logits = teacher(inputs.ids, inputs.positions, inputs.mask)  # (r, s, V/tp)
+            logprobs, _ = micro_outputs(logits, micro, inputs, vocab, tp)  # (b, t)
+            _, top = micro_topk(logits, inputs, 1, vocab, tp)  # (b, t, 1)
+            return logprobs, top[..., 0]
+
+        data = teacher_inputs(data)
+        logprobs, argmax = self._forward_only(teacher, data, micro_batch_size, outputs)
+        return TeacherLogprobs(logprobs, argmax)
 
     def get_topk_logits(self, data, k, micro_batch_size=None):
         """Each micro-batch's vocab-parallel top-k, gathered over DP."""

@@ -187,9 +187,9 @@ class CUDATier(Tier):
         configure_routing(ddp, self.config.model.section.routing_mode)  # the engine's routes: R3
         return ddp
 
-    def build_reference(self, vocab_size, initialize=True):
+    def build_reference(self, vocab_size, initialize=True, load=None):
         """This stage's GPT (``_stage_model``, its own config) without DDP: forward only."""
-        return self._stage_model(vocab_size, initialize=initialize)
+        return self._stage_model(vocab_size, load, initialize=initialize and load is None)
 
     def build_optimizer(self, model: torch.nn.Module) -> tuple[Any, Any]:
         """megatron-core's Adam(W) for the DDP model and the shared LR schedule."""
@@ -200,9 +200,9 @@ class CUDATier(Tier):
 
     # ----------------------------------------------------------------- policy
 
-    def build_policy(self, state, config, reference=None):
+    def build_policy(self, state, config, reference=None, teacher=None):
         """A ``CUDAPolicy`` (packing refused with the Transformer Engine layer spec)."""
-        return CUDAPolicy(state, config, self.ctx, reference, self.transformer_engine)
+        return CUDAPolicy(state, config, self.ctx, reference, self.transformer_engine, teacher)
 
     # ----------------------------------------------------------------- rollouts
 

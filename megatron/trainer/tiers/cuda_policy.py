@@ -41,7 +41,7 @@ from megatron.rl.grpo.packing import pack_sequences
 from megatron.rl.lora.model import base_model
 from megatron.trainer.checkpoint.directory import TrainState
 from megatron.trainer.parallel import ParallelContext
-from megatron.trainer.tiers.base import no_reference_error
+from megatron.trainer.tiers.base import no_reference_error, no_teacher_error, teacher_inputs
 from megatron.trainer.train.forward import (
     ModelInputs,
     gather_data_parallel,
@@ -71,6 +71,7 @@ from megatron.trainer.train.policy import (
 from megatron.trainer.train.step import (
     NamedSums,
     StepResult,
+    TeacherLogprobs,
     Update,
     data_parallel_micro_batches,
     step_result,
@@ -96,6 +97,7 @@ class CUDAPolicy(Policy):
         ctx: ParallelContext,
         reference: torch.nn.Module | None = None,
         transformer_engine: bool = False,
+        teacher: torch.nn.Module | None = None,
     ) -> None:
         if config.packing_capacity is not None and transformer_engine:
             raise ValueError(PACKING_WITH_TE)
@@ -103,6 +105,7 @@ class CUDAPolicy(Policy):
         self.config = config
         self.ctx = ctx
         self.reference = reference
+        self.teacher = teacher
 
     @property
     def pipeline(self) -> int:
@@ -121,6 +124,24 @@ class CUDAPolicy(Policy):
             raise no_reference_error()
         with base_model(self.reference):  # a LoRA policy's own base: adapters off
             return self._forward_only(self.reference, data, micro_batch_size, self._logprobs)[0]
+
+    def get_teacher_logprobs(self, data, micro_batch_size=None):
+        """The teacher's logprobs and argmax at temperature 1 on the last stage, from one
+        forward per micro-batch through the schedule (no DDP, eval mode), broadcast and
+        gathered."""
+        if self.teacher is None:
+            raise no_teacher_error()
+        vocab, tp = self.config.vocab_size, self.ctx.tp_group
+
+        def outputs(logits: torch.Tensor, micro: TrainBatch, inputs: ModelInputs):
+            logprobs, _ = micro_outputs(logits.float(), micro, inputs, vocab, tp)  # (b, t)
+            _, top = micro_topk(logits, inputs, 1, vocab, tp)  # (b, t, 1)
+            return logprobs, top[..., 0]
+
+        specs = (((), torch.float32), ((), torch.int64))
+        data = teacher_inputs(data)
+        logprobs, argmax = self._forward_only(self.teacher, data, micro_batch_size, outputs, specs)
+        return TeacherLogprobs(logprobs, argmax)
 
     def get_topk_logits(self, data, k, micro_batch_size=None):
         """Each micro-batch's vocab-parallel top-k on the last stage, broadcast and gathered."""

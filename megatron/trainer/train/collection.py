@@ -14,7 +14,8 @@ collected: with one global batch per pass it is the first forward of the collect
 iteration; with several, a later global batch is first trained after an update, so pi_old of every
 global batch is computed (``Policy.get_logprobs``, forward only) before the collection's first
 update. The reference KL term's pi_ref of every global batch is computed then too
-(``Policy.get_reference_policy_logprobs``). The per-micro-batch caches live as long as the
+(``Policy.get_reference_policy_logprobs``), and so are a distillation teacher's logprobs
+(``Policy.get_teacher_logprobs``). The per-micro-batch caches live as long as the
 collection; each iteration trains through ``Policy.train`` with the collection's ``GRPOLoss``.
 
 The forced lag counts collections: the generator submits collection s+L+1 when the trainer asks
@@ -40,7 +41,7 @@ from megatron.rl.wire import RolloutGroup
 from megatron.trainer.parallel import ParallelContext
 from megatron.trainer.train.losses import GRPOLoss
 from megatron.trainer.train.policy import Policy
-from megatron.trainer.train.step import MicroBatchCache, StepConfig
+from megatron.trainer.train.step import MicroBatchCache, StepConfig, TeacherLogprobs
 
 
 def global_rows(j: int, num_rows: int, global_batch_size: int) -> list[int]:
@@ -64,6 +65,8 @@ class CollectionSlices:
         """(b, T) pi_old of each distinct global batch's rows on this rank, computed up front."""
         self._ref: dict[int, torch.Tensor] = {}
         """(b, T) pi_ref of each distinct global batch's rows on this rank."""
+        self._teacher: dict[int, TeacherLogprobs] = {}
+        """The distillation teacher's logprobs and argmax of each distinct global batch."""
 
     def global_batch(self, j: int) -> TrainBatch:
         """What this rank trains at iteration j (0 <= j < k) of this collection."""
@@ -93,19 +96,21 @@ class CollectionSlices:
         return self._old.get(j % self.num_slices)
 
     def loss(self, j: int, config: StepConfig) -> GRPOLoss:
-        """The GRPO loss of iteration j's global batch (with its pi_old and pi_ref)."""
+        """The GRPO loss of iteration j's global batch (with its pi_old, pi_ref and teacher)."""
         s = j % self.num_slices
-        return GRPOLoss(config, self._old.get(s), self._ref.get(s))
+        return GRPOLoss(config, self._old.get(s), self._ref.get(s), self._teacher.get(s))
 
     def prepare(self, policy: Policy, config: StepConfig) -> None:
         """Before the first update: pi_old of every global batch when it is needed and a later
-        global batch could not take it from its own first forward, and pi_ref of every global
-        batch when a loss term needs it."""
+        global batch could not take it from its own first forward, pi_ref of every global
+        batch when a loss term needs it, and the teacher's logprobs when distilling."""
         for j in range(self.num_slices):
-            if config.needs_old_logprobs and self.num_slices > 1:
+            if config.needs_pre_update_logprobs and self.num_slices > 1:
                 self._old[j] = policy.get_logprobs(self.global_batch(j))
             if config.needs_reference:
                 self._ref[j] = policy.get_reference_policy_logprobs(self.global_batch(j))
+            if config.distill is not None:
+                self._teacher[j] = policy.get_teacher_logprobs(self.global_batch(j))
 
 
 class Collection(CollectionSlices):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from megatron.rl.grpo.batch import TrainBatch
+from megatron.rl.grpo.distill import DISTILL_SUMS
 from megatron.rl.grpo.importance import MISMATCH_SUMS, mismatch_metrics
 from megatron.rl.grpo.loss import variant_metrics
 from megatron.trainer.train.step import (
@@ -15,6 +16,7 @@ from megatron.trainer.train.step import (
     MicroBatchLoss,
     NamedSums,
     StepConfig,
+    TeacherLogprobs,
     micro_batch_loss,
 )
 
@@ -23,9 +25,10 @@ class GRPOLoss(LossFunction):
     """The GRPO loss of ``step.micro_batch_loss`` (``megatron/rl/grpo/loss.py``) for one global
     batch, with its pi_old and pi_ref when computed up front.
 
-    ``old_logprobs`` / ``ref_logprobs``: (B, T) ``Policy.get_logprobs`` /
-    ``get_reference_policy_logprobs`` of the ``data`` given to ``train``; a micro-batch's cache
-    takes its rows the first time it is trained (pi_old otherwise comes from that first forward).
+    ``old_logprobs`` / ``ref_logprobs`` / ``teacher``: (B, T) ``Policy.get_logprobs`` /
+    ``get_reference_policy_logprobs`` / ``get_teacher_logprobs`` of the ``data`` given to
+    ``train``; a micro-batch's cache takes its rows the first time it is trained (pi_old otherwise
+    comes from that first forward).
     """
 
     def __init__(
@@ -33,10 +36,12 @@ class GRPOLoss(LossFunction):
         config: StepConfig,
         old_logprobs: torch.Tensor | None = None,
         ref_logprobs: torch.Tensor | None = None,
+        teacher: TeacherLogprobs | None = None,
     ) -> None:
         self.config = config
         self.old_logprobs = old_logprobs
         self.ref_logprobs = ref_logprobs
+        self.teacher = teacher
 
     @property
     def needs_entropy(self) -> bool:
@@ -56,6 +61,9 @@ class GRPOLoss(LossFunction):
             cache.old_logprobs = self.old_logprobs[micro.rows, :width].to(logprobs.device)
         if cache.ref_logprobs is None and self.ref_logprobs is not None:
             cache.ref_logprobs = self.ref_logprobs[micro.rows, :width].to(logprobs.device)
+        if cache.teacher_logprobs is None and self.teacher is not None:
+            cache.teacher_logprobs = self.teacher.logprobs[micro.rows, :width].to(logprobs.device)
+            cache.teacher_argmax = self.teacher.argmax[micro.rows, :width].to(logprobs.device)
         out = micro_batch_loss(logprobs, entropy, micro.data, self.config, cache)
         sums = out.metric_sums()
         del sums["loss"]
@@ -76,10 +84,12 @@ class GRPOLoss(LossFunction):
         return NamedSums(keys, total)
 
     def metrics(self, sums: dict[str, float], num_tokens: int) -> dict[str, float]:
-        """Per-token means of the metric sums, the policy-loss variants' per-sequence metrics
-        (their sums with a ``/`` in the name) and the ``is_*`` metrics of the IS correction."""
+        """Per-token means of the metric sums (``distill/*`` included), the policy-loss
+        variants' per-sequence metrics (their sums with a ``/`` in the name) and the ``is_*``
+        metrics of the IS correction."""
         denom = max(num_tokens, 1)
-        metrics = {k: sums[k] / denom for k in self.metric_keys() if "/" not in k}
+        per_token = [k for k in self.metric_keys() if "/" not in k or k in DISTILL_SUMS]
+        metrics = {k: sums[k] / denom for k in per_token}
         metrics.update(variant_metrics(sums, self.config.loss))
         if self.config.importance is not None:
             metrics.update(mismatch_metrics(sums, self.config.importance))

@@ -19,6 +19,11 @@ the engine's logprobs. The options (see ``megatron/rl/grpo/loss.py``):
   reference model (``Policy.get_reference_policy_logprobs``, once per global batch of a
   collection, before its first update); one that requires the entropy gets it from the same
   forward as the logprobs.
+* ``distill`` (``--distill-teacher``): each token's advantage gets the teacher term
+  c * (log pi_teacher - log pi_old) (``megatron/rl/grpo/distill.py``; pi_old kept as above, but
+  not the ratio's denominator unless ``old_logprobs`` or ``importance`` asks); the teacher's
+  logprobs and argmax come like pi_ref (``Policy.get_teacher_logprobs``, once per global batch of
+  a collection, before its first update), and the ``distill/*`` metrics are reported.
 * ``packing_capacity`` (``--rl-use-sequence-packing``): each micro-batch runs packed
   (``megatron/trainer/train/forward.py``); per-token outputs are unpacked before the loss.
 
@@ -31,6 +36,7 @@ parallelism (and the pipeline on CUDA) before the loss function turns the sums i
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -39,10 +45,18 @@ import torch
 import torch.distributed as dist
 
 from megatron.rl.grpo.batch import TrainBatch
+from megatron.rl.grpo.distill import (
+    DISTILL_SUMS,
+    DistillConfig,
+    distill_sums,
+    sequence_advantages,
+    teacher_advantages,
+)
 from megatron.rl.grpo.importance import ImportanceConfig, importance_weights, mismatch_sums
 from megatron.rl.grpo.loss import GRPOLossConfig, LossInputs, LossOutput, grpo_loss
 from megatron.trainer.parallel import ParallelContext
 from megatron.trainer.train.forward import forward_outputs, model_inputs
+from megatron.trainer.train.sums import NamedSums
 
 BASE_METRICS = ("clip_fraction", "loss", "mismatch_kl", "ratio_mean")
 """Metric sums every step reports (``LossOutput.metric_sums``), before the terms' own."""
@@ -69,11 +83,19 @@ class StepConfig:
     check_finite: bool = True
     """Refuse an update whose loss or gradient norm is not finite
     (``--check-for-nan-in-loss-and-grad``, ``nonfinite.py``)."""
+    distill: DistillConfig | None = None
+    """On-policy distillation's teacher term of the advantages (None: off)."""
 
     @property
     def needs_old_logprobs(self) -> bool:
         """Whether the ratio is taken against the trainer's pre-update policy."""
         return self.old_logprobs or self.importance is not None
+
+    @property
+    def needs_pre_update_logprobs(self) -> bool:
+        """Whether pi_old is kept per micro-batch: the ratio's denominator, or distillation's
+        student logprobs."""
+        return self.needs_old_logprobs or self.distill is not None
 
     @property
     def needs_reference(self) -> bool:
@@ -88,7 +110,17 @@ class StepConfig:
     def metric_keys(self) -> tuple[str, ...]:
         """The names of one update's metric sums, in reduction order (every rank alike)."""
         names = (*BASE_METRICS, *(t.name for t in self.loss.terms), *self.loss.sum_keys())
-        return tuple(sorted(names))
+        return tuple(sorted(names + (DISTILL_SUMS if self.distill is not None else ())))
+
+
+@dataclass(frozen=True)
+class TeacherLogprobs:
+    """The distillation teacher's view of a batch's targets (``Policy.get_teacher_logprobs``)."""
+
+    logprobs: torch.Tensor
+    """(B, T) float32 log pi_teacher(target) at temperature 1."""
+    argmax: torch.Tensor
+    """(B, T) int64 the teacher's most likely next token at each position."""
 
 
 @dataclass
@@ -101,36 +133,10 @@ class MicroBatchCache:
     """(b, t) log pi_ref."""
     mismatch: dict[str, torch.Tensor] | None = None
     """Train/inference mismatch sums (``importance.mismatch_sums``)."""
-
-
-@dataclass(frozen=True)
-class NamedSums:
-    """Float64 sums by name, stored as one vector in a fixed key order (for one reduction)."""
-
-    keys: tuple[str, ...]
-    values: torch.Tensor
-    """(K,) float64 on the CPU."""
-
-    @classmethod
-    def zeros(cls, keys: tuple[str, ...]) -> NamedSums:
-        """All-zero sums of ``keys``."""
-        return cls(keys, torch.zeros(len(keys), dtype=torch.float64))
-
-    @classmethod
-    def of(cls, sums: dict[str, torch.Tensor], keys: tuple[str, ...]) -> NamedSums:
-        """The scalar tensors of ``sums`` in the order of ``keys`` (which must match exactly)."""
-        if set(sums) != set(keys):
-            raise ValueError(f"metric sums {sorted(sums)} do not match the expected {list(keys)}")
-        return cls(keys, torch.stack([sums[k].detach().double().cpu() for k in keys]))
-
-    def __add__(self, other: NamedSums) -> NamedSums:
-        if other.keys != self.keys:
-            raise ValueError(f"cannot add sums of {other.keys} to sums of {self.keys}")
-        return NamedSums(self.keys, self.values + other.values)
-
-    def as_dict(self) -> dict[str, float]:
-        """Name -> value."""
-        return dict(zip(self.keys, self.values.tolist()))
+    teacher_logprobs: torch.Tensor | None = None
+    """(b, t) log pi_teacher of the targets (distillation)."""
+    teacher_argmax: torch.Tensor | None = None
+    """(b, t) int64 the teacher's most likely next token at each position (distillation)."""
 
 
 @dataclass(frozen=True)
@@ -291,7 +297,32 @@ def micro_batch_loss(
     )
     if config.needs_old_logprobs or config.needs_reference:
         inputs = _with_cached_inputs(inputs, config, cache)
-    return grpo_loss(inputs, config.loss)
+    if config.distill is None:
+        return grpo_loss(inputs, config.loss)
+    return _distilled_loss(inputs, micro_batch.target_ids.to(dev), config, cache)
+
+
+def _distilled_loss(
+    inputs: LossInputs, targets: torch.Tensor, config: StepConfig, cache: MicroBatchCache
+) -> LossOutput:
+    """The GRPO loss with the teacher term in each token's advantage, and the ``distill/*``
+    sums (``megatron/rl/grpo/distill.py``)."""
+    if cache.teacher_logprobs is None or cache.teacher_argmax is None:
+        raise ValueError(
+            "distillation needs the teacher's logprobs (Policy.get_teacher_logprobs), but none "
+            "were given"
+        )
+    if cache.old_logprobs is None:  # first use: pi_old is the current policy
+        cache.old_logprobs = inputs.trainer_logprobs.detach()
+    teacher, student = cache.teacher_logprobs, cache.old_logprobs
+    inputs = dataclasses.replace(
+        inputs,
+        advantages=sequence_advantages(inputs.advantages, config.distill),
+        token_advantages=teacher_advantages(teacher, student, inputs.loss_mask, config.distill),
+    )
+    out = grpo_loss(inputs, config.loss)
+    sums = distill_sums(teacher, student, cache.teacher_argmax, targets, inputs.loss_mask)
+    return dataclasses.replace(out, variant_sums={**out.variant_sums, **sums})
 
 
 def _with_cached_inputs(

@@ -7,9 +7,13 @@ A variant's module (``policy_loss/<name>.py``) defines, at module level:
   with ``/`` is a raw sum (``gspo/sequences``) that its ``metrics`` turns into logged values;
 * ``surrogate(trainer_logprobs, old_logprobs, advantages, mask, eps_lower, eps_upper)``: the
   ``Surrogate`` of (B, T) logprobs (the trainer's, differentiable, and the ratio's denominator),
-  (B, 1) advantages, the (B, T) loss mask and the clip range (``--grpo-clamp-eps-lower/upper``);
+  (B, 1) advantages (or (B, T) per-token ones, where it declares ``TOKEN_ADVANTAGES``), the
+  (B, T) loss mask and the clip range (``--grpo-clamp-eps-lower/upper``);
 * ``metrics(sums)``: its logged metrics from the sums of ``SUMS`` added over micro-batches and
-  ranks (an empty dict when it has no raw sums).
+  ranks (an empty dict when it has no raw sums);
+* optionally ``TOKEN_ADVANTAGES = True``: its objective is per token, so a per-token advantage
+  (on-policy distillation's, ``megatron/rl/grpo/distill.py``) means what it says; a variant with a
+  sequence-level ratio does not declare it and is refused with one.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ class PolicyLoss:
     """The per-token objective of a micro-batch."""
     metrics: Callable[[dict[str, float]], dict[str, float]]
     """The logged metrics from the global sums."""
+    token_advantages: bool = False
+    """``TOKEN_ADVANTAGES``: whether ``surrogate`` takes (B, T) per-token advantages."""
 
     @classmethod
     def of(cls, module: ModuleType) -> PolicyLoss:
@@ -57,4 +63,5 @@ class PolicyLoss:
         for function in ("surrogate", "metrics"):
             if not callable(getattr(module, function, None)):
                 raise TypeError(f"policy loss {name!r} must define a function {function}()")
-        return cls(name, sums, module.surrogate, module.metrics)
+        token_advantages = getattr(module, "TOKEN_ADVANTAGES", False) is True
+        return cls(name, sums, module.surrogate, module.metrics, token_advantages)

@@ -27,6 +27,8 @@ from megatron.rl.grpo.policy_loss.base import Surrogate
 
 SUMS = ("cispo_weight_mean",)
 """The capped weight summed over the loss tokens (logged per token)."""
+TOKEN_ADVANTAGES = True
+"""Per-token objective: (B, T) advantages broadcast as (B, 1) ones do."""
 
 
 def surrogate(

@@ -20,6 +20,8 @@ from megatron.rl.grpo.policy_loss.base import Surrogate
 
 SUMS: tuple[str, ...] = ()
 """No metric sums besides the loss's own."""
+TOKEN_ADVANTAGES = True
+"""Per-token objective: (B, T) advantages broadcast as (B, 1) ones do."""
 
 
 def surrogate(

@@ -123,4 +123,5 @@ def test_the_resume_options_are_the_ones_declared_resume():
         "--lora-rank",
         "--lora-alpha",
         "--lora-target-modules",
+        "--distill-coef",
     }

@@ -1,6 +1,7 @@
 """The policy interface (``megatron/trainer/train/policy.py``) on the CPU tier, each method against a
-plain torch forward of the model: logprobs, reference logprobs, top-k logits (also packed, at
-TP=2 and DP=2), and ``train`` with a loss function that is not GRPO's (supervised NLL)."""
+plain torch forward of the model: logprobs, reference logprobs, the distillation teacher's
+logprobs and argmax, top-k logits (also packed, at TP=2 and DP=2), and ``train`` with a loss
+function that is not GRPO's (supervised NLL)."""
 
 from __future__ import annotations
 
@@ -27,19 +28,25 @@ def batch(seed: int = 1) -> TrainBatch:
     return build_train_batch(synthetic_groups(2, 4, VOCAB, seed=seed), pad_id=0)
 
 
-def build_policy(ctx, micro_batch_size=3, packing_capacity=None, reference_seed=None):
-    """A CPU policy from seed 7 (and a reference model from ``reference_seed``)."""
+def build_policy(
+    ctx, micro_batch_size=3, packing_capacity=None, reference_seed=None, teacher_seed=None
+):
+    """A CPU policy from seed 7 (and a reference model from ``reference_seed``, a distillation
+    teacher from ``teacher_seed``)."""
     args = train_args(tensor_model_parallel_size=ctx.tp_size)
     tier = CPUTier(tier_config(args), ctx)
-    reference = None
+    reference = teacher = None
     if reference_seed is not None:
         torch.manual_seed(reference_seed)
         reference = tier.build_reference(VOCAB).eval()
+    if teacher_seed is not None:
+        torch.manual_seed(teacher_seed)
+        teacher = tier.build_reference(VOCAB).eval()
     torch.manual_seed(7)
     model = tier.build_model(VOCAB)
     state = TrainState(model, *tier.build_optimizer(model))
     config = PolicyConfig(VOCAB, micro_batch_size, args.training.clip_grad, packing_capacity)
-    return tier.build_policy(state, config, reference)
+    return tier.build_policy(state, config, reference, teacher)
 
 
 def direct_logits(model: torch.nn.Module, data: TrainBatch) -> torch.Tensor:
@@ -110,6 +117,22 @@ def test_get_reference_policy_logprobs_uses_the_frozen_reference(ctx):
 
 
 @pytest.mark.parametrize("packing", [pytest.param(None, id="plain"), pytest.param(24, id="packed")])
+def test_get_teacher_logprobs_are_the_teachers_at_temperature_one_with_its_argmax(ctx, packing):
+    policy, data = build_policy(ctx, packing_capacity=packing, teacher_seed=13), batch()
+    assert (data.temperature < 1).any()  # rows at 0.8: the teacher still scores at 1
+    got = policy.get_teacher_logprobs(data, micro_batch_size=2)
+    assert got.logprobs.shape == got.argmax.shape == data.input_ids.shape
+    assert got.argmax.dtype == torch.int64 and not got.logprobs.requires_grad
+    logits = direct_logits(policy.teacher, data)  # untempered: temperature 1 on every row
+    want = torch.log_softmax(logits, -1).gather(-1, data.target_ids[..., None])[..., 0]
+    mask = valid(data)
+    torch.testing.assert_close(got.logprobs[mask], want[mask], atol=1e-5, rtol=1e-5)
+    assert torch.equal(got.argmax[mask], logits.argmax(-1)[mask])
+    with pytest.raises(ValueError, match="no distillation teacher \\(--distill-teacher\\)"):
+        build_policy(ctx).get_teacher_logprobs(data)
+
+
+@pytest.mark.parametrize("packing", [pytest.param(None, id="plain"), pytest.param(24, id="packed")])
 def test_get_topk_logits_are_the_largest_next_token_logits(ctx, packing):
     policy, data = build_policy(ctx, packing_capacity=packing), batch()
     top = policy.get_topk_logits(data, K)
@@ -171,13 +194,15 @@ def policy_outputs(rank: int, world_size: int, tp: int):
     from megatron.trainer.runtime.initialize import initialize_distributed
 
     ctx = initialize_distributed(train_args(tensor_model_parallel_size=tp))
-    policy, data = build_policy(ctx, micro_batch_size=2, packing_capacity=None), batch()
+    policy, data = build_policy(ctx, micro_batch_size=2, teacher_seed=13), batch()
     top = policy.get_topk_logits(data, K)
     logprobs = policy.get_logprobs(data)
+    teacher = policy.get_teacher_logprobs(data)
     (evaluated,) = policy.train(data, TokenMeanNLL(), eval_mode=True)
     trained = [policy.train(data, TokenMeanNLL())[0] for _ in range(2)]
     losses = [evaluated.loss] + [r.loss for r in trained]
-    return top.values, top.indices, logprobs, losses, [r.grad_norm for r in trained], valid(data)
+    norms = [r.grad_norm for r in trained]
+    return top.values, top.indices, logprobs, teacher, losses, norms, valid(data)
 
 
 @pytest.mark.parametrize(
@@ -185,11 +210,17 @@ def policy_outputs(rank: int, world_size: int, tp: int):
     [pytest.param(2, 2, id="tensor-parallel-2"), pytest.param(2, 1, id="data-parallel-2")],
 )
 def test_every_method_is_invariant_to_the_parallel_layout(world_size, tp):
-    ((values, indices, logprobs, losses, norms, mask),) = run_on_ranks(policy_outputs, 1, 1)
+    ((values, indices, logprobs, teacher, losses, norms, mask),) = run_on_ranks(
+        policy_outputs, 1, 1
+    )
     for got in run_on_ranks(policy_outputs, world_size, tp):
-        got_values, got_indices, got_logprobs, got_losses, got_norms, _ = got
+        got_values, got_indices, got_logprobs, got_teacher, got_losses, got_norms, _ = got
         torch.testing.assert_close(got_values[mask], values[mask], atol=1e-5, rtol=1e-5)
         assert torch.equal(got_indices[mask], indices[mask])
         torch.testing.assert_close(got_logprobs[mask], logprobs[mask], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            got_teacher.logprobs[mask], teacher.logprobs[mask], atol=1e-5, rtol=1e-5
+        )
+        assert torch.equal(got_teacher.argmax[mask], teacher.argmax[mask])
         assert got_losses == pytest.approx(losses, rel=1e-5)
         assert got_norms == pytest.approx(norms, rel=1e-5)

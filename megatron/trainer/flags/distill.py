@@ -1,0 +1,168 @@
+"""The on-policy distillation options: a frozen teacher's per-token signal in the advantages.
+
+``--distill-teacher DIR`` turns it on: every trained token's advantage gets the teacher term
+``c * (log pi_teacher - log pi_old)`` (``megatron/rl/grpo/distill.py``), with ``c`` from
+``--distill-coef`` (``only``: the teacher term alone, no environment reward in the advantage).
+``distill_problems`` checks the directory and its tokenizer before anything is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from megatron.trainer.flags.option import Section, option
+
+if TYPE_CHECKING:
+    from megatron.trainer.flags.grpo import GRPO
+    from megatron.trainer.flags.model import Model
+
+ONLY = "only"
+"""``--distill-coef only``: the teacher term alone (prompts suffice; no reward is needed)."""
+TRACKER = "latest_checkpointed_iteration.txt"
+"""What marks a checkpoint directory of ours (``checkpoint/directory.py``)."""
+
+
+def coef_value(text: str) -> str:
+    """``--distill-coef``'s text: a number >= 0 or ``only`` (the check is ``problems``)."""
+    return text.strip().lower()
+
+
+@dataclass(frozen=True)
+class Distillation(Section):
+    """On-policy distillation: the student samples, a frozen teacher scores every sampled token."""
+
+    title = "On-policy distillation"
+
+    distill_teacher: str | None = option(
+        None,
+        "Distill from this frozen teacher: a Hugging Face model directory (config.json and "
+        "safetensors; any architecture, the policy's tokenizer) or a checkpoint directory of "
+        "ours (--save's; the policy's architecture). Its logprob of every trained token is "
+        "computed where the reference logprobs are (the policy's TP/PP layout and precision), "
+        "at temperature 1, and each token's advantage gets --distill-coef x (teacher logprob - "
+        "student logprob before the collection's first update): the sampled-token reverse KL, "
+        "discount 0. Read again on every start, also when resuming (as --ref-load).",
+        parse=str,
+        common=True,
+        spellings=("NeMo-RL: teacher.model_name", "TRL: teacher_model_name_or_path"),
+    )
+    distill_coef: str = option(
+        "1",
+        "Weight of the teacher term in each token's advantage (A_env + c x (log pi_teacher - "
+        "log pi_old)); 0 = plain RL (no teacher forward), 'only' = the teacher term alone "
+        "(the environment's reward is not used: prompts alone suffice).",
+        parse=coef_value,
+        resume=True,
+        common=True,
+    )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a teacher is given and its term weighs anything."""
+        return self.distill_teacher is not None and self.coef != 0
+
+    @property
+    def coef(self) -> float:
+        """The teacher term's weight (1 for ``only``; 0 when the value does not parse)."""
+        if self.distill_coef == ONLY:
+            return 1.0
+        try:
+            return float(self.distill_coef)
+        except ValueError:
+            return 0.0
+
+    @property
+    def reward(self) -> bool:
+        """Whether the environment's advantage stays in the sum (False for ``only``)."""
+        return self.distill_coef != ONLY
+
+    def problems(self) -> list[str]:
+        errors = []
+        if self.distill_coef != ONLY:
+            try:
+                value = float(self.distill_coef)
+            except ValueError:
+                value = -1.0
+            if not value >= 0:
+                errors.append(
+                    f"--distill-coef must be a number >= 0 or '{ONLY}', got {self.distill_coef!r}"
+                )
+        if self.distill_teacher is None and self.distill_coef != "1":
+            errors.append("--distill-coef needs --distill-teacher (the teacher to distill from)")
+        return errors
+
+
+def teacher_kind(directory: str) -> str | None:
+    """``hf`` (config.json), ``checkpoint`` (our tracker file) or None (neither)."""
+    path = Path(directory)
+    if (path / "config.json").is_file():
+        return "hf"
+    if (path / TRACKER).is_file():
+        return "checkpoint"
+    return None
+
+
+def distill_problems(distill: Distillation, model: Model, grpo: GRPO) -> list[str]:
+    """What keeps ``--distill-teacher`` from running with the policy's ``model`` and ``grpo``
+    options."""
+    if distill.distill_teacher is None:
+        return []
+    directory = distill.distill_teacher
+    if not Path(directory).is_dir():
+        return [f"--distill-teacher: no such directory {directory!r}"]
+    kind = teacher_kind(directory)
+    if kind is None:
+        return [
+            f"--distill-teacher {directory}: neither a Hugging Face model directory (no "
+            f"config.json) nor a checkpoint directory of ours (no {TRACKER})"
+        ]
+    errors = _tokenizer_problems(model, directory) if kind == "hf" else []
+    if not distill.enabled:
+        return errors
+    from megatron.rl.grpo.policy_loss import load_policy_loss
+
+    if not load_policy_loss(grpo.policy_loss).token_advantages:
+        errors.append(
+            f"--distill-teacher with --policy-loss {grpo.policy_loss}: its ratio is per "
+            "sequence and takes one advantage per sequence; the teacher's advantage is per "
+            "token (use a per-token surrogate: vanilla or cispo)"
+        )
+    if not distill.reward and grpo.filter_groups_with_same_reward:
+        errors.append(
+            "--distill-coef only with --grpo-filter-groups-with-same-reward: the reward is not "
+            "so no group should be dropped for its rewards"
+        )
+    return errors
+
+
+def _tokenizer_problems(model: Model, directory: str) -> list[str]:
+    """Why the Hugging Face teacher's tokenizer is not the policy's (nothing when it is)."""
+    mine = model.tokenizer_model if model.tokenizer_type == "HuggingFaceTokenizer" else None
+    if mine is None:
+        return [
+            f"--distill-teacher {directory}: a Hugging Face teacher needs the policy's tokenizer "
+            "to be a Hugging Face one (--hf-checkpoint or --tokenizer-model) to compare them; "
+            "give a checkpoint directory of ours instead"
+        ]
+    try:
+        theirs, ours = _vocab(Path(directory)), _vocab(Path(mine))
+    except Exception as err:  # transformers raises OSError, ValueError, KeyError, ...
+        return [f"--distill-teacher {directory}: cannot load its tokenizer ({err})"]
+    if theirs != ours:
+        differ = sorted(set(theirs.items()) ^ set(ours.items()))[:3]
+        return [
+            f"--distill-teacher {directory}: its tokenizer is not the policy's ({mine}): "
+            f"{len(theirs)} vs {len(ours)} tokens, e.g. {differ} differ; distillation compares "
+            "logprobs token by token, so both must use the same tokenizer"
+        ]
+    return []
+
+
+def _vocab(directory: Path) -> dict[str, int]:
+    """Token -> id of a Hugging Face tokenizer directory (special tokens included)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    return dict(tokenizer.get_vocab())

@@ -1,0 +1,111 @@
+"""On-policy distillation end to end (``--distill-teacher``): the student's own weights as the
+teacher give a zero gradient; a distilling run at forced lag 2, stopped and resumed, equals the
+run that was never stopped, bitwise.
+
+The golden case ``distill_lag2`` (``test_pretrain_grpo.py``) guards its numbers; the checks of
+the teacher's directory and tokenizer are unit tests (``test_distill_options.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import pytest
+from golden_values import (
+    load_case,
+    prepare_case,
+    python_command,
+    read_metrics,
+    run_training,
+)
+from test_clean_endings import run
+from test_exact_resume import assert_same_run
+
+from megatron.rl.models.hf.tiny import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def distill_lag2(tmp_path_factory):
+    """The flags of the golden case ``distill_lag2`` (its teacher trained once) and its run."""
+    workdir = tmp_path_factory.mktemp("distill_lag2")
+    with contextlib.ExitStack() as stack:
+        args = prepare_case(load_case("distill_lag2"), workdir, stack)
+    return args, run_training(1, args)
+
+
+def test_the_students_own_weights_as_teacher_give_zero_advantage_and_gradient(tmp_path: Path):
+    model = make_tiny_checkpoint("qwen2", tmp_path / "tiny", seed=1)
+    args = {
+        "hf-checkpoint": model,
+        "distill-teacher": model,
+        "distill-coef": "only",
+        "rl-forced-lag": 0,
+        "train-iters": 3,
+        "seed": 1234,
+    }
+    metrics = run_training(1, args)
+    assert len(metrics) == 3
+    for m in metrics:  # every step: the policy never moved, so the teacher still equals it
+        assert m["distill/reverse_kl"] == 0.0, m["step"]
+        assert m["distill/teacher_logprob"] == m["distill/student_logprob"] < 0.0
+        assert m["loss"] == 0.0 and m["grad_norm"] == 0.0, m["step"]
+        assert 0.0 <= m["distill/argmax_mismatch"] <= 1.0
+
+
+def test_distilling_at_lag_2_keeps_staleness_exact(distill_lag2):
+    _, metrics = distill_lag2
+    for m in metrics:
+        assert m["staleness_min"] == m["staleness_max"] == min(m["step"], 2)
+    assert all(m["distill/reverse_kl"] != 0.0 for m in metrics)  # a teacher unlike the student
+
+
+def test_distilling_run_stopped_and_resumed_equals_the_uninterrupted_run(
+    distill_lag2, tmp_path: Path
+):
+    args, uninterrupted = distill_lag2
+    save, metrics = tmp_path / "ck", tmp_path / "metrics.jsonl"
+    stopped = {**args, "save": save, "save-interval": 1000, "metrics-file": metrics}
+    proc, _ = run(python_command({**stopped, "exit-interval": 5}))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc, _ = run(python_command({**stopped, "load": save}))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = read_metrics(metrics)
+    assert_same_run(resumed, uninterrupted)
+    for name in ("distill/reverse_kl", "distill/teacher_logprob", "distill/argmax_mismatch"):
+        assert [m[name] for m in resumed] == [m[name] for m in uninterrupted], name
+
+
+@pytest.mark.slow
+def test_smollm2_distills_from_its_own_rl_trained_export_with_exact_staleness(
+    smollm2_checkpoint, tmp_path
+):
+    """The real pretrained model at its real shape, bfloat16 with layer recompute: two RL steps
+    exported with --save-hf are the teacher of the untrained model at forced lag 1."""
+    pytest.importorskip("math_verify")
+    shared = {
+        "env-config": "examples/rl/environment_configs/arithmetic.yaml",
+        "seq-length": 256,
+        "bf16": True,
+        "recompute-granularity": "full",
+        "lr": 2e-5,
+        "lr-warmup-iters": 0,
+        "grpo-prompts-per-step": 2,
+        "grpo-group-size": 4,
+        "micro-batch-size": 4,
+        "train-iters": 2,
+    }
+    teacher = tmp_path / "teacher"
+    args = {**shared, "hf-checkpoint": smollm2_checkpoint, "rl-forced-lag": 0}
+    run_training(1, {**args, "save-hf": teacher}, timeout=900)
+    metrics = run_training(
+        1,
+        {**args, "rl-forced-lag": 1, "distill-teacher": teacher, "distill-coef": "only"},
+        timeout=900,
+    )
+    assert [m["step"] for m in metrics] == [0, 1]
+    for m in metrics:
+        assert m["staleness_min"] == m["staleness_max"] == min(m["step"], 1)
+        assert m["distill/reverse_kl"] != 0.0 and m["grad_norm"] > 0.0
+        assert 0.0 <= m["distill/argmax_mismatch"] < 1.0
+        assert m["distill/teacher_logprob"] < 0.0 and m["distill/student_logprob"] < 0.0

@@ -1,0 +1,120 @@
+"""The on-policy distillation options: off by default, the teacher's directory and tokenizer
+checked before anything is built, refusals that name the flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megatron.rl.grpo.distill import DistillConfig
+from megatron.rl.models.hf.tiny import make_tiny_checkpoint
+from megatron.trainer.config import distill_config, step_config, teacher_source
+from megatron.trainer.flags.parse import check
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    """Tiny Hugging Face directories: a student, a larger teacher with the student's tokenizer,
+    and a model with another tokenizer."""
+    root = tmp_path_factory.mktemp("distill_models")
+    return {
+        "student": make_tiny_checkpoint("qwen2", root / "student", seed=1),
+        "teacher": make_tiny_checkpoint("qwen2", root / "teacher", seed=2, hidden_size=96),
+        "other": make_tiny_checkpoint("qwen2", root / "other", tokenizer_vocab_size=320),
+    }
+
+
+def test_distillation_is_off_by_default():
+    args, errors = check([], 1, False)
+    assert errors == [] and distill_config(args) is None and teacher_source(args) is None
+    assert not any(k.startswith("distill/") for k in step_config(args, 64).metric_keys())
+
+
+@pytest.mark.parametrize(
+    "coef, expected",
+    [
+        pytest.param([], DistillConfig(1.0), id="default"),
+        pytest.param(["--distill-coef", "0.25"], DistillConfig(0.25), id="mixed"),
+        pytest.param(["--distill-coef", "only"], DistillConfig(1.0, reward=False), id="only"),
+        pytest.param(["--distill-coef", "0"], None, id="zero-is-plain-rl"),
+    ],
+)
+def test_the_coefficient_sets_the_teacher_term(models, coef, expected):
+    argv = ["--hf-checkpoint", str(models["student"]), "--distill-teacher", str(models["teacher"])]
+    args, errors = check(argv + coef, 1, False)
+    assert errors == []
+    assert distill_config(args) == expected
+    source = teacher_source(args)
+    if expected is None:
+        assert source is None
+    else:  # a Hugging Face teacher keeps its own architecture
+        assert source.directory == str(models["teacher"]) and source.hf.arch.hidden_size == 96
+        assert "distill/reverse_kl" in step_config(args, 301).metric_keys()
+
+
+def test_a_checkpoint_directory_of_ours_is_a_teacher_of_the_policys_architecture(tmp_path):
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("10")
+    args, errors = check(["--distill-teacher", str(tmp_path)], 1, False)
+    assert errors == [] and teacher_source(args).hf is None
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        pytest.param(
+            ["--distill-coef", "0.5"],
+            "--distill-coef needs --distill-teacher",
+            id="coef-without-teacher",
+        ),
+        pytest.param(
+            ["--distill-teacher", "{student}", "--distill-coef", "much"],
+            "--distill-coef must be a number >= 0 or 'only', got 'much'",
+            id="coef-not-a-number",
+        ),
+        pytest.param(
+            ["--distill-teacher", "{student}", "--distill-coef", "-1"],
+            "--distill-coef must be a number >= 0 or 'only', got '-1'",
+            id="coef-negative",
+        ),
+        pytest.param(
+            ["--distill-teacher", "/no/such/teacher"],
+            "--distill-teacher: no such directory '/no/such/teacher'",
+            id="missing-directory",
+        ),
+        pytest.param(
+            ["--distill-teacher", "{empty}"],
+            "--distill-teacher {empty}: neither a Hugging Face model directory (no config.json) "
+            "nor a checkpoint directory of ours (no latest_checkpointed_iteration.txt)",
+            id="neither-kind",
+        ),
+        pytest.param(
+            ["--hf-checkpoint", "{student}", "--distill-teacher", "{other}"],
+            "--distill-teacher {other}: its tokenizer is not the policy's ({student})",
+            id="another-tokenizer",
+        ),
+        pytest.param(
+            ["--distill-teacher", "{student}"],
+            "--distill-teacher {student}: a Hugging Face teacher needs the policy's tokenizer to "
+            "be a Hugging Face one",
+            id="char-tokenizer-policy",
+        ),
+        pytest.param(
+            ["--hf-checkpoint", "{student}", "--distill-teacher", "{teacher}"]
+            + ["--policy-loss", "gspo"],
+            "--distill-teacher with --policy-loss gspo: its ratio is per sequence",
+            id="sequence-level-surrogate",
+        ),
+        pytest.param(
+            ["--hf-checkpoint", "{student}", "--distill-teacher", "{teacher}"]
+            + ["--distill-coef", "only", "--grpo-filter-groups-with-same-reward"],
+            "--distill-coef only with --grpo-filter-groups-with-same-reward",
+            id="only-with-dynamic-sampling",
+        ),
+    ],
+)
+def test_refusals_name_the_flags(models, tmp_path, argv, message):
+    names = {**{k: str(v) for k, v in models.items()}, "empty": str(tmp_path)}
+    _, errors = check([a.format(**names) for a in argv], 1, False)
+    expected = message.format(**names)
+    assert any(e.startswith(expected) for e in errors), errors
