@@ -15,12 +15,9 @@ import pytest
 from golden_values import (
     load_case,
     prepare_case,
-    python_command,
-    read_metrics,
     run_training,
 )
-from test_clean_endings import run
-from test_exact_resume import assert_same_run
+from test_exact_resume import assert_same_run, stopped_then_resumed
 
 from megatron.rl.models.hf.tiny import make_tiny_checkpoint
 
@@ -64,13 +61,7 @@ def test_distilling_run_stopped_and_resumed_equals_the_uninterrupted_run(
     distill_lag2, tmp_path: Path
 ):
     args, uninterrupted = distill_lag2
-    save, metrics = tmp_path / "ck", tmp_path / "metrics.jsonl"
-    stopped = {**args, "save": save, "save-interval": 1000, "metrics-file": metrics}
-    proc, _ = run(python_command({**stopped, "exit-interval": 5}))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    proc, _ = run(python_command({**stopped, "load": save}))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    resumed = read_metrics(metrics)
+    resumed = stopped_then_resumed(args, tmp_path, 5)
     assert_same_run(resumed, uninterrupted)
     for name in ("distill/reverse_kl", "distill/teacher_logprob", "distill/argmax_mismatch"):
         assert [m[name] for m in resumed] == [m[name] for m in uninterrupted], name

@@ -66,6 +66,19 @@ def assert_same_run(
         assert [m.get(metric) for m in resumed] == [m.get(metric) for m in uninterrupted], metric
 
 
+def stopped_then_resumed(args: dict, tmp_path: Path, exit_at: int) -> list[dict]:
+    """The metrics of the job ``args`` (one process) stopped by ``--exit-interval exit_at``, which
+    saves there off the ``--save-interval`` grid, then resumed from that checkpoint to its end."""
+    save, metrics = tmp_path / "ck", tmp_path / "metrics.jsonl"
+    stopped = {**args, "save": save, "save-interval": 1000, "metrics-file": metrics}
+    proc, _ = run(python_command({**stopped, "exit-interval": exit_at}))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == str(exit_at)
+    proc, _ = run(python_command({**stopped, "load": save}))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return read_metrics(metrics)
+
+
 @pytest.fixture(scope="module")
 def uninterrupted():
     """The job as launched, never saved, run once per (processes, flags) for the module."""
@@ -155,15 +168,9 @@ def test_exit_interval_off_the_save_grid_then_resume_is_exact(
     """``--exit-interval`` saves where the ``--save-interval`` grid does not; the resumed run is
     the uninterrupted one (and, at L=2, so is the run that saves after every step)."""
     args = {**LAG2, **flags}
-    save, metrics = tmp_path / "ck", tmp_path / "metrics.jsonl"
-    stopped = {**args, "save": save, "save-interval": 1000, "metrics-file": metrics}
-    proc, _ = run(python_command({**stopped, "exit-interval": exit_at}))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == str(exit_at)
-    proc, _ = run(python_command({**stopped, "load": save}))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = stopped_then_resumed(args, tmp_path, exit_at)
     reference = uninterrupted(1, args)
-    assert_same_run(read_metrics(metrics), reference)
+    assert_same_run(resumed, reference)
     if not flags:  # a save at every step changes nothing either
         saving = run_training(1, {**args, "save": tmp_path / "grid", "save-interval": 1})
         assert_same_run(saving, reference)
@@ -176,12 +183,7 @@ def test_remote_environment_run_resumes_exactly(uninterrupted, tmp_path: Path) -
         tmp_path, "- agent_type: digits\n  env_id: copy\n  agent_args: {task: copy}\n"
     ) as (url, _):
         args = {**LAG2, "env-config": remote_env_config(tmp_path, url, ["copy"])}
-        save, metrics = tmp_path / "ck", tmp_path / "metrics.jsonl"
-        stopped = {**args, "save": save, "save-interval": 1000, "metrics-file": metrics}
-        proc, _ = run(python_command({**stopped, "exit-interval": 3}))
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        proc, _ = run(python_command({**stopped, "load": save}))
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        resumed = stopped_then_resumed(args, tmp_path, 3)
         reference = uninterrupted(1, args)
-    assert_same_run(read_metrics(metrics), reference, in_process=False)
+    assert_same_run(resumed, reference, in_process=False)
     assert all(m["staleness_min"] == m["staleness_max"] == min(m["step"], 2) for m in reference)
