@@ -82,14 +82,22 @@ def step_config(cfg: RunConfig, vocab_size: int) -> StepConfig:
         importance=importance,
         packing_capacity=cfg.model.seq_length if cfg.training.use_sequence_packing else None,
         check_finite=cfg.training.check_for_nan_in_loss_and_grad,
-        distill=distill_config(cfg),
+        distill=distill_config(cfg, vocab_size),
     )
 
 
-def distill_config(cfg: RunConfig) -> DistillConfig | None:
-    """The teacher term of ``--distill-teacher`` / ``--distill-coef`` (None: off)."""
+def distill_config(cfg: RunConfig, vocab_size: int) -> DistillConfig | None:
+    """The teacher term of ``--distill-teacher`` / ``--distill-coef`` /
+    ``--distill-topk-logits-k`` (None: off); k is checked against the tokenizer's vocabulary."""
     distill = cfg.distillation
-    return DistillConfig(distill.coef, distill.reward) if distill.enabled else None
+    if not distill.enabled:
+        return None
+    topk = distill.distill_topk_logits_k
+    if topk is not None and topk > vocab_size:
+        raise ValueError(
+            f"--distill-topk-logits-k {topk} exceeds the vocabulary ({vocab_size} tokens)"
+        )
+    return DistillConfig(distill.coef, distill.reward, topk)
 
 
 def teacher_source(cfg: RunConfig) -> TeacherSource | None:

@@ -1,6 +1,6 @@
 """On-policy distillation end to end (``--distill-teacher``): the student's own weights as the
-teacher give a zero gradient; a distilling run at forced lag 2, stopped and resumed, equals the
-run that was never stopped, bitwise.
+teacher give a zero gradient (both variants); a distilling run at forced lag 2, stopped and
+resumed, equals the run that was never stopped, bitwise.
 
 The golden case ``distill_lag2`` (``test_pretrain_grpo.py``) guards its numbers; the checks of
 the teacher's directory and tokenizer are unit tests (``test_distill_options.py``).
@@ -31,23 +31,33 @@ def distill_lag2(tmp_path_factory):
     return args, run_training(1, args)
 
 
-def test_the_students_own_weights_as_teacher_give_zero_advantage_and_gradient(tmp_path: Path):
+@pytest.mark.parametrize(
+    "variant",
+    [pytest.param({}, id="sampled-token"), pytest.param({"distill-topk-logits-k": 8}, id="top-k")],
+)
+def test_the_students_own_weights_as_teacher_give_zero_advantage_and_gradient(
+    tmp_path: Path, variant
+):
     model = make_tiny_checkpoint("qwen2", tmp_path / "tiny", seed=1)
     args = {
         "hf-checkpoint": model,
         "distill-teacher": model,
         "distill-coef": "only",
         "rl-forced-lag": 0,
-        "train-iters": 3,
+        "train-iters": 2,
         "seed": 1234,
+        **variant,
     }
     metrics = run_training(1, args)
-    assert len(metrics) == 3
+    assert len(metrics) == 2
     for m in metrics:  # every step: the policy never moved, so the teacher still equals it
         assert m["distill/reverse_kl"] == 0.0, m["step"]
         assert m["distill/teacher_logprob"] == m["distill/student_logprob"] < 0.0
-        assert m["loss"] == 0.0 and m["grad_norm"] == 0.0, m["step"]
         assert 0.0 <= m["distill/argmax_mismatch"] <= 1.0
+        assert m["loss"] == 0.0 and m["grad_norm"] == 0.0, m["step"]  # the same forward
+        if variant:  # both sides' logprobs of the teacher's top-k ids: the same computation
+            assert m["distill/topk_kl"] == 0.0, m["step"]
+            assert 0.0 < m["distill/student_topk_mass"] == m["distill/teacher_topk_mass"] <= 1.0
 
 
 def test_distilling_at_lag_2_keeps_staleness_exact(distill_lag2):
@@ -68,11 +78,16 @@ def test_distilling_run_stopped_and_resumed_equals_the_uninterrupted_run(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "variant",
+    [pytest.param({}, id="sampled-token"), pytest.param({"distill-topk-logits-k": 32}, id="top-k")],
+)
 def test_smollm2_distills_from_its_own_rl_trained_export_with_exact_staleness(
-    smollm2_checkpoint, tmp_path
+    smollm2_checkpoint, tmp_path, variant
 ):
     """The real pretrained model at its real shape, bfloat16 with layer recompute: two RL steps
-    exported with --save-hf are the teacher of the untrained model at forced lag 1."""
+    exported with --save-hf are the teacher of the untrained model at forced lag 1 (the top-k
+    variant through the chunked output layer: 49152 ids)."""
     pytest.importorskip("math_verify")
     shared = {
         "env-config": "examples/rl/environment_configs/arithmetic.yaml",
@@ -91,7 +106,13 @@ def test_smollm2_distills_from_its_own_rl_trained_export_with_exact_staleness(
     run_training(1, {**args, "save-hf": teacher}, timeout=900)
     metrics = run_training(
         1,
-        {**args, "rl-forced-lag": 1, "distill-teacher": teacher, "distill-coef": "only"},
+        {
+            **args,
+            "rl-forced-lag": 1,
+            "distill-teacher": teacher,
+            "distill-coef": "only",
+            **variant,
+        },
         timeout=900,
     )
     assert [m["step"] for m in metrics] == [0, 1]
@@ -100,3 +121,6 @@ def test_smollm2_distills_from_its_own_rl_trained_export_with_exact_staleness(
         assert m["distill/reverse_kl"] != 0.0 and m["grad_norm"] > 0.0
         assert 0.0 <= m["distill/argmax_mismatch"] < 1.0
         assert m["distill/teacher_logprob"] < 0.0 and m["distill/student_logprob"] < 0.0
+        if variant:
+            assert m["distill/topk_kl"] > 0.0
+            assert 0.0 < m["distill/teacher_topk_mass"] <= 1.0 + 1e-6

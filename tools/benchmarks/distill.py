@@ -19,7 +19,10 @@ tokenizer: a trained export of the recipe) added:
 * "distill only": ``--distill-teacher T --distill-coef only``: the per-token advantage is
   ``log pi_teacher(y_t) - log pi_old(y_t)`` alone (the student before the step), no reward;
 * "distill + reward": ``--distill-teacher T --distill-coef 1``: the group-normalised reward's
-  advantage plus that term.
+  advantage plus that term;
+* "distill only, top-64": ``--distill-coef only --distill-topk-logits-k 64``: instead, each
+  token's loss gains the reverse KL between the student's and the teacher's distributions on
+  the teacher's 64 most likely ids.
 
 They are compared with the RL run ``--rl-run`` (default "ours L=0") read from ``--rl-results``
 (``recipe.json``, measured on the same machine), not rerun. Evaluation and wall time are
@@ -68,8 +71,12 @@ from tools.benchmarks.distill_report import (  # noqa: E402
 from tools.benchmarks.recipe import ours_command, read_ours, run_ours  # noqa: E402
 from tools.benchmarks.recipe_report import significant  # noqa: E402
 
-RUNS: tuple[tuple[str, str], ...] = (("distill only", "only"), ("distill + reward", "1"))
-"""(name, ``--distill-coef``) of the runs."""
+RUNS: tuple[tuple[str, str, int | None], ...] = (
+    ("distill only", "only", None),
+    ("distill + reward", "1", None),
+    ("distill only, top-64", "only", 64),
+)
+"""(name, ``--distill-coef``, ``--distill-topk-logits-k``) of the runs."""
 RECIPE_SETTINGS = (
     "prompts",
     "group_size",
@@ -87,17 +94,21 @@ DISTILL_KEYS = (
     "distill/teacher_logprob",
     "distill/student_logprob",
     "distill/argmax_mismatch",
+    "distill/topk_kl",
+    "distill/teacher_topk_mass",
+    "distill/student_topk_mass",
 )
 
 
 def run_dir(work: Path, name: str) -> Path:
     """A run's directory under ``work`` ("distill + reward" -> ``distill_reward``)."""
-    return work / "_".join(name.replace("+", " ").split())
+    return work / "_".join(name.replace("+", " ").replace(",", " ").split())
 
 
-def extra_flags(teacher: Path, coef: str) -> tuple[str, ...]:
+def extra_flags(teacher: Path, coef: str, topk: int | None) -> tuple[str, ...]:
     """The distillation flags added to the recipe's command."""
-    return ("--distill-teacher", str(teacher), "--distill-coef", coef)
+    topk_flags = () if topk is None else ("--distill-topk-logits-k", str(topk))
+    return ("--distill-teacher", str(teacher), "--distill-coef", coef, *topk_flags)
 
 
 def distill_metrics(out: Path) -> list[dict[str, Any]]:
@@ -123,6 +134,7 @@ def reaches(evals: list[dict[str, Any]], low: float, third: float) -> dict[str, 
 def measure_run(
     name: str,
     coef: str,
+    topk: int | None,
     opts: argparse.Namespace,
     ckpt: Path,
     work: Path,
@@ -131,7 +143,7 @@ def measure_run(
 ) -> dict[str, Any]:
     """Train (or with ``--collect`` read) one distillation run and check it."""
     out = run_dir(work, name)
-    extra = extra_flags(opts.teacher, coef)
+    extra = extra_flags(opts.teacher, coef, topk)
     run = read_ours(opts, out) if opts.collect else run_ours(0, opts, ckpt, out, extra)
     for step, metrics in zip(run["steps"], distill_metrics(out)):
         step.update(metrics)
@@ -148,6 +160,7 @@ def measure_run(
         "reaches": reaches(run["evals"], target_low, third),
         "copy_check": checks,
         "distill_coef": coef,
+        "distill_topk_logits_k": topk,
         "extra_flags": list(extra),
         "command": [str(c) for c in ours_command(0, opts, ckpt, out, extra)],
         "run_dir": str(out),
@@ -223,7 +236,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--only",
         nargs="+",
-        choices=[n for n, _ in RUNS],
+        choices=[n for n, _, _ in RUNS],
         default=None,
         help="Runs to make (default: all); the others keep their numbers from the existing "
         "NAME.json in --out.",
@@ -281,11 +294,12 @@ def main() -> None:
         if opts.teacher is None:
             print("distill: training the teacher", flush=True)
             opts.teacher, opts.teacher_eval = train_teacher(opts, ckpt, work)
-        for name, coef in RUNS:
+        for name, coef, topk in RUNS:
             if opts.only and name not in opts.only:
                 continue
             print(f"distill: {name}", flush=True)
-            run = measure_run(name, coef, opts, ckpt, work, target["greedy_ci95"][0], third)
+            low = target["greedy_ci95"][0]
+            run = measure_run(name, coef, topk, opts, ckpt, work, low, third)
             res["runs"][name] = {**run, "started": started}
     settings = {k: v for k, v in vars(opts).items() if k not in ("out", "work", "only", "name")}
     res.update(

@@ -11,7 +11,8 @@ linear-cross-entropy kernels do, ``chunked_token_outputs`` never holds (tokens, 
   target's logprob z[y] - lse and, if asked, the entropy H = lse - sum p z; only (N,) vectors
   are kept.
 * backward, per chunk: z and p = exp(z - lse) recomputed from the saved hidden states, then
-  dL/dz = g_lp (onehot(y) - p) - g_H p (log p + H), divided by T; dL/dh = dL/dz W (all-reduced
+  dL/dz = g_lp (onehot(y) - p) - g_H p (log p + H) + sum_j g_j (onehot(s_j) - p), divided by T;
+  dL/dh = dL/dz W (all-reduced
   over tensor parallelism, as megatron-core's column-parallel input copy does) and, unless the
   output layer is frozen (LoRA), dL/dW += dL/dz^T h.
 
@@ -42,7 +43,27 @@ def chunked_token_outputs(
     with_entropy: bool = False,
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(N,) log p(target) and (N,) entropies (or None) of softmax((hidden @ weight^T) / T).
+    """(N,) log p(target) and (N,) entropies (or None) of softmax((hidden @ weight^T) / T)
+    (``chunked_head_outputs`` without a support)."""
+    logprobs, entropy, _ = chunked_head_outputs(
+        hidden, weight, targets, temperature, vocab_size, tp_group, with_entropy, chunk_elements
+    )
+    return logprobs, entropy
+
+
+def chunked_head_outputs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: torch.Tensor,
+    vocab_size: int,
+    tp_group: dist.ProcessGroup | None = None,
+    with_entropy: bool = False,
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+    support: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(N,) log p(target), (N,) entropies (or None) and (N, k) log p of ``support`` (or None)
+    under softmax((hidden @ weight^T) / T).
 
     Args:
         hidden: (N, H) final hidden states (after the final norm), one row per token.
@@ -53,10 +74,11 @@ def chunked_token_outputs(
         tp_group: the group the vocabulary is split over (None or size 1: not split).
         with_entropy: also return the entropies.
         chunk_elements: at most this many logits (tokens x V/tp) exist at once.
+        support: (N, k) int64 ids (< ``vocab_size``) whose logprobs are also wanted.
 
     Returns:
-        float32 (N,) logprobs and (N,) entropies, differentiable w.r.t. ``hidden`` and
-        ``weight``.
+        float32 (N,) logprobs, (N,) entropies and (N, k) support logprobs, differentiable
+        w.r.t. ``hidden`` and ``weight``.
     """
     t = temperature.float()
     inv_temp = torch.where(t > 0, 1.0 / t, torch.ones_like(t))  # (N,)
@@ -64,10 +86,15 @@ def chunked_token_outputs(
     device_type = hidden.device.type
     autocast = torch.is_autocast_enabled(device_type)
     dtype = torch.get_autocast_dtype(device_type) if autocast else None
-    logprobs, entropy = _ChunkedHead.apply(
-        hidden, weight, targets, inv_temp, vocab_size, tp_group, with_entropy, chunk, dtype
+    ids = targets.new_zeros((targets.shape[0], 0)) if support is None else support  # (N, k)
+    logprobs, entropy, on_support = _ChunkedHead.apply(
+        hidden, weight, targets, inv_temp, ids, vocab_size, tp_group, with_entropy, chunk, dtype
     )
-    return logprobs, (entropy if with_entropy else None)
+    return (
+        logprobs,
+        entropy if with_entropy else None,
+        on_support if support is not None else None,
+    )
 
 
 class _ChunkedHead(torch.autograd.Function):
@@ -75,13 +102,24 @@ class _ChunkedHead(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, hidden, weight, targets, inv_temp, vocab_size, tp_group, with_entropy, chunk, dtype
+        ctx,
+        hidden,
+        weight,
+        targets,
+        inv_temp,
+        support,
+        vocab_size,
+        tp_group,
+        with_entropy,
+        chunk,
+        dtype,
     ):
         head = _Head(weight, vocab_size, tp_group, dtype)
         n, operands = hidden.shape[0], head.operand(hidden)
         logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(logprobs)
         entropy = torch.zeros_like(logprobs)
+        on_support = torch.empty(support.shape, dtype=torch.float32, device=hidden.device)
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
             z = head.logits(operands[s:e], inv_temp[s:e])  # (c, V/tp) float32
@@ -90,13 +128,15 @@ class _ChunkedHead(torch.autograd.Function):
             if with_entropy:
                 p = torch.exp(z - lse[s:e, None])
                 entropy[s:e] = lse[s:e] - head.all_reduce(head.finite(z).mul_(p).sum(-1))
-        ctx.save_for_backward(hidden, weight, targets, inv_temp, lse, entropy)
+            if support.shape[1]:
+                on_support[s:e] = head.target_logits(z, support[s:e]) - lse[s:e, None]
+        ctx.save_for_backward(hidden, weight, targets, inv_temp, support, lse, entropy)
         ctx.settings = (vocab_size, tp_group, with_entropy, chunk, dtype)
-        return logprobs, entropy
+        return logprobs, entropy, on_support
 
     @staticmethod
-    def backward(ctx, grad_logprobs, grad_entropy):
-        hidden, weight, targets, inv_temp, lse, entropy = ctx.saved_tensors
+    def backward(ctx, grad_logprobs, grad_entropy, grad_support):
+        hidden, weight, targets, inv_temp, support, lse, entropy = ctx.saved_tensors
         vocab_size, tp_group, with_entropy, chunk, dtype = ctx.settings
         head = _Head(weight, vocab_size, tp_group, dtype)
         operands = head.operand(hidden)
@@ -107,6 +147,7 @@ class _ChunkedHead(torch.autograd.Function):
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         g_lp = grad_logprobs.float() if grad_logprobs is not None else None
         g_h = grad_entropy.float() if with_entropy and grad_entropy is not None else None
+        g_s = grad_support.float() if support.shape[1] and grad_support is not None else None
         for s in range(0, hidden.shape[0], chunk):
             e = min(s + chunk, hidden.shape[0])
             z = head.logits(operands[s:e], inv_temp[s:e])  # (c, V/tp)
@@ -118,6 +159,9 @@ class _ChunkedHead(torch.autograd.Function):
             if g_h is not None:  # dH/dz = -p (log p + H)
                 log_p = head.finite(z - lse[s:e, None])
                 grad_z.sub_(p * (log_p + entropy[s:e, None]) * g_h[s:e, None])
+            if g_s is not None:  # d(z[s_j] - lse)/dz = onehot(s_j) - p
+                grad_z.sub_(p * g_s[s:e].sum(-1, keepdim=True))
+                head.add_at_targets(grad_z, support[s:e], g_s[s:e])
             grad_z.mul_(inv_temp[s:e, None])
             g_hidden, g_weight = head.backward(grad_z, operands[s:e], wants_weight)
             grad_hidden[s:e] = g_hidden  # cast to the hidden states' dtype
@@ -127,7 +171,7 @@ class _ChunkedHead(torch.autograd.Function):
             dist.all_reduce(grad_hidden, group=tp_group)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
 
 
 class _Head:
@@ -175,21 +219,24 @@ class _Head:
         return top + torch.log(total)
 
     def _local(self, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(c,) local column of each target and (c,) whether this rank holds it."""
-        local = targets - self.first
+        """(c, k) local column of each (c,) target or (c, k) support id, and whether this rank
+        holds it."""
+        local = (targets if targets.dim() == 2 else targets[:, None]) - self.first
         held = (local >= 0) & (local < self.weight.shape[0])
         return local.clamp(0, self.weight.shape[0] - 1), held
 
     def target_logits(self, z: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """(c,) z[target], taken from the rank that holds the target's column."""
+        """(c,) z[target] (or (c, k) of (c, k) ids), from the rank that holds each column."""
         local, held = self._local(targets)
-        picked = z.gather(-1, local[:, None]).squeeze(-1)
-        return self.all_reduce(torch.where(held, picked, torch.zeros_like(picked)))
+        picked = z.gather(-1, local)  # (c, k)
+        picked = self.all_reduce(torch.where(held, picked, torch.zeros_like(picked)))
+        return picked if targets.dim() == 2 else picked.squeeze(-1)
 
     def add_at_targets(self, grad_z: torch.Tensor, targets: torch.Tensor, g: torch.Tensor) -> None:
-        """grad_z[i, target_i] += g_i where this rank holds the target."""
+        """grad_z[i, target_i] += g_i (or at each of (c, k) ids) where this rank holds it."""
         local, held = self._local(targets)
-        grad_z.scatter_add_(-1, local[:, None], torch.where(held, g, torch.zeros_like(g))[:, None])
+        g = g if g.dim() == 2 else g[:, None]
+        grad_z.scatter_add_(-1, local, torch.where(held, g, torch.zeros_like(g)))
 
     def backward(self, grad_z: torch.Tensor, hidden: torch.Tensor, weight_grad: bool = True):
         """(dL/dh (c, H), dL/dW (V/tp, H) float32, or None without ``weight_grad``) of one

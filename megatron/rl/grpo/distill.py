@@ -21,6 +21,21 @@ the advantage of token t is the teacher's log-probability of it minus the studen
 
 A teacher equal to the student gives A_t = c_env * A_i exactly (with ``only``: zero, hence a zero
 gradient). The metrics are per trained token (``DISTILL_SUMS``, divided by the loss tokens).
+
+Top-k variant (``DistillConfig.topk`` = k, ``--distill-topk-logits-k``): instead of the sampled
+token's gap in the advantage, the loss gains, per trained token, the exact reverse KL between the
+student's and the teacher's next-token distributions restricted to the teacher's k most likely
+ids S_t (both renormalized on S_t), differentiable in the student:
+
+    loss_t += c * KL_t,   KL_t = sum_{i in S_t} p_hat_i (log p_hat_i - log q_hat_i),
+    log p_hat_i = log pi_theta(i) - log sum_{j in S_t} pi_theta(j)   (q_hat: the teacher's)
+
+``pi_theta`` at the row's sampling temperature (the distribution the student samples from), the
+teacher's at temperature 1, as above. It uses k of the teacher's logprobs per token instead of
+one sampled token's, so its gradient has no sampling variance on S_t; what lies outside S_t is
+not constrained (``distill/teacher_topk_mass`` says how much of the teacher's distribution S_t
+holds). The term is summed like the surrogate (``--loss-agg-mode``), with the environment's
+advantage (or none with ``only``) in the surrogate.
 """
 
 from __future__ import annotations
@@ -36,6 +51,8 @@ DISTILL_SUMS = (
     "distill/teacher_logprob",
 )
 """Per-token sums a distilling step reports, sorted (``distill_sums``)."""
+TOPK_SUMS = ("distill/student_topk_mass", "distill/teacher_topk_mass", "distill/topk_kl")
+"""Per-token sums the top-k variant adds, sorted (``topk_sums``)."""
 
 
 @dataclass(frozen=True)
@@ -46,10 +63,19 @@ class DistillConfig:
     """c: the weight of the teacher-minus-sampler log-probability of each token (> 0)."""
     reward: bool = True
     """Whether the environment's sequence advantage stays in the sum (False: ``only``)."""
+    topk: int | None = None
+    """k of the top-k variant: c times the reverse KL on the teacher's k most likely ids is
+    added to each token's loss, and no teacher term to its advantage (None: sampled-token)."""
 
     def __post_init__(self) -> None:
         if not self.coef > 0:
             raise ValueError(f"the teacher term's coefficient must be > 0, got {self.coef}")
+        if self.topk is not None and self.topk < 1:
+            raise ValueError(f"the top-k variant needs k >= 1, got {self.topk}")
+
+    def sum_keys(self) -> tuple[str, ...]:
+        """The names of the per-token sums a distilling step reports."""
+        return DISTILL_SUMS + (TOPK_SUMS if self.topk is not None else ())
 
 
 def teacher_advantages(
@@ -86,4 +112,54 @@ def distill_sums(
         "distill/reverse_kl": ((student_logprobs - teacher_logprobs) * mask).sum(),
         "distill/student_logprob": (student_logprobs * mask).sum(),
         "distill/teacher_logprob": (teacher_logprobs * mask).sum(),
+    }
+
+
+def topk_reverse_kl(
+    student_support: torch.Tensor, teacher_support: torch.Tensor, loss_mask: torch.Tensor
+) -> torch.Tensor:
+    """(B, T) KL(p_hat || q_hat) on the loss tokens (0 elsewhere), the student's and the
+    teacher's distributions renormalized on the support (module docstring).
+
+    Args:
+        student_support: (B, T, k) log pi_theta of the support ids, differentiable.
+        teacher_support: (B, T, k) log pi_teacher of the same ids (no gradient).
+        loss_mask: (B, T) 1.0 on trained tokens.
+    """
+    log_q = torch.log_softmax(teacher_support.detach(), dim=-1)  # (B, T, k)
+    return _TopKReverseKL.apply(student_support, log_q) * loss_mask
+
+
+class _TopKReverseKL(torch.autograd.Function):
+    """(B, T) KL(softmax(s) || q_hat) of (B, T, k) logits s and log q_hat, with its gradient in
+    closed form, dKL/ds_j = p_j (d_j - KL), d = log p_hat - log q_hat: exactly 0 where the two
+    are equal (autograd's chain through log_softmax leaves p (1 - sum p), float rounding)."""
+
+    @staticmethod
+    def forward(ctx, student_support, log_q):
+        log_p = torch.log_softmax(student_support, dim=-1)  # (B, T, k) renormalized
+        p, gap = log_p.exp(), log_p - log_q  # (B, T, k)
+        kl = (p * gap).sum(-1)  # (B, T)
+        ctx.save_for_backward(p, gap, kl)
+        return kl
+
+    @staticmethod
+    def backward(ctx, grad):
+        p, gap, kl = ctx.saved_tensors
+        return grad[..., None] * p * (gap - kl[..., None]), None
+
+
+def topk_sums(
+    kl: torch.Tensor,
+    student_support: torch.Tensor,
+    teacher_support: torch.Tensor,
+    loss_mask: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """Scalar sums over the loss tokens: the top-k KL (``topk_reverse_kl``'s (B, T) ``kl``) and
+    the probability each side puts on the teacher's top-k ids ((B, T, k) logprobs)."""
+    mask = loss_mask.float()
+    return {
+        "distill/student_topk_mass": (student_support.detach().exp().sum(-1) * mask).sum(),
+        "distill/teacher_topk_mass": (teacher_support.exp().sum(-1) * mask).sum(),
+        "distill/topk_kl": (kl.detach() * mask).sum(),
     }

@@ -42,3 +42,64 @@ def token_logprobs(
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     return -vocab_parallel_cross_entropy(logits, targets)
+
+
+def support_logprobs(
+    logits: torch.Tensor,
+    support: torch.Tensor,
+    vocab_size: int,
+    temperature: torch.Tensor | None = None,
+    tp_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """log p(i) of every id i of ``support`` under softmax(logits / temperature) (the real
+    vocabulary's): ``token_logprobs`` at k ids per position.
+
+    Args:
+        logits: (B, T, V/tp) logits, vocab-parallel as in ``token_logprobs``.
+        support: (B, T, k) int64 global token ids (< ``vocab_size``).
+        vocab_size: real vocabulary size.
+        temperature: (B,) or (B, T) sampling temperature (0: treated as 1), as ``token_logprobs``.
+        tp_group: tensor-parallel group the vocab is split over (None or size 1: not split).
+
+    Returns:
+        (B, T, k) float32 log-probabilities, differentiable w.r.t. ``logits`` (under TP the
+        gradient reaches the rank that holds each id's column).
+    """
+    logits = logits.float()
+    if temperature is not None:
+        t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).float()
+        logits = logits / (t[:, None, None] if t.dim() == 1 else t[..., None])
+    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+    part = logits.shape[-1]
+    first = (dist.get_rank(tp_group) if tp_size > 1 else 0) * part
+    ids = torch.arange(first, first + part, device=logits.device)
+    logits = logits.masked_fill(ids >= vocab_size, float("-inf"))
+    if tp_size == 1:
+        return torch.log_softmax(logits, dim=-1).gather(-1, support)
+    top = logits.detach().max(dim=-1, keepdim=True).values  # (B, T, 1)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=tp_group)
+    total = _sum_over(torch.exp(logits - top).sum(-1, keepdim=True), tp_group)  # (B, T, 1)
+    local = support - first
+    held = (local >= 0) & (local < part)  # (B, T, k)
+    picked = logits.gather(-1, local.clamp(0, part - 1))
+    picked = _sum_over(torch.where(held, picked, torch.zeros_like(picked)), tp_group)
+    return picked - top - torch.log(total)
+
+
+def _sum_over(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``x`` summed over ``group``, differentiable: every rank computes the same loss from the
+    sum, so each rank's part gets the sum's gradient unchanged (megatron-core's
+    ``reduce_from_tensor_model_parallel_region``, on an explicit group)."""
+    return _SumOver.apply(x, group)
+
+
+class _SumOver(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None

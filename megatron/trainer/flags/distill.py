@@ -2,8 +2,10 @@
 
 ``--distill-teacher DIR`` turns it on: every trained token's advantage gets the teacher term
 ``c * (log pi_teacher - log pi_old)`` (``megatron/rl/grpo/distill.py``), with ``c`` from
-``--distill-coef`` (``only``: the teacher term alone, no environment reward in the advantage).
-``distill_problems`` checks the directory and its tokenizer before anything is built.
+``--distill-coef`` (``only``: the teacher term alone, no environment reward in the advantage);
+with ``--distill-topk-logits-k k`` the term is instead the reverse KL on the teacher's k most
+likely ids, added to each token's loss. ``distill_problems`` checks the directory and its
+tokenizer before anything is built.
 """
 
 from __future__ import annotations
@@ -57,6 +59,18 @@ class Distillation(Section):
         resume=True,
         common=True,
     )
+    distill_topk_logits_k: int | None = option(
+        None,
+        "Top-k variant: instead of the sampled token's teacher term in the advantage, add "
+        "--distill-coef x the reverse KL between the student's and the teacher's next-token "
+        "distributions on the teacher's k most likely ids (both renormalized there) to every "
+        "trained token's loss, differentiable (k teacher logprobs per token: no sampling "
+        "variance on that support). Default: the sampled-token variant.",
+        parse=int,
+        minimum=1,
+        resume=True,
+        spellings=("NeMo-RL: distillation.topk_logits_k",),
+    )
 
     @property
     def enabled(self) -> bool:
@@ -91,6 +105,10 @@ class Distillation(Section):
                 )
         if self.distill_teacher is None and self.distill_coef != "1":
             errors.append("--distill-coef needs --distill-teacher (the teacher to distill from)")
+        if self.distill_teacher is None and self.distill_topk_logits_k is not None:
+            errors.append(
+                "--distill-topk-logits-k needs --distill-teacher (the teacher to distill from)"
+            )
         return errors
 
 
@@ -123,11 +141,13 @@ def distill_problems(distill: Distillation, model: Model, grpo: GRPO) -> list[st
         return errors
     from megatron.rl.grpo.policy_loss import load_policy_loss
 
-    if not load_policy_loss(grpo.policy_loss).token_advantages:
+    topk = distill.distill_topk_logits_k is not None  # a loss term: any surrogate takes it
+    if not topk and not load_policy_loss(grpo.policy_loss).token_advantages:
         errors.append(
             f"--distill-teacher with --policy-loss {grpo.policy_loss}: its ratio is per "
             "sequence and takes one advantage per sequence; the teacher's advantage is per "
-            "token (use a per-token surrogate: vanilla or cispo)"
+            "token (use a per-token surrogate: vanilla or cispo, or the top-k variant "
+            "--distill-topk-logits-k, a loss term)"
         )
     if not distill.reward and grpo.filter_groups_with_same_reward:
         errors.append(

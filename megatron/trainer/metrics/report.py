@@ -129,9 +129,16 @@ def header(
 def distill_line(cfg: RunConfig) -> str:
     """The header line of a distilling run: the teacher and each token's advantage."""
     distill = cfg.distillation
+    head = f"distill      teacher {distill.distill_teacher} (frozen); "
+    k = distill.distill_topk_logits_k
+    if k is not None:
+        reward = "A_env" if distill.reward else "no reward"
+        return (
+            f"{head}advantage {reward}, token loss + {distill.coef:g} x KL on the teacher's top-{k}"
+        )
     term = "(log pi_teacher - log pi_old)"
     advantage = f"A_env + {distill.coef:g} x {term}" if distill.reward else f"{term}, no reward"
-    return f"distill      teacher {distill.distill_teacher} (frozen); token advantage {advantage}"
+    return f"{head}token advantage {advantage}"
 
 
 def lora_line(cfg: RunConfig, parameters: int, trainable: int | None) -> str:

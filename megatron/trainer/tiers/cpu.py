@@ -50,12 +50,12 @@ from megatron.trainer.train.forward import (
     ModelInputs,
     forward_outputs,
     gather_data_parallel,
-    micro_outputs,
     micro_topk,
     model_inputs,
     padded_rows,
     routed_forward,
     routes_cleared,
+    teacher_micro_outputs,
 )
 from megatron.trainer.train.moe import (
     MoEStepStats,
@@ -85,7 +85,7 @@ from megatron.trainer.train.step import (
     TeacherLogprobs,
     Update,
     data_parallel_micro_batches,
-    policy_logprobs,
+    policy_outputs,
     step_result,
 )
 
@@ -201,22 +201,19 @@ class CPUPolicy(Policy):
             (logprobs,) = self._forward_only(reference, data, micro_batch_size, outputs)
         return logprobs
 
-    def get_teacher_logprobs(self, data, micro_batch_size=None):
-        """The teacher's logprobs and argmax from one forward per micro-batch, at temperature 1,
-        gathered over DP."""
+    def get_teacher_logprobs(self, data, micro_batch_size=None, topk=None):
+        """The teacher's logprobs, argmax (and top-k) from one forward per micro-batch, at
+        temperature 1, gathered over DP."""
         if self.teacher is None:
             raise no_teacher_error()
         teacher, vocab, tp = self.teacher, self.config.vocab_size, self.ctx.tp_group
 
-        def outputs(micro: TrainBatch, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        def outputs(micro: TrainBatch, inputs: ModelInputs) -> tuple[torch.Tensor, ...]:
             logits = teacher(inputs.ids, inputs.positions, inputs.mask)  # (r, s, V/tp)
-            logprobs, _ = micro_outputs(logits, micro, inputs, vocab, tp)  # (b, t)
-            _, top = micro_topk(logits, inputs, 1, vocab, tp)  # (b, t, 1)
-            return logprobs, top[..., 0]
+            return teacher_micro_outputs(logits, micro, inputs, vocab, tp, topk)
 
         data = teacher_inputs(data)
-        logprobs, argmax = self._forward_only(teacher, data, micro_batch_size, outputs)
-        return TeacherLogprobs(logprobs, argmax)
+        return TeacherLogprobs(*self._forward_only(teacher, data, micro_batch_size, outputs))
 
     def get_topk_logits(self, data, k, micro_batch_size=None):
         """Each micro-batch's vocab-parallel top-k, gathered over DP."""
@@ -283,16 +280,17 @@ class CPUPolicy(Policy):
         with torch.set_grad_enabled(not eval_mode), routes_cleared(model):
             for micro in update.micro_batches:
                 with self._precision():  # the forward; its backward runs as autograd recorded it
-                    logprobs, entropy = policy_logprobs(
+                    token = policy_outputs(
                         model,
                         micro.data,
                         config.vocab_size,
                         ctx,
                         config.packing_capacity,
                         loss_fn.needs_entropy,
+                        loss_fn.support_ids(micro),
                     )
                 moe.record()
-                out = loss_fn(micro, logprobs, entropy)  # (b, t) -> sums
+                out = loss_fn(micro, token.logprobs, token.entropy, token.support)  # -> sums
                 check.record(out.loss_sum)
                 if not eval_mode:
                     (out.loss_sum / denom).backward()

@@ -46,11 +46,13 @@ from megatron.trainer.train.forward import (
     ModelInputs,
     gather_data_parallel,
     micro_outputs,
+    micro_token_outputs,
     micro_topk,
     model_inputs,
     padded_rows,
     routed_forward,
     routes_cleared,
+    teacher_micro_outputs,
 )
 from megatron.trainer.train.moe import (
     MoEStepStats,
@@ -125,23 +127,23 @@ class CUDAPolicy(Policy):
         with base_model(self.reference):  # a LoRA policy's own base: adapters off
             return self._forward_only(self.reference, data, micro_batch_size, self._logprobs)[0]
 
-    def get_teacher_logprobs(self, data, micro_batch_size=None):
-        """The teacher's logprobs and argmax at temperature 1 on the last stage, from one
-        forward per micro-batch through the schedule (no DDP, eval mode), broadcast and
+    def get_teacher_logprobs(self, data, micro_batch_size=None, topk=None):
+        """The teacher's logprobs, argmax (and top-k) at temperature 1 on the last stage, from
+        one forward per micro-batch through the schedule (no DDP, eval mode), broadcast and
         gathered."""
         if self.teacher is None:
             raise no_teacher_error()
         vocab, tp = self.config.vocab_size, self.ctx.tp_group
 
         def outputs(logits: torch.Tensor, micro: TrainBatch, inputs: ModelInputs):
-            logprobs, _ = micro_outputs(logits.float(), micro, inputs, vocab, tp)  # (b, t)
-            _, top = micro_topk(logits, inputs, 1, vocab, tp)  # (b, t, 1)
-            return logprobs, top[..., 0]
+            return teacher_micro_outputs(logits.float(), micro, inputs, vocab, tp, topk)
 
         specs = (((), torch.float32), ((), torch.int64))
+        if topk is not None:
+            specs += (((topk,), torch.float32), ((topk,), torch.int64))
         data = teacher_inputs(data)
-        logprobs, argmax = self._forward_only(self.teacher, data, micro_batch_size, outputs, specs)
-        return TeacherLogprobs(logprobs, argmax)
+        parts = self._forward_only(self.teacher, data, micro_batch_size, outputs, specs)
+        return TeacherLogprobs(*parts)
 
     def get_topk_logits(self, data, k, micro_batch_size=None):
         """Each micro-batch's vocab-parallel top-k on the last stage, broadcast and gathered."""
@@ -223,15 +225,16 @@ class CUDAPolicy(Policy):
 
         def loss(micro: MicroBatch, inputs: ModelInputs, logits: torch.Tensor):
             """The loss *sum* of a micro-batch, its token count, and its metric sums."""
-            logprobs, entropy = micro_outputs(
+            token = micro_token_outputs(
                 logits.float(),
                 micro.data,
                 inputs,
                 config.vocab_size,
                 ctx.tp_group,
                 loss_fn.needs_entropy,
+                loss_fn.support_ids(micro),
             )
-            out = loss_fn(micro, logprobs, entropy)
+            out = loss_fn(micro, token.logprobs, token.entropy, token.support)
             check.record(out.loss_sum)
             sums.append(NamedSums.of({"loss": out.loss_sum.detach(), **out.metric_sums}, keys))
             tokens = torch.tensor(loss_fn.normalizer(micro.data), dtype=torch.int)

@@ -110,7 +110,8 @@ class CollectionSlices:
             if config.needs_reference:
                 self._ref[j] = policy.get_reference_policy_logprobs(self.global_batch(j))
             if config.distill is not None:
-                self._teacher[j] = policy.get_teacher_logprobs(self.global_batch(j))
+                topk = config.distill.topk
+                self._teacher[j] = policy.get_teacher_logprobs(self.global_batch(j), topk=topk)
 
 
 class Collection(CollectionSlices):

@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from megatron.rl.grpo.batch import TrainBatch
-from megatron.rl.grpo.chunked_head import DEFAULT_CHUNK_ELEMENTS, chunked_token_outputs
+from megatron.rl.grpo.chunked_head import DEFAULT_CHUNK_ELEMENTS, chunked_head_outputs
 from megatron.rl.grpo.entropy import token_entropy
-from megatron.rl.grpo.logprobs import token_logprobs
+from megatron.rl.grpo.logprobs import support_logprobs, token_logprobs
 from megatron.rl.grpo.packing import PackedLayout, pack_sequences
 from megatron.rl.grpo.topk import vocab_parallel_topk
 from megatron.rl.models.hidden_states import (
@@ -51,6 +51,19 @@ class ModelInputs:
     routes: torch.Tensor | None = None
     """(r, s, L * k) int16 the engine's experts at each token, laid out as ``ids`` (-1: none
     recorded); None: the micro-batch has no record."""
+
+
+@dataclass(frozen=True)
+class TokenOutputs:
+    """A micro-batch's per-token outputs of one forward, unpacked, differentiable."""
+
+    logprobs: torch.Tensor
+    """(b, t) log pi(target) at the rows' sampling temperatures."""
+    entropy: torch.Tensor | None = None
+    """(b, t) the policy's entropy (None: not asked)."""
+    support: torch.Tensor | None = None
+    """(b, t, k) log pi of the asked support ids (the distillation teacher's top-k; None: not
+    asked)."""
 
 
 def packed_layout(micro: TrainBatch, capacity: int, shape: tuple[int, int] | None = None):
@@ -107,11 +120,16 @@ def token_outputs(
     vocab_size: int,
     tp_group: dist.ProcessGroup | None,
     with_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(b, t) logprobs of ``targets`` and (b, t) entropies (or None) from (b, t, V/tp) logits."""
+    support: torch.Tensor | None = None,
+) -> TokenOutputs:
+    """(b, t) logprobs of ``targets``, (b, t) entropies and (b, t, k) logprobs of ``support``
+    (each when asked) from (b, t, V/tp) logits."""
     logprobs = token_logprobs(logits, targets, vocab_size, temperature, tp_group)
     entropy = token_entropy(logits, vocab_size, temperature, tp_group) if with_entropy else None
-    return logprobs, entropy
+    on_support = None
+    if support is not None:
+        on_support = support_logprobs(logits, support, vocab_size, temperature, tp_group)
+    return TokenOutputs(logprobs, entropy, on_support)
 
 
 def micro_outputs(
@@ -122,21 +140,41 @@ def micro_outputs(
     tp_group: dist.ProcessGroup | None,
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(b, t) logprobs of ``micro``'s targets (and (b, t) entropies) from the (r, s, V/tp)
-    logits of ``model(inputs)``, at its sampling temperatures, in the unpacked layout."""
+    """(b, t) logprobs of ``micro``'s targets (and (b, t) entropies): ``micro_token_outputs``."""
+    out = micro_token_outputs(logits, micro, inputs, vocab_size, tp_group, with_entropy)
+    return out.logprobs, out.entropy
+
+
+def micro_token_outputs(
+    logits: torch.Tensor,
+    micro: TrainBatch,
+    inputs: ModelInputs,
+    vocab_size: int,
+    tp_group: dist.ProcessGroup | None,
+    with_entropy: bool = False,
+    support: torch.Tensor | None = None,
+) -> TokenOutputs:
+    """The outputs of ``micro`` (``TokenOutputs``; ``support``: (b, t, k) ids) from the
+    (r, s, V/tp) logits of ``model(inputs)``, at its sampling temperatures, unpacked."""
     dev, layout = logits.device, inputs.layout
     if layout is None:
         targets, temperature = micro.target_ids.to(dev), micro.temperature.to(dev)
-        return token_outputs(logits, targets, temperature, vocab_size, tp_group, with_entropy)
+        support = None if support is None else support.to(dev)
+        return token_outputs(
+            logits, targets, temperature, vocab_size, tp_group, with_entropy, support
+        )
     per_token_t = micro.temperature[:, None].expand_as(micro.input_ids)  # (b, t)
     targets = layout.pack(micro.target_ids).to(dev)  # (r, s)
     temperature = layout.pack(per_token_t, fill=1.0).to(dev)  # (r, s)
-    logprobs, entropy = token_outputs(
-        logits, targets, temperature, vocab_size, tp_group, with_entropy
-    )
-    logprobs = layout.unpack(logprobs, inputs.width)  # (b, t)
-    entropy = None if entropy is None else layout.unpack(entropy, inputs.width)
-    return logprobs, entropy
+    support = None if support is None else layout.pack(support).to(dev)  # (r, s, k)
+    out = token_outputs(logits, targets, temperature, vocab_size, tp_group, with_entropy, support)
+    return unpacked(out, layout, inputs.width)
+
+
+def unpacked(out: TokenOutputs, layout: PackedLayout, width: int) -> TokenOutputs:
+    """``out`` of packed rows in the (b, t) layout of width ``width``."""
+    parts = (getattr(out, f.name) for f in dataclasses.fields(out))  # not astuple: no copies
+    return TokenOutputs(*(None if x is None else layout.unpack(x, width) for x in parts))
 
 
 def forward_outputs(
@@ -148,12 +186,29 @@ def forward_outputs(
     with_entropy: bool = False,
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(b, t) logprobs of ``micro``'s targets (and (b, t) entropies) from one forward of
-    ``model`` on ``inputs``, differentiable when autograd is on.
+    """(b, t) logprobs of ``micro``'s targets (and (b, t) entropies): ``forward_token_outputs``."""
+    out = forward_token_outputs(
+        model, micro, inputs, vocab_size, tp_group, with_entropy, chunk_elements
+    )
+    return out.logprobs, out.entropy
+
+
+def forward_token_outputs(
+    model: torch.nn.Module,
+    micro: TrainBatch,
+    inputs: ModelInputs,
+    vocab_size: int,
+    tp_group: dist.ProcessGroup | None,
+    with_entropy: bool = False,
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+    support: torch.Tensor | None = None,
+) -> TokenOutputs:
+    """The outputs of ``micro`` (``TokenOutputs``; ``support``: (b, t, k) ids) from one forward
+    of ``model`` on ``inputs``, differentiable when autograd is on.
 
     Where the micro-batch's logits (rows x width x V/tp) fit in ``chunk_elements`` they are
-    computed whole by the model's output layer (``micro_outputs``); above that the model runs up
-    to its final norm and the output layer is applied chunk by chunk
+    computed whole by the model's output layer (``micro_token_outputs``); above that the model
+    runs up to its final norm and the output layer is applied chunk by chunk
     (``megatron/rl/grpo/chunked_head.py``): the same values to float rounding, without holding
     the (tokens, vocab) logits and their softmax for the backward pass.
     """
@@ -162,7 +217,9 @@ def forward_outputs(
     weight = output_weight(model) if supports_hidden_states(model) else None
     if weight is None or rows * width * weight.shape[0] <= chunk_elements:
         logits = model(inputs.ids, inputs.positions, inputs.mask)  # (r, s, V/tp)
-        return micro_outputs(logits, micro, inputs, vocab_size, tp_group, with_entropy)
+        return micro_token_outputs(
+            logits, micro, inputs, vocab_size, tp_group, with_entropy, support
+        )
     hidden = final_hidden_states(model, inputs.ids, inputs.positions, inputs.mask)  # (r, s, H)
     dev, layout = hidden.device, inputs.layout
     per_token_t = micro.temperature[:, None].expand_as(micro.input_ids)  # (b, t)
@@ -170,7 +227,9 @@ def forward_outputs(
         targets, temperature = micro.target_ids, per_token_t
     else:
         targets, temperature = layout.pack(micro.target_ids), layout.pack(per_token_t, fill=1.0)
-    logprobs, entropy = chunked_token_outputs(
+        support = None if support is None else layout.pack(support)  # (r, s, k)
+    flat = None if support is None else support.reshape(rows * width, -1).to(dev)  # (r * s, k)
+    logprobs, entropy, on_support = chunked_head_outputs(
         hidden.reshape(rows * width, -1),
         weight,
         targets.reshape(-1).to(dev),
@@ -179,13 +238,14 @@ def forward_outputs(
         tp_group,
         with_entropy,
         chunk_elements,
-    )  # (r * s,)
-    logprobs = logprobs.view(rows, width)
-    entropy = None if entropy is None else entropy.view(rows, width)
-    if layout is not None:
-        logprobs = layout.unpack(logprobs, inputs.width)  # (b, t)
-        entropy = None if entropy is None else layout.unpack(entropy, inputs.width)
-    return logprobs, entropy
+        flat,
+    )  # (r * s,), (r * s,), (r * s, k)
+    out = TokenOutputs(
+        logprobs.view(rows, width),
+        None if entropy is None else entropy.view(rows, width),
+        None if on_support is None else on_support.view(rows, width, -1),
+    )
+    return out if layout is None else unpacked(out, layout, inputs.width)
 
 
 def micro_topk(
@@ -201,6 +261,34 @@ def micro_topk(
     if inputs.layout is None:
         return values, indices
     return inputs.layout.unpack(values, inputs.width), inputs.layout.unpack(indices, inputs.width)
+
+
+def teacher_micro_outputs(
+    logits: torch.Tensor,
+    micro: TrainBatch,
+    inputs: ModelInputs,
+    vocab_size: int,
+    tp_group: dist.ProcessGroup | None,
+    topk: int | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """A teacher's (b, t) logprobs of ``micro``'s targets, its (b, t) argmax and, with
+    ``topk``, its (b, t, k) top-k logprobs and ids, from the (r, s, V/tp) logits of
+    ``teacher(inputs)`` (``micro`` at temperature 1: ``tiers/base.teacher_inputs``)."""
+    if topk is None:
+        logprobs, _ = micro_outputs(logits, micro, inputs, vocab_size, tp_group)  # (b, t)
+        _, top = micro_topk(logits, inputs, 1, vocab_size, tp_group)  # (b, t, 1)
+        return logprobs, top[..., 0]
+    _, ids = vocab_parallel_topk(logits, topk, vocab_size, tp_group)  # (r, s, k)
+    targets = micro.target_ids if inputs.layout is None else inputs.layout.pack(micro.target_ids)
+    # the targets' and the top-k's logprobs from one log-softmax, the student's computation of
+    # the same ids (``support_logprobs``): a teacher equal to the student gives bitwise equal
+    # logprobs, so a zero KL and a zero gradient
+    wanted = torch.cat([targets.to(ids.device)[..., None], ids], dim=-1)  # (r, s, 1 + k)
+    values = support_logprobs(logits, wanted, vocab_size, None, tp_group)  # (r, s, 1 + k)
+    if inputs.layout is not None:
+        values = inputs.layout.unpack(values, inputs.width)  # (b, t, 1 + k)
+        ids = inputs.layout.unpack(ids, inputs.width)
+    return values[..., 0], ids[..., 0], values[..., 1:], ids
 
 
 def padded_rows(parts: list[torch.Tensor], width: int) -> torch.Tensor:

@@ -3,10 +3,11 @@ training loop uses, and a token-mean negative log-likelihood (supervised fine-tu
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import torch
 
 from megatron.rl.grpo.batch import TrainBatch
-from megatron.rl.grpo.distill import DISTILL_SUMS
 from megatron.rl.grpo.importance import MISMATCH_SUMS, mismatch_metrics
 from megatron.rl.grpo.loss import variant_metrics
 from megatron.trainer.train.step import (
@@ -52,22 +53,40 @@ class GRPOLoss(LossFunction):
         """The surrogate's statistics and each term's metric, sorted."""
         return tuple(k for k in self.config.metric_keys() if k != "loss")
 
+    def support_ids(self, micro: MicroBatch) -> torch.Tensor | None:
+        """With the top-k distillation variant, the (b, t, k) teacher's top-k ids of ``micro``."""
+        if self.config.distill is None or self.config.distill.topk is None:
+            return None
+        teacher = self._cached(micro, torch.device("cpu")).teacher
+        return None if teacher is None else teacher.topk_ids
+
     def __call__(
-        self, micro: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor | None
+        self,
+        micro: MicroBatch,
+        logprobs: torch.Tensor,
+        entropy: torch.Tensor | None,
+        support: torch.Tensor | None = None,
     ) -> MicroBatchLoss:
         """The GRPO loss sums of ``micro`` (filling its cache from the up-front tensors)."""
-        cache, width = micro.cache, micro.data.input_ids.shape[1]
-        if cache.old_logprobs is None and self.old_logprobs is not None:
-            cache.old_logprobs = self.old_logprobs[micro.rows, :width].to(logprobs.device)
-        if cache.ref_logprobs is None and self.ref_logprobs is not None:
-            cache.ref_logprobs = self.ref_logprobs[micro.rows, :width].to(logprobs.device)
-        if cache.teacher_logprobs is None and self.teacher is not None:
-            cache.teacher_logprobs = self.teacher.logprobs[micro.rows, :width].to(logprobs.device)
-            cache.teacher_argmax = self.teacher.argmax[micro.rows, :width].to(logprobs.device)
-        out = micro_batch_loss(logprobs, entropy, micro.data, self.config, cache)
+        cache = self._cached(micro, logprobs.device)
+        out = micro_batch_loss(logprobs, entropy, micro.data, self.config, cache, support)
         sums = out.metric_sums()
         del sums["loss"]
         return MicroBatchLoss(out.loss_sum, sums)
+
+    def _cached(self, micro: MicroBatch, device: torch.device) -> MicroBatchCache:
+        """``micro``'s cache, its empty entries filled with its rows of the up-front tensors."""
+        cache, rows, width = micro.cache, micro.rows, micro.data.input_ids.shape[1]
+        if cache.old_logprobs is None and self.old_logprobs is not None:
+            cache.old_logprobs = self.old_logprobs[rows, :width].to(device)
+        if cache.ref_logprobs is None and self.ref_logprobs is not None:
+            cache.ref_logprobs = self.ref_logprobs[rows, :width].to(device)
+        if cache.teacher is None and self.teacher is not None:
+            parts = (getattr(self.teacher, f.name) for f in fields(self.teacher))
+            cache.teacher = TeacherLogprobs(
+                *(None if x is None else x[rows, :width].to(device) for x in parts)
+            )
+        return cache
 
     def normalizer(self, data: TrainBatch) -> int:
         """The denominator of ``--loss-agg-mode`` (``megatron/rl/grpo/aggregation.py``): the
@@ -88,7 +107,7 @@ class GRPOLoss(LossFunction):
         variants' per-sequence metrics (their sums with a ``/`` in the name) and the ``is_*``
         metrics of the IS correction."""
         denom = max(num_tokens, 1)
-        per_token = [k for k in self.metric_keys() if "/" not in k or k in DISTILL_SUMS]
+        per_token = [k for k in self.metric_keys() if "/" not in k or k.startswith("distill/")]
         metrics = {k: sums[k] / denom for k in per_token}
         metrics.update(variant_metrics(sums, self.config.loss))
         if self.config.importance is not None:
@@ -105,7 +124,11 @@ class TokenMeanNLL(LossFunction):
         return ()
 
     def __call__(
-        self, micro: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor | None
+        self,
+        micro: MicroBatch,
+        logprobs: torch.Tensor,
+        entropy: torch.Tensor | None,
+        support: torch.Tensor | None = None,
     ) -> MicroBatchLoss:
         """Sum of -log pi over the micro-batch's loss tokens."""
         mask = micro.data.loss_mask.to(logprobs.device)  # (b, t)

@@ -13,8 +13,8 @@ hold padding values (0 past its micro-batch's width) that callers mask.
 
 * ``get_logprobs``: log pi(target) of every position, forward only, no gradient.
 * ``get_reference_policy_logprobs``: the same under the frozen reference model.
-* ``get_teacher_logprobs``: log pi_teacher(target) at temperature 1 and the teacher's argmax under
-  the frozen distillation teacher (``--distill-teacher``).
+* ``get_teacher_logprobs``: log pi_teacher(target) at temperature 1 and the teacher's argmax (and
+  its top-k log-probabilities) under the frozen distillation teacher (``--distill-teacher``).
 * ``get_topk_logits``: the k largest logits of the next token at every position, with their ids.
 * ``train``: one optimizer update per global batch with a pluggable ``LossFunction`` (defined
   in ``step.py``, whose ``step_result`` asks it for the metrics), or with ``eval_mode`` only the
@@ -157,11 +157,12 @@ class Policy(ABC):
 
     @abstractmethod
     def get_teacher_logprobs(
-        self, data: TrainBatch, micro_batch_size: int | None = None
+        self, data: TrainBatch, micro_batch_size: int | None = None, topk: int | None = None
     ) -> TeacherLogprobs:
         """The frozen distillation teacher's (B, T) log pi_teacher(target) at temperature 1 and
-        (B, T) argmax over the real vocabulary, as ``get_logprobs``; an error when the policy has
-        no teacher."""
+        (B, T) argmax over the real vocabulary (with ``topk``, also its (B, T, k) largest
+        log-probabilities and their ids), as ``get_logprobs``; an error when the policy has no
+        teacher."""
 
     @abstractmethod
     def get_topk_logits(

@@ -21,9 +21,12 @@ the engine's logprobs. The options (see ``megatron/rl/grpo/loss.py``):
   forward as the logprobs.
 * ``distill`` (``--distill-teacher``): each token's advantage gets the teacher term
   c * (log pi_teacher - log pi_old) (``megatron/rl/grpo/distill.py``; pi_old kept as above, but
-  not the ratio's denominator unless ``old_logprobs`` or ``importance`` asks); the teacher's
-  logprobs and argmax come like pi_ref (``Policy.get_teacher_logprobs``, once per global batch of
-  a collection, before its first update), and the ``distill/*`` metrics are reported.
+  not the ratio's denominator unless ``old_logprobs`` or ``importance`` asks), or with its top-k
+  variant the reverse KL on the teacher's top-k ids in each token's loss (the forward then also
+  gives the policy's logprobs of those ids: ``LossFunction.support_ids``); the teacher's
+  logprobs come like pi_ref (``Policy.get_teacher_logprobs``, once per global batch of a
+  collection, before its first update), and the ``distill/*`` metrics are reported
+  (``distilled.py``).
 * ``packing_capacity`` (``--rl-use-sequence-packing``): each micro-batch runs packed
   (``megatron/trainer/train/forward.py``); per-token outputs are unpacked before the loss.
 
@@ -36,7 +39,6 @@ parallelism (and the pipeline on CUDA) before the loss function turns the sums i
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -45,18 +47,16 @@ import torch
 import torch.distributed as dist
 
 from megatron.rl.grpo.batch import TrainBatch
-from megatron.rl.grpo.distill import (
-    DISTILL_SUMS,
-    DistillConfig,
-    distill_sums,
-    sequence_advantages,
-    teacher_advantages,
-)
+from megatron.rl.grpo.distill import DistillConfig
 from megatron.rl.grpo.importance import ImportanceConfig, importance_weights, mismatch_sums
 from megatron.rl.grpo.loss import GRPOLossConfig, LossInputs, LossOutput, grpo_loss
 from megatron.trainer.parallel import ParallelContext
-from megatron.trainer.train.forward import forward_outputs, model_inputs
+from megatron.trainer.train.cache import MicroBatchCache, TeacherLogprobs
+from megatron.trainer.train.distilled import distilled_loss
+from megatron.trainer.train.forward import TokenOutputs, forward_token_outputs, model_inputs
 from megatron.trainer.train.sums import NamedSums
+
+__all__ = ["MicroBatchCache", "TeacherLogprobs"]  # re-exported: the loss functions' cache
 
 BASE_METRICS = ("clip_fraction", "loss", "mismatch_kl", "ratio_mean")
 """Metric sums every step reports (``LossOutput.metric_sums``), before the terms' own."""
@@ -110,33 +110,7 @@ class StepConfig:
     def metric_keys(self) -> tuple[str, ...]:
         """The names of one update's metric sums, in reduction order (every rank alike)."""
         names = (*BASE_METRICS, *(t.name for t in self.loss.terms), *self.loss.sum_keys())
-        return tuple(sorted(names + (DISTILL_SUMS if self.distill is not None else ())))
-
-
-@dataclass(frozen=True)
-class TeacherLogprobs:
-    """The distillation teacher's view of a batch's targets (``Policy.get_teacher_logprobs``)."""
-
-    logprobs: torch.Tensor
-    """(B, T) float32 log pi_teacher(target) at temperature 1."""
-    argmax: torch.Tensor
-    """(B, T) int64 the teacher's most likely next token at each position."""
-
-
-@dataclass
-class MicroBatchCache:
-    """Per-micro-batch tensors computed once per collection and reused by its iterations."""
-
-    old_logprobs: torch.Tensor | None = None
-    """(b, t) log pi_old, detached."""
-    ref_logprobs: torch.Tensor | None = None
-    """(b, t) log pi_ref."""
-    mismatch: dict[str, torch.Tensor] | None = None
-    """Train/inference mismatch sums (``importance.mismatch_sums``)."""
-    teacher_logprobs: torch.Tensor | None = None
-    """(b, t) log pi_teacher of the targets (distillation)."""
-    teacher_argmax: torch.Tensor | None = None
-    """(b, t) int64 the teacher's most likely next token at each position (distillation)."""
+        return tuple(sorted(names + (self.distill.sum_keys() if self.distill else ())))
 
 
 @dataclass(frozen=True)
@@ -200,10 +174,19 @@ class LossFunction(ABC):
 
     @abstractmethod
     def __call__(
-        self, micro: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor | None
+        self,
+        micro: MicroBatch,
+        logprobs: torch.Tensor,
+        entropy: torch.Tensor | None,
+        support: torch.Tensor | None = None,
     ) -> MicroBatchLoss:
         """The loss of ``micro`` from the policy's (b, t) logprobs of its targets (and its
-        (b, t) entropies when ``needs_entropy``), both differentiable."""
+        (b, t) entropies when ``needs_entropy``, its (b, t, k) logprobs of ``support_ids``),
+        all differentiable."""
+
+    def support_ids(self, micro: MicroBatch) -> torch.Tensor | None:
+        """(b, t, k) token ids whose logprobs the loss of ``micro`` also reads (default: none)."""
+        return None
 
     def num_tokens(self, data: TrainBatch) -> int:
         """The tokens of ``data`` the loss is averaged over (default: the loss-mask tokens of the
@@ -268,11 +251,28 @@ def policy_logprobs(
     packing_capacity: int | None = None,
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(b, t) logprobs of the targets (and (b, t) entropies) under ``model``, unpacked layout
-    (one forward on this stage: the CPU tier's; megatron-core's schedule runs the CUDA tier's;
-    a large vocabulary's output layer runs chunked, ``forward.forward_outputs``)."""
+    """(b, t) logprobs of the targets (and (b, t) entropies) under ``model``: ``policy_outputs``."""
+    out = policy_outputs(model, micro_batch, vocab_size, ctx, packing_capacity, with_entropy)
+    return out.logprobs, out.entropy
+
+
+def policy_outputs(
+    model: torch.nn.Module,
+    micro_batch: TrainBatch,
+    vocab_size: int,
+    ctx: ParallelContext,
+    packing_capacity: int | None = None,
+    with_entropy: bool = False,
+    support: torch.Tensor | None = None,
+) -> TokenOutputs:
+    """The per-token outputs of ``micro_batch`` under ``model``, unpacked layout (one forward on
+    this stage: the CPU tier's; megatron-core's schedule runs the CUDA tier's; a large
+    vocabulary's output layer runs chunked, ``forward.forward_token_outputs``)."""
     inputs = model_inputs(micro_batch, ctx.device, packing_capacity)
-    return forward_outputs(model, micro_batch, inputs, vocab_size, ctx.tp_group, with_entropy)
+    tp = ctx.tp_group
+    return forward_token_outputs(
+        model, micro_batch, inputs, vocab_size, tp, with_entropy, support=support
+    )
 
 
 def micro_batch_loss(
@@ -281,8 +281,10 @@ def micro_batch_loss(
     micro_batch: TrainBatch,
     config: StepConfig,
     cache: MicroBatchCache,
+    support: torch.Tensor | None = None,
 ) -> LossOutput:
-    """GRPO loss sums of a micro-batch from its (b, t) policy logprobs (and (b, t) entropies).
+    """GRPO loss sums of a micro-batch from its (b, t) policy logprobs (and (b, t) entropies,
+    (b, t, k) logprobs of the distillation teacher's top-k ids).
 
     ``cache`` keeps what the first use computes (pi_old, the mismatch sums) for the iterations
     that reuse the micro-batch; it must hold pi_ref when a loss term needs it.
@@ -299,30 +301,8 @@ def micro_batch_loss(
         inputs = _with_cached_inputs(inputs, config, cache)
     if config.distill is None:
         return grpo_loss(inputs, config.loss)
-    return _distilled_loss(inputs, micro_batch.target_ids.to(dev), config, cache)
-
-
-def _distilled_loss(
-    inputs: LossInputs, targets: torch.Tensor, config: StepConfig, cache: MicroBatchCache
-) -> LossOutput:
-    """The GRPO loss with the teacher term in each token's advantage, and the ``distill/*``
-    sums (``megatron/rl/grpo/distill.py``)."""
-    if cache.teacher_logprobs is None or cache.teacher_argmax is None:
-        raise ValueError(
-            "distillation needs the teacher's logprobs (Policy.get_teacher_logprobs), but none "
-            "were given"
-        )
-    if cache.old_logprobs is None:  # first use: pi_old is the current policy
-        cache.old_logprobs = inputs.trainer_logprobs.detach()
-    teacher, student = cache.teacher_logprobs, cache.old_logprobs
-    inputs = dataclasses.replace(
-        inputs,
-        advantages=sequence_advantages(inputs.advantages, config.distill),
-        token_advantages=teacher_advantages(teacher, student, inputs.loss_mask, config.distill),
-    )
-    out = grpo_loss(inputs, config.loss)
-    sums = distill_sums(teacher, student, cache.teacher_argmax, targets, inputs.loss_mask)
-    return dataclasses.replace(out, variant_sums={**out.variant_sums, **sums})
+    targets = micro_batch.target_ids.to(dev)
+    return distilled_loss(inputs, targets, support, config.distill, config.loss, cache)
 
 
 def _with_cached_inputs(

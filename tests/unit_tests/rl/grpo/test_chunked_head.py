@@ -1,6 +1,7 @@
 """``chunked_token_outputs``: the output layer applied chunk by chunk gives the logprobs, entropies
-and gradients of the whole-logits computation (log_softmax over hidden @ W^T), on one rank and
-vocab-parallel over TP=2, in float32 and under bfloat16 autocast."""
+(and logprobs of k support ids per token, ``chunked_head_outputs``) and gradients of the
+whole-logits computation (log_softmax over hidden @ W^T), on one rank and vocab-parallel over
+TP=2, in float32 and under bfloat16 autocast."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import torch.distributed as dist
 from grpo_testing.distributed import run_on_ranks
 from megatron.core import parallel_state
 
-from megatron.rl.grpo.chunked_head import chunked_token_outputs
+from megatron.rl.grpo.chunked_head import chunked_head_outputs, chunked_token_outputs
 from megatron.rl.grpo.entropy import token_entropy
-from megatron.rl.grpo.logprobs import token_logprobs
+from megatron.rl.grpo.logprobs import support_logprobs, token_logprobs
 
 N, H, V_PADDED, V_REAL = 11, 8, 16, 13  # the last 3 ids are embedding padding
 
@@ -95,6 +96,46 @@ def test_bf16_autocast_rounds_the_products_as_the_output_layer_would():
     assert (got[0] - fp32[0]).abs().max() > 0  # bfloat16 did round
 
 
+def support_inputs():
+    """(N, 4) distinct real ids per token (the teacher's top-4) and an upstream gradient."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.stack([torch.randperm(V_REAL, generator=g)[:4] for _ in range(N)])
+    return ids, torch.randn(N, 4, generator=g)
+
+
+def support_outputs_and_grads(chunk_elements: int | None, tp_rank: int = 0, tp_group=None):
+    """(N, 4) support logprobs, d hidden and d weight (this rank's rows) of a loss that reads
+    the target logprobs and the support logprobs; whole logits when ``chunk_elements`` is None."""
+    hidden, weight, targets, temperature, g_lp, _ = inputs()
+    ids, g_support = support_inputs()
+    size = 1 if tp_group is None else dist.get_world_size(tp_group)
+    part = V_PADDED // size
+    shard = weight[tp_rank * part : (tp_rank + 1) * part].clone().requires_grad_()
+    hidden.requires_grad_()
+    if chunk_elements is None:
+        logits = torch.matmul(hidden, shard.t())[None]  # (1, N, V)
+        lp = token_logprobs(logits, targets[None], V_REAL, temperature[None], tp_group)[0]
+        on_support = support_logprobs(logits, ids[None], V_REAL, temperature[None], tp_group)[0]
+    else:
+        lp, _, on_support = chunked_head_outputs(
+            hidden, shard, targets, temperature, V_REAL, tp_group, False, chunk_elements, ids
+        )
+    ((lp * g_lp).sum() + (on_support * g_support).sum()).backward()
+    return on_support.detach(), hidden.grad, shard.grad
+
+
+@pytest.mark.parametrize(
+    "chunk_elements",
+    [pytest.param(V_PADDED, id="one-token-chunks"), pytest.param(3 * V_PADDED, id="uneven")],
+)
+def test_support_logprobs_and_their_gradients_match_the_whole_logits(chunk_elements):
+    ref = support_outputs_and_grads(None)
+    got = support_outputs_and_grads(chunk_elements)
+    for name, r, c in zip(("support", "d hidden", "d weight"), ref, got):
+        torch.testing.assert_close(c, r, atol=1e-5, rtol=1e-5, msg=name)
+    assert torch.all(got[2][V_REAL:] == 0)
+
+
 def vocab_parallel(rank: int, world_size: int):
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
     group = parallel_state.get_tensor_model_parallel_group() if world_size > 1 else None
@@ -108,11 +149,15 @@ def vocab_parallel(rank: int, world_size: int):
     ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
     grads = [torch.empty_like(shard.grad) for _ in range(world_size)]
     dist.all_gather(grads, shard.grad)
-    return lp.detach(), ent.detach(), hidden.grad, torch.cat(grads)
+    on_support, d_hidden, d_shard = support_outputs_and_grads(3 * part, rank, group)
+    support_grads = [torch.empty_like(d_shard) for _ in range(world_size)]
+    dist.all_gather(support_grads, d_shard)
+    support = (on_support, d_hidden, torch.cat(support_grads))
+    return lp.detach(), ent.detach(), hidden.grad, torch.cat(grads), *support
 
 
 def test_vocab_parallel_chunks_match_a_single_rank():
-    lp, ent, d_hidden, d_weight = outputs_and_grads(whole)
+    expected = (*outputs_and_grads(whole), *support_outputs_and_grads(None))
     for rank_result in run_on_ranks(vocab_parallel, 2):
-        for r, c in zip((lp, ent, d_hidden, d_weight), rank_result):
+        for r, c in zip(expected, rank_result, strict=True):
             torch.testing.assert_close(c, r, atol=1e-5, rtol=1e-5)

@@ -10,10 +10,13 @@ import torch
 
 from megatron.rl.grpo.distill import (
     DISTILL_SUMS,
+    TOPK_SUMS,
     DistillConfig,
     distill_sums,
     sequence_advantages,
     teacher_advantages,
+    topk_reverse_kl,
+    topk_sums,
 )
 from megatron.rl.grpo.loss import GRPOLossConfig, LossInputs, grpo_loss
 from megatron.rl.grpo.off_policy_mask import OffPolicyMask
@@ -122,3 +125,58 @@ def test_the_off_policy_mask_reads_the_mean_advantage_of_each_sequence():
     out = grpo_loss(drifted, config)  # negative mean advantage and KL 1 > 0.5: masked
     assert out.loss_sum.item() == 0.0
     assert out.variant_sums["opsm/masked_sequences"].item() == 1.0
+
+
+# The top-k variant: one position, the teacher's top-2 ids. The student puts 0.3 and 0.1 on them
+# (0.75 and 0.25 renormalized), the teacher 0.4 and 0.4 (0.5 and 0.5).
+STUDENT_TOP = torch.log(torch.tensor([[[0.3, 0.1]]], dtype=torch.float64))  # (B=1, T=1, k=2)
+TEACHER_TOP = torch.log(torch.tensor([[[0.4, 0.4]]], dtype=torch.float64))
+KL_BY_HAND = 0.75 * math.log(0.75 / 0.5) + 0.25 * math.log(0.25 / 0.5)  # 0.130812
+
+
+def test_topk_reverse_kl_is_the_kl_of_the_renormalized_distributions_by_hand():
+    student = STUDENT_TOP.clone().requires_grad_()
+    kl = topk_reverse_kl(student, TEACHER_TOP, torch.ones(1, 1, dtype=torch.float64))
+    assert kl.item() == pytest.approx(KL_BY_HAND)
+    kl.sum().backward()
+    # d KL / d log pi_i = p_i (log p_i / q_i - KL): +-0.205990, zero in sum (renormalization)
+    expected = [0.75 * (math.log(1.5) - KL_BY_HAND), 0.25 * (math.log(0.5) - KL_BY_HAND)]
+    assert student.grad[0, 0].tolist() == pytest.approx(expected)
+    assert student.grad.sum().item() == pytest.approx(0.0, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    "student, mask, expected",
+    [
+        pytest.param(TEACHER_TOP + math.log(0.5), [[1.0]], 0.0, id="proportional-to-the-teacher"),
+        pytest.param(STUDENT_TOP, [[0.0]], 0.0, id="not-a-loss-token"),
+        pytest.param(STUDENT_TOP, [[1.0]], KL_BY_HAND, id="by-hand"),
+    ],
+)
+def test_topk_reverse_kl_only_compares_shapes_on_the_support(student, mask, expected):
+    kl = topk_reverse_kl(student, TEACHER_TOP, torch.tensor(mask, dtype=torch.float64))
+    assert kl.item() == pytest.approx(expected, abs=1e-12)
+
+
+def test_topk_sums_by_hand():
+    kl = topk_reverse_kl(STUDENT_TOP, TEACHER_TOP, torch.ones(1, 1, dtype=torch.float64))
+    sums = topk_sums(kl, STUDENT_TOP, TEACHER_TOP, torch.ones(1, 1))
+    assert tuple(sorted(sums)) == TOPK_SUMS
+    assert sums["distill/topk_kl"].item() == pytest.approx(KL_BY_HAND)
+    assert sums["distill/student_topk_mass"].item() == pytest.approx(0.4)
+    assert sums["distill/teacher_topk_mass"].item() == pytest.approx(0.8)
+
+
+def test_the_top_k_variant_reports_its_sums_and_refuses_k_below_one():
+    assert DistillConfig(1.0, topk=4).sum_keys() == DISTILL_SUMS + TOPK_SUMS
+    assert DistillConfig(1.0).sum_keys() == DISTILL_SUMS
+    with pytest.raises(ValueError, match="k >= 1, got 0"):
+        DistillConfig(1.0, topk=0)
+
+
+def test_topk_reverse_kl_gradient_is_the_derivative_of_its_value():
+    g = torch.Generator().manual_seed(0)
+    student = torch.randn(2, 3, 4, generator=g, dtype=torch.float64).requires_grad_()
+    teacher = torch.randn(2, 3, 4, generator=g, dtype=torch.float64)
+    mask = torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda s: topk_reverse_kl(s, teacher, mask), (student,))

@@ -27,7 +27,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 def test_distillation_is_off_by_default():
     args, errors = check([], 1, False)
-    assert errors == [] and distill_config(args) is None and teacher_source(args) is None
+    assert errors == [] and distill_config(args, 64) is None and teacher_source(args) is None
     assert not any(k.startswith("distill/") for k in step_config(args, 64).metric_keys())
 
 
@@ -38,19 +38,39 @@ def test_distillation_is_off_by_default():
         pytest.param(["--distill-coef", "0.25"], DistillConfig(0.25), id="mixed"),
         pytest.param(["--distill-coef", "only"], DistillConfig(1.0, reward=False), id="only"),
         pytest.param(["--distill-coef", "0"], None, id="zero-is-plain-rl"),
+        pytest.param(
+            ["--distill-topk-logits-k", "16", "--distill-coef", "only"],
+            DistillConfig(1.0, reward=False, topk=16),
+            id="topk-only",
+        ),
+        pytest.param(
+            ["--distill-topk-logits-k", "16", "--policy-loss", "gspo"],
+            DistillConfig(1.0, topk=16),
+            id="topk-is-a-loss-term-any-surrogate-takes",
+        ),
     ],
 )
 def test_the_coefficient_sets_the_teacher_term(models, coef, expected):
     argv = ["--hf-checkpoint", str(models["student"]), "--distill-teacher", str(models["teacher"])]
     args, errors = check(argv + coef, 1, False)
     assert errors == []
-    assert distill_config(args) == expected
+    assert distill_config(args, 301) == expected
     source = teacher_source(args)
     if expected is None:
         assert source is None
     else:  # a Hugging Face teacher keeps its own architecture
         assert source.directory == str(models["teacher"]) and source.hf.arch.hidden_size == 96
-        assert "distill/reverse_kl" in step_config(args, 301).metric_keys()
+        keys = step_config(args, 301).metric_keys()
+        assert "distill/reverse_kl" in keys
+        assert ("distill/topk_kl" in keys) == (expected.topk is not None)
+
+
+def test_a_top_k_larger_than_the_vocabulary_is_refused_naming_the_flag(models):
+    argv = ["--hf-checkpoint", str(models["student"]), "--distill-teacher", str(models["teacher"])]
+    args, errors = check(argv + ["--distill-topk-logits-k", "302"], 1, False)
+    assert errors == []
+    with pytest.raises(ValueError, match=r"--distill-topk-logits-k 302 exceeds the vocabulary"):
+        step_config(args, 301)
 
 
 def test_a_checkpoint_directory_of_ours_is_a_teacher_of_the_policys_architecture(tmp_path):
@@ -104,6 +124,16 @@ def test_a_checkpoint_directory_of_ours_is_a_teacher_of_the_policys_architecture
             + ["--policy-loss", "gspo"],
             "--distill-teacher with --policy-loss gspo: its ratio is per sequence",
             id="sequence-level-surrogate",
+        ),
+        pytest.param(
+            ["--distill-topk-logits-k", "8"],
+            "--distill-topk-logits-k needs --distill-teacher",
+            id="topk-without-teacher",
+        ),
+        pytest.param(
+            ["--distill-teacher", "{student}", "--distill-topk-logits-k", "0"],
+            "--distill-topk-logits-k must be >= 1, got 0",
+            id="topk-zero",
         ),
         pytest.param(
             ["--hf-checkpoint", "{student}", "--distill-teacher", "{teacher}"]

@@ -124,4 +124,5 @@ def test_the_resume_options_are_the_ones_declared_resume():
         "--lora-alpha",
         "--lora-target-modules",
         "--distill-coef",
+        "--distill-topk-logits-k",
     }

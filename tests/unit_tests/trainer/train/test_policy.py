@@ -14,11 +14,14 @@ from grpo_testing.trainer import one_rank_context, train_args
 from megatron.core import parallel_state
 
 from megatron.rl.grpo.batch import TrainBatch, build_train_batch
+from megatron.rl.grpo.distill import DistillConfig
+from megatron.rl.grpo.loss import GRPOLossConfig
 from megatron.trainer.checkpoint.directory import TrainState
 from megatron.trainer.config import tier_config
 from megatron.trainer.tiers.cpu import CPUTier
-from megatron.trainer.train.losses import TokenMeanNLL
+from megatron.trainer.train.losses import GRPOLoss, TokenMeanNLL
 from megatron.trainer.train.policy import PolicyConfig
+from megatron.trainer.train.step import StepConfig
 
 K = 5
 
@@ -128,6 +131,14 @@ def test_get_teacher_logprobs_are_the_teachers_at_temperature_one_with_its_argma
     mask = valid(data)
     torch.testing.assert_close(got.logprobs[mask], want[mask], atol=1e-5, rtol=1e-5)
     assert torch.equal(got.argmax[mask], logits.argmax(-1)[mask])
+    assert got.topk_logprobs is None and got.topk_ids is None
+    with_topk = policy.get_teacher_logprobs(data, micro_batch_size=2, topk=K)  # top-k variant
+    assert torch.equal(with_topk.logprobs, got.logprobs)
+    top = torch.log_softmax(logits, -1).topk(K, dim=-1)
+    assert with_topk.topk_logprobs.shape == with_topk.topk_ids.shape == (*data.input_ids.shape, K)
+    torch.testing.assert_close(with_topk.topk_logprobs[mask], top.values[mask])
+    assert torch.equal(with_topk.topk_ids[mask], top.indices[mask])
+    assert torch.equal(with_topk.argmax, with_topk.topk_ids[..., 0])
     with pytest.raises(ValueError, match="no distillation teacher \\(--distill-teacher\\)"):
         build_policy(ctx).get_teacher_logprobs(data)
 
@@ -197,11 +208,15 @@ def policy_outputs(rank: int, world_size: int, tp: int):
     policy, data = build_policy(ctx, micro_batch_size=2, teacher_seed=13), batch()
     top = policy.get_topk_logits(data, K)
     logprobs = policy.get_logprobs(data)
-    teacher = policy.get_teacher_logprobs(data)
+    teacher = policy.get_teacher_logprobs(data, topk=K)
+    distill = StepConfig(
+        GRPOLossConfig(0.2, 0.2), VOCAB, 2, 1.0, distill=DistillConfig(1.0, False, topk=K)
+    )
+    (distilled,) = policy.train(data, GRPOLoss(distill, teacher=teacher))  # top-k: the support
     (evaluated,) = policy.train(data, TokenMeanNLL(), eval_mode=True)
     trained = [policy.train(data, TokenMeanNLL())[0] for _ in range(2)]
-    losses = [evaluated.loss] + [r.loss for r in trained]
-    norms = [r.grad_norm for r in trained]
+    losses = [distilled.metrics["distill/topk_kl"], evaluated.loss] + [r.loss for r in trained]
+    norms = [distilled.grad_norm] + [r.grad_norm for r in trained]
     return top.values, top.indices, logprobs, teacher, losses, norms, valid(data)
 
 
@@ -213,6 +228,7 @@ def test_every_method_is_invariant_to_the_parallel_layout(world_size, tp):
     ((values, indices, logprobs, teacher, losses, norms, mask),) = run_on_ranks(
         policy_outputs, 1, 1
     )
+    assert losses[0] > 0 and norms[0] > 0  # the top-k KL to another model: a real gradient
     for got in run_on_ranks(policy_outputs, world_size, tp):
         got_values, got_indices, got_logprobs, got_teacher, got_losses, got_norms, _ = got
         torch.testing.assert_close(got_values[mask], values[mask], atol=1e-5, rtol=1e-5)
@@ -222,5 +238,30 @@ def test_every_method_is_invariant_to_the_parallel_layout(world_size, tp):
             got_teacher.logprobs[mask], teacher.logprobs[mask], atol=1e-5, rtol=1e-5
         )
         assert torch.equal(got_teacher.argmax[mask], teacher.argmax[mask])
+        torch.testing.assert_close(
+            got_teacher.topk_logprobs[mask], teacher.topk_logprobs[mask], atol=1e-5, rtol=1e-5
+        )
+        assert torch.equal(got_teacher.topk_ids[mask], teacher.topk_ids[mask])
         assert got_losses == pytest.approx(losses, rel=1e-5)
         assert got_norms == pytest.approx(norms, rel=1e-5)
+
+
+def test_the_top_k_distillation_loss_is_the_same_packed_and_unpacked(ctx):
+    """The policy's logprobs of the teacher's top-k ids (``LossFunction.support_ids``) follow
+    the packed layout: the same loss, KL and gradient norm as the plain forward."""
+    results = []
+    for packing in (None, 24):
+        policy, data = build_policy(ctx, packing_capacity=packing, teacher_seed=13), batch()
+        teacher = policy.get_teacher_logprobs(data, topk=K)
+        config = StepConfig(
+            GRPOLossConfig(0.2, 0.2),
+            VOCAB,
+            3,
+            1.0,
+            packing_capacity=packing,
+            distill=DistillConfig(0.5, topk=K),
+        )
+        (result,) = policy.train(data, GRPOLoss(config, teacher=teacher))
+        results.append((result.loss, result.metrics["distill/topk_kl"], result.grad_norm))
+    assert results[0][1] > 0
+    assert results[1] == pytest.approx(results[0], rel=1e-5)
