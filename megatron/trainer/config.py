@@ -97,7 +97,7 @@ def distill_config(cfg: RunConfig, vocab_size: int) -> DistillConfig | None:
         raise ValueError(
             f"--distill-topk-logits-k {topk} exceeds the vocabulary ({vocab_size} tokens)"
         )
-    return DistillConfig(distill.coef, distill.reward, topk)
+    return DistillConfig(distill.coef, distill.reward, topk, argmax=not distill.remote)
 
 
 def teacher_source(cfg: RunConfig) -> TeacherSource | None:
@@ -106,6 +106,11 @@ def teacher_source(cfg: RunConfig) -> TeacherSource | None:
     if not distill.enabled:
         return None
     directory = distill.distill_teacher
+    if distill.remote:  # a server: its key is the job's (the inference server's) key
+        flag = "--rl-api-key-file"
+        return TeacherSource(
+            directory, api_key=read_api_key(cfg.inference.api_key_file, os.environ, flag)
+        )
     if teacher_kind(directory) != "hf":
         return TeacherSource(directory)
     divisible_by = cfg.model.make_vocab_size_divisible_by

@@ -1,6 +1,7 @@
 """On-policy distillation end to end (``--distill-teacher``): the student's own weights as the
-teacher give a zero gradient (both variants); a distilling run at forced lag 2, stopped and
-resumed, equals the run that was never stopped, bitwise.
+teacher give a zero gradient (both variants), and served by ``megatron.trainer.serve`` score as
+the student itself; a distilling run at forced lag 2, stopped and resumed, equals the run that
+was never stopped, bitwise.
 
 The golden case ``distill_lag2`` (``test_pretrain_grpo.py``) guards its numbers; the checks of
 the teacher's directory and tokenizer are unit tests (``test_distill_options.py``).
@@ -17,6 +18,7 @@ from golden_values import (
     prepare_case,
     run_training,
 )
+from serving import KEY, command_env, running_server
 from test_exact_resume import assert_same_run, stopped_then_resumed
 
 from megatron.rl.models.hf.tiny import make_tiny_checkpoint
@@ -58,6 +60,37 @@ def test_the_students_own_weights_as_teacher_give_zero_advantage_and_gradient(
         if variant:  # both sides' logprobs of the teacher's top-k ids: the same computation
             assert m["distill/topk_kl"] == 0.0, m["step"]
             assert 0.0 < m["distill/student_topk_mass"] == m["distill/teacher_topk_mass"] <= 1.0
+
+
+def test_a_served_teacher_scores_the_rollouts_as_the_student_does(tmp_path: Path):
+    """The student's weights served by ``megatron.trainer.serve`` (keyed) as the teacher, at
+    forced lag 1: the server's logprobs are the trainer's to float rounding (its engine's forward
+    against the trainer's), staleness stays exact, and no argmax is reported."""
+    model = make_tiny_checkpoint("qwen2", tmp_path / "tiny", seed=1)
+    key = tmp_path / "key"
+    key.write_text(KEY)
+    env = command_env(MEGATRON_RL_API_KEY=KEY)
+    with running_server(["--hf-checkpoint", str(model)], env) as served:
+        args = {
+            "hf-checkpoint": model,
+            "distill-teacher": served.url.removesuffix("/v1"),
+            "distill-coef": "only",
+            "rl-api-key-file": key,
+            "rl-forced-lag": 1,
+            "train-iters": 2,
+            "grpo-prompts-per-step": 2,  # 8 rollouts a step: 8 requests, one at a time
+            "grpo-group-size": 4,
+            "micro-batch-size": 4,
+            "seed": 1234,
+        }
+        metrics = run_training(1, args)
+    assert [m["step"] for m in metrics] == [0, 1]
+    for m in metrics:
+        assert m["staleness_min"] == m["staleness_max"] == min(m["step"], 1)
+        assert "distill/argmax_mismatch" not in m
+    first = metrics[0]  # the student has not moved: the teacher is its own weights
+    assert abs(first["distill/reverse_kl"]) < 1e-5
+    assert first["distill/teacher_logprob"] == pytest.approx(first["distill/student_logprob"])
 
 
 def test_distilling_at_lag_2_keeps_staleness_exact(distill_lag2):

@@ -66,16 +66,22 @@ class DistillConfig:
     topk: int | None = None
     """k of the top-k variant: c times the reverse KL on the teacher's k most likely ids is
     added to each token's loss, and no teacher term to its advantage (None: sampled-token)."""
+    argmax: bool = True
+    """Whether the teacher's argmax is known (a remote teacher's is not): the
+    ``distill/argmax_mismatch`` sum."""
 
     def __post_init__(self) -> None:
         if not self.coef > 0:
             raise ValueError(f"the teacher term's coefficient must be > 0, got {self.coef}")
         if self.topk is not None and self.topk < 1:
             raise ValueError(f"the top-k variant needs k >= 1, got {self.topk}")
+        if self.topk is not None and not self.argmax:
+            raise ValueError("the top-k variant needs the teacher's top-k (a local teacher)")
 
     def sum_keys(self) -> tuple[str, ...]:
         """The names of the per-token sums a distilling step reports."""
-        return DISTILL_SUMS + (TOPK_SUMS if self.topk is not None else ())
+        keys = DISTILL_SUMS if self.argmax else DISTILL_SUMS[1:]  # argmax_mismatch is first
+        return keys + (TOPK_SUMS if self.topk is not None else ())
 
 
 def teacher_advantages(
@@ -98,21 +104,23 @@ def sequence_advantages(advantages: torch.Tensor, config: DistillConfig) -> torc
 def distill_sums(
     teacher_logprobs: torch.Tensor,
     student_logprobs: torch.Tensor,
-    teacher_argmax: torch.Tensor,
+    teacher_argmax: torch.Tensor | None,
     targets: torch.Tensor,
     loss_mask: torch.Tensor,
 ) -> dict[str, torch.Tensor]:
     """Scalar sums over the loss tokens of (B, T) inputs: the reverse-KL estimate
-    log pi_old - log pi_teacher, each side's log-probability, and the tokens whose teacher
-    argmax is not the sampled token."""
+    log pi_old - log pi_teacher, each side's log-probability, and (when the argmax is known)
+    the tokens whose teacher argmax is not the sampled token."""
     mask = loss_mask.float()
-    mismatch = (teacher_argmax.to(targets.device) != targets).float()  # (B, T)
-    return {
-        "distill/argmax_mismatch": (mismatch * mask).sum(),
+    sums = {
         "distill/reverse_kl": ((student_logprobs - teacher_logprobs) * mask).sum(),
         "distill/student_logprob": (student_logprobs * mask).sum(),
         "distill/teacher_logprob": (teacher_logprobs * mask).sum(),
     }
+    if teacher_argmax is not None:
+        mismatch = (teacher_argmax.to(targets.device) != targets).float()  # (B, T)
+        sums["distill/argmax_mismatch"] = (mismatch * mask).sum()
+    return sums
 
 
 def topk_reverse_kl(

@@ -26,6 +26,12 @@ TRACKER = "latest_checkpointed_iteration.txt"
 """What marks a checkpoint directory of ours (``checkpoint/directory.py``)."""
 
 
+def is_server_url(teacher: str) -> bool:
+    """Whether ``--distill-teacher`` names a server (``http://`` or ``https://``), not a
+    directory."""
+    return teacher.startswith(("http://", "https://"))
+
+
 def coef_value(text: str) -> str:
     """``--distill-coef``'s text: a number >= 0 or ``only`` (the check is ``problems``)."""
     return text.strip().lower()
@@ -40,10 +46,13 @@ class Distillation(Section):
     distill_teacher: str | None = option(
         None,
         "Distill from this frozen teacher: a Hugging Face model directory (config.json and "
-        "safetensors; any architecture, the policy's tokenizer) or a checkpoint directory of "
-        "ours (--save's; the policy's architecture). Its logprob of every trained token is "
-        "computed where the reference logprobs are (the policy's TP/PP layout and precision), "
-        "at temperature 1, and each token's advantage gets --distill-coef x (teacher logprob - "
+        "safetensors; any architecture, the policy's tokenizer), a checkpoint directory of "
+        "ours (--save's; the policy's architecture), or the base URL of a server that scores "
+        "texts (POST /v1/completions with echo and logprobs, answering with the prompt's token "
+        "ids, as ours does; its model must use the policy's tokenizer; each rollout is one "
+        "request, sent in order; the job's key of --rl-api-key-file is sent). Its logprob of "
+        "every trained token is computed where the reference logprobs are (the policy's TP/PP "
+        "layout and precision), at temperature 1, and each token's advantage gets --distill-coef x (teacher logprob - "
         "student logprob before the collection's first update): the sampled-token reverse KL, "
         "discount 0. Read again on every start, also when resuming (as --ref-load).",
         parse=str,
@@ -88,6 +97,11 @@ class Distillation(Section):
             return 0.0
 
     @property
+    def remote(self) -> bool:
+        """Whether the teacher is a server (an ``http(s)://`` URL) rather than a directory."""
+        return self.distill_teacher is not None and is_server_url(self.distill_teacher)
+
+    @property
     def reward(self) -> bool:
         """Whether the environment's advantage stays in the sum (False for ``only``)."""
         return self.distill_coef != ONLY
@@ -128,19 +142,28 @@ def distill_problems(distill: Distillation, model: Model, grpo: GRPO) -> list[st
     if distill.distill_teacher is None:
         return []
     directory = distill.distill_teacher
-    if not Path(directory).is_dir():
+    if distill.remote:
+        errors = _remote_problems(distill)
+    elif not Path(directory).is_dir():
         return [f"--distill-teacher: no such directory {directory!r}"]
-    kind = teacher_kind(directory)
-    if kind is None:
+    elif teacher_kind(directory) is None:
         return [
             f"--distill-teacher {directory}: neither a Hugging Face model directory (no "
-            f"config.json) nor a checkpoint directory of ours (no {TRACKER})"
+            f"config.json), nor a checkpoint directory of ours (no {TRACKER}), nor a server URL "
+            "(http:// or https://)"
         ]
-    errors = _tokenizer_problems(model, directory) if kind == "hf" else []
-    if not distill.enabled:
-        return errors
+    else:
+        hf = teacher_kind(directory) == "hf"
+        errors = _tokenizer_problems(model, directory) if hf else []
+    return errors + _objective_problems(distill, grpo) if distill.enabled else errors
+
+
+def _objective_problems(distill: Distillation, grpo: GRPO) -> list[str]:
+    """Why the objective of ``--distill-coef`` / ``--distill-topk-logits-k`` does not go with
+    the surrogate or the sampling (nothing when it does)."""
     from megatron.rl.grpo.policy_loss import load_policy_loss
 
+    errors = []
     topk = distill.distill_topk_logits_k is not None  # a loss term: any surrogate takes it
     if not topk and not load_policy_loss(grpo.policy_loss).token_advantages:
         errors.append(
@@ -152,7 +175,31 @@ def distill_problems(distill: Distillation, model: Model, grpo: GRPO) -> list[st
     if not distill.reward and grpo.filter_groups_with_same_reward:
         errors.append(
             "--distill-coef only with --grpo-filter-groups-with-same-reward: the reward is not "
-            "so no group should be dropped for its rewards"
+            "used, so no group should be dropped for its rewards"
+        )
+    return errors
+
+
+def _remote_problems(distill: Distillation) -> list[str]:
+    """Why the server URL of ``--distill-teacher`` cannot be a teacher (nothing when it can)."""
+    from urllib.parse import urlsplit
+
+    url, errors = distill.distill_teacher, []
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (a port that is not a number raises)
+    except ValueError as err:
+        return [f"--distill-teacher {url}: not a server URL ({err})"]
+    if not parts.hostname or parts.path not in ("", "/") or parts.query:
+        errors.append(
+            f"--distill-teacher {url}: give the server's base URL (scheme, host and port, "
+            "e.g. http://teacher:8000); /v1/completions is added"
+        )
+    if distill.enabled and distill.distill_topk_logits_k is not None:
+        errors.append(
+            f"--distill-topk-logits-k with a server as --distill-teacher ({url}): an OpenAI "
+            "answer names the alternatives by their text, not their token ids (the top-k "
+            "variant needs a local teacher)"
         )
     return errors
 

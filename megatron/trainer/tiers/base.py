@@ -50,10 +50,13 @@ class TeacherSource:
     """Where the teacher's weights come from (``config.teacher_source``; built by ``teacher.py``)."""
 
     directory: str
-    """The ``--distill-teacher`` directory."""
+    """The ``--distill-teacher`` directory, or the URL of a server that scores
+    (``train/remote_teacher.py``)."""
     hf: HFModelConfig | None = None
     """Its ``config.json`` when it is a Hugging Face directory; None: a checkpoint directory of
-    ours (the policy's architecture)."""
+    ours (the policy's architecture) or a server."""
+    api_key: str | None = None
+    """A server's bearer key (``--rl-api-key-file``, else ``MEGATRON_RL_API_KEY``)."""
 
 
 @dataclass(frozen=True)
@@ -70,11 +73,6 @@ class TierConfig:
     teacher: TeacherSource | None = None
     """``--distill-teacher``: where the distillation teacher's weights come from (None: no
     teacher; ``teacher.py``)."""
-
-
-def no_teacher_error() -> ValueError:
-    """What asking a policy without a teacher for teacher logprobs raises."""
-    return ValueError("the policy has no distillation teacher (--distill-teacher)")
 
 
 def teacher_inputs(data: TrainBatch) -> TrainBatch:

@@ -44,7 +44,7 @@ from megatron.trainer.checkpoint.directory import CheckpointShards, TrainState
 from megatron.trainer.model import provider as model_provider
 from megatron.trainer.model.lora import attach_adapters
 from megatron.trainer.parallel import ParallelContext
-from megatron.trainer.tiers.base import Tier, no_reference_error, no_teacher_error, teacher_inputs
+from megatron.trainer.tiers.base import Tier, no_reference_error, teacher_inputs
 from megatron.trainer.tiers.cpu_checkpoint import TorchShards
 from megatron.trainer.train.forward import (
     ModelInputs,
@@ -201,11 +201,9 @@ class CPUPolicy(Policy):
             (logprobs,) = self._forward_only(reference, data, micro_batch_size, outputs)
         return logprobs
 
-    def get_teacher_logprobs(self, data, micro_batch_size=None, topk=None):
+    def _teacher_forward(self, data, micro_batch_size, topk):
         """The teacher's logprobs, argmax (and top-k) from one forward per micro-batch, at
         temperature 1, gathered over DP."""
-        if self.teacher is None:
-            raise no_teacher_error()
         teacher, vocab, tp = self.teacher, self.config.vocab_size, self.ctx.tp_group
 
         def outputs(micro: TrainBatch, inputs: ModelInputs) -> tuple[torch.Tensor, ...]:

@@ -41,7 +41,7 @@ from megatron.rl.grpo.packing import pack_sequences
 from megatron.rl.lora.model import base_model
 from megatron.trainer.checkpoint.directory import TrainState
 from megatron.trainer.parallel import ParallelContext
-from megatron.trainer.tiers.base import no_reference_error, no_teacher_error, teacher_inputs
+from megatron.trainer.tiers.base import no_reference_error, teacher_inputs
 from megatron.trainer.train.forward import (
     ModelInputs,
     gather_data_parallel,
@@ -127,12 +127,10 @@ class CUDAPolicy(Policy):
         with base_model(self.reference):  # a LoRA policy's own base: adapters off
             return self._forward_only(self.reference, data, micro_batch_size, self._logprobs)[0]
 
-    def get_teacher_logprobs(self, data, micro_batch_size=None, topk=None):
+    def _teacher_forward(self, data, micro_batch_size, topk):
         """The teacher's logprobs, argmax (and top-k) at temperature 1 on the last stage, from
         one forward per micro-batch through the schedule (no DDP, eval mode), broadcast and
         gathered."""
-        if self.teacher is None:
-            raise no_teacher_error()
         vocab, tp = self.config.vocab_size, self.ctx.tp_group
 
         def outputs(logits: torch.Tensor, micro: TrainBatch, inputs: ModelInputs):

@@ -12,7 +12,8 @@ shard and pipeline stage) and precision (``--bf16``). Its weights come from eith
 
 Either way the tokenizer must be the policy's (``flags/distill.py`` checks it before anything is
 built). Building it draws no random numbers, so a distilling run draws the same ones as a run
-without a teacher.
+without a teacher. A URL instead of a directory is a teacher behind a server: no model is built
+(``train/remote_teacher.py``).
 """
 
 from __future__ import annotations
@@ -22,16 +23,21 @@ import dataclasses
 import torch
 
 from megatron.trainer.checkpoint.directory import iteration_dir, latest_iteration, read_guarded
+from megatron.trainer.flags.distill import is_server_url
 from megatron.trainer.tiers.base import TeacherSource, Tier
+from megatron.trainer.train.remote_teacher import RemoteTeacher
 
 FLAG = "--distill-teacher"
 
 
-def build_teacher_model(tier: Tier, vocab_size: int) -> torch.nn.Module | None:
-    """The frozen teacher of ``tier.config.teacher`` on this rank (None without one)."""
+def build_teacher_model(tier: Tier, vocab_size: int) -> torch.nn.Module | RemoteTeacher | None:
+    """The frozen teacher of ``tier.config.teacher`` on this rank, or the server that scores for
+    it (None without one)."""
     source = tier.config.teacher
     if source is None:
         return None
+    if is_server_url(source.directory):
+        return RemoteTeacher(source.directory, source.api_key, tier.ctx)
     device = tier.ctx.device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         if source.hf is None:

@@ -14,8 +14,9 @@ class TeacherLogprobs:
 
     logprobs: torch.Tensor
     """(B, T) float32 log pi_teacher(target) at temperature 1."""
-    argmax: torch.Tensor
-    """(B, T) int64 the teacher's most likely next token at each position."""
+    argmax: torch.Tensor | None
+    """(B, T) int64 the teacher's most likely next token at each position (None: unknown, a
+    remote teacher's)."""
     topk_logprobs: torch.Tensor | None = None
     """(B, T, k) float32 the teacher's k largest log-probabilities at temperature 1, descending
     (the top-k variant; None: not asked)."""

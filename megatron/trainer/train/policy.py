@@ -35,6 +35,7 @@ import torch
 
 from megatron.rl.grpo.batch import TrainBatch
 from megatron.trainer.parallel import ParallelContext
+from megatron.trainer.train.remote_teacher import RemoteTeacher
 from megatron.trainer.train.step import (
     LossFunction,
     MicroBatch,
@@ -142,6 +143,8 @@ class Policy(ABC):
     methods of the training loop. Every method is collective over all ranks."""
 
     config: PolicyConfig
+    teacher: torch.nn.Module | RemoteTeacher | None
+    """The distillation teacher: a frozen model on this rank's layout, a server, or none."""
 
     @abstractmethod
     def get_logprobs(self, data: TrainBatch, micro_batch_size: int | None = None) -> torch.Tensor:
@@ -155,14 +158,25 @@ class Policy(ABC):
         """(B, T) float32 log pi_ref(target) under the frozen reference model, as
         ``get_logprobs``; an error when the policy has no reference."""
 
-    @abstractmethod
     def get_teacher_logprobs(
         self, data: TrainBatch, micro_batch_size: int | None = None, topk: int | None = None
     ) -> TeacherLogprobs:
         """The frozen distillation teacher's (B, T) log pi_teacher(target) at temperature 1 and
         (B, T) argmax over the real vocabulary (with ``topk``, also its (B, T, k) largest
-        log-probabilities and their ids), as ``get_logprobs``; an error when the policy has no
-        teacher."""
+        log-probabilities and their ids), as ``get_logprobs``: a forward of the teacher model
+        (``_teacher_forward``) or a remote teacher's scoring (no argmax); an error when the
+        policy has no teacher."""
+        if self.teacher is None:
+            raise ValueError("the policy has no distillation teacher (--distill-teacher)")
+        if isinstance(self.teacher, RemoteTeacher):
+            return self.teacher.get_teacher_logprobs(data, micro_batch_size, topk)
+        return self._teacher_forward(data, micro_batch_size, topk)
+
+    @abstractmethod
+    def _teacher_forward(
+        self, data: TrainBatch, micro_batch_size: int | None, topk: int | None
+    ) -> TeacherLogprobs:
+        """``get_teacher_logprobs`` from the teacher model on this rank's layout."""
 
     @abstractmethod
     def get_topk_logits(

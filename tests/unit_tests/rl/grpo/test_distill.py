@@ -180,3 +180,11 @@ def test_topk_reverse_kl_gradient_is_the_derivative_of_its_value():
     teacher = torch.randn(2, 3, 4, generator=g, dtype=torch.float64)
     mask = torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
     assert torch.autograd.gradcheck(lambda s: topk_reverse_kl(s, teacher, mask), (student,))
+
+
+def test_without_the_teachers_argmax_its_mismatch_is_not_reported():
+    sums = distill_sums(TEACHER, STUDENT, None, torch.zeros(2, 3, dtype=torch.long), MASK)
+    assert tuple(sorted(sums)) == DISTILL_SUMS[1:] == DistillConfig(1.0, argmax=False).sum_keys()
+    assert sums["distill/reverse_kl"].item() == pytest.approx(9.6)
+    with pytest.raises(ValueError, match="top-k variant needs the teacher's top-k"):
+        DistillConfig(1.0, topk=4, argmax=False)

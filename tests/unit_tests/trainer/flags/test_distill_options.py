@@ -104,8 +104,9 @@ def test_a_checkpoint_directory_of_ours_is_a_teacher_of_the_policys_architecture
         ),
         pytest.param(
             ["--distill-teacher", "{empty}"],
-            "--distill-teacher {empty}: neither a Hugging Face model directory (no config.json) "
-            "nor a checkpoint directory of ours (no latest_checkpointed_iteration.txt)",
+            "--distill-teacher {empty}: neither a Hugging Face model directory (no config.json), "
+            "nor a checkpoint directory of ours (no latest_checkpointed_iteration.txt), nor a "
+            "server URL",
             id="neither-kind",
         ),
         pytest.param(
@@ -124,6 +125,26 @@ def test_a_checkpoint_directory_of_ours_is_a_teacher_of_the_policys_architecture
             + ["--policy-loss", "gspo"],
             "--distill-teacher with --policy-loss gspo: its ratio is per sequence",
             id="sequence-level-surrogate",
+        ),
+        pytest.param(
+            ["--distill-teacher", "http://teacher:8000/v1/completions"],
+            "--distill-teacher http://teacher:8000/v1/completions: give the server's base URL",
+            id="url-with-a-path",
+        ),
+        pytest.param(
+            ["--distill-teacher", "http://teacher:port"],
+            "--distill-teacher http://teacher:port: not a server URL",
+            id="url-with-a-bad-port",
+        ),
+        pytest.param(
+            ["--distill-teacher", "http://teacher:8000", "--distill-topk-logits-k", "8"],
+            "--distill-topk-logits-k with a server as --distill-teacher (http://teacher:8000)",
+            id="url-with-top-k",
+        ),
+        pytest.param(
+            ["--distill-teacher", "http://teacher:8000", "--policy-loss", "gmpo"],
+            "--distill-teacher with --policy-loss gmpo: its ratio is per sequence",
+            id="url-with-a-sequence-level-surrogate",
         ),
         pytest.param(
             ["--distill-topk-logits-k", "8"],
@@ -148,3 +169,18 @@ def test_refusals_name_the_flags(models, tmp_path, argv, message):
     _, errors = check([a.format(**names) for a in argv], 1, False)
     expected = message.format(**names)
     assert any(e.startswith(expected) for e in errors), errors
+
+
+def test_a_server_url_is_a_remote_teacher_without_argmax(tmp_path, monkeypatch):
+    key = tmp_path / "key"
+    key.write_text("s3cret-key-of-the-job\n")
+    monkeypatch.delenv("MEGATRON_RL_API_KEY", raising=False)
+    argv = ["--distill-teacher", "http://teacher:8000", "--rl-api-key-file", str(key)]
+    args, errors = check(argv, 1, False)
+    assert errors == []
+    assert distill_config(args, 64) == DistillConfig(1.0, argmax=False)
+    source = teacher_source(args)
+    assert source.directory == "http://teacher:8000" and source.hf is None
+    assert source.api_key == "s3cret-key-of-the-job"
+    keys = step_config(args, 64).metric_keys()
+    assert "distill/reverse_kl" in keys and "distill/argmax_mismatch" not in keys
