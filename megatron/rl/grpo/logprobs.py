@@ -28,15 +28,7 @@ def token_logprobs(
     Returns:
         (B, T) float32 log-probabilities, differentiable w.r.t. ``logits``.
     """
-    logits = logits.float()
-    if temperature is not None:
-        t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).float()
-        logits = logits / (t[:, None, None] if t.dim() == 1 else t[..., None])
-    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
-    part = logits.shape[-1]
-    first = (dist.get_rank(tp_group) if tp_size > 1 else 0) * part
-    ids = torch.arange(first, first + part, device=logits.device)
-    logits = logits.masked_fill(ids >= vocab_size, float("-inf"))
+    logits, _, tp_size = _real_vocab_logits(logits, vocab_size, temperature, tp_group)
     if tp_size == 1:
         return torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
@@ -65,17 +57,10 @@ def support_logprobs(
         (B, T, k) float32 log-probabilities, differentiable w.r.t. ``logits`` (under TP the
         gradient reaches the rank that holds each id's column).
     """
-    logits = logits.float()
-    if temperature is not None:
-        t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).float()
-        logits = logits / (t[:, None, None] if t.dim() == 1 else t[..., None])
-    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
-    part = logits.shape[-1]
-    first = (dist.get_rank(tp_group) if tp_size > 1 else 0) * part
-    ids = torch.arange(first, first + part, device=logits.device)
-    logits = logits.masked_fill(ids >= vocab_size, float("-inf"))
+    logits, first, tp_size = _real_vocab_logits(logits, vocab_size, temperature, tp_group)
     if tp_size == 1:
         return torch.log_softmax(logits, dim=-1).gather(-1, support)
+    part = logits.shape[-1]
     top = logits.detach().max(dim=-1, keepdim=True).values  # (B, T, 1)
     dist.all_reduce(top, op=dist.ReduceOp.MAX, group=tp_group)
     total = _sum_over(torch.exp(logits - top).sum(-1, keepdim=True), tp_group)  # (B, T, 1)
@@ -84,6 +69,25 @@ def support_logprobs(
     picked = logits.gather(-1, local.clamp(0, part - 1))
     picked = _sum_over(torch.where(held, picked, torch.zeros_like(picked)), tp_group)
     return picked - top - torch.log(total)
+
+
+def _real_vocab_logits(
+    logits: torch.Tensor,
+    vocab_size: int,
+    temperature: torch.Tensor | None,
+    tp_group: dist.ProcessGroup | None,
+) -> tuple[torch.Tensor, int, int]:
+    """(float32 logits / temperature with the padded ids at -inf, this shard's first id, the
+    tensor-parallel size) of (B, T, V/tp) logits."""
+    logits = logits.float()
+    if temperature is not None:
+        t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).float()
+        logits = logits / (t[:, None, None] if t.dim() == 1 else t[..., None])
+    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+    part = logits.shape[-1]
+    first = (dist.get_rank(tp_group) if tp_size > 1 else 0) * part
+    ids = torch.arange(first, first + part, device=logits.device)
+    return logits.masked_fill(ids >= vocab_size, float("-inf")), first, tp_size
 
 
 def _sum_over(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
