@@ -153,15 +153,19 @@ class _ChunkedHead(torch.autograd.Function):
             z = head.logits(operands[s:e], inv_temp[s:e])  # (c, V/tp)
             p = torch.exp(z - lse[s:e, None])  # (c, V/tp)
             grad_z = torch.zeros_like(z)
+            g_lse = None  # (c,) what every logprob's -lse passes back: -p times its sum
             if g_lp is not None:
-                grad_z.sub_(p * g_lp[s:e, None])
+                g_lse = g_lp[s:e].clone()
                 head.add_at_targets(grad_z, targets[s:e], g_lp[s:e])
+            if g_s is not None:  # d(z[s_j] - lse)/dz = onehot(s_j) - p
+                g_sum = g_s[s:e].sum(-1)
+                g_lse = g_sum if g_lse is None else g_lse.add_(g_sum)
+                head.add_at_targets(grad_z, support[s:e], g_s[s:e])
+            if g_lse is not None:
+                grad_z.sub_(p * g_lse[:, None])
             if g_h is not None:  # dH/dz = -p (log p + H)
                 log_p = head.finite(z - lse[s:e, None])
                 grad_z.sub_(p * (log_p + entropy[s:e, None]) * g_h[s:e, None])
-            if g_s is not None:  # d(z[s_j] - lse)/dz = onehot(s_j) - p
-                grad_z.sub_(p * g_s[s:e].sum(-1, keepdim=True))
-                head.add_at_targets(grad_z, support[s:e], g_s[s:e])
             grad_z.mul_(inv_temp[s:e, None])
             g_hidden, g_weight = head.backward(grad_z, operands[s:e], wants_weight)
             grad_hidden[s:e] = g_hidden  # cast to the hidden states' dtype

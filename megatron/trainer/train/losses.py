@@ -54,11 +54,16 @@ class GRPOLoss(LossFunction):
         return tuple(k for k in self.config.metric_keys() if k != "loss")
 
     def support_ids(self, micro: MicroBatch) -> torch.Tensor | None:
-        """With the top-k distillation variant, the (b, t, k) teacher's top-k ids of ``micro``."""
+        """With the top-k distillation variant, the (b, t, k) teacher's top-k ids of ``micro``
+        (from its cache, else its rows of the up-front tensors; the forward moves them to its
+        device, and the cache is filled on the loss's device by ``__call__``)."""
         if self.config.distill is None or self.config.distill.topk is None:
             return None
-        teacher = self._cached(micro, torch.device("cpu")).teacher
-        return None if teacher is None else teacher.topk_ids
+        if micro.cache.teacher is not None:
+            return micro.cache.teacher.topk_ids
+        if self.teacher is None or self.teacher.topk_ids is None:
+            return None
+        return self.teacher.topk_ids[micro.rows, : micro.data.input_ids.shape[1]]
 
     def __call__(
         self,

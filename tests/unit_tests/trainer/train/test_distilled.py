@@ -8,12 +8,16 @@ import math
 
 import pytest
 import torch
+from grpo_testing.rollouts import synthetic_groups
 
 from megatron.rl.grpo.aggregation import LossAggregation
+from megatron.rl.grpo.batch import build_train_batch
 from megatron.rl.grpo.distill import DISTILL_SUMS, TOPK_SUMS, DistillConfig, topk_reverse_kl
 from megatron.rl.grpo.loss import GRPOLossConfig, LossInputs, grpo_loss
 from megatron.trainer.train.cache import MicroBatchCache, TeacherLogprobs
 from megatron.trainer.train.distilled import distilled_loss
+from megatron.trainer.train.losses import GRPOLoss
+from megatron.trainer.train.step import MicroBatch, StepConfig
 
 TARGETS = torch.tensor([[3, 1, 2], [0, 2, 2]])  # (B=2, T=3)
 MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
@@ -107,3 +111,18 @@ def test_a_teacher_equal_to_the_student_on_its_top_k_adds_nothing():
     assert out.variant_sums["distill/topk_kl"].item() == pytest.approx(0.0, abs=1e-6)
     out.loss_sum.backward()
     assert support.grad.abs().max().item() < 1e-6
+
+
+def test_the_loss_names_the_top_k_ids_without_filling_the_cache_before_the_forward():
+    """``GRPOLoss.support_ids`` runs before the forward: it must not fill the micro-batch's cache
+    (which ``__call__`` fills on the device of the forward's outputs, a GPU on CUDA)."""
+    data = build_train_batch(synthetic_groups(1, 4, 8, seed=0), pad_id=0)
+    rows, width = data.num_rows, data.input_ids.shape[1]
+    ids = torch.arange(rows * width * 2).view(rows, width, 2) % 8
+    view = TeacherLogprobs(torch.zeros(rows, width), ids[..., 0], torch.zeros(rows, width, 2), ids)
+    config = StepConfig(GRPOLossConfig(0.2, 0.2), 8, 2, 1.0, distill=DistillConfig(1.0, topk=2))
+    micro = MicroBatch(data.rows(1, 3, trim=False), slice(1, 3), MicroBatchCache())
+    got = GRPOLoss(config, teacher=view).support_ids(micro)
+    assert torch.equal(got, ids[1:3]) and micro.cache.teacher is None
+    plain = StepConfig(GRPOLossConfig(0.2, 0.2), 8, 2, 1.0, distill=DistillConfig(1.0))
+    assert GRPOLoss(plain, teacher=view).support_ids(micro) is None  # sampled-token: no support
