@@ -80,7 +80,7 @@ class DistillConfig:
 
     def sum_keys(self) -> tuple[str, ...]:
         """The names of the per-token sums a distilling step reports."""
-        keys = DISTILL_SUMS if self.argmax else DISTILL_SUMS[1:]  # argmax_mismatch is first
+        keys = tuple(k for k in DISTILL_SUMS if self.argmax or k != "distill/argmax_mismatch")
         return keys + (TOPK_SUMS if self.topk is not None else ())
 
 

@@ -87,7 +87,10 @@ class RemoteTeacher:
         try:
             scored = []
             for tokens in sequences:
-                answer = await interface.score(ScoreRequest(prompt_tokens=tokens))
+                try:
+                    answer = await interface.score(ScoreRequest(prompt_tokens=tokens))
+                except Exception as exc:  # InferenceUnavailable, InvalidInferenceRequest, ...
+                    raise RuntimeError(f"{FLAG} {self.base_url}: scoring failed: {exc}") from None
                 if answer.prompt_tokens != tokens or len(answer.logprobs) != len(tokens) - 1:
                     raise ValueError(
                         f"{FLAG} {self.base_url}: the server scored other tokens than it was sent "
@@ -96,10 +99,6 @@ class RemoteTeacher:
                     )
                 scored.append(answer.logprobs)
             return scored
-        except Exception as exc:  # InferenceUnavailable, InvalidInferenceRequest, ...
-            if isinstance(exc, ValueError) and str(exc).startswith(FLAG):
-                raise
-            raise RuntimeError(f"{FLAG} {self.base_url}: scoring failed: {exc}") from None
         finally:
             await pool.aclose()
 
