@@ -122,12 +122,16 @@ def kill_job(pid: int) -> None:
 
 
 def run_until_step_then_kill(nproc: int, args: dict, metrics: Path, step: int) -> None:
-    """Start the job; ``kill -9`` all its processes once ``step`` is logged (a crash)."""
+    """Start the job; ``kill -9`` all its processes once ``step`` is logged (a crash).
+
+    Rank 0 stops itself right after logging ``step`` (``stop_after_step.py``), so the crash
+    falls at that point however slowly this poller runs.
+    """
     with tempfile.TemporaryFile() as err:
-        cmd = training_command(nproc, {**args, "metrics-file": metrics})
-        job = subprocess.Popen(
-            cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=err
-        )
+        script = str(Path(__file__).with_name("stop_after_step.py").relative_to(ROOT))
+        cmd = training_command(nproc, {**args, "metrics-file": metrics}, script)
+        env = {**subprocess_env(), "GRPO_TEST_STOP_AFTER_STEP": str(step)}
+        job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
         try:
             deadline = time.monotonic() + 600
             while not (metrics.exists() and any(m["step"] >= step for m in read_metrics(metrics))):
@@ -140,6 +144,8 @@ def run_until_step_then_kill(nproc: int, args: dict, metrics: Path, step: int) -
         finally:
             kill_job(job.pid)
             job.wait()
+    logged = [m["step"] for m in read_metrics(metrics)]
+    assert logged[-1] == step, f"the job logged steps {logged}; it should have stopped at {step}"
 
 
 @contextlib.contextmanager
