@@ -364,11 +364,16 @@ def tier_config(cfg: RunConfig) -> TierConfig:
 
 
 def pipeline_config(cfg: RunConfig, dp_size: int, tokenizer: Tokenizer) -> PipelineConfig:
-    """The training rollout pipeline: generator, engine, inference server, failure budget; a
-    stop cancels the window in progress unless ``--save`` saves a checkpoint first."""
+    """The training rollout pipeline: generator, engine (its slots per replica of the training
+    layout, ``dp_size`` replicas, or of the inference copy's), inference server, failure budget;
+    a stop cancels the window in progress unless ``--save`` saves a checkpoint first."""
+    inference_tp = cfg.parallelism.rl_inference_tensor_model_parallel_size
+    if inference_tp is not None:  # the engine's replicas are the inference copy's
+        dp_size = cfg.world_size // inference_tp
     return PipelineConfig(
         rollout=rollout_config(cfg),
         engine=scheduler_config(cfg, dp_size, tokenizer),
+        inference_tp=inference_tp,
         server=inference_server_config(cfg),
         failure_budget=failure_budget(cfg),
         stop_cancels_window=not cfg.checkpointing.save,

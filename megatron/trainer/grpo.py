@@ -240,8 +240,8 @@ def train_steps(
                         print(line, flush=True)
                 collection, extra = run.collection(collected)
             result = run.train_step(collection, iteration)  # one optimizer update
-            rollouts.policy_version = iteration + 1
-            elapsed, metrics = time.perf_counter() - t0, {**extra, **at_start}
+            refit = rollouts.new_policy(iteration + 1)  # the inference copy's refit, if any
+            elapsed, metrics = time.perf_counter() - t0, {**extra, **at_start, **refit}
             at_start = {}  # the first step's record only
             if evaluation_due(cfg, iteration + 1):  # own engine and window
                 with watchdog.phase(f"the evaluation after step {iteration}"):

@@ -97,6 +97,7 @@ def test_lag_0_is_on_policy_at_every_step(runs):
         pytest.param("lag2", "lag2_dp2", id="lag2_dp2"),
         pytest.param("moe_lag2", "moe_lag2_ep2", id="moe_lag2_ep2"),
         pytest.param("lora_lag2", "lora_lag2_tp2", id="lora_lag2_tp2"),
+        pytest.param("lag2", "refit_tp1_resume", id="refit_tp2_to_tp1"),
     ],
 )
 def test_two_process_runs_match_the_single_process_run(runs, single_case, case):
@@ -107,11 +108,23 @@ def test_two_process_runs_match_the_single_process_run(runs, single_case, case):
     absolute floor of 1e-6 for losses that close to zero. The MoE case at DP=2 x EP=2 holds half
     of each layer's experts per rank; the LoRA case at TP=2 splits each adapter as its layer.
     """
-    single, parallel = runs(single_case), runs(case)
+    single, parallel = runs(single_case), runs(case)  # (refit_tp1_resume: generated at TP=1)
     for a, b in zip(single[:5], parallel[:5]):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
         assert b["reward_mean"] == pytest.approx(a["reward_mean"], rel=1e-4)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+
+
+def test_collocated_refit_at_the_training_layout_is_the_plain_run_bitwise(runs):
+    """An inference copy at the training layout (each rank copies its own shards after every
+    step) generates what the trained model itself generates: every metric equal, not close."""
+    args = {**load_case("lag2_tp2")["args"], "rl-inference-tensor-model-parallel-size": 2}
+    refit = run_training(2, args)
+    plain = runs("lag2_tp2")
+    assert [{k: m[k] for k in DETERMINISTIC} for m in refit] == [
+        {k: m[k] for k in DETERMINISTIC} for m in plain
+    ]
+    assert all(m["refit/bytes_received"] == 0 < m["refit/bytes_written"] for m in refit)
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.backends import BackendSpecProvider
 from megatron.core.models.gpt import GPTModel
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -326,8 +327,12 @@ def build_gpt_model(
     layer_spec: ModuleSpec,
     pre_process: bool = True,
     post_process: bool = True,
+    pg_collection: ProcessGroupCollection | None = None,
 ) -> GPTModel:
     """This pipeline stage's part of the GPT ``arch`` (vocab-parallel logits).
+
+    ``pg_collection``: the process groups its layers use (None: megatron-core's parallel state);
+    an inference copy on its own tensor-parallel layout passes its own.
 
     ``config`` must come from ``transformer_config(arch, ...)``: a field that disagrees with
     ``arch`` is refused by name. Learned absolute positions build megatron-core's ``GPTModel``;
@@ -352,6 +357,7 @@ def build_gpt_model(
         parallel_output=True,
         share_embeddings_and_output_weights=not arch.untie_embeddings_and_output_weights,
         position_embedding_type=arch.position_embedding_type,
+        pg_collection=pg_collection,
     )
     if arch.position_embedding_type == "learned_absolute":
         model = GPTModel(**kwargs)

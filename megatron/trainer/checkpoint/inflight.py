@@ -17,18 +17,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron.rl.refit.layout import InferenceLayout
 from megatron.rl.rollout.generator import PipelineState
 from megatron.trainer.parallel import ParallelContext
 
 KV_DIR = "inflight_kv"
 
 
-def layout(ctx: ParallelContext, max_requests: int) -> dict[str, int]:
-    """What a saved cache file fits: the parallel layout and the engine's slots per replica."""
+def layout(
+    ctx: ParallelContext, max_requests: int, inference: InferenceLayout | None = None
+) -> dict[str, int]:
+    """What a saved cache file fits: the engine's parallel layout (the training layout, or an
+    inference copy's ``inference``) and its slots per replica."""
+    tp, dp = (
+        (ctx.tp_size, ctx.dp_size) if inference is None else (inference.tp_size, inference.dp_size)
+    )
     return {
         "world_size": ctx.world_size,
-        "tp_size": ctx.tp_size,
-        "dp_size": ctx.dp_size,
+        "tp_size": tp,
+        "dp_size": dp,
         "max_requests": max_requests,
     }
 

@@ -228,15 +228,16 @@ MEGATRON_LM_RL_FLAGS: tuple[MegatronFlag, ...] = (
     ),
     MegatronFlag(
         "--rl-inference-tensor-model-parallel-size",
-        "refused",
-        None,
-        "inference runs on the trained model's own TP/PP layout",
+        "same",
+        "--rl-inference-tensor-model-parallel-size",
+        "generation on a copy of the model at this TP degree, refit after every optimizer step "
+        "(CPU tier, dense models)",
     ),
     MegatronFlag(
         "--rl-inference-pipeline-model-parallel-size",
         "refused",
         None,
-        "inference runs on the trained model's own TP/PP layout",
+        "an inference copy is one pipeline stage",
     ),
     MegatronFlag(
         "--rl-inference-expert-model-parallel-size",
@@ -262,7 +263,10 @@ MEGATRON_LM_RL_FLAGS: tuple[MegatronFlag, ...] = (
         False,
     ),
     MegatronFlag(
-        "--refit-method", "refused", None, "no separate inference model: no weights to copy"
+        "--refit-method",
+        "same",
+        "--refit-method",
+        "how a refit moves weights: gloo on CPU, nccl on CUDA (nvshmem is not offered)",
     ),
     MegatronFlag(
         "--rl-verify-model-weights-swap", "refused", None, "no separate inference model", False

@@ -25,6 +25,7 @@ from megatron.trainer.flags.model import (
 )
 from megatron.trainer.flags.option import bounds_problems, dest_of
 from megatron.trainer.flags.output import OUTPUT_PATHS, output_path_problem
+from megatron.trainer.flags.refit import refit_problems
 from megatron.trainer.flags.run import SECTIONS, RunConfig, sections_of
 from megatron.trainer.flags.training import parallelism_with_defaults, training_with_defaults
 
@@ -133,6 +134,7 @@ def _layout_problems(run: RunConfig, cuda: bool) -> list[str]:
         )
     errors += _expert_problems(run, cuda)
     errors += _routing_problems(run)
+    errors += refit_problems(run, cuda)
     if p.use_distributed_optimizer and not cuda:
         errors.append(
             "--use-distributed-optimizer is not supported on CPU: it needs the CUDA tier "

@@ -39,6 +39,26 @@ class Parallelism(Section):
         "optimizer; CUDA only).",
         switch=True,
     )
+    rl_inference_tensor_model_parallel_size: int | None = option(
+        None,
+        "Generate on a copy of the model at this TP degree (collocated refit): the ranks form "
+        "world size / N inference replicas of N consecutive ranks, each rank keeps its shard of "
+        "the copy, and right after every optimizer step the trained weights are resharded into "
+        "it (tensor by tensor, over --refit-method). Default: no copy, generation runs on the "
+        "trained model itself, on the training layout. CPU tier; dense models, full "
+        "fine-tuning, one pipeline stage.",
+        parse=int,
+        minimum=1,
+        resume=True,
+    )
+    refit_method: str | None = option(
+        None,
+        "How a refit moves the weights between ranks: gloo (the CPU tier's process groups) or "
+        "nccl (CUDA). Default: the device's backend. Has no effect without "
+        "--rl-inference-tensor-model-parallel-size.",
+        parse=str,
+        choices=("gloo", "nccl"),
+    )
     distributed_timeout_minutes: int | None = option(
         None,
         "Timeout of one collective operation (torch.distributed's; a rank waiting longer fails "

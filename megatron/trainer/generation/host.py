@@ -22,6 +22,7 @@ from typing import TypeVar
 import torch
 
 from megatron.rl.inference.scheduler import SchedulerConfig
+from megatron.rl.refit.layout import InferenceLayout
 from megatron.trainer.parallel import ParallelContext
 from megatron.trainer.tiers.base import Tier
 
@@ -45,10 +46,13 @@ class GenerationHost:
         config: SchedulerConfig,
         vocab_size: int,
         policy_version: Callable[[], int],
+        layout: InferenceLayout | None = None,
     ) -> None:
         self.ctx = ctx
         self.model = model
-        self.steps = tier.build_step_group(model, config, vocab_size)
+        """What the engine generates with: the trained model, or an inference copy laid out for
+        ``layout``."""
+        self.steps = tier.build_step_group(model, config, vocab_size, layout)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._window: asyncio.Task | None = None
         if ctx.is_main:

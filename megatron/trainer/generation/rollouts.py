@@ -43,6 +43,7 @@ from megatron.rl.server.limits import ServerLimits
 from megatron.rl.tokenizer import Tokenizer
 from megatron.trainer.checkpoint import inflight
 from megatron.trainer.generation.host import GenerationHost
+from megatron.trainer.generation.refit import InferenceCopy
 from megatron.trainer.parallel import ParallelContext
 from megatron.trainer.runtime.initialize import main_rank_value, raise_agreed_failure
 from megatron.trainer.tiers.base import Tier
@@ -85,6 +86,9 @@ class PipelineConfig:
     stop_cancels_window: bool = True
     """False when a stop saves a checkpoint first (``--save``): the window in progress then
     finishes and the run stops after that step."""
+    inference_tp: int | None = None
+    """``--rl-inference-tensor-model-parallel-size``: generate on an inference copy at this TP
+    degree, refit after every optimizer step (None: on the trained model itself)."""
 
 
 @dataclass(frozen=True)
@@ -137,12 +141,24 @@ class RolloutSource:
         the run stops after that step (``stop_requested``)."""
         self.failure_budget = dataclasses.replace(config.failure_budget)  # fresh counts
         self.policy_version = start.policy_version
+        self.copy = None
+        """The inference copy of a collocated refit (None: generation on ``model`` itself)."""
+        if config.inference_tp is not None:
+            self.copy = InferenceCopy(ctx, tier, model, tokenizer.vocab_size, config.inference_tp)
+            model = self.copy.model
+        layout = None if self.copy is None else self.copy.layout
         self.host = GenerationHost(
-            ctx, tier, model, config.engine, tokenizer.vocab_size, lambda: self.policy_version
+            ctx,
+            tier,
+            model,
+            config.engine,
+            tokenizer.vocab_size,
+            lambda: self.policy_version,
+            layout,
         )
         self.exact_checkpoints = isinstance(self.host.steps.runner, SlotSnapshotRunner)
         """Checkpoints save the requests in flight (else they ``drain`` the pipeline first)."""
-        self.layout = inflight.layout(ctx, config.engine.max_requests)
+        self.layout = inflight.layout(ctx, config.engine.max_requests, layout)
         resume_from = self._restore_kv(start.state, start.kv)
         self._server: EmbeddedServer | None = None
         self._stop_signal: int | None = None
@@ -225,6 +241,13 @@ class RolloutSource:
         batch = await self.generator.next_batch()
         self.failure_budget.check(batch.batch_id, batch.groups, self.generator.faults)
         return batch
+
+    def new_policy(self, version: int) -> dict[str, float]:
+        """The optimizer step made policy ``version`` (every rank): later tokens carry it, and an
+        inference copy is refit from the new weights here, before the next window (collective);
+        its ``refit/*`` metrics, empty without a copy."""
+        self.policy_version = version
+        return {} if self.copy is None else self.copy.refit_metrics()
 
     def _restore_kv(self, state: PipelineState | None, saved: dict | None) -> PipelineState | None:
         """Put each rank's saved KV slots back (collective); where the saved layout does not fit,

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from megatron.core.models.gpt import GPTModel
+from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron.rl.lora.config import LoRAConfig
 from megatron.rl.models.architecture import (
@@ -94,12 +95,19 @@ def parallel_overrides(spec: ModelBuild) -> dict:
 
 
 def build_model(
-    spec: ModelBuild, vocab_size: int, device: torch.device, initialize: bool = True
+    spec: ModelBuild,
+    vocab_size: int,
+    device: torch.device,
+    initialize: bool = True,
+    pg_collection: ProcessGroupCollection | None = None,
 ) -> GPTModel:
     """The CPU tier's GPT (SDPA core attention, float32, one pipeline stage) of the flags, for a
     tokenizer of ``vocab_size`` ids. ``initialize=False`` skips megatron-core's random init
-    (``perform_initialization``): for a model whose every tensor a checkpoint load overwrites."""
+    (``perform_initialization``): for a model whose every tensor a checkpoint load overwrites.
+    ``pg_collection``: its process groups (None: megatron-core's parallel state; an inference
+    copy on its own layout passes its own, with ``spec.tensor_parallel`` that group's size)."""
     arch = architecture(spec, vocab_size)
     config = transformer_config(arch, **parallel_overrides(spec), perform_initialization=initialize)
-    model = build_gpt_model(arch, config, layer_spec(arch, SDPASpecProvider())).to(device)
+    spec_ = layer_spec(arch, SDPASpecProvider())
+    model = build_gpt_model(arch, config, spec_, pg_collection=pg_collection).to(device)
     return plain_output_layer(model)

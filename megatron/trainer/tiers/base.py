@@ -43,6 +43,7 @@ from megatron.trainer.train.policy import Policy, PolicyConfig
 
 if TYPE_CHECKING:
     from megatron.rl.models.hf import HFModelConfig
+    from megatron.rl.refit.layout import InferenceLayout
 
 
 @dataclass(frozen=True)
@@ -137,9 +138,24 @@ class Tier(ABC):
 
     @abstractmethod
     def build_step_group(
-        self, model: torch.nn.Module, config: SchedulerConfig, vocab_size: int
+        self,
+        model: torch.nn.Module,
+        config: SchedulerConfig,
+        vocab_size: int,
+        layout: InferenceLayout | None = None,
     ) -> StepGroup:
-        """The engine-step executor of this rank (every rank; collective inside a replica)."""
+        """The engine-step executor of this rank (every rank; collective inside a replica);
+        ``layout``: the inference copy's replicas that ``model`` is laid out for (None: the
+        training layout)."""
+
+    def build_inference_copy(self, vocab_size: int, layout: InferenceLayout) -> torch.nn.Module:
+        """This rank's shard of a forward-only copy of ``build_model``'s architecture laid out
+        for ``layout`` (collocated refit: ``--rl-inference-tensor-model-parallel-size``), its
+        weights uninitialized until the first refit."""
+        raise ValueError(
+            f"--rl-inference-tensor-model-parallel-size: the {self.name} tier generates on the "
+            "trained model's own layout (drop the flag)"
+        )
 
     @abstractmethod
     def checkpoint_shards(self) -> CheckpointShards:
@@ -150,9 +166,14 @@ class Tier(ABC):
         (``megatron.rl.inference.backends.DEFAULT_BACKEND``)."""
         return default_backend(self.name)
 
-    def backend_step_group(self, inputs: RunnerInputs) -> StepGroup:
-        """This rank's row runner of ``inference_backend`` under a ``StepGroup``."""
+    def backend_step_group(
+        self, inputs: RunnerInputs, layout: InferenceLayout | None = None
+    ) -> StepGroup:
+        """This rank's row runner of ``inference_backend`` under a ``StepGroup`` of the training
+        layout's replicas, or of ``layout``'s."""
         runner = self.inference_backend().build(inputs)
+        if layout is not None:
+            return StepGroup(runner, layout.dp_rank, layout.dp_size, layout.is_replica_leader)
         return StepGroup(runner, self.ctx.dp_rank, self.ctx.dp_size, self.ctx.is_replica_leader)
 
     def build_engine(

@@ -27,6 +27,7 @@ TP, DP and EP run over gloo; PP and the distributed optimizer are refused at arg
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -142,15 +143,31 @@ class CPUTier(Tier):
         """A ``CPUPolicy``."""
         return CPUPolicy(state, config, self.ctx, reference, self.config.model.bf16, teacher)
 
-    def build_step_group(self, model, config, vocab_size):
+    def build_step_group(self, model, config, vocab_size, layout=None):
         """The tier's inference backend (``cpu``: a ``KVCacheRowRunner`` with its own per-slot KV
-        cache) under a ``StepGroup``."""
+        cache) under a ``StepGroup``, on the training layout or on ``layout``'s replicas."""
         compute = torch.bfloat16 if self.config.model.bf16 else None  # as training
         ctx = self.ctx
-        inputs = RunnerInputs(
-            model, config, vocab_size, ctx.device, ctx.tp_group, ctx.tp_size, compute
+        tp_group, tp_size = (
+            (ctx.tp_group, ctx.tp_size)
+            if layout is None
+            else (
+                layout.tp_group,
+                layout.tp_size,
+            )
         )
-        return self.backend_step_group(inputs)
+        inputs = RunnerInputs(model, config, vocab_size, ctx.device, tp_group, tp_size, compute)
+        return self.backend_step_group(inputs, layout)
+
+    def build_inference_copy(self, vocab_size, layout):
+        """The float32 GPT of ``build_model`` at ``layout``'s TP degree, on its process groups,
+        frozen and uninitialized (the first refit fills it)."""
+        spec = dataclasses.replace(self.config.model, tensor_parallel=layout.tp_size)
+        copy = model_provider.build_model(
+            spec, vocab_size, self.ctx.device, False, layout.pg_collection
+        )
+        copy.requires_grad_(False)
+        return copy.eval()
 
     def checkpoint_shards(self) -> CheckpointShards:
         """Per-rank ``torch.save`` files."""

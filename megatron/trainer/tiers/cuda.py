@@ -206,9 +206,10 @@ class CUDATier(Tier):
 
     # ----------------------------------------------------------------- rollouts
 
-    def build_step_group(self, model, config, vocab_size):
+    def build_step_group(self, model, config, vocab_size, layout=None):
         """The tier's inference backend (``megatron_core``: megatron-core's dynamic engine on this
-        rank's shard) under a ``StepGroup``."""
+        rank's shard) under a ``StepGroup`` (the training layout: ``build_inference_copy`` is
+        the base's refusal)."""
         return self.backend_step_group(
             RunnerInputs(
                 model,

@@ -108,6 +108,7 @@ def test_the_resume_options_are_the_ones_declared_resume():
     flags = {flag for _, flag, _ in resume_options()}
     assert flags == {
         "--rl-forced-lag",
+        "--rl-inference-tensor-model-parallel-size",
         "--grpo-prompts-per-step",
         "--grpo-group-size",
         "--seed",

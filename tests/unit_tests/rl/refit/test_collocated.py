@@ -1,0 +1,84 @@
+"""Collocated refit over gloo: a model trained on one tensor-parallel layout copied into an
+inference copy on another gives the same logits, and at the same layout the same bits."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+from grpo_testing.distributed import run_on_ranks
+from grpo_testing.models import VOCAB, model_build, tiny_args, tiny_gpt
+from megatron.core import parallel_state
+
+from megatron.rl.refit.collocated import CollocatedRefit
+from megatron.rl.refit.layout import inference_layout
+from megatron.trainer.model.provider import build_model
+
+# SwiGLU (gated fc1), grouped-query attention (the QKV interleave), RoPE and RMSNorm
+LLAMA_LIKE = dict(
+    swiglu=True,
+    group_query_attention=True,
+    num_query_groups=2,
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+)
+TOKENS = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+
+
+def logits_of(model: torch.nn.Module, group) -> torch.Tensor:
+    """Full-vocabulary logits of ``TOKENS`` (gathered over ``group``, the model's TP ranks)."""
+    model.eval()
+    with torch.no_grad():
+        local = model(TOKENS, torch.arange(TOKENS.shape[1])[None], None)
+    if group is None or dist.get_world_size(group) == 1:
+        return local
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def refit_on_rank(rank: int, world: int, train_tp: int) -> dict[int, dict]:
+    """Copies of a TP=``train_tp`` model at inference TP 1 and 2; what each gave, by TP."""
+    trained = tiny_gpt(tp=train_tp, seed=7, **LLAMA_LIKE)
+    with torch.no_grad():  # not the initial weights: as after some optimizer steps
+        for p in trained.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    train_group = parallel_state.get_tensor_model_parallel_group()
+    spec = model_build(tiny_args(tensor_model_parallel_size=train_tp, **LLAMA_LIKE))
+    out = {}
+    for infer_tp in (1, 2):
+        layout = inference_layout(infer_tp)
+        spec_ = dataclasses.replace(spec, tensor_parallel=infer_tp)
+        copy = build_model(spec_, VOCAB, torch.device("cpu"), False, layout.pg_collection)
+        stats = CollocatedRefit(trained, copy, train_group, layout.tp_rank, infer_tp, True)()
+        same = all(torch.equal(a, b) for a, b in zip(trained.parameters(), copy.parameters()))
+        out[infer_tp] = dict(
+            trained=logits_of(trained, train_group),
+            copy=logits_of(copy, layout.tp_group),
+            received=stats.bytes_received,
+            written=stats.bytes_written,
+            bitwise_same=same,
+            replica=(layout.dp_rank, layout.dp_size),
+        )
+    return out
+
+
+@pytest.mark.parametrize("train_tp", [pytest.param(2, id="trained-tp2"), pytest.param(1, id="dp2")])
+def test_the_inference_copy_computes_the_trained_models_logits(train_tp):
+    """Inference TP 1 and 2 from each training layout: the same layout copies each rank's own
+    shard (the same bits, nothing sent); another layout gathers the other rank's halves."""
+    ranks = run_on_ranks(refit_on_rank, 2, train_tp)
+    for infer_tp in (1, 2):
+        got = [r[infer_tp] for r in ranks]
+        for g in got:
+            torch.testing.assert_close(g["copy"], g["trained"], rtol=0, atol=2e-5)
+            assert g["written"] > 0
+        assert [g["replica"] for g in got] == [(i // infer_tp, 2 // infer_tp) for i in range(2)]
+        if train_tp == infer_tp:
+            assert all(g["bitwise_same"] and g["received"] == 0 for g in got)
+        elif train_tp == 2:  # every split tensor's other half came from the other rank
+            assert all(0 < g["received"] < g["written"] for g in got)
+        else:  # TP=1 -> 2: each rank cuts its shard out of its own whole weights
+            assert all(g["received"] == 0 and not g["bitwise_same"] for g in got)
