@@ -374,6 +374,7 @@ def pipeline_config(cfg: RunConfig, dp_size: int, tokenizer: Tokenizer) -> Pipel
         rollout=rollout_config(cfg),
         engine=scheduler_config(cfg, dp_size, tokenizer),
         inference_tp=inference_tp,
+        verify_refit=cfg.parallelism.rl_verify_model_weights_swap,
         server=inference_server_config(cfg),
         failure_budget=failure_budget(cfg),
         stop_cancels_window=not cfg.checkpointing.save,

@@ -22,6 +22,11 @@ class PeerFailed(SystemExit):
         self.message = message
 
 
+class RefitMismatch(RuntimeError):
+    """``--rl-verify-model-weights-swap`` found an inference copy that differs from the trained
+    weights after a refit; the message names the parameters and the policy version."""
+
+
 class NonFiniteUpdate(RuntimeError):
     """An update was not applied because a loss or the gradient norm is NaN or infinite; the
     message names the ranks and micro-batches (the training loop adds the step)."""

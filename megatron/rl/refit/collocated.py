@@ -16,7 +16,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron.rl.refit.tensor_parallel import shard, shard_specs, whole
+from megatron.rl.refit.tensor_parallel import (
+    global_indices,
+    position_checksum,
+    shard,
+    shard_specs,
+    whole,
+)
 
 
 @dataclass(frozen=True)
@@ -29,20 +35,22 @@ class RefitStats:
     """Bytes this rank received from the other ranks of its training TP group."""
     bytes_written: int
     """Bytes written into the inference copy."""
+    unchanged_bf16: float
+    """The share of the copy's elements whose bfloat16 value the refit left unchanged (what a
+    delta refit of bfloat16 weights would not need to send)."""
 
 
 class CollocatedRefit:
-    """The copy of ``source`` (this rank's training shard) into ``target`` (this rank's inference
-    copy: rank ``target_rank`` of ``target_size`` tensor-parallel ranks); collective over
-    ``source_group``, the training TP group."""
+    """The copy of ``source`` (this rank's training shard, of the TP group ``source_group``) into
+    ``target`` (this rank's shard of the inference copy, of the TP group ``target_group``; None:
+    one rank); collective over ``source_group``."""
 
     def __init__(
         self,
         source: torch.nn.Module,
         target: torch.nn.Module,
         source_group: dist.ProcessGroup | None,
-        target_rank: int,
-        target_size: int,
+        target_group: dist.ProcessGroup | None,
         gated_linear_unit: bool,
     ) -> None:
         self.source, self.target = source, target
@@ -51,17 +59,15 @@ class CollocatedRefit:
         if set(self.targets) != set(self.specs):
             odd = sorted(set(self.targets) ^ set(self.specs))
             raise ValueError(f"the inference copy's parameters differ from the model's: {odd}")
-        self.group = source_group
-        distributed = source_group is not None and dist.is_initialized()
-        self.size = dist.get_world_size(source_group) if distributed else 1
-        self.rank = dist.get_rank(source_group) if distributed else 0
-        self.target_rank, self.target_size = target_rank, target_size
-        self.same_layout = (target_rank, target_size) == (self.rank, self.size)
+        self.group, self.target_group = source_group, target_group
+        self.rank, self.size = _place(source_group)
+        self.target_rank, self.target_size = _place(target_group)
+        self.same_layout = (self.target_rank, self.target_size) == (self.rank, self.size)
 
     @torch.no_grad()
     def __call__(self) -> RefitStats:
         """Copy every parameter; what it took."""
-        start, received, written = time.perf_counter(), 0, 0
+        start, received, written, unchanged, elements = time.perf_counter(), 0, 0, 0, 0
         for name, param in self.source.named_parameters():
             spec, dest, local = self.specs[name], self.targets[name], param.detach()
             if spec.dim is None or self.same_layout:
@@ -78,6 +84,46 @@ class CollocatedRefit:
                     f"{name}: the inference copy's shard has shape {list(dest.shape)}, the "
                     f"trained weights give {list(value.shape)}"
                 )
+            same = value.to(torch.bfloat16) == dest.to(torch.bfloat16)
+            unchanged, elements = unchanged + int(same.sum()), elements + dest.numel()
             dest.copy_(value)
             written += dest.numel() * dest.element_size()
-        return RefitStats(time.perf_counter() - start, received, written)
+        seconds = time.perf_counter() - start
+        return RefitStats(seconds, received, written, unchanged / max(1, elements))
+
+    @torch.no_grad()
+    def mismatches(self) -> list[str]:
+        """The parameters whose inference copy differs from the trained weights (collective over
+        the world: every rank gets the same list; ``--rl-verify-model-weights-swap``).
+
+        Each side sums its shards' ``position_checksum`` over its own TP group (the training TP
+        group, the inference copy's), so the two sums are of the same whole tensor when the
+        refit is right, whatever the layouts; a value in the wrong place or a missing shard
+        changes them."""
+        found = []
+        for name, param in self.source.named_parameters():
+            spec, dest = self.specs[name], self.targets[name]
+            theirs = self._checksum(param, spec, self.rank, self.size, self.group)
+            ours = self._checksum(dest, spec, self.target_rank, self.target_size, self.target_group)
+            found.append(int(theirs != ours))
+        flags = torch.tensor(found, dtype=torch.int64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        names = [n for n, _ in self.source.named_parameters()]
+        return [n for n, bad in zip(names, flags.tolist()) if bad]
+
+    @staticmethod
+    def _checksum(tensor, spec, rank, size, group) -> torch.Tensor:
+        """The whole tensor's checksum from this rank's shard (summed over ``group``)."""
+        index = global_indices(spec, tensor.shape, rank, size if spec.dim is not None else 1)
+        total = position_checksum(tensor, index)
+        if spec.dim is not None and size > 1:
+            dist.all_reduce(total, group=group)
+        return total
+
+
+def _place(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """(rank, size) of this process in ``group`` (None or no world: (0, 1))."""
+    if group is None or not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)

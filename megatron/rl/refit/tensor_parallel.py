@@ -65,3 +65,23 @@ def shard(full: torch.Tensor, spec: ShardSpec, rank: int, size: int) -> torch.Te
         gate, up = full.chunk(2, dim=0)
         return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
     return full.chunk(size, dim=spec.dim)[rank]
+
+
+def global_indices(spec: ShardSpec, shape: torch.Size, rank: int, size: int) -> torch.Tensor:
+    """The TP=1 flat index of every element of rank ``rank``'s shard of shape ``shape`` (of
+    ``size`` ranks): ``shard`` of the whole tensor's ``arange``."""
+    full = list(shape)
+    if spec.dim is not None:
+        full[spec.dim] *= size
+    index = torch.arange(torch.Size(full).numel(), dtype=torch.int64).view(full)
+    return shard(index, spec, rank, size)
+
+
+def position_checksum(shard_: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """An int64 checksum of a shard's bits, each weighted by its TP=1 position (``index``): the
+    sum over a layout's shards is the same for every layout, and it changes when a value moves.
+    Integer sums wrap and do not depend on their order, so they compare exactly."""
+    bits = shard_.detach().contiguous().view(-1)
+    bits = bits.view(torch.int32 if bits.element_size() == 4 else torch.int16).to(torch.int64)
+    weights = index.reshape(-1) * 1_000_003 + 7919
+    return (bits * weights).sum()

@@ -269,7 +269,11 @@ MEGATRON_LM_RL_FLAGS: tuple[MegatronFlag, ...] = (
         "how a refit moves weights: gloo on CPU, nccl on CUDA (nvshmem is not offered)",
     ),
     MegatronFlag(
-        "--rl-verify-model-weights-swap", "refused", None, "no separate inference model", False
+        "--rl-verify-model-weights-swap",
+        "same",
+        "--rl-verify-model-weights-swap",
+        "after every refit, the inference copy checked against the trained weights",
+        False,
     ),
     MegatronFlag(
         "--rl-skip-bos-token",

@@ -59,6 +59,14 @@ class Parallelism(Section):
         parse=str,
         choices=("gloo", "nccl"),
     )
+    rl_verify_model_weights_swap: bool = option(
+        False,
+        "After every refit, check the inference copy against the trained weights: each side "
+        "sums a position-weighted checksum of its shards over its own TP group, per tensor, and "
+        "a difference stops the run naming the tensors (costs a pass over the weights). Has no "
+        "effect without --rl-inference-tensor-model-parallel-size.",
+        switch=True,
+    )
     distributed_timeout_minutes: int | None = option(
         None,
         "Timeout of one collective operation (torch.distributed's; a rank waiting longer fails "

@@ -7,6 +7,7 @@ import torch
 
 from megatron.rl.refit.collocated import CollocatedRefit
 from megatron.rl.refit.layout import InferenceLayout, inference_layout
+from megatron.trainer.errors import RefitMismatch
 from megatron.trainer.parallel import ParallelContext
 from megatron.trainer.tiers.base import Tier
 
@@ -22,22 +23,39 @@ class InferenceCopy:
         trained: torch.nn.Module,
         vocab_size: int,
         tp_size: int,
+        verify: bool = False,
     ) -> None:
         self.layout: InferenceLayout = inference_layout(tp_size)
         self.model = tier.build_inference_copy(vocab_size, self.layout)
         gated = bool(getattr(trained.config, "gated_linear_unit", False))
-        self.refit = CollocatedRefit(
-            trained, self.model, ctx.tp_group, self.layout.tp_rank, tp_size, gated
-        )
+        self.refit = CollocatedRefit(trained, self.model, ctx.tp_group, self.layout.tp_group, gated)
+        self.verify = verify
+        """``--rl-verify-model-weights-swap``: check every refit."""
         self.refit()  # the weights the run starts (or resumes) with
+        self._check(version=None)
 
-    def refit_metrics(self) -> dict[str, float]:
-        """Refit the copy from the trained weights; the step record's ``refit/*`` metrics (this
-        rank's: the seconds, the bytes received from the other training TP ranks and the bytes
-        written into the copy)."""
+    def _check(self, version: int | None) -> None:
+        """Raise ``RefitMismatch`` (on every rank) if ``verify`` and the copy differs."""
+        if not self.verify:
+            return
+        names = self.refit.mismatches()
+        if names:
+            when = "at the start" if version is None else f"for policy version {version}"
+            raise RefitMismatch(
+                f"--rl-verify-model-weights-swap: after the refit {when}, the inference copy "
+                f"differs from the trained weights in {', '.join(names)}"
+            )
+
+    def refit_metrics(self, version: int) -> dict[str, float]:
+        """Refit the copy from the trained weights of policy ``version`` (checked with
+        ``verify``); the step record's ``refit/*`` metrics, this rank's: the seconds, the bytes
+        received from the other training TP ranks, the bytes written into the copy, and the
+        share of its elements whose bfloat16 value did not change."""
         stats = self.refit()
+        self._check(version)
         return {
             "refit/seconds": stats.seconds,
             "refit/bytes_received": float(stats.bytes_received),
             "refit/bytes_written": float(stats.bytes_written),
+            "refit/unchanged_bf16_share": stats.unchanged_bf16,
         }

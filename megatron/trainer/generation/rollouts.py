@@ -89,6 +89,9 @@ class PipelineConfig:
     inference_tp: int | None = None
     """``--rl-inference-tensor-model-parallel-size``: generate on an inference copy at this TP
     degree, refit after every optimizer step (None: on the trained model itself)."""
+    verify_refit: bool = False
+    """``--rl-verify-model-weights-swap``: check the copy against the trained weights after every
+    refit."""
 
 
 @dataclass(frozen=True)
@@ -144,7 +147,8 @@ class RolloutSource:
         self.copy = None
         """The inference copy of a collocated refit (None: generation on ``model`` itself)."""
         if config.inference_tp is not None:
-            self.copy = InferenceCopy(ctx, tier, model, tokenizer.vocab_size, config.inference_tp)
+            vocab, tp, verify = tokenizer.vocab_size, config.inference_tp, config.verify_refit
+            self.copy = InferenceCopy(ctx, tier, model, vocab, tp, verify)
             model = self.copy.model
         layout = None if self.copy is None else self.copy.layout
         self.host = GenerationHost(
@@ -247,7 +251,7 @@ class RolloutSource:
         inference copy is refit from the new weights here, before the next window (collective);
         its ``refit/*`` metrics, empty without a copy."""
         self.policy_version = version
-        return {} if self.copy is None else self.copy.refit_metrics()
+        return {} if self.copy is None else self.copy.refit_metrics(version)
 
     def _restore_kv(self, state: PipelineState | None, saved: dict | None) -> PipelineState | None:
         """Put each rank's saved KV slots back (collective); where the saved layout does not fit,

@@ -52,9 +52,15 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     from megatron.rl.agent.api import RewardSourceError
     from megatron.rl.agent.remote import RemoteEnvironmentError
     from megatron.rl.rollout.faults import EnvironmentFailures
-    from megatron.trainer.errors import NonFiniteUpdate
+    from megatron.trainer.errors import NonFiniteUpdate, RefitMismatch
 
-    return (EnvironmentFailures, RemoteEnvironmentError, RewardSourceError, NonFiniteUpdate)
+    return (
+        EnvironmentFailures,
+        RemoteEnvironmentError,
+        RewardSourceError,
+        NonFiniteUpdate,
+        RefitMismatch,
+    )
 
 
 def quiet_errors() -> tuple[type[BaseException], ...]:

@@ -52,15 +52,27 @@ def refit_on_rank(rank: int, world: int, train_tp: int) -> dict[int, dict]:
         layout = inference_layout(infer_tp)
         spec_ = dataclasses.replace(spec, tensor_parallel=infer_tp)
         copy = build_model(spec_, VOCAB, torch.device("cpu"), False, layout.pg_collection)
-        stats = CollocatedRefit(trained, copy, train_group, layout.tp_rank, infer_tp, True)()
+        refit = CollocatedRefit(trained, copy, train_group, layout.tp_group, True)
+        stats = refit()
+        verified = refit.mismatches()
         same = all(torch.equal(a, b) for a, b in zip(trained.parameters(), copy.parameters()))
+        copy_logits = logits_of(copy, layout.tp_group)
+        trained_logits = logits_of(trained, train_group)
+        again = refit().unchanged_bf16  # nothing trained since: every element unchanged
+        fc1 = dict(copy.named_parameters())["decoder.layers.1.mlp.linear_fc1.weight"]
+        with torch.no_grad():  # the gate and up halves of one rank's shard swapped
+            fc1.copy_(torch.cat(fc1.chunk(2)[::-1]))
+        swapped = refit.mismatches()
         out[infer_tp] = dict(
-            trained=logits_of(trained, train_group),
-            copy=logits_of(copy, layout.tp_group),
+            trained=trained_logits,
+            copy=copy_logits,
             received=stats.bytes_received,
             written=stats.bytes_written,
             bitwise_same=same,
             replica=(layout.dp_rank, layout.dp_size),
+            verified=verified,
+            swapped=swapped,
+            again=again,
         )
     return out
 
@@ -76,6 +88,9 @@ def test_the_inference_copy_computes_the_trained_models_logits(train_tp):
             torch.testing.assert_close(g["copy"], g["trained"], rtol=0, atol=2e-5)
             assert g["written"] > 0
         assert [g["replica"] for g in got] == [(i // infer_tp, 2 // infer_tp) for i in range(2)]
+        # --rl-verify-model-weights-swap: silent after a right refit, names a moved value
+        assert all(g["verified"] == [] and g["again"] == 1.0 for g in got)
+        assert all(g["swapped"] == ["decoder.layers.1.mlp.linear_fc1.weight"] for g in got)
         if train_tp == infer_tp:
             assert all(g["bitwise_same"] and g["received"] == 0 for g in got)
         elif train_tp == 2:  # every split tensor's other half came from the other rank
