@@ -49,6 +49,42 @@ from megatron.trainer.train.step import StepConfig  # noqa: E402
 
 PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.4, "H200": 989.4, "A100": 312.0}
 """Dense bf16 tensor-core peak per device name fragment (first match wins; SXM for H100)."""
+PEAK_MEMORY_TBPS = {"H100 PCIe": 2.0, "H100": 3.35, "H200": 4.8, "A100": 2.0}
+"""HBM bandwidth in TB/s per device name fragment (first match wins; SXM for H100)."""
+SHAPES = {
+    "llama-3.2-1b": dict(
+        num_layers=16,
+        hidden_size=2048,
+        num_attention_heads=32,
+        num_query_groups=8,
+        ffn_hidden_size=8192,
+        vocab_size=128256,
+        untie=False,
+        qkv_bias=False,
+    ),
+    "qwen2.5-1.5b": dict(
+        num_layers=28,
+        hidden_size=1536,
+        num_attention_heads=12,
+        num_query_groups=2,
+        ffn_hidden_size=8960,
+        vocab_size=151936,
+        untie=False,
+        qkv_bias=True,
+    ),
+    "tiny": dict(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=192,
+        vocab_size=512,
+        untie=False,
+        qkv_bias=False,
+    ),
+}
+"""``--shape``: Llama-style models (SwiGLU, RMSNorm, RoPE, grouped-query attention) of real
+shapes, randomly initialized (nothing to download); ``tiny`` is the CPU dry run's."""
 
 
 def training_flops_per_token(
@@ -59,10 +95,13 @@ def training_flops_per_token(
     kv_heads: int,
     seq_len: int,
     vocab: int,
+    gated: bool = False,
 ) -> float:
-    """Model FLOPs of one trained token: 3 x (2 x matmul weights + causal attention)."""
+    """Model FLOPs of one trained token: 3 x (2 x matmul weights + causal attention); a gated
+    (SwiGLU) MLP has three ``hidden x ffn`` matrices instead of two."""
     kv_dim = hidden * kv_heads // heads
-    per_layer = hidden * (hidden + 2 * kv_dim) + hidden * hidden + 2 * hidden * ffn
+    mlp = (3 if gated else 2) * hidden * ffn
+    per_layer = hidden * (hidden + 2 * kv_dim) + hidden * hidden + mlp
     matmul_weights = num_layers * per_layer + hidden * vocab  # + the output layer
     attention = num_layers * 2 * hidden * seq_len  # QK^T and AV over seq_len / 2 keys on average
     return 3.0 * (2.0 * matmul_weights + attention)
@@ -76,17 +115,68 @@ def peak_tflops_for(device_name: str) -> float | None:
     return None
 
 
+def peak_tbps_for(device_name: str) -> float | None:
+    """Memory bandwidth (TB/s) of a device, if known."""
+    for fragment, peak in PEAK_MEMORY_TBPS.items():
+        if fragment in device_name:
+            return peak
+    return None
+
+
+def decode_bytes(
+    weight_bytes: int,
+    requests: int,
+    prompt_len: int,
+    new_tokens: int,
+    num_layers: int,
+    kv_heads: int,
+    head_dim: int,
+    kv_bytes: int = 2,
+) -> float:
+    """Bytes the decode steps of one window must read at least: every weight once per step, and
+    each request's keys and values up to its position (step s of ``new_tokens`` attends to
+    ``prompt_len + s`` positions); the prefill is not counted."""
+    per_position = 2 * num_layers * kv_heads * head_dim * kv_bytes  # keys and values
+    positions = requests * (new_tokens * prompt_len + new_tokens * (new_tokens - 1) / 2)
+    return new_tokens * weight_bytes + positions * per_position
+
+
+def device_name() -> str:
+    """The GPU's name, or ``cpu`` (the dry run)."""
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def sync() -> None:
+    """Wait for the GPU (nothing on the CPU dry run)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def trainer_args(opts: argparse.Namespace) -> RunConfig:
     """The run config of the benchmarked model: the resolved defaults with its options (and the
     derived fields) replaced."""
     defaults, problems = check([])
     if defaults is None:
         raise SystemExit("\n".join(problems))
+    llama = {}
+    if opts.shape is not None:  # SwiGLU, RMSNorm, RoPE, grouped-query attention, no biases
+        shape = SHAPES[opts.shape]
+        llama = dict(
+            swiglu=True,
+            normalization="RMSNorm",
+            position_embedding_type="rope",
+            group_query_attention=True,
+            num_query_groups=shape["num_query_groups"],
+            disable_bias_linear=True,
+            add_qkv_bias=shape["qkv_bias"],
+            untie_embeddings_and_output_weights=shape["untie"],
+        )
     return defaults.with_flags(
+        **llama,
         num_layers=opts.num_layers,
         hidden_size=opts.hidden_size,
         num_attention_heads=opts.num_attention_heads,
-        ffn_hidden_size=4 * opts.hidden_size,
+        ffn_hidden_size=opts.ffn_hidden_size,
         seq_length=opts.seq_length,
         max_position_embeddings=opts.seq_length,
         micro_batch_size=opts.micro_batch_size,
@@ -126,10 +216,10 @@ def bench_training(tier, state: TrainState, opts, vocab: int) -> dict:
     policy, loss = tier.build_policy(state, PolicyConfig.of(config)), GRPOLoss(config)
     times = []
     for step in range(opts.warmup_steps + opts.train_steps):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         (result,) = policy.train(batch, loss)
-        torch.cuda.synchronize()
+        sync()
         if step >= opts.warmup_steps:
             times.append(time.perf_counter() - t0)
     seconds = statistics.median(times)
@@ -137,13 +227,14 @@ def bench_training(tier, state: TrainState, opts, vocab: int) -> dict:
     flops = training_flops_per_token(
         opts.num_layers,
         opts.hidden_size,
-        4 * opts.hidden_size,
+        opts.ffn_hidden_size,
         opts.num_attention_heads,
-        opts.num_attention_heads,
+        opts.kv_heads,
         opts.seq_length,
         vocab,
+        gated=opts.shape is not None,
     )
-    peak = opts.peak_tflops or peak_tflops_for(torch.cuda.get_device_name())
+    peak = opts.peak_tflops or peak_tflops_for(device_name())
     return {
         "train_step_seconds": seconds,
         "train_tokens_per_s": tokens_per_s,
@@ -161,7 +252,7 @@ async def _generate(engine, prompts: list[list[int]], new_tokens: int) -> float:
     outs = await asyncio.gather(
         *(engine.generate(p, sampling, seed=i) for i, p in enumerate(prompts))
     )
-    torch.cuda.synchronize()
+    sync()
     elapsed = time.perf_counter() - t0
     engine.suspend()
     engine.steps.stop_followers()  # end the window (megatron-core releases its KV memory)
@@ -193,17 +284,35 @@ def bench_generation(tier, model, opts, vocab: int) -> dict:
 
     _, seconds = asyncio.run(run())
     tokens = opts.gen_requests * opts.gen_tokens
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    needed = decode_bytes(
+        weight_bytes,
+        opts.gen_requests,
+        opts.prompt_len,
+        opts.gen_tokens,
+        opts.num_layers,
+        opts.kv_heads,
+        opts.hidden_size // opts.num_attention_heads,
+        kv_bytes=4 if opts.fp32 else 2,
+    )
+    peak = opts.peak_tbps or peak_tbps_for(device_name())
+    bandwidth = needed / seconds / 1e12
     return {
-        "engine": opts.engine,
+        "engine": builder.inference_backend().name,
         "generation_seconds": seconds,
         "generated_tokens": tokens,
         "generated_tokens_per_s": tokens / seconds,
+        "decode_bytes_needed": needed,
+        "decode_tbps": bandwidth,
+        "peak_tbps": peak,
+        "decode_bandwidth_utilisation": None if peak is None else bandwidth / peak,
     }
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     """Benchmark options."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    p.add_argument("--shape", choices=sorted(SHAPES), default=None, help="A real model's shape.")
     p.add_argument("--num-layers", type=int, default=12)
     p.add_argument("--hidden-size", type=int, default=768)
     p.add_argument("--num-attention-heads", type=int, default=12)
@@ -220,9 +329,21 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--distributed-optimizer", action="store_true")
     p.add_argument("--engine", choices=["dynamic", "local"], default="dynamic")
     p.add_argument("--peak-tflops", type=float, default=None, help="GPU peak for the MFU.")
+    p.add_argument("--peak-tbps", type=float, default=None, help="GPU memory bandwidth, TB/s.")
+    p.add_argument(
+        "--cpu-dry-run",
+        action="store_true",
+        help="Run on the CPU tier (no GPU): checks the script, its numbers mean nothing.",
+    )
     p.add_argument("--skip-training", action="store_true")
     p.add_argument("--skip-generation", action="store_true")
     opts = p.parse_args(argv)
+    opts.ffn_hidden_size, opts.kv_heads = 4 * opts.hidden_size, opts.num_attention_heads
+    if opts.shape is not None:  # the preset wins over the single-dimension options
+        shape = SHAPES[opts.shape]
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size"):
+            setattr(opts, name, shape[name])
+        opts.ffn_hidden_size, opts.kv_heads = shape["ffn_hidden_size"], shape["num_query_groups"]
     if opts.prompt_len + opts.gen_tokens > opts.seq_length:
         p.error("--prompt-len + --gen-tokens must not exceed --seq-length")
     if opts.batch_size % opts.micro_batch_size:
@@ -233,29 +354,31 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark on the current GPU and print the results as JSON."""
     opts = parse(argv)
-    if not torch.cuda.is_available():
-        print("bench_cuda.py needs a CUDA device", file=sys.stderr)
+    if not torch.cuda.is_available() and not opts.cpu_dry_run:
+        print("bench_cuda.py needs a CUDA device (or --cpu-dry-run)", file=sys.stderr)
         return 2
     from megatron.core.utils import unwrap_model
 
     from megatron.trainer.runtime.initialize import initialize_distributed, shutdown_distributed
+    from megatron.trainer.tiers import CPUTier
     from megatron.trainer.tiers.cuda import CUDATier
 
     cfg = trainer_args(opts)
     ctx = initialize_distributed(cfg)
     try:
-        tier = CUDATier(tier_config(cfg), ctx)
+        tier = (CPUTier if opts.cpu_dry_run else CUDATier)(tier_config(cfg), ctx)
         model = tier.build_model(opts.vocab_size)
         state = TrainState(model, *tier.build_optimizer(model))
         params = sum(p.numel() for p in unwrap_model(model).parameters())
-        out = {"device": torch.cuda.get_device_name(), "parameters": params}
+        out = {"device": device_name(), "parameters": params, "shape": opts.shape}
         out["precision"] = "fp32" if opts.fp32 else "bf16"
         if not opts.skip_training:
             out.update(bench_training(tier, state, opts, opts.vocab_size))
         if not opts.skip_generation:
             out.update(bench_generation(tier, model, opts, opts.vocab_size))
         out["tier"] = tier.describe()
-        out["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 1024**3
+        if torch.cuda.is_available():
+            out["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 1024**3
         print(json.dumps(out, indent=1))
     finally:
         shutdown_distributed()

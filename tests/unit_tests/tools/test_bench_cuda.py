@@ -25,6 +25,19 @@ def test_flops_per_token_of_a_125m_gpt_is_about_six_times_its_weights():
     assert 0.7e9 < flops < 0.85e9
 
 
+def test_a_gated_mlp_has_three_matrices():
+    plain = bench_cuda.training_flops_per_token(1, 10, 20, 1, 1, 0, 0)
+    gated = bench_cuda.training_flops_per_token(1, 10, 20, 1, 1, 0, 0, gated=True)
+    assert gated - plain == 3 * 2 * 10 * 20  # one more 10 x 20 matrix, 2 FLOPs a weight, x3
+
+
+def test_decode_reads_every_weight_per_step_and_each_requests_cache_so_far():
+    # 2 steps, 3 requests with 4-token prompts: 3 x (4 + 5) positions, each 2 x 1 layer x 2 kv
+    # heads x 8 channels x 2 bytes = 64 bytes; plus the 1000 weight bytes twice
+    needed = bench_cuda.decode_bytes(1000, 3, 4, 2, 1, 2, 8, kv_bytes=2)
+    assert needed == 2 * 1000 + 3 * (4 + 5) * 64
+
+
 def test_grouped_query_attention_shrinks_the_kv_projection():
     mha = bench_cuda.training_flops_per_token(2, 64, 256, 4, 4, 32, 100)
     gqa = bench_cuda.training_flops_per_token(2, 64, 256, 4, 1, 32, 100)
