@@ -24,6 +24,10 @@ from megatron.rl.refit.tensor_parallel import (
     whole,
 )
 
+UNCHANGED_STRIDE = 61
+"""``RefitStats.unchanged_bf16`` reads every 61st element (a prime, so no tensor's rows or heads
+line up with it): 2.2M of SmolLM2's 135M, a standard error near 1e-4, at 1/61 of the cost."""
+
 
 @dataclass(frozen=True)
 class RefitStats:
@@ -37,7 +41,8 @@ class RefitStats:
     """Bytes written into the inference copy."""
     unchanged_bf16: float
     """The share of the copy's elements whose bfloat16 value the refit left unchanged (what a
-    delta refit of bfloat16 weights would not need to send)."""
+    delta refit of bfloat16 weights would not need to send), estimated on every
+    ``UNCHANGED_STRIDE``-th element of each tensor."""
 
 
 class CollocatedRefit:
@@ -84,8 +89,9 @@ class CollocatedRefit:
                     f"{name}: the inference copy's shard has shape {list(dest.shape)}, the "
                     f"trained weights give {list(value.shape)}"
                 )
-            same = value.to(torch.bfloat16) == dest.to(torch.bfloat16)
-            unchanged, elements = unchanged + int(same.sum()), elements + dest.numel()
+            new, old = value.reshape(-1)[::UNCHANGED_STRIDE], dest.reshape(-1)[::UNCHANGED_STRIDE]
+            unchanged += int((new.to(torch.bfloat16) == old.to(torch.bfloat16)).sum())
+            elements += new.numel()
             dest.copy_(value)
             written += dest.numel() * dest.element_size()
         seconds = time.perf_counter() - start
