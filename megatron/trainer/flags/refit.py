@@ -16,6 +16,11 @@ def refit_problems(run: RunConfig, cuda: bool) -> list[str]:
     """What a collocated refit cannot do with the rest of the run, each naming its flags."""
     p = run.parallelism
     errors = []
+    if p.refit_mode == "non-collocated":
+        errors.append(
+            "--refit-mode non-collocated (inference on ranks of its own) is not implemented: "
+            "use --refit-mode collocated, where every rank keeps its shard of the inference copy"
+        )
     if p.refit_method == "nccl" and not cuda:
         errors.append("--refit-method nccl needs CUDA: the CPU tier's ranks talk over gloo")
     t = p.rl_inference_tensor_model_parallel_size

@@ -51,6 +51,13 @@ class Parallelism(Section):
         minimum=1,
         resume=True,
     )
+    refit_mode: str = option(
+        "collocated",
+        "Where the inference copy of --rl-inference-tensor-model-parallel-size lives: collocated "
+        "(on the training ranks, refit after every optimizer step). Megatron-LM's "
+        "non-collocated (separate inference ranks) is not implemented yet and is refused.",
+        choices=("collocated", "non-collocated"),
+    )
     refit_method: str | None = option(
         None,
         "How a refit moves the weights between ranks: gloo (the CPU tier's process groups) or "

@@ -21,7 +21,8 @@ def test_without_the_flag_generation_runs_on_the_trained_model():
 
 
 def test_two_tp1_replicas_of_a_tp2_run_split_the_engine_slots():
-    args, errors = check(TP2 + [FLAG, "1", "--inference-max-requests", "8"], 2, False)
+    argv = TP2 + [FLAG, "1", "--inference-max-requests", "8", "--refit-mode", "collocated"]
+    args, errors = check(argv, 2, False)
     assert errors == []
     config = pipeline_config(args, 1, CharTokenizer())
     assert config.inference_tp == 1 and config.engine.max_requests == 4  # 8 slots, 2 replicas
@@ -68,6 +69,13 @@ def test_two_tp1_replicas_of_a_tp2_run_split_the_engine_slots():
             ["--refit-method", "nccl"], 1, False, "--refit-method nccl needs CUDA", id="nccl-on-cpu"
         ),
         pytest.param([FLAG, "0"], 1, False, f"{FLAG} must be >= 1, got 0", id="zero"),
+        pytest.param(
+            ["--refit-mode", "non-collocated"],
+            2,
+            False,
+            "--refit-mode non-collocated (inference on ranks of its own) is not implemented",
+            id="non-collocated",
+        ),
     ],
 )
 def test_refusals_name_the_flags(argv, world, cuda, message):
