@@ -61,7 +61,10 @@ def fetch_and_write(rank: int, world_size: int) -> dict:
     return result
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize(
+    "world_size",
+    [2, pytest.param(4, marks=pytest.mark.slow, id="4")],  # 4 spawned ranks: 30 s on 2 cores
+)
 def test_each_rank_fetches_exactly_its_rows_and_writes_back_fields(world_size):
     results = run_on_ranks(fetch_and_write, world_size)
     everything = sample_fields(range(ROWS))
