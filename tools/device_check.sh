@@ -18,13 +18,14 @@
 #      L=2 (120 together)
 #   (TRL's GRPOTrainer side by side is not run: transformers and trl exceed the carried 64 MiB.)
 set -uo pipefail
-out=${1:?usage: tools/device_check.sh OUT_DIR [--dry-run]}
+out=$(realpath -m "${1:?usage: tools/device_check.sh OUT_DIR [--dry-run]}")
 dry=${2:-}
 cd "$(dirname "$0")/.."
+py=${PYTHON:-python3}  # the test of the dry run passes its own interpreter
 mkdir -p "$out"
 : > "$out/parts.jsonl"
 if compgen -G ".whl/*.whl" > /dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
@@ -61,14 +62,14 @@ else
 fi
 
 mapfile -t gpu_files < <(grep -rlE "mark\.gpu" tests/ --include='*.py' | sort)
-part a_gpu_tests 90 python3 -m pytest -m gpu -q -p no:cacheprovider "${tests[@]}" "${gpu_files[@]}"
-part b_engine_batch${batches[0]} 150 python3 tools/bench_cuda.py "${shape[@]}" "${gen[@]}" \
+part a_gpu_tests 90 "$py" -m pytest -m gpu -q -p no:cacheprovider "${tests[@]}" "${gpu_files[@]}"
+part b_engine_batch${batches[0]} 150 "$py" tools/bench_cuda.py "${shape[@]}" "${gen[@]}" \
     "${train[@]}" --gen-requests "${batches[0]}"
-part b_engine_batch${batches[1]} 60 python3 tools/bench_cuda.py "${shape[@]}" "${gen[@]}" \
+part b_engine_batch${batches[1]} 60 "$py" tools/bench_cuda.py "${shape[@]}" "${gen[@]}" \
     --skip-training --gen-requests "${batches[1]}"
-part b_local_engine_batch${batches[0]} 60 python3 tools/bench_cuda.py "${shape[@]}" "${gen[@]}" \
+part b_local_engine_batch${batches[0]} 60 "$py" tools/bench_cuda.py "${shape[@]}" "${gen[@]}" \
     --skip-training --engine local --gen-requests "${batches[0]}"
-grpo=(python3 -m megatron.trainer.launch --nproc-per-node 1 pretrain_grpo.py "${model[@]}"
+grpo=("$py" -m megatron.trainer.launch --nproc-per-node 1 pretrain_grpo.py "${model[@]}"
       --swiglu --normalization RMSNorm --position-embedding-type rope --group-query-attention
       --disable-bias-linear --seq-length "$seq" --max-position-embeddings "$seq"
       --rl-ignore-eos --rl-default-max-tokens "$tokens" --grpo-prompts-per-step "$prompts"
@@ -78,4 +79,4 @@ for lag in 0 2; do  # whole steps of the 1B shape, every rollout exactly $tokens
         --inference-max-requests $(( 8 * prompts * (lag + 1) )) \
         --metrics-file "$out/c_grpo_lag$lag.jsonl"
 done
-python3 tools/device_report.py "$out" ${dry:+--dry-run}
+"$py" tools/device_report.py "$out" ${dry:+--dry-run}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 from golden_values import ROOT, subprocess_env
@@ -24,7 +25,7 @@ def test_the_dry_run_runs_every_part_and_writes_the_report(tmp_path: Path):
     proc = subprocess.run(
         ["bash", "tools/device_check.sh", str(out), "--dry-run"],
         cwd=ROOT,
-        env=subprocess_env(),
+        env={**subprocess_env(), "PYTHON": sys.executable},
         capture_output=True,
         text=True,
         timeout=600,

@@ -148,14 +148,9 @@ class CPUTier(Tier):
         cache) under a ``StepGroup``, on the training layout or on ``layout``'s replicas."""
         compute = torch.bfloat16 if self.config.model.bf16 else None  # as training
         ctx = self.ctx
-        tp_group, tp_size = (
-            (ctx.tp_group, ctx.tp_size)
-            if layout is None
-            else (
-                layout.tp_group,
-                layout.tp_size,
-            )
-        )
+        tp_group, tp_size = ctx.tp_group, ctx.tp_size
+        if layout is not None:  # the replicas of an inference copy
+            tp_group, tp_size = layout.tp_group, layout.tp_size
         inputs = RunnerInputs(model, config, vocab_size, ctx.device, tp_group, tp_size, compute)
         return self.backend_step_group(inputs, layout)
 
