@@ -115,13 +115,12 @@ class CollocatedRefit:
         flags = torch.tensor(found, dtype=torch.int64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        names = [n for n, _ in self.source.named_parameters()]
-        return [n for n, bad in zip(names, flags.tolist()) if bad]
+        return [n for n, bad in zip(self.specs, flags.tolist()) if bad]  # specs: in that order
 
     @staticmethod
     def _checksum(tensor, spec, rank, size, group) -> torch.Tensor:
         """The whole tensor's checksum from this rank's shard (summed over ``group``)."""
-        index = global_indices(spec, tensor.shape, rank, size if spec.dim is not None else 1)
+        index = global_indices(spec, tensor.shape, rank, size)  # a whole tensor: its own arange
         total = position_checksum(tensor, index)
         if spec.dim is not None and size > 1:
             dist.all_reduce(total, group=group)
