@@ -368,6 +368,8 @@ def pipeline_config(cfg: RunConfig, dp_size: int, tokenizer: Tokenizer) -> Pipel
     layout, ``dp_size`` replicas, or of the inference copy's), inference server, failure budget;
     a stop cancels the window in progress unless ``--save`` saves a checkpoint first."""
     inference_tp = cfg.parallelism.rl_inference_tensor_model_parallel_size
+    if cfg.inference_ranks:  # the inference ranks' own run (inference_run_config): no copy
+        inference_tp = None
     if inference_tp is not None:  # the engine's replicas are the inference copy's
         dp_size = cfg.world_size // inference_tp
     return PipelineConfig(

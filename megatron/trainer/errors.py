@@ -30,3 +30,8 @@ class RefitMismatch(RuntimeError):
 class NonFiniteUpdate(RuntimeError):
     """An update was not applied because a loss or the gradient norm is NaN or infinite; the
     message names the ranks and micro-batches (the training loop adds the step)."""
+
+
+class InferenceRanksFailed(RuntimeError):
+    """``--refit-mode non-collocated``: the inference ranks failed (their error, forwarded to
+    training rank 0) or ended; the message names them."""

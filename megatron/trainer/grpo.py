@@ -45,6 +45,7 @@ from megatron.trainer.flags import run_file
 from megatron.trainer.flags.rollouts import env_config_problems
 from megatron.trainer.flags.run import RunConfig
 from megatron.trainer.generation.evaluator import Evaluator, eval_agents, hold_out_validation
+from megatron.trainer.generation.remote import RemoteRollouts, generate_only
 from megatron.trainer.generation.rollouts import CollectedBatch, PipelineStart, RolloutSource
 from megatron.trainer.metrics import report
 from megatron.trainer.metrics.record import ConstantRewardWarning, MetricsWriter, step_metrics
@@ -181,6 +182,8 @@ def train(cfg: RunConfig, missing_kernels: set[str] = frozenset()) -> None:
     started = time.monotonic()
     agent = load_agent(cfg)
     ctx = initialize_distributed(cfg)
+    if ctx.generates_only:  # --refit-mode non-collocated: an inference rank
+        return generate_only(cfg, ctx, agent)
     cfg = dataclasses.replace(cfg, started=main_rank_value(cfg.started))  # one name everywhere
     watchdog = start_watchdog(cfg, ctx)
     writer = evaluator = run = None
@@ -198,7 +201,7 @@ def train(cfg: RunConfig, missing_kernels: set[str] = frozenset()) -> None:
             at_start = {k.replace("eval/", "eval_at_start/", 1): v for k, v in at_start.items()}
         pipeline = watchdog.phase("the rollout pipeline's start or shutdown")
         with pipeline, rollout_source(run, agent) as rollouts:  # the steps are phases of their own
-            watchdog.watch_loop(rollouts.host.loop)
+            watchdog.watch_loop(rollouts.host and rollouts.host.loop)
             stop_on_signals(rollouts)
             train_steps(run, rollouts, evaluator, writer, at_start, watchdog)
         with watchdog.phase("the end of the run (--save-hf, --save-lora, summary)"):
@@ -271,7 +274,8 @@ def save_outputs(run: Run) -> None:
 def print_summary(run: Run, writer: MetricsWriter, seconds: float) -> None:
     """The curves' plot and the run's summary (rank 0)."""
     cfg = run.cfg
-    plot = report.write_curves(writer.records, plot_file(cfg)) if plot_file(cfg) else None
+    path = report.plot_file(cfg)
+    plot = report.write_curves(writer.records, path) if path else None
     print(report.summary(writer.records, cfg.rollouts.forced_lag, seconds, cfg, plot), flush=True)
 
 
@@ -299,20 +303,10 @@ def print_header(run: Run, agent: Agent, missing_kernels: set[str]) -> None:
             agent,
             run.tier.describe(),
             missing_kernels,
-            plot_file(run.cfg),
+            report.plot_file(run.cfg),
             trainable,
         )
         print(text, flush=True)
-
-
-def plot_file(cfg: RunConfig) -> Path | None:
-    """Where the reward/loss curves go: ``--plot-file``, else next to ``--metrics-file``, else
-    ``runs/curves-<start time>.png``; None for ``--plot-file none``."""
-    if cfg.logging.plot_file is not None:
-        return None if cfg.logging.plot_file.lower() == "none" else Path(cfg.logging.plot_file)
-    if cfg.logging.metrics_file is not None:
-        return Path(cfg.logging.metrics_file).with_suffix(".png")
-    return Path("runs") / f"curves-{cfg.started}.png"
 
 
 def build_evaluator(run: Run, agent: Agent) -> Evaluator | None:
@@ -333,8 +327,9 @@ def build_evaluator(run: Run, agent: Agent) -> Evaluator | None:
     )
 
 
-def rollout_source(run: Run, agent: Agent) -> RolloutSource:
-    """The training rollout pipeline, continuing ``run.resumed``."""
+def rollout_source(run: Run, agent: Agent) -> RolloutSource | RemoteRollouts:
+    """The training rollout pipeline, continuing ``run.resumed`` (on the inference ranks of
+    ``--refit-mode non-collocated``: ``RemoteRollouts``)."""
     ctx, resumed = run.ctx, run.resumed
     start = PipelineStart(
         first_batch=resumed.iteration // run.k,
@@ -342,6 +337,8 @@ def rollout_source(run: Run, agent: Agent) -> RolloutSource:
         state=resumed.pipeline,
         kv=resumed.inflight_kv,
     )
+    if run.cfg.inference_ranks:
+        return RemoteRollouts(ctx, run.state.model, start, run.cfg.parallelism)
     pipeline = config.pipeline_config(run.cfg, ctx.dp_size, run.tokenizer)
     agent_here = agent if ctx.is_main else None
     return RolloutSource(ctx, run.tier, run.state.model, run.tokenizer, agent_here, pipeline, start)

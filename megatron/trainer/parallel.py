@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -32,10 +34,17 @@ class ParallelContext:
     """Where expert gradients are reduced: DP / EP ranks (None: ``dp_group``)."""
     expert_model_group: dist.ProcessGroup | None = None
     """TP x EP ranks that together hold every expert (None: ``tp_group``)."""
+    generates_only: bool = False
+    """An inference rank of ``--refit-mode non-collocated``: ``rank`` and the groups are of the
+    inference ranks' own world, and the process only generates."""
+    bridge: Any = None
+    """The ``megatron.rl.refit.bridge.Bridge`` to the other side of a non-collocated run, on
+    training rank 0 and every inference rank (None elsewhere)."""
 
     @property
     def is_main(self) -> bool:
-        """Global rank 0: runs the agents, the rollout generator and the logging."""
+        """Rank 0 (of its side, in a non-collocated run): runs the agents and the rollout
+        generator (the inference ranks'), or the logging (the training ranks')."""
         return self.rank == 0
 
     @property

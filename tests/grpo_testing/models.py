@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron.trainer.config import model_build
@@ -38,3 +39,26 @@ def tiny_gpt(tp: int = 1, seed: int = 0, **overrides) -> torch.nn.Module:
         VOCAB,
         torch.device("cpu"),
     )
+
+
+# SwiGLU (gated fc1), grouped-query attention (the QKV interleave), RoPE and RMSNorm
+LLAMA_LIKE = dict(
+    swiglu=True,
+    group_query_attention=True,
+    num_query_groups=2,
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+)
+TOKENS = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+
+
+def logits_of(model: torch.nn.Module, group) -> torch.Tensor:
+    """Full-vocabulary logits of ``TOKENS`` (gathered over ``group``, the model's TP ranks)."""
+    model.eval()
+    with torch.no_grad():
+        local = model(TOKENS, torch.arange(TOKENS.shape[1])[None], None)
+    if group is None or dist.get_world_size(group) == 1:
+        return local
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)

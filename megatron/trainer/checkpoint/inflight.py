@@ -81,7 +81,7 @@ def saved_line(
         kept = "the rollout pipeline drained first"
     else:
         requests = len(pipeline.engine.in_flight) if pipeline and pipeline.engine else 0
-        size = sum(t.numel() * t.element_size() for pair in kv[0].values() for t in pair)
+        size = _tensor_bytes(kv[0])
         kept = (
             f"{requests} requests in flight kept, their KV cache {size / 2**20:.1f} MiB on rank 0"
         )
@@ -89,3 +89,14 @@ def saved_line(
         f"checkpoint: saved iteration {iteration} to {root} in {seconds[1]:.2f} s ({kept}; "
         f"capturing the pipeline took {seconds[0]:.2f} s)"
     )
+
+
+def _tensor_bytes(value: Any) -> int:
+    """The bytes of every tensor in ``value`` (nested dicts, lists and tuples)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0

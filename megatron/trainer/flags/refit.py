@@ -1,9 +1,10 @@
-"""The checks of a collocated refit (``--rl-inference-tensor-model-parallel-size``,
-``--refit-method``, declared with the parallel layout in ``training.py``) against the model, the
-world and the tier."""
+"""The checks of a refit (``--rl-inference-tensor-model-parallel-size``, ``--refit-mode``,
+``--refit-method``, ``--rl-delta-refit``, declared with the parallel layout in ``training.py``)
+against the model, the world and the tier."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -13,25 +14,29 @@ FLAG = "--rl-inference-tensor-model-parallel-size"
 
 
 def refit_problems(run: RunConfig, cuda: bool) -> list[str]:
-    """What a collocated refit cannot do with the rest of the run, each naming its flags."""
+    """What a refit cannot do with the rest of the run, each naming its flags."""
     p = run.parallelism
     errors = []
-    if p.refit_mode == "non-collocated":
-        errors.append(
-            "--refit-mode non-collocated (inference on ranks of its own) is not implemented: "
-            "use --refit-mode collocated, where every rank keeps its shard of the inference copy"
-        )
+    separate = p.refit_mode == "non-collocated"
     if p.refit_method == "nccl" and not cuda:
         errors.append("--refit-method nccl needs CUDA: the CPU tier's ranks talk over gloo")
+    if p.rl_delta_refit and not separate:
+        errors.append(
+            "--rl-delta-refit needs --refit-mode non-collocated (a collocated refit copies "
+            "in place and sends nothing to delta)"
+        )
     t = p.rl_inference_tensor_model_parallel_size
+    if separate and t is None:
+        t = p.tensor_model_parallel_size
     if t is None or t < 1:
         return errors
     if cuda:
+        what = "--refit-mode non-collocated" if separate else FLAG
         return errors + [
-            f"{FLAG} is implemented on the CPU tier only: on CUDA the engine generates on the "
+            f"{what} is implemented on the CPU tier only: on CUDA the engine generates on the "
             "trained model's own layout (drop the flag)"
         ]
-    if run.world_size % t != 0:
+    if not separate and run.world_size % t != 0:
         errors.append(f"world size {run.world_size} must be divisible by {FLAG} ({t})")
     arch = run.architecture_flags
     groups = arch["num_query_groups"] or arch["num_attention_heads"]
@@ -43,7 +48,7 @@ def refit_problems(run: RunConfig, cuda: bool) -> list[str]:
     ):
         if value % t != 0:
             errors.append(f"{what} ({value}) must be divisible by {FLAG} ({t})")
-    replicas = max(1, run.world_size // t)
+    replicas = 1 if separate else max(1, run.world_size // t)
     if run.inference.max_requests % replicas != 0:
         errors.append(
             f"--inference-max-requests ({run.inference.max_requests}) must be divisible by the "
@@ -57,3 +62,18 @@ def refit_problems(run: RunConfig, cuda: bool) -> list[str]:
             "adapters on the trained model itself (drop the flag)"
         )
     return errors
+
+
+def inference_run_config(cfg: "RunConfig") -> "RunConfig":
+    """What the inference ranks of ``--refit-mode non-collocated`` run with: one replica at the
+    inference TP degree, generating on its own model (no copy of its own)."""
+    parallelism = dataclasses.replace(
+        cfg.parallelism,
+        tensor_model_parallel_size=cfg.inference_ranks,
+        pipeline_model_parallel_size=1,
+        expert_model_parallel_size=1,
+        rl_inference_tensor_model_parallel_size=None,
+    )
+    return dataclasses.replace(
+        cfg, parallelism=parallelism, world_size=cfg.inference_ranks, data_parallel_size=1
+    )

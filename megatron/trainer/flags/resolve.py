@@ -62,9 +62,23 @@ def resolve(
     parallelism = parallelism_with_defaults(
         s["parallelism"], s["training"].watchdog_timeout_minutes
     )
+    inference_ranks = 0
+    if parallelism.refit_mode == "non-collocated":  # Megatron-LM's split: training ranks first
+        inference_ranks = (
+            parallelism.rl_inference_tensor_model_parallel_size
+            or parallelism.tensor_model_parallel_size
+        )
+        if world_size <= inference_ranks:
+            errors.append(
+                f"--refit-mode non-collocated: the world of {world_size} ranks leaves none to "
+                f"train beside the {inference_ranks} inference ranks (one replica of "
+                "--rl-inference-tensor-model-parallel-size): launch more processes"
+            )
+            inference_ranks = 0
     run = RunConfig(
         **{**s, "model": model, "lora": lora, "training": training, "parallelism": parallelism},
-        world_size=world_size,
+        world_size=world_size - inference_ranks,
+        inference_ranks=inference_ranks,
         started=time.strftime("%Y%m%d-%H%M%S"),
         hf=hf,
         architecture_flags=MappingProxyType(arch),
@@ -73,7 +87,7 @@ def resolve(
     model_parallel = (
         parallelism.tensor_model_parallel_size * parallelism.pipeline_model_parallel_size
     )
-    run = replace(run, data_parallel_size=max(1, world_size // max(1, model_parallel)))
+    run = replace(run, data_parallel_size=max(1, run.world_size // max(1, model_parallel)))
     errors += _layout_problems(run, cuda) + _batch_problems(run)
     if not _batch_problems(run):
         run = replace(run, iterations_per_collection=_iterations_per_collection(run))

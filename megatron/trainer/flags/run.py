@@ -64,7 +64,10 @@ class RunConfig:
     parallelism: Parallelism = field(default_factory=Parallelism)
 
     world_size: int = 1
-    """Ranks of the job."""
+    """Ranks that train: the job's, less ``inference_ranks``."""
+    inference_ranks: int = 0
+    """Ranks of their own that only generate (``--refit-mode non-collocated``: the job's last
+    ``--rl-inference-tensor-model-parallel-size`` ranks); 0: every rank trains."""
     data_parallel_size: int = 1
     """Model replicas: world size / (TP x PP)."""
     iterations_per_collection: int = 1
@@ -95,6 +98,7 @@ class RunConfig:
         values.update(self.architecture_flags)
         values.update(
             world_size=self.world_size,
+            inference_ranks=self.inference_ranks,
             data_parallel_size=self.data_parallel_size,
             iterations_per_collection=self.iterations_per_collection,
             run_started=self.started,

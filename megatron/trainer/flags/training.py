@@ -53,10 +53,15 @@ class Parallelism(Section):
     )
     refit_mode: str = option(
         "collocated",
-        "Where the inference copy of --rl-inference-tensor-model-parallel-size lives: collocated "
-        "(on the training ranks, refit after every optimizer step). Megatron-LM's "
-        "non-collocated (separate inference ranks) is not implemented yet and is refused.",
+        "Where generation runs. collocated: on the training ranks (on the trained model, or on "
+        "the copy of --rl-inference-tensor-model-parallel-size, refit after every optimizer "
+        "step). non-collocated: the job's last --rl-inference-tensor-model-parallel-size ranks "
+        "(default: --tensor-model-parallel-size) only generate, one inference replica, while "
+        "the others train; the window that produces batch c runs while the trainer trains "
+        "collection c-1, with the weights of collection c-1's start (one collection more "
+        "token staleness than collocated, exact and reproducible). CPU tier.",
         choices=("collocated", "non-collocated"),
+        resume=True,
     )
     refit_method: str | None = option(
         None,
@@ -65,6 +70,13 @@ class Parallelism(Section):
         "--rl-inference-tensor-model-parallel-size.",
         parse=str,
         choices=("gloo", "nccl"),
+    )
+    rl_delta_refit: bool = option(
+        False,
+        "--refit-mode non-collocated: send only the blocks of 1024 elements whose bits changed "
+        "since the previous refit (with a bitmask per tensor) instead of every weight. The "
+        "inference ranks patch their copy in place: the same bits as a full refit.",
+        switch=True,
     )
     rl_verify_model_weights_swap: bool = option(
         False,

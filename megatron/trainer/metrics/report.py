@@ -108,7 +108,12 @@ def header(
         f" iteration(s) per collection of {cfg.training.global_batch_size} (micro-batch "
         f"{cfg.training.micro_batch_size}), {cfg.training.train_iters} iterations",
         f"parallelism  {tier_line}; world {cfg.world_size} = TP {cfg.parallelism.tensor_model_parallel_size}"
-        f" x PP {cfg.parallelism.pipeline_model_parallel_size} x DP {dp}",
+        f" x PP {cfg.parallelism.pipeline_model_parallel_size} x DP {dp}"
+        + (
+            f" training, + {cfg.inference_ranks} inference ranks (--refit-mode non-collocated)"
+            if cfg.inference_ranks
+            else ""
+        ),
         f"outputs      metrics {cfg.logging.metrics_file or '(log only)'}, checkpoints "
         f"{cfg.checkpointing.save or '(none)'}"
         + (f", Hugging Face export {cfg.model.save_hf}" if cfg.model.save_hf else "")
@@ -178,12 +183,14 @@ def summary(
         return f"run ended after {seconds:.1f} s without training a step"
     rewards = [r["reward_mean"] for r in records]
     first, last = statistics.fmean(rewards[:10]), statistics.fmean(rewards[-10:])
-    exact = all(r["batch_staleness"] == min(r["batch_id"], lag) for r in records)
+    behind = 1 if cfg.inference_ranks else 0  # non-collocated: windows a collection behind
+    exact = all(r["batch_staleness"] == min(r["batch_id"], lag + behind) for r in records)
     lines = [
         f"done         {len(records)} steps ({records[0]['step']}..{records[-1]['step']}) in "
         f"{seconds:.1f} s; reward first-10 {first:.3f}, last-10 {last:.3f}",
         f"staleness    {'exact' if exact else 'NOT exact'}: every batch trained "
-        f"min(batch, {lag}) collections after its submission",
+        f"min(batch, {lag}{' + 1' if behind else ''}) collections after its submission"
+        + (" (non-collocated: generation runs one collection behind)" if behind else ""),
     ]
     written = [("metrics", cfg.logging.metrics_file), ("checkpoints", cfg.checkpointing.save)]
     written += [("Hugging Face export", cfg.model.save_hf), ("PEFT adapters", cfg.lora.save_lora)]
@@ -217,3 +224,13 @@ def write_curves(records: list[dict[str, Any]], path: Path) -> Path | None:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def plot_file(cfg: RunConfig) -> Path | None:
+    """Where the reward/loss curves go: ``--plot-file``, else next to ``--metrics-file``, else
+    ``runs/curves-<start time>.png``; None for ``--plot-file none``."""
+    if cfg.logging.plot_file is not None:
+        return None if cfg.logging.plot_file.lower() == "none" else Path(cfg.logging.plot_file)
+    if cfg.logging.metrics_file is not None:
+        return Path(cfg.logging.metrics_file).with_suffix(".png")
+    return Path("runs") / f"curves-{cfg.started}.png"

@@ -8,7 +8,7 @@
   are installed (130): nothing more, that status;
 * ``SystemExit(str)`` and ``expected_errors()`` (bad input, an unreadable checkpoint, failing
   environments, an unreachable env server, a reward model that does not load, a non-finite loss
-  or gradient):
+  or gradient, inference ranks that failed or ended):
   ``pretrain_grpo.py: error: <message>`` on global rank 0, 1;
 * ``PeerFailed``, ``GenerationAborted`` (another rank failed and reports it): nothing, 1;
 * any other exception (a bug): its traceback, 1;
@@ -51,8 +51,9 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     here, late, so that a bad flag exits before the libraries load)."""
     from megatron.rl.agent.api import RewardSourceError
     from megatron.rl.agent.remote import RemoteEnvironmentError
+    from megatron.rl.refit.bridge import BridgeBroken
     from megatron.rl.rollout.faults import EnvironmentFailures
-    from megatron.trainer.errors import NonFiniteUpdate, RefitMismatch
+    from megatron.trainer.errors import InferenceRanksFailed, NonFiniteUpdate, RefitMismatch
 
     return (
         EnvironmentFailures,
@@ -60,6 +61,8 @@ def expected_errors() -> tuple[type[BaseException], ...]:
         RewardSourceError,
         NonFiniteUpdate,
         RefitMismatch,
+        InferenceRanksFailed,
+        BridgeBroken,
     )
 
 

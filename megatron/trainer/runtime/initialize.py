@@ -12,7 +12,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron.rl.refit.bridge import Bridge
 from megatron.trainer.errors import PeerFailed
+from megatron.trainer.flags.refit import inference_run_config
 from megatron.trainer.flags.run import RunConfig
 from megatron.trainer.flags.training import DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES
 from megatron.trainer.parallel import ParallelContext
@@ -51,12 +53,16 @@ def initialize_distributed(cfg: RunConfig) -> ParallelContext:
         threshold = cfg.training.malloc_mmap_threshold_kib
         if threshold is not None:
             set_mmap_threshold(threshold)
+    # validation fills the flag; tools that start a world from unvalidated flags get the default
+    minutes = cfg.parallelism.distributed_timeout_minutes or DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES
+    timeout = datetime.timedelta(minutes=minutes)
+    generates_only, bridge = False, None
+    if cfg.inference_ranks and not dist.is_initialized():  # --refit-mode non-collocated
+        generates_only, bridge = _split_world(cfg, cuda, timeout)
+        if generates_only:
+            cfg = inference_run_config(cfg)
     if not dist.is_initialized():
-        # validation fills the flag; tools that start a world from unvalidated flags get the default
-        minutes = cfg.parallelism.distributed_timeout_minutes or DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES
-        dist.init_process_group(
-            backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=minutes)
-        )
+        dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=timeout)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=cfg.parallelism.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.parallelism.pipeline_model_parallel_size,
@@ -78,7 +84,46 @@ def initialize_distributed(cfg: RunConfig) -> ParallelContext:
         expert_dp_rank=parallel_state.get_expert_data_parallel_rank(),
         expert_dp_group=parallel_state.get_expert_data_parallel_group(),
         expert_model_group=parallel_state.get_expert_tensor_and_model_parallel_group(),
+        generates_only=generates_only,
+        bridge=bridge,
     )
+
+
+def _split_world(
+    cfg: RunConfig, cuda: bool, timeout: datetime.timedelta
+) -> tuple[bool, Bridge | None]:
+    """Start this process's side of a non-collocated job: the training ranks (the first
+    ``cfg.world_size``) and the inference ranks (the last ``cfg.inference_ranks``) each get a
+    default process group of their own on the launch's store, and training rank 0 and the
+    inference ranks a ``Bridge``. Whether this process only generates, and its bridge."""
+    store, rank, world = next(dist.rendezvous("env://"))
+    if world != cfg.world_size + cfg.inference_ranks:
+        raise RuntimeError(
+            f"--refit-mode non-collocated: validated for {cfg.world_size} training + "
+            f"{cfg.inference_ranks} inference ranks, launched with {world}"
+        )
+    store.set_timeout(timeout)
+    generates_only = rank >= cfg.world_size
+    side, side_rank, side_size = (
+        ("inference", rank - cfg.world_size, cfg.inference_ranks)
+        if generates_only
+        else ("training", rank, cfg.world_size)
+    )
+    dist.init_process_group(
+        backend="nccl" if cuda else "gloo",
+        store=dist.PrefixStore(side, store),
+        rank=side_rank,
+        world_size=side_size,
+        timeout=timeout,
+    )
+    bridge = None
+    if rank == 0 or generates_only:
+        bridge_rank = side_rank + 1 if generates_only else 0
+        first, last = cfg.world_size, cfg.world_size + cfg.inference_ranks - 1
+        ranks = f"rank {first}" if first == last else f"ranks {first}..{last}"
+        peers = "training rank 0" if generates_only else f"the inference {ranks}"
+        bridge = Bridge(store, bridge_rank, cfg.inference_ranks + 1, timeout, peers)
+    return generates_only, bridge
 
 
 def set_seeds(seed: int, cuda: bool) -> None:

@@ -7,36 +7,13 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
 from grpo_testing.distributed import run_on_ranks
-from grpo_testing.models import VOCAB, model_build, tiny_args, tiny_gpt
+from grpo_testing.models import LLAMA_LIKE, VOCAB, logits_of, model_build, tiny_args, tiny_gpt
 from megatron.core import parallel_state
 
 from megatron.rl.refit.collocated import CollocatedRefit
 from megatron.rl.refit.layout import inference_layout
 from megatron.trainer.model.provider import build_model
-
-# SwiGLU (gated fc1), grouped-query attention (the QKV interleave), RoPE and RMSNorm
-LLAMA_LIKE = dict(
-    swiglu=True,
-    group_query_attention=True,
-    num_query_groups=2,
-    position_embedding_type="rope",
-    normalization="RMSNorm",
-)
-TOKENS = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
-
-
-def logits_of(model: torch.nn.Module, group) -> torch.Tensor:
-    """Full-vocabulary logits of ``TOKENS`` (gathered over ``group``, the model's TP ranks)."""
-    model.eval()
-    with torch.no_grad():
-        local = model(TOKENS, torch.arange(TOKENS.shape[1])[None], None)
-    if group is None or dist.get_world_size(group) == 1:
-        return local
-    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, local.contiguous(), group=group)
-    return torch.cat(parts, dim=-1)
 
 
 def refit_on_rank(rank: int, world: int, train_tp: int) -> dict[int, dict]:

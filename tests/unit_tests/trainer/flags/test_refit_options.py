@@ -1,6 +1,6 @@
-"""The collocated refit's options (``--rl-inference-tensor-model-parallel-size``,
-``--refit-method``): off by default, the engine's replicas from the inference layout, refusals
-that name the flags."""
+"""The refit options (``--rl-inference-tensor-model-parallel-size``, ``--refit-mode``,
+``--refit-method``, ``--rl-delta-refit``): off by default, the engine's replicas from the
+inference layout, the non-collocated split of the world, refusals that name the flags."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from megatron.rl.tokenizer import CharTokenizer
 from megatron.trainer.config import pipeline_config
 from megatron.trainer.flags.parse import check
-from megatron.trainer.flags.refit import FLAG
+from megatron.trainer.flags.refit import FLAG, inference_run_config
 
 TP2 = ["--tensor-model-parallel-size", "2"]
 
@@ -26,6 +26,23 @@ def test_two_tp1_replicas_of_a_tp2_run_split_the_engine_slots():
     assert errors == []
     config = pipeline_config(args, 1, CharTokenizer())
     assert config.inference_tp == 1 and config.engine.max_requests == 4  # 8 slots, 2 replicas
+
+
+def test_non_collocated_splits_the_world_into_training_and_inference_ranks():
+    """Megatron-LM's convention: the last --rl-inference-tensor-model-parallel-size ranks (one
+    inference replica) only generate; the rest train, and the layout checks are theirs."""
+    argv = TP2 + [FLAG, "1", "--refit-mode", "non-collocated", "--inference-max-requests", "6"]
+    args, errors = check(argv, 5, False)
+    assert errors == []
+    assert (args.world_size, args.inference_ranks, args.data_parallel_size) == (4, 1, 2)
+    inference = inference_run_config(args)
+    assert inference.parallelism.tensor_model_parallel_size == 1 and inference.world_size == 1
+    config = pipeline_config(inference, 1, CharTokenizer())
+    assert config.inference_tp is None and config.engine.max_requests == 6  # one replica
+    _, errors = check(TP2 + ["--refit-mode", "non-collocated"], 5, False)  # 3 training ranks
+    assert any(
+        "world size 3 must be divisible by --tensor-model-parallel-size" in e for e in errors
+    )
 
 
 @pytest.mark.parametrize(
@@ -71,10 +88,31 @@ def test_two_tp1_replicas_of_a_tp2_run_split_the_engine_slots():
         pytest.param([FLAG, "0"], 1, False, f"{FLAG} must be >= 1, got 0", id="zero"),
         pytest.param(
             ["--refit-mode", "non-collocated"],
+            1,
+            False,
+            "--refit-mode non-collocated: the world of 1 ranks leaves none to train",
+            id="non-collocated-world",
+        ),
+        pytest.param(
+            ["--refit-mode", "non-collocated", FLAG, "2"],
             2,
             False,
-            "--refit-mode non-collocated (inference on ranks of its own) is not implemented",
-            id="non-collocated",
+            "--refit-mode non-collocated: the world of 2 ranks leaves none to train beside the 2",
+            id="non-collocated-tp",
+        ),
+        pytest.param(
+            ["--refit-mode", "non-collocated"],
+            2,
+            True,
+            "--refit-mode non-collocated is implemented on the CPU tier only",
+            id="non-collocated-cuda",
+        ),
+        pytest.param(
+            ["--rl-delta-refit"],
+            1,
+            False,
+            "--rl-delta-refit needs --refit-mode non-collocated",
+            id="delta-collocated",
         ),
     ],
 )
