@@ -4,7 +4,6 @@ one type every layer of the trainer passes around; ``runtime/initialize.py`` bui
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from typing import Any
 
 import torch
