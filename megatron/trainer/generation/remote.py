@@ -118,7 +118,7 @@ class RemoteRollouts:
         self._refit = {
             "refit/seconds": stats.seconds,
             "refit/bytes_sent": float(stats.bytes_sent),
-            "refit/changed_block_share": stats.changed_blocks,
+            "refit/changed_share": stats.changed,
             "refit/unchanged_bf16_share": stats.unchanged_bf16,
         }
 

@@ -1,6 +1,7 @@
 """Non-collocated refit over a gloo bridge: training ranks on one tensor-parallel layout send
-their weights to inference ranks on another; full and delta refits give the same bits, the
-delta sends only changed blocks, and the receiver's checksum names a tensor that went wrong."""
+their weights to inference ranks on another; full and delta refits give the same bits, a delta
+sends only the changed blocks or elements, and the receiver's checksum names a tensor that went
+wrong."""
 
 from __future__ import annotations
 
@@ -35,8 +36,9 @@ def _model(tp: int, group: dist.ProcessGroup, seed: int) -> torch.nn.Module:
 
 
 def transfer_on_rank(rank: int, world: int, layout: str) -> dict:
-    """Three refits (full; delta after one tensor changed; delta after nothing changed, with a
-    corrupted receiver) and what each side saw."""
+    """Four refits (full; a delta after one tensor changed; one after every 97th element of
+    every tensor changed; one after nothing changed, into a corrupted receiver) and what each
+    side saw."""
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     training, inference = LAYOUTS[layout]
     groups = {"training": dist.new_group(training), "inference": dist.new_group(inference)}
@@ -58,12 +60,17 @@ def transfer_on_rank(rank: int, world: int, layout: str) -> dict:
         with torch.no_grad():  # one step that changed one tensor only
             dict(model.named_parameters())[FC1].mul_(1.5)
         out["delta"] = sender.send(version=4)
+        with torch.no_grad():  # scattered changes: the changed elements travel, not blocks
+            for p in model.parameters():
+                p.view(-1)[::97].add_(1e-3)
+        out["scattered"] = sender.send(version=5)
         out["logits"] = logits_of(model, groups[side])
-        out["unchanged"] = sender.send(version=5)
+        out["unchanged"] = sender.send(version=6)
     else:
         receiver = WeightReceiver(model, True, groups[side], bridge)
         out["full"] = receiver.receive()
         out["delta"] = receiver.receive()
+        out["scattered"] = receiver.receive()
         out["logits"] = logits_of(model, groups[side])
         with torch.no_grad():  # a receiver whose kept copy went wrong: the delta skips it
             receiver._wholes[FC1][:BLOCK].add_(1.0)
@@ -78,13 +85,15 @@ def test_the_inference_ranks_get_the_trained_weights_full_or_delta(layout):
     sender, receivers = ranks[training[0]], [ranks[r] for r in inference]
     for r in receivers:
         assert r["full"] == (3, [])  # version 3, every checksum matched
-        assert r["delta"] == (4, [])
-        assert r["unchanged"] == (5, [FC1])  # the corrupted copy is named
-    for r in receivers:  # at version 4 the inference layout computes the trained logits
+        assert r["delta"] == (4, []) and r["scattered"] == (5, [])
+        assert r["unchanged"] == (6, [FC1])  # the corrupted copy is named
+    for r in receivers:  # at version 5 the inference layout computes the trained logits
         torch.testing.assert_close(r["logits"], sender["logits"], rtol=0, atol=2e-5)
     full, delta, unchanged = sender["full"], sender["delta"], sender["unchanged"]
-    assert full.changed_blocks == 1.0 and full.unchanged_bf16 == 0.0
-    assert 0.0 < delta.changed_blocks < 0.2  # one tensor of the model's
-    assert delta.bytes_sent < full.bytes_sent / 5
-    assert unchanged.changed_blocks == 0.0 and unchanged.unchanged_bf16 == 1.0
-    assert 0 < unchanged.bytes_sent < BLOCK  # the bitmasks alone
+    assert full.changed == 1.0 and full.unchanged_bf16 == 0.0
+    assert 0.0 < delta.changed < 0.25  # one tensor of the model (21% of it), in blocks
+    assert delta.bytes_sent < full.bytes_sent / 4
+    scattered = sender["scattered"]  # 1 element in 97 (small tensors: 1 or 2): 8 bytes each
+    assert 0.01 < scattered.changed < 0.012 and scattered.bytes_sent < full.bytes_sent / 40
+    assert unchanged.changed == 0.0 and unchanged.unchanged_bf16 == 1.0
+    assert unchanged.bytes_sent == 0
