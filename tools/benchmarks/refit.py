@@ -1,4 +1,4 @@
-"""Collocated refit against generation on the training layout, side by side on this machine.
+"""Collocated and non-collocated refit against generation on the training layout, side by side.
 
     python tools/benchmarks/refit.py [--lags 0 2 --steps 8 --skip 3 --rounds 1]
 
@@ -12,7 +12,11 @@ tokenizer, at equal work: every rollout generates exactly ``--tokens`` tokens
   token, over gloo);
 * ``tp2-refit-tp1``: TP=2 training, two TP=1 inference replicas refit after every optimizer step
   (``--rl-inference-tensor-model-parallel-size 1``);
-* ``dp2``: TP=1 x DP=2, for reference (each rank holds the whole model for both phases).
+* ``dp2``: TP=1 x DP=2, for reference (each rank holds the whole model for both phases);
+* ``nc-tp1+tp1`` (``-delta``): ``--refit-mode non-collocated``, one training process and one
+  inference process; the inference process generates window c+1 while the trainer trains step c,
+  and gets each step's weights in full (or as a delta, ``--rl-delta-refit``). Its batches are
+  one step more off-policy than the others' at the same L.
 
 Per configuration, medians over steps ``skip..steps-1``: the step, its generation wait
 (``collect_seconds``), the engine's time inside steps, the update (``train_seconds``), the refit
@@ -66,8 +70,19 @@ LAYOUTS = {
         "rl-inference-tensor-model-parallel-size": 1,
     },
     "dp2": {},
+    "nc-tp1+tp1": {"refit-mode": "non-collocated"},
+    "nc-tp1+tp1-delta": {"refit-mode": "non-collocated", "rl-delta-refit": True},
 }
-KEYS = ("step_seconds", "collect_seconds", "engine_seconds", "train_seconds", "refit/seconds")
+NON_COLLOCATED = ("nc-tp1+tp1", "nc-tp1+tp1-delta")
+KEYS = (
+    "step_seconds",
+    "collect_seconds",
+    "engine_seconds",
+    "train_seconds",
+    "refit/seconds",
+    "inference/window_seconds",
+    "inference/wait_seconds",
+)
 
 
 def run(layout: str, lag: int, steps: int, tokens: int) -> dict:
@@ -143,10 +158,16 @@ def summarize(runs: list[dict], skip: int) -> dict:
     """Medians over the measured steps of every round, and the busy share."""
     kept = [r for one in runs for r in one["records"][skip:]]
     out = {k: statistics.median(r.get(k, 0.0) for r in kept) for k in KEYS}
-    for k in ("refit/bytes_received", "refit/bytes_written"):
+    for k in ("refit/bytes_received", "refit/bytes_written", "refit/bytes_sent"):
         out[k] = statistics.median(r.get(k, 0.0) for r in kept)
+    out["refit/changed_share"] = statistics.median(r.get("refit/changed_share", 0) for r in kept)
     out["generated_tokens"] = statistics.median(r["generated_tokens"] for r in kept)
     out["busy_share"] = sum(o["cpu"] for o in runs) / sum(2 * o["wall"] for o in runs)
+    if out["inference/window_seconds"]:  # non-collocated: each process's own share
+        waiting = out["collect_seconds"] - out["refit/seconds"]  # the trainer, for its batch
+        out["trainer_busy_share"] = 1 - waiting / out["step_seconds"]
+        window, idle = out["inference/window_seconds"], out["inference/wait_seconds"]
+        out["inference_busy_share"] = window / (window + idle)
     out["steps_measured"] = len(kept)
     return out
 
@@ -155,7 +176,7 @@ def markdown(result: dict) -> str:
     """The table of ``result`` (``refit.json``'s content)."""
     m = result["machine"]
     lines = [
-        "# Collocated refit against generation on the training layout",
+        "# Collocated and non-collocated refit against generation on the training layout",
         "",
         f"Measured {result['date']} by `python tools/benchmarks/refit.py` on {m['cpu']} "
         f"({m['cores']} cores, {m['memory']}), torch {m['torch']}, megatron-core "
@@ -164,18 +185,24 @@ def markdown(result: dict) -> str:
         f"{result['rounds']} round(s).",
         "",
         "| L | layout | s/step | generation wait (s) | engine (s) | update (s) | refit (s) "
-        "| refit MB received / written | busy share |",
+        "| refit MB | busy share (trainer / inference) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in result["rows"]:
         s = row["summary"]
-        mb = f"{s['refit/bytes_received'] / 1e6:.1f} / {s['refit/bytes_written'] / 1e6:.1f}"
         lines.append(
             f"| {row['lag']} | {row['layout']} | {s['step_seconds']:.2f} | "
             f"{s['collect_seconds']:.2f} | {s['engine_seconds']:.2f} | {s['train_seconds']:.2f} "
-            f"| {s['refit/seconds']:.3f} | {mb if row['layout'] == 'tp2-refit-tp1' else '-'} | "
-            f"{s['busy_share']:.0%} |"
+            f"| {s['refit/seconds']:.3f} | {_refit_bytes(row['layout'], s)} | {_busy(s)} |"
         )
+    lines += [
+        "",
+        "Refit MB: collocated, received from the other TP rank / written into the copy; "
+        "non-collocated, sent to the inference rank (the share of elements that changed). "
+        "Busy share: both processes' CPU time over 2 x wall time; non-collocated, each "
+        "process's own: the trainer outside its wait for a batch, the inference rank inside "
+        "its windows.",
+    ]
     if result.get("smollm2"):
         lines += [
             "",
@@ -194,6 +221,23 @@ def markdown(result: dict) -> str:
                 f"{r['refit/seconds']:.2f} | {r['refit/bytes_written'] / 1e6:.0f} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _refit_bytes(layout: str, s: dict) -> str:
+    if layout == "tp2-refit-tp1":
+        return f"{s['refit/bytes_received'] / 1e6:.1f} / {s['refit/bytes_written'] / 1e6:.1f}"
+    if layout in NON_COLLOCATED:
+        return f"{s['refit/bytes_sent'] / 1e6:.1f} ({s['refit/changed_share']:.0%} changed)"
+    return "-"
+
+
+def _busy(s: dict) -> str:
+    if "trainer_busy_share" in s:
+        return (
+            f"{s['busy_share']:.0%} ({s['trainer_busy_share']:.0%} / "
+            f"{s['inference_busy_share']:.0%})"
+        )
+    return f"{s['busy_share']:.0%}"
 
 
 def main() -> None:
