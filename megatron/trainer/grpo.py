@@ -45,8 +45,9 @@ from megatron.trainer.flags import run_file
 from megatron.trainer.flags.rollouts import env_config_problems
 from megatron.trainer.flags.run import RunConfig
 from megatron.trainer.generation.evaluator import Evaluator, eval_agents, hold_out_validation
-from megatron.trainer.generation.remote import RemoteRollouts, generate_only
+from megatron.trainer.generation.remote import RemoteRollouts
 from megatron.trainer.generation.rollouts import CollectedBatch, PipelineStart, RolloutSource
+from megatron.trainer.inference_ranks import generate_only
 from megatron.trainer.metrics import report
 from megatron.trainer.metrics.record import ConstantRewardWarning, MetricsWriter, step_metrics
 from megatron.trainer.model.hf_io import save_hf, weight_loader

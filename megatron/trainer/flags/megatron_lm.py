@@ -263,6 +263,13 @@ MEGATRON_LM_RL_FLAGS: tuple[MegatronFlag, ...] = (
         False,
     ),
     MegatronFlag(
+        "--refit-mode",
+        "same",
+        "--refit-mode",
+        "collocated (on the training ranks) or non-collocated (the job's last inference-TP ranks "
+        "only generate, a collection behind the trainer; CPU tier, dense models)",
+    ),
+    MegatronFlag(
         "--refit-method",
         "same",
         "--refit-method",
@@ -272,7 +279,8 @@ MEGATRON_LM_RL_FLAGS: tuple[MegatronFlag, ...] = (
         "--rl-verify-model-weights-swap",
         "same",
         "--rl-verify-model-weights-swap",
-        "after every refit, the inference copy checked against the trained weights",
+        "after every refit, the inference copy checked against the trained weights (on the "
+        "receiving side, non-collocated)",
         False,
     ),
     MegatronFlag(

@@ -38,10 +38,7 @@ from megatron.rl.refit.transfer import WeightReceiver, WeightSender
 from megatron.rl.rollout.generator import PipelineState, RolloutBatch
 from megatron.rl.tokenizer import Tokenizer
 from megatron.rl.wire import RolloutGroup
-from megatron.trainer import config
 from megatron.trainer.errors import InferenceRanksFailed, RefitMismatch
-from megatron.trainer.flags.refit import inference_run_config
-from megatron.trainer.flags.run import RunConfig
 from megatron.trainer.flags.training import Parallelism
 from megatron.trainer.generation.rollouts import (
     CollectedBatch,
@@ -50,12 +47,8 @@ from megatron.trainer.generation.rollouts import (
     RolloutSource,
 )
 from megatron.trainer.parallel import ParallelContext
-from megatron.trainer.runtime.initialize import (
-    main_rank_value,
-    raise_agreed_failure,
-    shutdown_distributed,
-)
-from megatron.trainer.tiers import Tier, select_tier
+from megatron.trainer.runtime.initialize import main_rank_value, raise_agreed_failure
+from megatron.trainer.tiers import Tier
 
 logger = logging.getLogger(__name__)
 
@@ -226,19 +219,6 @@ def _batch_of(saved: dict[str, Any]) -> CollectedBatch:
     batch = RolloutBatch(saved["batch_id"], groups, saved["in_flight"], saved["queue_depth"])
     engine = None if saved["engine"] is None else EngineCounters(**saved["engine"])
     return CollectedBatch(batch, saved["seconds"], engine)
-
-
-def generate_only(cfg: RunConfig, ctx: ParallelContext, agent: Agent) -> None:
-    """An inference rank's run (``serve_inference`` at ``inference_run_config(cfg)``), then the
-    process groups' teardown."""
-    try:
-        cfg = inference_run_config(cfg)
-        tier = select_tier(config.tier_config(cfg), ctx)
-        tokenizer = config.tokenizer(cfg)
-        pipeline = config.pipeline_config(cfg, ctx.dp_size, tokenizer)
-        serve_inference(ctx, tier, tokenizer, agent if ctx.is_main else None, pipeline)
-    finally:
-        shutdown_distributed()
 
 
 def serve_inference(
