@@ -30,10 +30,10 @@ def refit_problems(run: RunConfig, cuda: bool) -> list[str]:
         t = p.tensor_model_parallel_size
     if t is None or t < 1:
         return errors
+    mode = "--refit-mode non-collocated" if separate else FLAG
     if cuda:
-        what = "--refit-mode non-collocated" if separate else FLAG
         return errors + [
-            f"{what} is implemented on the CPU tier only: on CUDA the engine generates on the "
+            f"{mode} is implemented on the CPU tier only: on CUDA the engine generates on the "
             "trained model's own layout (drop the flag)"
         ]
     if not separate and run.world_size % t != 0:
@@ -55,16 +55,16 @@ def refit_problems(run: RunConfig, cuda: bool) -> list[str]:
             f"{replicas} inference replicas of {FLAG} {t}"
         )
     if arch["num_experts"] is not None:
-        errors.append(f"{FLAG} supports dense models only: drop it or --num-experts")
+        errors.append(f"{mode} supports dense models only: drop it or --num-experts")
     if run.lora.lora_rank > 0:
         errors.append(
-            f"{FLAG} copies whole weights: with --lora-rank the engine generates with the "
+            f"{mode} copies whole weights: with --lora-rank the engine generates with the "
             "adapters on the trained model itself (drop the flag)"
         )
     return errors
 
 
-def inference_run_config(cfg: "RunConfig") -> "RunConfig":
+def inference_run_config(cfg: RunConfig) -> RunConfig:
     """What the inference ranks of ``--refit-mode non-collocated`` run with: one replica at the
     inference TP degree, generating on its own model (no copy of its own)."""
     parallelism = dataclasses.replace(

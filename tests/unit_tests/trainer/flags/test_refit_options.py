@@ -108,6 +108,13 @@ def test_non_collocated_splits_the_world_into_training_and_inference_ranks():
             id="non-collocated-cuda",
         ),
         pytest.param(
+            ["--refit-mode", "non-collocated", "--lora-rank", "4"],
+            2,
+            False,
+            "--refit-mode non-collocated copies whole weights: with --lora-rank",
+            id="non-collocated-lora",
+        ),
+        pytest.param(
             ["--rl-delta-refit"],
             1,
             False,
