@@ -364,3 +364,17 @@ def test_policy_methods_agree_with_each_other_under_pipeline_parallelism():
     assert last["nll_of_logprobs"] == pytest.approx(last["nll"][0], rel=1e-6)
     mask = last["valid"]
     assert torch.all(last["logprobs"][mask] < 0) and int(last["topk_indices"].max()) < 21
+
+
+def test_non_collocated_generation_on_megatron_cores_engine_matches_the_cpu_tier():
+    """--refit-mode non-collocated on the CUDA tier: the inference rank runs megatron-core's
+    DynamicInferenceEngine on a world of its own and gets each step's weights over the bridge
+    (staged through host memory), checked by its checksums; at L=0 (each batch generated in one
+    window) it samples what the CPU tier's non-collocated run samples."""
+    args = {
+        **BASE,
+        "rl-forced-lag": 0,
+        "refit-mode": "non-collocated",
+        "rl-verify-model-weights-swap": True,
+    }
+    assert_same_run(run_training(2, args), run_training(2, args, script=EMULATED))

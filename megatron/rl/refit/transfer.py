@@ -180,19 +180,24 @@ class WeightReceiver:
         """Receive the next refit into the model (collective); its policy version and the
         tensors whose checksum does not match the sender's (empty without ``verify``)."""
         message = self.bridge.broadcast_object(None, "refit header")
-        checks = []
-        for name, shape, dtype, encoding, checksum in message["tensors"]:
-            dest, spec = self.params[name], self.specs[name]
+        buffers = []
+        for name, shape, dtype, encoding, _ in message["tensors"]:  # every payload first
             numel = torch.Size(shape).numel()
             buffer = self._wholes.get(name)
             if buffer is None:
-                if encoding is not None:
-                    raise ValueError(f"refit: a delta for {name} before any full refit")
                 buffer = torch.zeros(-(-numel // BLOCK) * BLOCK, dtype=dtype)
-                self._wholes[name] = buffer
+                if encoding is None:
+                    self._wholes[name] = buffer
             self._patch(buffer, encoding)
-            value = shard(buffer[:numel].view(shape), spec, self.rank, self.size)
-            dest.copy_(value)
+            buffers.append(buffer[:numel].view(shape))
+        checks = []
+        for (name, _, _, encoding, checksum), value in zip(message["tensors"], buffers):
+            if encoding is not None and name not in self._wholes:
+                raise ValueError(f"refit: a delta for {name} before any full refit")
+            if name not in self.params:
+                raise ValueError(f"refit: {name} is not a parameter of the inference model")
+            spec = self.specs[name]
+            self.params[name].copy_(shard(value, spec, self.rank, self.size))
             if checksum is not None:
                 checks.append((name, checksum))
         return message["version"], self._mismatches(checks)

@@ -267,7 +267,7 @@ MEGATRON_LM_RL_FLAGS: tuple[MegatronFlag, ...] = (
         "same",
         "--refit-mode",
         "collocated (on the training ranks) or non-collocated (the job's last inference-TP ranks "
-        "only generate, a collection behind the trainer; CPU tier, dense models)",
+        "only generate, a collection behind the trainer; dense models)",
     ),
     MegatronFlag(
         "--refit-method",

@@ -31,7 +31,7 @@ def refit_problems(run: RunConfig, cuda: bool) -> list[str]:
     if t is None or t < 1:
         return errors
     mode = "--refit-mode non-collocated" if separate else FLAG
-    if cuda:
+    if cuda and not separate:
         return errors + [
             f"{mode} is implemented on the CPU tier only: on CUDA the engine generates on the "
             "trained model's own layout (drop the flag)"

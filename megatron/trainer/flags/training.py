@@ -59,7 +59,8 @@ class Parallelism(Section):
         "(default: --tensor-model-parallel-size) only generate, one inference replica, while "
         "the others train; the window that produces batch c runs while the trainer trains "
         "collection c-1, with the weights of collection c-1's start (one collection more "
-        "token staleness than collocated, exact and reproducible). CPU tier.",
+        "token staleness than collocated, exact and reproducible). Dense models, full "
+        "fine-tuning; weights travel over gloo through host memory.",
         choices=("collocated", "non-collocated"),
         resume=True,
     )

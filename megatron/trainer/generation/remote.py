@@ -53,7 +53,15 @@ from megatron.trainer.tiers import Tier
 logger = logging.getLogger(__name__)
 
 
+def _bare(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPT inside the CUDA tier's DDP and fp16 wrappers (its parameters, unprefixed)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
 def _gated(model: torch.nn.Module) -> bool:
+    """Whether the GPT's MLPs are gated."""
     return bool(getattr(model.config, "gated_linear_unit", False))
 
 
@@ -63,7 +71,6 @@ class RemoteRollouts:
 
     host = None
     """No event loop here (the watchdog has none to watch)."""
-    exact_checkpoints = True
 
     def __init__(
         self,
@@ -76,6 +83,7 @@ class RemoteRollouts:
         delta, verify = parallelism.rl_delta_refit, parallelism.rl_verify_model_weights_swap
         self.ctx, self.bridge = ctx, ctx.bridge
         self.policy_version = start.policy_version
+        model = _bare(model)
         self.sender = WeightSender(model, _gated(model), ctx.tp_group, self.bridge, delta, verify)
         self._pending: CollectedBatch | None = None
         """Rank 0: the batch a checkpoint saved, or that ``checkpoint_state`` received."""
@@ -242,13 +250,13 @@ def serve_inference(
     bridge = ctx.bridge
     model = tier.build_model(tokenizer.vocab_size)
     model.requires_grad_(False)
-    receiver = WeightReceiver(model, _gated(model), ctx.tp_group, bridge)
+    receiver = WeightReceiver(_bare(model), _gated(_bare(model)), ctx.tp_group, bridge)
     begin = bridge.broadcast_object(None)
     state = None if begin["state"] is None else PipelineState.model_validate_json(begin["state"])
     kv = None
-    if begin["kv"] is not None and ctx.rank < len(begin["kv"]):
-        slots, layout = begin["kv"][ctx.rank]
-        kv = {"slots": slots, "layout": layout}
+    saved = begin["kv"][ctx.rank] if begin["kv"] and ctx.rank < len(begin["kv"]) else None
+    if saved is not None:  # None: a tier that drains its engine before a save
+        kv = {"slots": saved[0], "layout": saved[1]}
     start = PipelineStart(
         first_batch=0 if state is None else state.next_batch_id,
         policy_version=begin["policy_version"],

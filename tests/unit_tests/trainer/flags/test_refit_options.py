@@ -39,6 +39,8 @@ def test_non_collocated_splits_the_world_into_training_and_inference_ranks():
     assert inference.parallelism.tensor_model_parallel_size == 1 and inference.world_size == 1
     config = pipeline_config(inference, 1, CharTokenizer())
     assert config.inference_tp is None and config.engine.max_requests == 6  # one replica
+    _, errors = check(["--refit-mode", "non-collocated"], 2, True)  # the CUDA tier too
+    assert errors == []
     _, errors = check(TP2 + ["--refit-mode", "non-collocated"], 5, False)  # 3 training ranks
     assert any(
         "world size 3 must be divisible by --tensor-model-parallel-size" in e for e in errors
@@ -99,13 +101,6 @@ def test_non_collocated_splits_the_world_into_training_and_inference_ranks():
             False,
             "--refit-mode non-collocated: the world of 2 ranks leaves none to train beside the 2",
             id="non-collocated-tp",
-        ),
-        pytest.param(
-            ["--refit-mode", "non-collocated"],
-            2,
-            True,
-            "--refit-mode non-collocated is implemented on the CPU tier only",
-            id="non-collocated-cuda",
         ),
         pytest.param(
             ["--refit-mode", "non-collocated", "--lora-rank", "4"],
