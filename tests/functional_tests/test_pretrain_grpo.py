@@ -131,6 +131,17 @@ def test_non_collocated_generation_runs_exactly_one_collection_behind(runs):
             assert 0 < m["refit/changed_share"] <= 1 and m["refit/bytes_sent"] > 0
 
 
+def test_non_collocated_reruns_are_bitwise_equal_whatever_the_timing(runs):
+    """The same flags twice, once with the environment behind an HTTP env server that generates
+    through the inference rank's endpoint (other timing, other processes): every guarded metric
+    equal, not close. The weight swaps fall where the step count puts them."""
+    local = run_training(2, load_case("noncollocated_remote_env")["args"])
+    remote = runs("noncollocated_remote_env")
+    assert [{k: m[k] for k in DETERMINISTIC} for m in local] == [
+        {k: m[k] for k in DETERMINISTIC} for m in remote
+    ]
+
+
 def test_collocated_refit_at_the_training_layout_is_the_plain_run_bitwise(runs):
     """An inference copy at the training layout (each rank copies its own shards after every
     step) generates what the trained model itself generates: every metric equal, not close."""
