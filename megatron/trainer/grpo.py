@@ -201,7 +201,7 @@ def train(cfg: RunConfig, missing_kernels: set[str] = frozenset()) -> None:
                 at_start = evaluator.run(policy_version=run.resumed.iteration)
             at_start = {k.replace("eval/", "eval_at_start/", 1): v for k, v in at_start.items()}
         pipeline = watchdog.phase("the rollout pipeline's start or shutdown")
-        with pipeline, rollout_source(run, agent) as rollouts:  # the steps are phases of their own
+        with pipeline, rollout_source(run, agent, watchdog) as rollouts:  # steps: phases too
             watchdog.watch_loop(rollouts.host and rollouts.host.loop)
             stop_on_signals(rollouts)
             train_steps(run, rollouts, evaluator, writer, at_start, watchdog)
@@ -328,9 +328,9 @@ def build_evaluator(run: Run, agent: Agent) -> Evaluator | None:
     )
 
 
-def rollout_source(run: Run, agent: Agent) -> RolloutSource | RemoteRollouts:
-    """The training rollout pipeline, continuing ``run.resumed`` (on the inference ranks of
-    ``--refit-mode non-collocated``: ``RemoteRollouts``)."""
+def rollout_source(run: Run, agent: Agent, watchdog: Watchdog) -> RolloutSource | RemoteRollouts:
+    """The rollout pipeline, continuing ``run.resumed`` (``--refit-mode non-collocated``: the
+    inference ranks', through ``RemoteRollouts``)."""
     ctx, resumed = run.ctx, run.resumed
     start = PipelineStart(
         first_batch=resumed.iteration // run.k,
@@ -339,7 +339,7 @@ def rollout_source(run: Run, agent: Agent) -> RolloutSource | RemoteRollouts:
         kv=resumed.inflight_kv,
     )
     if run.cfg.inference_ranks:
-        return RemoteRollouts(ctx, run.state.model, start, run.cfg.parallelism)
+        return RemoteRollouts(ctx, run.state.model, start, run.cfg.parallelism, watchdog)
     pipeline = config.pipeline_config(run.cfg, ctx.dp_size, run.tokenizer)
     agent_here = agent if ctx.is_main else None
     return RolloutSource(ctx, run.tier, run.state.model, run.tokenizer, agent_here, pipeline, start)

@@ -411,3 +411,23 @@ def _rank_of(pid: int) -> str | None:
         return None
     ranks = [e.split(b"=", 1)[1].decode() for e in environ if e.startswith(b"RANK=")]
     return ranks[0] if ranks else None
+
+
+def test_an_inference_rank_that_falls_behind_is_named_by_the_watchdog(tmp_path):
+    """--refit-mode non-collocated with an environment that never answers from batch 1: the
+    inference rank's window 1 (during step 0) never ends, and the trainer's watchdog names what
+    step 1 waits for."""
+    config = tmp_path / "envs.yaml"
+    config.write_text(
+        "- agent_type: grpo_testing.fakes:SilentDigits\n  env_id: silent\n"
+        "  agent_args: {silent_from_batch: 1}\n"
+    )
+    args = {**NON_COLLOCATED, **WATCHDOG, "env-config": config}
+    args["metrics-file"] = tmp_path / "metrics.jsonl"
+    proc, seconds = run(training_command(2, args))
+    assert_one_message(
+        proc,
+        f"no progress in {TIMEOUT_MINUTES:g} min: step 1 (waiting for the inference rank 1 to "
+        "take the weights of version 1) has not finished (watchdog, --watchdog-timeout-minutes)",
+    )
+    assert proc.returncode == 1 and seconds < 90

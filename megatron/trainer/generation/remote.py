@@ -21,6 +21,7 @@ restores the pipeline on the inference ranks, so the run continues as the uninte
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -48,6 +49,7 @@ from megatron.trainer.generation.rollouts import (
 )
 from megatron.trainer.parallel import ParallelContext
 from megatron.trainer.runtime.initialize import main_rank_value, raise_agreed_failure
+from megatron.trainer.runtime.watchdog import Watchdog
 from megatron.trainer.tiers import Tier
 
 logger = logging.getLogger(__name__)
@@ -78,8 +80,11 @@ class RemoteRollouts:
         model: torch.nn.Module,
         start: PipelineStart,
         parallelism: Parallelism,
+        watchdog: Watchdog | None = None,
     ) -> None:
-        """``parallelism``: ``--rl-delta-refit`` and ``--rl-verify-model-weights-swap``."""
+        """``parallelism``: ``--rl-delta-refit`` and ``--rl-verify-model-weights-swap``;
+        ``watchdog``: its messages name the inference ranks while this waits for them."""
+        self.watchdog = watchdog
         delta, verify = parallelism.rl_delta_refit, parallelism.rl_verify_model_weights_swap
         self.ctx, self.bridge = ctx, ctx.bridge
         self.policy_version = start.policy_version
@@ -110,12 +115,18 @@ class RemoteRollouts:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
+    def _waiting(self, what: str) -> contextlib.AbstractContextManager:
+        """The block as what the current watchdog phase waits for (named if it times out)."""
+        return self.watchdog.waiting_for(what) if self.watchdog else contextlib.nullcontext()
+
     def _send_weights(self) -> None:
         """Policy ``policy_version`` to the inference ranks: their next window's (collective)."""
-        if self.ctx.is_main:
-            self.bridge.broadcast_object({"kind": "weights", "version": self.policy_version})
-            self._outstanding += 1
-        stats = self.sender.send(self.policy_version)
+        v = self.policy_version
+        with self._waiting(f"waiting for {self.bridge.peers} to take the weights of version {v}"):
+            if self.ctx.is_main:
+                self.bridge.broadcast_object({"kind": "weights", "version": v})
+                self._outstanding += 1
+            stats = self.sender.send(v)
         self._refit = {
             "refit/seconds": stats.seconds,
             "refit/bytes_sent": float(stats.bytes_sent),
@@ -125,7 +136,8 @@ class RemoteRollouts:
 
     def _receive(self, what: str = "a batch") -> dict[str, Any]:
         """The inference ranks' next message (rank 0); their failure raised here."""
-        message = self.bridge.recv_object(Bridge.INFERENCE_LEADER, what)
+        with self._waiting(f"waiting for {what} from {self.bridge.peers}"):
+            message = self.bridge.recv_object(Bridge.INFERENCE_LEADER, what)
         if "error" in message:
             raise InferenceRanksFailed(f"{self.bridge.peers} failed: {message['error']}")
         return message

@@ -109,6 +109,18 @@ class Watchdog:
         finally:
             self.begin(outer)
 
+    @contextmanager
+    def waiting_for(self, what: str) -> Iterator[None]:
+        """Run the block as part of the current phase, named in its message (``step 12 (waiting
+        for batch 12 from the inference rank 2)``), on the same deadline."""
+        phase, began = self._phase
+        self._phase = (f"{phase} ({what})", began)
+        try:
+            yield
+        finally:
+            if self._phase[0] == f"{phase} ({what})":
+                self._phase = (phase, self._phase[1])
+
     def watch_loop(self, loop: asyncio.AbstractEventLoop | None) -> None:
         """Include the tasks of ``loop`` (None: nothing) in this rank's stacks file."""
         if loop is not None:

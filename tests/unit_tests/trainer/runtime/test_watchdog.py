@@ -114,6 +114,16 @@ def test_a_phase_block_resumes_the_phase_it_interrupted_however_it_ends(tmp_path
     assert watchdog.current == "start-up"
 
 
+def test_waiting_for_names_what_the_phase_waits_for_on_the_same_deadline(tmp_path):
+    watchdog = Watchdog(0, tmp_path, "T", rank=0)
+    watchdog.begin("step 3")
+    began = watchdog._phase[1]
+    with watchdog.waiting_for("waiting for a batch from the inference rank 1"):
+        assert watchdog.current == "step 3 (waiting for a batch from the inference rank 1)"
+        assert watchdog._phase[1] == began  # no new timeout: the step's own deadline
+    assert watchdog._phase == ("step 3", began)
+
+
 def test_a_timeout_of_0_starts_no_thread(tmp_path):
     watchdog = Watchdog(0, tmp_path, "T", rank=0)
     watchdog.start()
