@@ -16,6 +16,7 @@ value names the tensor.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -99,13 +100,17 @@ class WeightSender:
         return out
 
     @torch.no_grad()
-    def send(self, version: int) -> TransferStats:
+    def send(self, version: int, announce: Callable[[], None] | None = None) -> TransferStats:
         """Send policy ``version``'s weights (collective: every training rank, and every inference
-        rank's ``WeightReceiver.receive``)."""
+        rank's ``WeightReceiver.receive``); ``announce()`` runs on training rank 0 after the
+        gathers over the TP group, just before the weights go out (a failure there leaves no
+        training rank waiting in a gather)."""
         start = time.perf_counter()
         wholes = self._wholes()
         if self.bridge is None:  # training ranks other than 0 only gather
             return TransferStats(time.perf_counter() - start, 0, 0.0, 0.0)
+        if announce is not None:
+            announce()
         header, payloads, elements, changed, same, sampled = [], [], 0, 0, 0, 0
         for name, tensor in wholes.items():
             flat = _padded(tensor.reshape(-1).to("cpu"))

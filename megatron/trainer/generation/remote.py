@@ -98,16 +98,27 @@ class RemoteRollouts:
         self._stop_signal: int | None = None
         self._closed = False
         blob = (start.kv or {}).get("slots") if ctx.is_main else None
-        if ctx.is_main:
-            ready = None if blob is None else blob.get("ready")
-            self._pending = None if ready is None else _batch_of(json.loads(ready))
-            kv = None if blob is None else blob.get("inference")
-            state = None if start.state is None else start.state.model_dump_json()
-            self.bridge.broadcast_object(
-                {"kind": "start", "state": state, "kv": kv, "policy_version": start.policy_version}
-            )
-        if not main_rank_value(self._pending is not None):  # the first window needs weights
-            self._send_weights()
+        ready = None if blob is None else blob.get("ready")
+        self._pending = None if ready is None else _batch_of(json.loads(ready))
+        first_window_needs_weights = not main_rank_value(self._pending is not None)
+        failure = None
+        try:
+            if ctx.is_main:
+                kv = None if blob is None else blob.get("inference")
+                state = None if start.state is None else start.state.model_dump_json()
+                self.bridge.broadcast_object(
+                    {
+                        "kind": "start",
+                        "state": state,
+                        "kv": kv,
+                        "policy_version": self.policy_version,
+                    }
+                )
+            if first_window_needs_weights:
+                self._send_weights()
+        except BaseException as exc:  # every training rank stops here
+            failure = exc
+        raise_agreed_failure(failure)
 
     def __enter__(self) -> "RemoteRollouts":
         return self
@@ -122,11 +133,13 @@ class RemoteRollouts:
     def _send_weights(self) -> None:
         """Policy ``policy_version`` to the inference ranks: their next window's (collective)."""
         v = self.policy_version
+
+        def announce() -> None:  # training rank 0, after the TP gathers
+            self.bridge.broadcast_object({"kind": "weights", "version": v})
+            self._outstanding += 1
+
         with self._waiting(f"waiting for {self.bridge.peers} to take the weights of version {v}"):
-            if self.ctx.is_main:
-                self.bridge.broadcast_object({"kind": "weights", "version": v})
-                self._outstanding += 1
-            stats = self.sender.send(v)
+            stats = self.sender.send(v, announce)
         self._refit = {
             "refit/seconds": stats.seconds,
             "refit/bytes_sent": float(stats.bytes_sent),
@@ -146,14 +159,14 @@ class RemoteRollouts:
         """The next batch on rank 0 (None elsewhere), after sending this policy's weights for
         the inference ranks' next window (collective over the training ranks)."""
         start = time.perf_counter()
-        self._send_weights()
         collected, failure = CollectedBatch(None, 0.0, None), None
-        if self.ctx.is_main:
-            try:
+        try:
+            self._send_weights()
+            if self.ctx.is_main:
                 collected = self._pending or self._collected(self._receive())
-            except BaseException as exc:  # every training rank stops here
-                failure = exc
-            self._pending = None
+                self._pending = None
+        except BaseException as exc:  # every training rank stops here
+            failure = exc
         raise_agreed_failure(failure)
         return dataclasses.replace(collected, seconds=time.perf_counter() - start)
 
