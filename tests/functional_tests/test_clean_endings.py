@@ -413,6 +413,7 @@ def _rank_of(pid: int) -> str | None:
     return ranks[0] if ranks else None
 
 
+@pytest.mark.slow  # about a minute on 2 cores; Watchdog.waiting_for's unit test runs in CI
 def test_an_inference_rank_that_falls_behind_is_named_by_the_watchdog(tmp_path):
     """--refit-mode non-collocated with an environment that never answers from batch 1: the
     inference rank's window 1 (during step 0) never ends, and the trainer's watchdog names what
