@@ -46,6 +46,7 @@ from megatron.trainer.generation.rollouts import (
     PipelineConfig,
     PipelineStart,
     RolloutSource,
+    agreed_signal,
 )
 from megatron.trainer.parallel import ParallelContext
 from megatron.trainer.runtime.initialize import main_rank_value, raise_agreed_failure
@@ -214,10 +215,7 @@ class RemoteRollouts:
 
     def stop_requested(self) -> int:
         """The signal number any training rank was asked to stop with, else 0 (collective)."""
-        signum = torch.tensor([self._stop_signal or 0], device=self.ctx.device)
-        if self.ctx.world_size > 1:
-            dist.all_reduce(signum, op=dist.ReduceOp.MAX)
-        return int(signum.item())
+        return agreed_signal(self.ctx, self._stop_signal)
 
     def close(self) -> None:
         """Tell the inference ranks to stop (rank 0) after taking the batches they owe;

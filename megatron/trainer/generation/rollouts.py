@@ -326,10 +326,7 @@ class RolloutSource:
     def stop_requested(self) -> int:
         """The signal number any rank was asked to stop with, else 0 (collective: every rank
         decides alike, at the end of each step)."""
-        signum = torch.tensor([self._stop_signal or 0], device=self.ctx.device)  # nccl on CUDA
-        if self.ctx.world_size > 1:
-            dist.all_reduce(signum, op=dist.ReduceOp.MAX)
-        return int(signum.item())
+        return agreed_signal(self.ctx, self._stop_signal)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Cancel and await every task of the pipeline (rank 0); idempotent, never hangs."""
@@ -342,6 +339,14 @@ class RolloutSource:
         if self._server is not None:
             await self._server.stop()
         await self.agent.aclose()
+
+
+def agreed_signal(ctx: ParallelContext, signum: int | None) -> int:
+    """The largest of every rank's ``signum`` (None: 0), on every rank (collective)."""
+    value = torch.tensor([signum or 0], device=ctx.device)  # nccl on CUDA
+    if ctx.world_size > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value.item())
 
 
 def endpoint_line(url: str, key_source: str) -> str:
