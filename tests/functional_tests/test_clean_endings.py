@@ -9,10 +9,8 @@ under plain torchrun, whose own report of a failed worker cannot be changed from
 from __future__ import annotations
 
 import math
-import os
 import random
 import shutil
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -25,7 +23,6 @@ from golden_values import (
     subprocess_env,
     training_command,
 )
-from launching import kill_job, process_tree
 
 TINY = {
     "train-iters": 2,
@@ -353,82 +350,3 @@ def test_nan_rewards_are_masked_rollouts_and_the_run_trains_on(tmp_path):
     assert sum(m["placeholder_rollouts"] for m in records) > 0
     assert all(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in records)
     assert "reward is not finite: nan" in proc.stderr  # the first one is logged, once
-
-
-NON_COLLOCATED = {**TINY, "refit-mode": "non-collocated"}
-"""One training rank and one inference rank (``--nproc-per-node 2``)."""
-
-
-def test_a_failure_on_the_inference_rank_is_one_message_from_the_trainer(tmp_path):
-    """--refit-mode non-collocated: the inference rank's error reaches training rank 0, which
-    names the inference rank and the error; the job exits 1 within seconds."""
-    config = tmp_path / "envs.yaml"
-    config.write_text("- agent_type: grpo_testing.fakes:RaisingDigits\n  env_id: raising\n")
-    args = {
-        **NON_COLLOCATED,
-        "train-iters": 20,
-        "env-config": config,
-        "rl-max-failed-rollout-fraction": 0.1,
-    }
-    proc, seconds = run(training_command(2, args))
-    assert proc.returncode == 1 and seconds < 90, proc.stderr[-3000:]
-    messages = [line for line in error_lines(proc.stderr) if "error:" in line]
-    assert len(messages) == 1, messages
-    assert messages[0].startswith("pretrain_grpo.py: error: the inference rank 1 failed:")
-    assert "'raising'" in messages[0] and "above the limit of 10%" in messages[0]
-
-
-def test_a_killed_inference_rank_ends_the_run_with_one_message_naming_it(tmp_path):
-    """kill -9 of the inference rank mid-run: the trainer's next refit or receive fails at once
-    (no hang), and the one message names the inference rank."""
-    metrics = tmp_path / "m.jsonl"
-    cmd = training_command(2, {**NON_COLLOCATED, "train-iters": 5000, "metrics-file": metrics})
-    job = subprocess.Popen(
-        cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while len(read_metrics(metrics) if metrics.exists() else []) < 3:
-            assert job.poll() is None and time.monotonic() < deadline, job.stderr.read()[-3000:]
-            time.sleep(0.2)
-        inference = [p for p in process_tree(job.pid) if _rank_of(p) == "1"]
-        assert len(inference) == 1
-        os.kill(inference[0], signal.SIGKILL)
-        _, stderr = job.communicate(timeout=60)
-    finally:
-        kill_job(job.pid)
-    assert job.returncode != 0
-    messages = [line for line in error_lines(stderr.decode()) if "error:" in line]
-    assert len(messages) == 1, messages
-    assert "the inference rank 1 ended or stopped answering" in messages[0], messages[0]
-
-
-def _rank_of(pid: int) -> str | None:
-    """The RANK a launcher gave process ``pid`` (None: not a worker, or gone)."""
-    try:
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    ranks = [e.split(b"=", 1)[1].decode() for e in environ if e.startswith(b"RANK=")]
-    return ranks[0] if ranks else None
-
-
-@pytest.mark.slow  # about a minute on 2 cores; Watchdog.waiting_for's unit test runs in CI
-def test_an_inference_rank_that_falls_behind_is_named_by_the_watchdog(tmp_path):
-    """--refit-mode non-collocated with an environment that never answers from batch 1: the
-    inference rank's window 1 (during step 0) never ends, and the trainer's watchdog names what
-    step 1 waits for."""
-    config = tmp_path / "envs.yaml"
-    config.write_text(
-        "- agent_type: grpo_testing.fakes:SilentDigits\n  env_id: silent\n"
-        "  agent_args: {silent_from_batch: 1}\n"
-    )
-    args = {**NON_COLLOCATED, **WATCHDOG, "env-config": config}
-    args["metrics-file"] = tmp_path / "metrics.jsonl"
-    proc, seconds = run(training_command(2, args))
-    assert_one_message(
-        proc,
-        f"no progress in {TIMEOUT_MINUTES:g} min: step 1 (waiting for the inference rank 1 to "
-        "take the weights of version 1) has not finished (watchdog, --watchdog-timeout-minutes)",
-    )
-    assert proc.returncode == 1 and seconds < 90

@@ -115,33 +115,6 @@ def test_two_process_runs_match_the_single_process_run(runs, single_case, case):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
 
 
-def test_non_collocated_generation_runs_exactly_one_collection_behind(runs):
-    """--refit-mode non-collocated: window c generates with the weights sent at collection
-    c-1's start, so batch c was submitted min(c, L + 1) versions before it is trained and its
-    tokens are 1..L + 1 versions old (batch 0's: 0), on every step, the resumed ones included;
-    every refit is a delta of what changed since the previous one."""
-    for m in runs("noncollocated_lag2_resume"):
-        expected = min(m["step"], 3)
-        assert (m["staleness_min"], m["staleness_max"]) == (expected, expected), m["step"]
-        assert min(1, m["step"]) <= m["token_staleness_min"] <= m["token_staleness_max"]
-        assert m["token_staleness_max"] <= expected and m["in_flight_batches"] == 3
-        if m["step"] == 0:  # window 1's weights are window 0's: a delta with nothing in it
-            assert m["refit/changed_share"] == 0 == m["refit/bytes_sent"]
-        else:
-            assert 0 < m["refit/changed_share"] <= 1 and m["refit/bytes_sent"] > 0
-
-
-def test_non_collocated_reruns_are_bitwise_equal_whatever_the_timing(runs):
-    """The same flags twice, once with the environment behind an HTTP env server that generates
-    through the inference rank's endpoint (other timing, other processes): every guarded metric
-    equal, not close. The weight swaps fall where the step count puts them."""
-    local = run_training(2, load_case("noncollocated_remote_env")["args"])
-    remote = runs("noncollocated_remote_env")
-    assert [{k: m[k] for k in DETERMINISTIC} for m in local] == [
-        {k: m[k] for k in DETERMINISTIC} for m in remote
-    ]
-
-
 def test_collocated_refit_at_the_training_layout_is_the_plain_run_bitwise(runs):
     """An inference copy at the training layout (each rank copies its own shards after every
     step) generates what the trained model itself generates: every metric equal, not close."""
