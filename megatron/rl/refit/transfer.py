@@ -146,7 +146,7 @@ class WeightSender:
         values, whichever is smaller), its payloads and how many elements changed."""
         if not self.delta:
             return None, [flat], flat.numel()
-        bits = _bits(flat).clone()
+        bits = _bits(flat)  # flat is a fresh padded copy: kept as is for the next comparison
         old, self._previous[name] = self._previous.get(name), bits
         if old is None:
             return None, [flat], flat.numel()
