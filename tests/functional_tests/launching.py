@@ -21,6 +21,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+WORLD_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 def free_port() -> int:
@@ -44,7 +52,9 @@ def training_command(
         "-m",
         launcher,
         f"--nproc-per-node={nproc}",
-        f"--master-port={free_port()}",
+        # the launcher's own store binds a port of the kernel's choice, which it hands to the
+        # workers: no window in which another job can take a port picked here
+        "--standalone",
         script,
         *argv,
     ]
@@ -61,9 +71,12 @@ def flag_argv(args: dict) -> list[str]:
 
 
 def subprocess_env() -> dict[str, str]:
-    """Environment of spawned trainers/servers: one thread each, tests/ importable."""
+    """Environment of spawned trainers/servers: one thread each, tests/ importable, and no
+    distributed world's variables (a launcher sets its workers' own; a process alone needs none,
+    and a world set up in this process must not leak into it)."""
     path = os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=path)
+    own = {k: v for k, v in os.environ.items() if k not in WORLD_VARIABLES}
+    return dict(own, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=path)
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -155,50 +168,58 @@ def env_server(
     """Run ``python -m megatron.rl.server.env_server`` on a free port until the block exits
     (requiring the key in ``api_key_file``, if given).
 
-    Yields the server's URL (once ``/health`` answers) and its process.
+    Yields the server's URL (once ``/health`` answers) and its process. A port taken by another
+    job between picking it and the server binding it is picked again (up to three times).
     """
-    import httpx
-
     env_config = workdir / "server_envs.yaml"
     env_config.write_text(config)
-    port = free_port()
     log_path = workdir / "env_server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "megatron.rl.server.env_server",
-                f"--env-config={env_config}",
-                "--host=127.0.0.1",
-                f"--port={port}",
-                f"--log-level={log_level}",
-                *([f"--api-key-file={api_key_file}"] if api_key_file else []),
-            ],
-            cwd=ROOT,
-            env=subprocess_env(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+    for attempt in range(3):
+        port = free_port()
+        command = [
+            sys.executable,
+            "-m",
+            "megatron.rl.server.env_server",
+            f"--env-config={env_config}",
+            "--host=127.0.0.1",
+            f"--port={port}",
+            f"--log-level={log_level}",
+            *([f"--api-key-file={api_key_file}"] if api_key_file else []),
+        ]
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(
+                command, cwd=ROOT, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT
+            )
         url = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 60
-            while True:
-                with contextlib.suppress(httpx.TransportError):
-                    key = api_key_file.read_text().strip() if api_key_file else None
-                    headers = {"authorization": f"Bearer {key}"} if key else {}
-                    if httpx.get(f"{url}/health", timeout=1, headers=headers).status_code == 200:
-                        break
-                if proc.poll() is not None:
-                    raise RuntimeError(f"the env server exited:\n{log_path.read_text()}")
-                if time.monotonic() > deadline:
-                    raise TimeoutError("the env server did not answer /health within 60 s")
-                time.sleep(0.2)
-            yield url, proc
+            if _wait_for_health(url, proc, api_key_file):
+                yield url, proc
+                return
+            output = log_path.read_text()
+            if "address already in use" not in output or attempt == 2:
+                raise RuntimeError(f"the env server exited:\n{output}")
         finally:
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
+
+
+def _wait_for_health(url: str, proc: subprocess.Popen, api_key_file: Path | None) -> bool:
+    """Whether the server at ``url`` answers ``/health`` (False: its process exited first)."""
+    import httpx
+
+    deadline = time.monotonic() + 60
+    while True:
+        with contextlib.suppress(httpx.TransportError):
+            key = api_key_file.read_text().strip() if api_key_file else None
+            headers = {"authorization": f"Bearer {key}"} if key else {}
+            if httpx.get(f"{url}/health", timeout=1, headers=headers).status_code == 200:
+                return True
+        if proc.poll() is not None:
+            return False
+        if time.monotonic() > deadline:
+            raise TimeoutError("the env server did not answer /health within 60 s")
+        time.sleep(0.2)
 
 
 def remote_env_config(workdir: Path, url: str, env_ids: list[str]) -> Path:

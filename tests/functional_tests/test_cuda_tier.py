@@ -63,7 +63,7 @@ def train(nproc: int, *flags: str, timeout: float = 600) -> tuple[list[dict], st
             "-m",
             "torch.distributed.run",
             f"--nproc-per-node={nproc}",
-            f"--master-port={free_port()}",
+            "--standalone",  # the launcher binds a port of the kernel's choice: no race for it
             "pretrain_grpo.py",
             *BASE,
             *flags,

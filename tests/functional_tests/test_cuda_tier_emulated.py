@@ -23,7 +23,6 @@ from golden_values import (
     ROOT,
     TOLERANCES,
     checkpoint_of_iteration,
-    free_port,
     run_training,
     subprocess_env,
 )
@@ -277,7 +276,7 @@ def policy_results(nproc: int, flags: list[str], cases: list[list[str]]) -> list
             "-m",
             "torch.distributed.run",
             f"--nproc-per-node={nproc}",
-            f"--master-port={free_port()}",
+            "--standalone",  # the launcher binds a port of the kernel's choice: no race for it
             POLICY,
             "--out",
             out,

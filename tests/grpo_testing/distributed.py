@@ -1,9 +1,13 @@
-"""Run a function on N gloo ranks in fresh processes and collect each rank's return value."""
+"""Run a function on N gloo ranks in fresh processes and collect each rank's return value.
+
+The ranks meet through a file store in a temporary directory, not a TCP port: a port picked here
+and bound later by rank 0 could be taken in between by another job on the machine (CI runs two
+test suites side by side).
+"""
 
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -13,24 +17,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, fn: Callable, world_size: int, port: int, out: str, args: tuple) -> None:
+def _entry(rank: int, fn: Callable, world_size: int, out: str, args: tuple) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    store = dist.FileStore(str(Path(out) / "store"), world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     try:
         torch.save(fn(rank, world_size, *args), Path(out) / f"rank{rank}.pt")
     finally:
@@ -49,7 +45,7 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any) -> list[Any]:
     with tempfile.TemporaryDirectory() as out:
         mp.start_processes(
             _entry,
-            args=(fn, world_size, free_port(), out, args),
+            args=(fn, world_size, out, args),
             nprocs=world_size,
             join=True,
             start_method="spawn",
@@ -62,5 +58,4 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any) -> list[Any]:
 def init_single_rank_world() -> None:
     """A gloo world of one process (for tests that need megatron-core's parallel state)."""
     if not dist.is_initialized():
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime
 import os
 import random
-import socket
 from typing import TypeVar
 
 import torch
@@ -27,19 +26,15 @@ def initialize_distributed(cfg: RunConfig) -> ParallelContext:
     """Start torch.distributed (gloo on CPU, nccl on CUDA) and megatron-core's parallel state.
 
     Works under torchrun/SLURM (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment) and as a
-    plain ``python pretrain_grpo.py`` (a world of one on a free local port).
+    plain ``python pretrain_grpo.py`` (a world of one, with no port at all).
     """
     cuda = torch.cuda.is_available()
-    if "RANK" not in os.environ:
-        # One process, not started by a launcher: a world of its own on a fresh port (a
-        # MASTER_PORT inherited from a shell or a parent process may name a port still held).
-        os.environ.update(
-            RANK="0",
-            WORLD_SIZE="1",
-            LOCAL_RANK="0",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(_free_port()),
-        )
+    alone = "RANK" not in os.environ
+    if alone:
+        # One process, not started by a launcher: a world of its own on an in-process store. No
+        # port: a MASTER_PORT inherited from a shell or a parent may name a port still held, and
+        # a port picked here could be taken by another job before the store binds it.
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if cuda:
         torch.cuda.set_device(local_rank)
@@ -62,7 +57,8 @@ def initialize_distributed(cfg: RunConfig) -> ParallelContext:
         if generates_only:
             cfg = inference_run_config(cfg)
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=timeout)
+        store = {"store": dist.HashStore(), "rank": 0, "world_size": 1} if alone else {}
+        dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=timeout, **store)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=cfg.parallelism.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.parallelism.pipeline_model_parallel_size,
@@ -171,9 +167,3 @@ def shutdown_distributed() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from grpo_testing.distributed import free_port, run_on_ranks
+from grpo_testing.distributed import run_on_ranks
 from grpo_testing.models import VOCAB
 from grpo_testing.rollouts import synthetic_groups
 from grpo_testing.trainer import grpo_update, one_rank_context, step_config, train_args
@@ -186,14 +186,10 @@ def test_the_cuda_tier_emulated_refuses_the_update_through_megatron_cores_check(
     script = tmp_path / "cuda_tier_nan.py"
     script.write_text(textwrap.dedent(CUDA_TIER_EMULATED))
     root = Path(__file__).resolve().parents[4]
+    world = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     env = dict(
-        os.environ,
+        {k: v for k, v in os.environ.items() if k not in world},  # a world of one, no port
         OMP_NUM_THREADS="1",
-        RANK="0",
-        WORLD_SIZE="1",
-        LOCAL_RANK="0",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
         PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]),
     )
     proc = subprocess.run(
