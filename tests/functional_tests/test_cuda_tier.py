@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,12 +39,6 @@ BASE = [
     "--seed",
     "1234",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def gpus() -> int:
@@ -144,6 +137,41 @@ def test_data_parallel_2_matches_data_parallel_1():
     for a, b in zip(dp1, dp2):
         assert b["reward_mean"] == pytest.approx(a["reward_mean"], abs=1e-6)
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-3, abs=1e-5)
+
+
+def test_a_collocated_copy_at_the_training_layout_generates_as_the_trained_model():
+    """A bf16 inference copy (``Float16Module``) refit after every step and verified: the
+    engine on it samples what it samples on the trained model."""
+    plain, _ = train(1, "--bf16", "--train-iters", "3")
+    copy, _ = train(
+        1,
+        "--bf16",
+        "--train-iters",
+        "3",
+        "--rl-inference-tensor-model-parallel-size",
+        "1",
+        "--rl-verify-model-weights-swap",
+    )
+    assert [m["reward_mean"] for m in copy] == [m["reward_mean"] for m in plain]
+    assert all(m["refit/bytes_written"] > 0 == m["refit/bytes_received"] for m in copy)
+
+
+@pytest.mark.skipif(gpus() < 2, reason="needs 2 GPUs")
+def test_two_tp1_copies_of_a_tp2_run_are_refit_over_nccl():
+    tp2, _ = train(2, "--tensor-model-parallel-size", "2")
+    copies, _ = train(
+        2,
+        "--tensor-model-parallel-size",
+        "2",
+        "--rl-inference-tensor-model-parallel-size",
+        "1",
+        "--rl-verify-model-weights-swap",
+        "--refit-method",
+        "nccl",
+    )
+    for a, b in zip(tp2, copies):
+        assert b["reward_mean"] == pytest.approx(a["reward_mean"], abs=1e-6)
+        assert b["refit/bytes_received"] > 0
 
 
 @pytest.mark.skipif(gpus() < 2, reason="needs 2 GPUs")

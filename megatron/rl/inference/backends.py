@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
     from megatron.rl.inference.protocol import RowRunner
     from megatron.rl.inference.requests import SchedulerConfig
@@ -57,6 +58,10 @@ class RunnerInputs:
     padded_vocab_size: int | None = None
     """Rows of the model's output layer (the vocabulary padded for TP); the ``megatron_core``
     backend needs it."""
+    pg_collection: ProcessGroupCollection | None = None
+    """megatron-core's process groups ``model`` was built with, when they are not its parallel
+    state (an inference copy on a layout of its own: ``tp`` is ``tp_group``); the
+    ``megatron_core`` backend builds its context and model wrapper on them."""
 
 
 RunnerProvider = Callable[[RunnerInputs], "RowRunner"]

@@ -112,7 +112,8 @@ class CollocatedRefit:
             theirs = self._checksum(param, spec, self.rank, self.size, self.group)
             ours = self._checksum(dest, spec, self.target_rank, self.target_size, self.target_group)
             found.append(int(theirs != ours))
-        flags = torch.tensor(found, dtype=torch.int64)
+        device = next(self.source.parameters()).device  # NCCL reduces device tensors only
+        flags = torch.tensor(found, dtype=torch.int64, device=device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return [n for n, bad in zip(self.specs, flags.tolist()) if bad]  # specs: in that order
@@ -120,7 +121,7 @@ class CollocatedRefit:
     @staticmethod
     def _checksum(tensor, spec, rank, size, group) -> torch.Tensor:
         """The whole tensor's checksum from this rank's shard (summed over ``group``)."""
-        index = global_indices(spec, tensor.shape, rank, size)  # a whole tensor: its own arange
+        index = global_indices(spec, tensor.shape, rank, size, tensor.device)  # whole: arange
         total = position_checksum(tensor, index)
         if spec.dim is not None and size > 1:
             dist.all_reduce(total, group=group)

@@ -67,13 +67,15 @@ def shard(full: torch.Tensor, spec: ShardSpec, rank: int, size: int) -> torch.Te
     return full.chunk(size, dim=spec.dim)[rank]
 
 
-def global_indices(spec: ShardSpec, shape: torch.Size, rank: int, size: int) -> torch.Tensor:
+def global_indices(
+    spec: ShardSpec, shape: torch.Size, rank: int, size: int, device: torch.device | None = None
+) -> torch.Tensor:
     """The TP=1 flat index of every element of rank ``rank``'s shard of shape ``shape`` (of
-    ``size`` ranks): ``shard`` of the whole tensor's ``arange``."""
+    ``size`` ranks): ``shard`` of the whole tensor's ``arange`` (on ``device``)."""
     full = list(shape)
     if spec.dim is not None:
         full[spec.dim] *= size
-    index = torch.arange(torch.Size(full).numel(), dtype=torch.int64).view(full)
+    index = torch.arange(torch.Size(full).numel(), dtype=torch.int64, device=device).view(full)
     return shard(index, spec, rank, size)
 
 

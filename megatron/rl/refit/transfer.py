@@ -224,8 +224,8 @@ class WeightReceiver:
         found = []
         for name, expected in checks:
             dest, spec = self.params[name], self.specs[name]
-            index = global_indices(spec, dest.shape, self.rank, self.size)
-            total = position_checksum(dest.to("cpu"), index)
+            index = global_indices(spec, dest.shape, self.rank, self.size, dest.device)
+            total = position_checksum(dest, index)  # on the device its group reduces on
             if spec.dim is not None and self.size > 1:
                 dist.all_reduce(total, group=self.group)
             if int(total) != expected:

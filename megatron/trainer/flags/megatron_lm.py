@@ -231,7 +231,7 @@ MEGATRON_LM_RL_FLAGS: tuple[MegatronFlag, ...] = (
         "same",
         "--rl-inference-tensor-model-parallel-size",
         "generation on a copy of the model at this TP degree, refit after every optimizer step "
-        "(CPU tier, dense models)",
+        "(dense models, one pipeline stage)",
     ),
     MegatronFlag(
         "--rl-inference-pipeline-model-parallel-size",

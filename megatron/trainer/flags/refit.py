@@ -20,6 +20,11 @@ def refit_problems(run: RunConfig, cuda: bool) -> list[str]:
     separate = p.refit_mode == "non-collocated"
     if p.refit_method == "nccl" and not cuda:
         errors.append("--refit-method nccl needs CUDA: the CPU tier's ranks talk over gloo")
+    if p.refit_method == "nccl" and cuda and separate:
+        errors.append(
+            "--refit-method nccl with --refit-mode non-collocated: the weights travel over gloo "
+            "through host memory (the two sides share no NCCL communicator); use gloo"
+        )
     if p.rl_delta_refit and not separate:
         errors.append(
             "--rl-delta-refit needs --refit-mode non-collocated (a collocated refit copies "
@@ -31,11 +36,17 @@ def refit_problems(run: RunConfig, cuda: bool) -> list[str]:
     if t is None or t < 1:
         return errors
     mode = "--refit-mode non-collocated" if separate else FLAG
-    if cuda and not separate:
-        return errors + [
-            f"{mode} is implemented on the CPU tier only: on CUDA the engine generates on the "
-            "trained model's own layout (drop the flag)"
-        ]
+    if p.refit_method == "gloo" and cuda and not separate:
+        errors.append(
+            f"--refit-method gloo with {FLAG}: a collocated refit on CUDA gathers each weight "
+            "over the training tensor-parallel group's NCCL; use nccl (the default on CUDA)"
+        )
+    if not separate and p.pipeline_model_parallel_size > 1:
+        errors.append(
+            f"{FLAG} with --pipeline-model-parallel-size {p.pipeline_model_parallel_size}: "
+            "the inference copy is one whole stage and a refit gathers over tensor "
+            "parallelism only; drop one of them"
+        )
     if not separate and run.world_size % t != 0:
         errors.append(f"world size {run.world_size} must be divisible by {FLAG} ({t})")
     arch = run.architecture_flags

@@ -45,8 +45,8 @@ class Parallelism(Section):
         "world size / N inference replicas of N consecutive ranks, each rank keeps its shard of "
         "the copy, and right after every optimizer step the trained weights are resharded into "
         "it (tensor by tensor, over --refit-method). Default: no copy, generation runs on the "
-        "trained model itself, on the training layout. CPU tier; dense models, full "
-        "fine-tuning, one pipeline stage.",
+        "trained model itself, on the training layout. Dense models, full fine-tuning, one "
+        "pipeline stage.",
         parse=int,
         minimum=1,
         resume=True,
@@ -66,9 +66,10 @@ class Parallelism(Section):
     )
     refit_method: str | None = option(
         None,
-        "How a refit moves the weights between ranks: gloo (the CPU tier's process groups) or "
-        "nccl (CUDA). Default: the device's backend. Has no effect without "
-        "--rl-inference-tensor-model-parallel-size.",
+        "How a refit moves the weights between ranks: gloo (the CPU tier's process groups; "
+        "--refit-mode non-collocated on either tier, through host memory) or nccl (a "
+        "collocated refit on CUDA). Default: the one the mode and device use. Has no effect "
+        "without --rl-inference-tensor-model-parallel-size or --refit-mode non-collocated.",
         parse=str,
         choices=("gloo", "nccl"),
     )

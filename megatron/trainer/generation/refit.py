@@ -4,6 +4,7 @@ parallel-size``), on its own layout, refit from the trained model after every op
 from __future__ import annotations
 
 import torch
+from megatron.core.utils import unwrap_model
 
 from megatron.rl.refit.collocated import CollocatedRefit
 from megatron.rl.refit.layout import InferenceLayout, inference_layout
@@ -27,8 +28,10 @@ class InferenceCopy:
     ) -> None:
         self.layout: InferenceLayout = inference_layout(tp_size)
         self.model = tier.build_inference_copy(vocab_size, self.layout)
-        gated = bool(getattr(trained.config, "gated_linear_unit", False))
-        self.refit = CollocatedRefit(trained, self.model, ctx.tp_group, self.layout.tp_group, gated)
+        # the GPTs inside the wrappers (CUDA: DDP and Float16Module), so the names match
+        source, target = unwrap_model(trained), unwrap_model(self.model)
+        gated = bool(getattr(source.config, "gated_linear_unit", False))
+        self.refit = CollocatedRefit(source, target, ctx.tp_group, self.layout.tp_group, gated)
         self.verify = verify
         """``--rl-verify-model-weights-swap``: check every refit."""
         self.refit()  # the weights the run starts (or resumes) with

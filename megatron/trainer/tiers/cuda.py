@@ -17,7 +17,9 @@
   (reference KL, entropy), the IS correction and sequence packing (SDPA layer spec only) behave
   alike. The reference model is a second model of this tier's build (no DDP).
 * Rollouts: the scheduler over megatron-core's ``DynamicInferenceEngine`` on the trained model
-  itself (``megatron.rl.inference.megatron_core.dynamic_runner``), suspended during the train step.
+  itself (``megatron.rl.inference.megatron_core.dynamic_runner``), suspended during the train step;
+  with ``--rl-inference-tensor-model-parallel-size``, on an inference copy built on its own process
+  groups and refit over NCCL after every optimizer step (``generation/refit.py``).
 * Checkpoints: ``cuda_checkpoint.DistShards`` (``dist_checkpointing``, torch_dist).
 
 ``--clip-grad 0`` measures the gradient norm without clipping, as on CPU.
@@ -25,6 +27,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from typing import Any
 
@@ -208,21 +211,41 @@ class CUDATier(Tier):
 
     def build_step_group(self, model, config, vocab_size, layout=None):
         """The tier's inference backend (``megatron_core``: megatron-core's dynamic engine on this
-        rank's shard) under a ``StepGroup`` (the training layout: ``build_inference_copy`` is
-        the base's refusal)."""
-        return self.backend_step_group(
-            RunnerInputs(
-                model,
-                config,
-                vocab_size,
-                self.ctx.device,
-                self.ctx.tp_group,
-                self.ctx.tp_size,
-                padded_vocab_size=padded_vocab_size(
-                    vocab_size, self.config.model.section.make_vocab_size_divisible_by
-                ),
-            )
+        rank's shard) under a ``StepGroup``, on the training layout or on ``layout``'s replicas
+        (an inference copy: the engine's context and wrapper on the copy's process groups)."""
+        tp_group, tp_size, groups = self.ctx.tp_group, self.ctx.tp_size, None
+        if layout is not None:
+            tp_group, tp_size, groups = layout.tp_group, layout.tp_size, layout.pg_collection
+        divisible_by = self.config.model.section.make_vocab_size_divisible_by
+        inputs = RunnerInputs(
+            model,
+            config,
+            vocab_size,
+            self.ctx.device,
+            tp_group,
+            tp_size,
+            padded_vocab_size=padded_vocab_size(vocab_size, divisible_by),
+            pg_collection=groups,
         )
+        return self.backend_step_group(inputs, layout)
+
+    def build_inference_copy(self, vocab_size, layout):
+        """This tier's GPT at ``layout``'s TP degree, on its process groups: one whole stage,
+        bf16 under ``--bf16`` (``Float16Module``) as the trained weights are, frozen and
+        uninitialized (the first refit fills it)."""
+        spec = dataclasses.replace(
+            self.config.model, tensor_parallel=layout.tp_size, pipeline_parallel=1, lora=None
+        )
+        arch = architecture(spec, vocab_size)
+        config = cuda_transformer_config(spec, arch, self.transformer_engine, initialize=False)
+        backend = select_backend(cuda=True)
+        spec_of_layers = layer_spec(arch, backend, spec.section.moe_grouped_gemm)
+        model = build_gpt_model(arch, config, spec_of_layers, pg_collection=layout.pg_collection)
+        model.to(self.ctx.device)
+        if config.bf16:
+            model = Float16Module(config, model)
+        model.requires_grad_(False)
+        return model.eval()
 
     # ----------------------------------------------------------------- checkpoints
 

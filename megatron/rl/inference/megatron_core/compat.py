@@ -9,7 +9,8 @@ import. One adapter per API that changed:
 | --- | --- | --- | --- |
 | ``build_context`` | ``megatron.core.inference.config.InferenceConfig`` imports | keyword arguments | ``DynamicInferenceContext(model_config, InferenceConfig(...))`` |
 | ``KV_CACHE_MODES``, ``kv_cache_mode_of`` | ``InferenceConfig.kv_cache_management_mode`` | ``recompute`` (``suspend`` frees the KV) and ``persist`` (never suspended) | megatron-core's ``KVCacheManagementMode``: also ``offload`` |
-| ``wrap_model`` | ``...model_inference_wrappers.inference_wrapper_config`` imports | ``GPTInferenceWrapper(model, InferenceWrapperConfig, context)`` | ``GPTInferenceWrapper(model, context)`` |
+| ``build_context(pg_collection=)`` | the same | an argument of the context | a field of ``InferenceConfig`` |
+| ``wrap_model`` | ``...model_inference_wrappers.inference_wrapper_config`` imports | ``GPTInferenceWrapper(model, InferenceWrapperConfig, context, pg_collection)`` | ``GPTInferenceWrapper(model, context)`` (the groups from the context) |
 | ``engine_arguments`` | parameters of ``DynamicInferenceEngine.__init__`` | ``random_seed``, ``enable_chunked_prefill`` | neither (chunked prefill is in ``InferenceConfig``) |
 | ``is_suspended`` | ``engine.is_suspended`` or ``engine.state`` | the flag | the ``EngineState`` enum |
 | ``step_logits``, ``sampled_tokens_buffer`` | ``_dynamic_step_sample_logits``' parameters; ``_sampled_tokens_cuda`` | the logits are the argument; the buffer is preallocated | 0.18+: the logits are in ``_all_logits_cuda``, the buffer may be None (0.18.2) |
@@ -104,9 +105,11 @@ def build_context(
     max_tokens: int,
     block_size_tokens: int,
     kv_cache_mode: str,
+    pg_collection: Any = None,
 ) -> Any:
     """megatron-core's ``DynamicInferenceContext`` (paged KV cache, no chunked prefill, logits of
-    each request's last token only, no flashinfer RoPE, no unified memory)."""
+    each request's last token only, no flashinfer RoPE, no unified memory); ``pg_collection``:
+    the model's process groups when they are not megatron-core's parallel state."""
     from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
 
     common = dict(
@@ -119,6 +122,14 @@ def build_context(
         use_flashinfer_fused_rope=False,
         unified_memory_level=0,
     )
+    if pg_collection is not None:  # 0.16: an argument; 0.17+: a field of InferenceConfig
+        fields = () if _InferenceConfig is None else dataclasses.fields(_InferenceConfig)
+        if _InferenceConfig is not None and "pg_collection" not in {f.name for f in fields}:
+            raise RuntimeError(
+                "this megatron-core's InferenceConfig has no pg_collection: an inference copy "
+                "on a layout of its own needs 0.16.1 or a release whose InferenceConfig has it"
+            )
+        common["pg_collection"] = pg_collection
     management = kv_cache_mode_of(kv_cache_mode)
     if _InferenceConfig is None:  # 0.16: the dimensions are arguments
         return DynamicInferenceContext(
@@ -146,8 +157,10 @@ def wrap_model(
     padded_vocab_size: int,
     max_requests: int,
     max_sequence_length: int,
+    pg_collection: Any = None,
 ) -> Any:
-    """megatron-core's ``GPTInferenceWrapper`` of ``model`` over ``context``."""
+    """megatron-core's ``GPTInferenceWrapper`` of ``model`` over ``context`` (on
+    ``pg_collection``'s groups where given; 0.17+ reads them from the context)."""
     from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (
         GPTInferenceWrapper,
     )
@@ -162,7 +175,7 @@ def wrap_model(
         inference_max_requests=max_requests,
         inference_max_seq_length=max_sequence_length,
     )
-    return GPTInferenceWrapper(model, config, context)
+    return GPTInferenceWrapper(model, config, context, pg_collection)
 
 
 def engine_arguments(engine_class: type) -> dict[str, Any]:

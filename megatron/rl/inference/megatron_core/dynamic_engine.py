@@ -181,8 +181,10 @@ def build_megatron_engine(
     vocab_size: int,
     padded_vocab_size: int,
     sampler: SeededSampler,
+    pg_collection: Any = None,
 ) -> SteppedDynamicInferenceEngine:
-    """megatron-core's dynamic engine over ``model`` (this rank's shard; CUDA only).
+    """megatron-core's dynamic engine over ``model`` (this rank's shard; CUDA only), on
+    ``pg_collection``'s process groups (None: megatron-core's parallel state).
 
     Installs ``flash_reference`` when neither flash-attn nor FA3 is importable. The KV buffer is
     sized for ``max_requests`` requests of ``max_seq_len`` tokens, so requests are never paused or
@@ -197,7 +199,7 @@ def build_megatron_engine(
         raise RuntimeError("megatron-core's dynamic inference needs einops: pip install einops")
     flash_reference.install_into_megatron_core()
     mc = get_model_config(model)
-    tp = parallel_state.get_tensor_model_parallel_world_size()
+    tp = tp_size(pg_collection)
     kv_heads = mc.num_query_groups or mc.num_attention_heads
     layers = len(get_attr_wrapped_model(model, "decoder").layers)  # on this pipeline stage
     dtype = mc.params_dtype
@@ -215,6 +217,7 @@ def build_megatron_engine(
         max_tokens=config.tokens_per_step(),
         block_size_tokens=config.block_size_tokens,
         kv_cache_mode=config.kv_cache_mode,
+        pg_collection=pg_collection,
     )
     wrapped = compat.wrap_model(
         model,
@@ -224,6 +227,7 @@ def build_megatron_engine(
         padded_vocab_size=padded_vocab_size,
         max_requests=config.max_requests,
         max_sequence_length=config.max_seq_len,
+        pg_collection=pg_collection,
     )
     wrapped.prep_model_for_inference()
     routed = model if sampler.record_routing else None
@@ -246,22 +250,41 @@ def build_dynamic_step_group(
 
 
 def dynamic_row_runner(
-    model: torch.nn.Module, config: DynamicEngineConfig, vocab_size: int, padded_vocab_size: int
+    model: torch.nn.Module,
+    config: DynamicEngineConfig,
+    vocab_size: int,
+    padded_vocab_size: int,
+    pg_collection: Any = None,
 ) -> DynamicEngineRowRunner:
-    """The row runner of this rank: megatron-core's engine on its shard of ``model``."""
+    """The row runner of this rank: megatron-core's engine on its shard of ``model`` (built on
+    ``pg_collection``'s groups; None: megatron-core's parallel state)."""
     sampler = SeededSampler(vocab_size)
     if config.record_routing and routing_replays(model):
         start_recording(model)
         sampler.record_routing = True
-    engine = build_megatron_engine(model, config, vocab_size, padded_vocab_size, sampler)
-    return DynamicEngineRowRunner(engine, sampler, config, model_scoring(model, vocab_size))
+    engine = build_megatron_engine(
+        model, config, vocab_size, padded_vocab_size, sampler, pg_collection
+    )
+    scoring = model_scoring(model, vocab_size, pg_collection)
+    return DynamicEngineRowRunner(engine, sampler, config, scoring)
 
 
-def model_scoring(model: torch.nn.Module, vocab_size: int) -> ScoringForward | None:
-    """Plain forwards of ``model`` over megatron-core's tensor-parallel group (None with
-    pipeline parallelism: a stage is not the whole model)."""
+def tp_size(pg_collection: Any = None) -> int:
+    """The tensor-parallel degree of ``pg_collection`` (None: megatron-core's parallel state)."""
+    if pg_collection is not None:
+        return pg_collection.tp.size()
+    return parallel_state.get_tensor_model_parallel_world_size()
+
+
+def model_scoring(
+    model: torch.nn.Module, vocab_size: int, pg_collection: Any = None
+) -> ScoringForward | None:
+    """Plain forwards of ``model`` over its tensor-parallel group (``pg_collection``'s, else
+    megatron-core's; None with pipeline parallelism: a stage is not the whole model)."""
     tp_group = None
-    if parallel_state.model_parallel_is_initialized():
+    if pg_collection is not None:
+        tp_group = pg_collection.tp
+    elif parallel_state.model_parallel_is_initialized():
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             return None
         tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -272,7 +295,8 @@ def model_scoring(model: torch.nn.Module, vocab_size: int) -> ScoringForward | N
 def build_dynamic_runner(inputs: RunnerInputs) -> DynamicEngineRowRunner:
     """The ``megatron_core`` backend's provider (``backends.BACKENDS``): megatron-core's engine
     sized for the scheduler's capacity, in the model's dtype (``compute_dtype`` does not apply);
-    the tensor-parallel layout is megatron-core's ``parallel_state``."""
+    the tensor-parallel layout is ``inputs.pg_collection``'s, else megatron-core's
+    ``parallel_state``."""
     if inputs.padded_vocab_size is None:
         raise ValueError("the megatron_core inference backend needs RunnerInputs.padded_vocab_size")
     config = DynamicEngineConfig(
@@ -281,4 +305,6 @@ def build_dynamic_runner(inputs: RunnerInputs) -> DynamicEngineRowRunner:
         eos_id=inputs.config.eos_id,
         record_routing=inputs.config.record_routing,
     )
-    return dynamic_row_runner(inputs.model, config, inputs.vocab_size, inputs.padded_vocab_size)
+    return dynamic_row_runner(
+        inputs.model, config, inputs.vocab_size, inputs.padded_vocab_size, inputs.pg_collection
+    )

@@ -15,8 +15,9 @@ TP2 = ["--tensor-model-parallel-size", "2"]
 
 
 def test_without_the_flag_generation_runs_on_the_trained_model():
-    args, errors = check(TP2 + ["--refit-method", "gloo"], 2, False)  # accepted, no effect
-    assert errors == []
+    for cuda in (False, True):  # Megatron-LM's default method: accepted, no effect
+        args, errors = check(TP2 + ["--refit-method", "gloo"], 2, cuda)
+        assert errors == []
     assert args.parallelism.rl_inference_tensor_model_parallel_size is None
 
 
@@ -26,6 +27,15 @@ def test_two_tp1_replicas_of_a_tp2_run_split_the_engine_slots():
     assert errors == []
     config = pipeline_config(args, 1, CharTokenizer())
     assert config.inference_tp == 1 and config.engine.max_requests == 4  # 8 slots, 2 replicas
+
+
+def test_collocated_refit_on_cuda_is_a_copy_at_the_inference_layout_over_nccl():
+    argv = TP2 + [FLAG, "1", "--inference-max-requests", "8"]
+    for method in ([], ["--refit-method", "nccl"]):
+        args, errors = check(argv + method, 2, True)
+        assert errors == []
+        config = pipeline_config(args, 1, CharTokenizer())
+        assert config.inference_tp == 1 and config.engine.max_requests == 4
 
 
 def test_non_collocated_splits_the_world_into_training_and_inference_ranks():
@@ -82,7 +92,25 @@ def test_non_collocated_splits_the_world_into_training_and_inference_ranks():
             id="moe",
         ),
         pytest.param(
-            [FLAG, "1"], 1, True, f"{FLAG} is implemented on the CPU tier only", id="cuda"
+            [FLAG, "1", "--pipeline-model-parallel-size", "2"],
+            2,
+            True,
+            f"{FLAG} with --pipeline-model-parallel-size 2: the inference copy is one whole stage",
+            id="cuda-pipeline",
+        ),
+        pytest.param(
+            [FLAG, "1", "--refit-method", "gloo"],
+            1,
+            True,
+            f"--refit-method gloo with {FLAG}: a collocated refit on CUDA gathers each weight",
+            id="cuda-collocated-gloo",
+        ),
+        pytest.param(
+            ["--refit-mode", "non-collocated", "--refit-method", "nccl"],
+            2,
+            True,
+            "--refit-method nccl with --refit-mode non-collocated: the weights travel over gloo",
+            id="cuda-non-collocated-nccl",
         ),
         pytest.param(
             ["--refit-method", "nccl"], 1, False, "--refit-method nccl needs CUDA", id="nccl-on-cpu"
