@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The prepared GPU check: real-shape speed against the hardware's limits, in at most 8 minutes of
+# The prepared GPU check: real-shape speed against the hardware's limits, in at most 9 minutes of
 # wall time on one H100/H200, each part under its own cap so a slow part cannot starve the rest.
 #
 # On this machine, once:   ../shared/device/fetch-wheels.sh .whl
 # Through the device tool:  run(command="bash tools/device_check.sh $OUT", carry=[".whl"],
-#                               timeout_s=560)
+#                               timeout_s=590)
 # then copy $OUT/gpu.md and $OUT/gpu.json into benchmarks/results/.
 # CPU dry run (CI: tests/unit_tests/tools/test_device_check.py): the same parts at a tiny shape on
 # the CPU tier, so the script cannot rot between lendings:
@@ -13,9 +13,11 @@
 # Parts, in priority order (caps in seconds):
 #   a  the gpu-marked tests (90)
 #   b  tools/bench_cuda.py, Llama-3.2-1B shape, bf16, 512 new tokens: megatron-core's engine at
-#      batch 64 with training (150) and at batch 256 (60); our local engine at batch 64 (60)
+#      batch 64 with training (140) and at batch 256 (60); our local engine at batch 64 (60)
 #   c  whole GRPO steps on the 1B shape (its 128256-row output layer, fixed lengths) at L=0 and
 #      L=2 (120 together)
+#   d  tools/refit_bandwidth.py on the 1B shape's weights: device copy, device-host-device, gloo
+#      between two processes, CUDA IPC between two processes on the GPU (45)
 #   (TRL's GRPOTrainer side by side is not run: transformers and trl exceed the carried 64 MiB.)
 set -uo pipefail
 out=$(realpath -m "${1:?usage: tools/device_check.sh OUT_DIR [--dry-run]}")
@@ -63,7 +65,7 @@ fi
 
 mapfile -t gpu_files < <(grep -rlE "mark\.gpu" tests/ --include='*.py' | sort)
 part a_gpu_tests 90 "$py" -m pytest -m gpu -q -p no:cacheprovider "${tests[@]}" "${gpu_files[@]}"
-part b_engine_batch${batches[0]} 150 "$py" tools/bench_cuda.py "${shape[@]}" "${gen[@]}" \
+part b_engine_batch${batches[0]} 140 "$py" tools/bench_cuda.py "${shape[@]}" "${gen[@]}" \
     "${train[@]}" --gen-requests "${batches[0]}"
 part b_engine_batch${batches[1]} 60 "$py" tools/bench_cuda.py "${shape[@]}" "${gen[@]}" \
     --skip-training --gen-requests "${batches[1]}"
@@ -79,4 +81,5 @@ for lag in 0 2; do  # whole steps of the 1B shape, every rollout exactly $tokens
         --inference-max-requests $(( 8 * prompts * (lag + 1) )) \
         --metrics-file "$out/c_grpo_lag$lag.jsonl"
 done
+part d_refit_bandwidth 45 "$py" tools/refit_bandwidth.py "${shape[0]}" "${shape[1]}" --repeats 3
 "$py" tools/device_report.py "$out" ${dry:+--dry-run}

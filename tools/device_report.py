@@ -3,8 +3,8 @@
     python tools/device_report.py OUT [--dry-run]
 
 Reads ``parts.jsonl`` (each part's status, cap and seconds), the ``tools/bench_cuda.py`` JSON at
-the end of each ``b_*.log``, the pytest summary line of ``a_gpu_tests.log`` and the per-step
-records of ``c_grpo_lag*.jsonl``; writes the card, the date, the versions, every number and its
+the end of each ``b_*.log``, the pytest summary line of ``a_gpu_tests.log``, the per-step
+records of ``c_grpo_lag*.jsonl`` and the ``tools/refit_bandwidth.py`` JSON of ``d_*.log``; writes the card, the date, the versions, every number and its
 ratio to the device's limits (MFU against the dense bf16 peak, decode bandwidth against the HBM
 bandwidth). A part that failed or ran past its cap is reported as such, with its log's tail.
 """
@@ -87,6 +87,8 @@ def collect(out: Path) -> dict[str, Any]:
             entry["summary"] = lines[-1].strip("= ") if lines else None
         elif part["part"].startswith("c_"):
             entry["grpo"] = grpo_summary(out / f"{part['part']}.jsonl")
+        elif part["part"].startswith("d_"):
+            entry["refit"] = last_json(log)
         if not entry["ok"]:
             entry["log_tail"] = log[-1500:]
         result["parts"].append(entry)
@@ -148,6 +150,16 @@ def describe(part: dict[str, Any]) -> str:
         if bench.get("peak_memory_gib") is not None:
             cells.append(f"peak memory {bench['peak_memory_gib']:.1f} GiB")
         return "; ".join(cells)
+    refit = part.get("refit")
+    if refit:
+        paths = ", ".join(
+            f"{name} {p['gb_per_s']:.1f} GB/s ({p['seconds']:.3f} s)"
+            for name, p in refit["paths"].items()
+        )
+        return (
+            f"{refit['bytes'] / 1e9:.2f} GB of bf16 weights: {paths}; a non-collocated refit "
+            f"through the host {refit['non_collocated_refit_seconds']:.2f} s"
+        )
     grpo = part.get("grpo")
     if grpo:
         return (

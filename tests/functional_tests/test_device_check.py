@@ -17,6 +17,7 @@ PARTS = [
     "b_local_engine_batch8",
     "c_grpo_lag0",
     "c_grpo_lag2",
+    "d_refit_bandwidth",
 ]
 
 
@@ -44,4 +45,8 @@ def test_the_dry_run_runs_every_part_and_writes_the_report(tmp_path: Path):
     for lag in (0, 2):
         grpo = parts[f"c_grpo_lag{lag}"]["grpo"]
         assert grpo["steps"] == 2 and grpo["step_seconds"] > 0
+    refit = parts["d_refit_bandwidth"]["refit"]
+    paths = {"device_copy", "device_to_host", "host_to_device", "gloo_broadcast"}  # no CUDA IPC
+    assert set(refit["paths"]) == paths and refit["shape"] == "tiny"
+    assert all(p["seconds"] > 0 and p["gb_per_s"] > 0 for p in refit["paths"].values())
     assert report["dry_run"] and "CPU dry run" in (out / "gpu.md").read_text()
