@@ -18,6 +18,7 @@ import pytest
 from golden_values import (
     ROOT,
     TOLERANCES,
+    checkpoint_of_iteration,
     load_case,
     read_metrics,
     run_case,
@@ -67,6 +68,28 @@ def test_non_collocated_reruns_are_bitwise_equal_whatever_the_timing(runs):
     remote = runs("noncollocated_remote_env")
     assert [{k: m[k] for k in DETERMINISTIC} for m in local] == [
         {k: m[k] for k in DETERMINISTIC} for m in remote
+    ]
+
+
+def test_two_inference_replicas_sample_what_one_does_and_resume_exactly(runs, tmp_path):
+    """--rl-inference-replicas 2 (1 training rank + 2 inference ranks): the replicas split each
+    window's requests and both take every refit, so the run samples the one-replica run's
+    tokens (losses to float rounding); killed after a save, the resume (both replicas' KV caches
+    back) continues it bitwise."""
+    args = {
+        **load_case("noncollocated_remote_env")["args"],
+        "rl-inference-replicas": 2,
+        "save": tmp_path / "saved",
+        "save-interval": 3,
+    }
+    whole = run_training(3, args)
+    for a, b in zip(runs("noncollocated_remote_env"), whole, strict=True):
+        assert b["reward_mean"] == a["reward_mean"] and b["staleness_max"] == a["staleness_max"]
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
+    load = checkpoint_of_iteration(tmp_path / "saved", 3, tmp_path / "load")
+    resumed = run_training(3, {**args, "load": load, "save": tmp_path / "again"})
+    assert [{k: m[k] for k in DETERMINISTIC} for m in resumed] == [
+        {k: m[k] for k in DETERMINISTIC} for m in whole[3:]
     ]
 
 

@@ -25,6 +25,11 @@ def refit_problems(run: RunConfig, cuda: bool) -> list[str]:
             "--refit-method nccl with --refit-mode non-collocated: the weights travel over gloo "
             "through host memory (the two sides share no NCCL communicator); use gloo"
         )
+    if p.rl_inference_replicas > 1 and not separate:
+        errors.append(
+            "--rl-inference-replicas needs --refit-mode non-collocated (a collocated copy has "
+            f"world size / {FLAG} replicas)"
+        )
     if p.rl_delta_refit and not separate:
         errors.append(
             "--rl-delta-refit needs --refit-mode non-collocated (a collocated refit copies "
@@ -59,11 +64,12 @@ def refit_problems(run: RunConfig, cuda: bool) -> list[str]:
     ):
         if value % t != 0:
             errors.append(f"{what} ({value}) must be divisible by {FLAG} ({t})")
-    replicas = 1 if separate else max(1, run.world_size // t)
+    replicas = p.rl_inference_replicas if separate else max(1, run.world_size // t)
     if run.inference.max_requests % replicas != 0:
         errors.append(
             f"--inference-max-requests ({run.inference.max_requests}) must be divisible by the "
             f"{replicas} inference replicas of {FLAG} {t}"
+            + (" (--rl-inference-replicas)" if separate else "")
         )
     if arch["num_experts"] is not None:
         errors.append(f"{mode} supports dense models only: drop it or --num-experts")
@@ -76,15 +82,17 @@ def refit_problems(run: RunConfig, cuda: bool) -> list[str]:
 
 
 def inference_run_config(cfg: RunConfig) -> RunConfig:
-    """What the inference ranks of ``--refit-mode non-collocated`` run with: one replica at the
-    inference TP degree, generating on its own model (no copy of its own)."""
+    """What the inference ranks of ``--refit-mode non-collocated`` run with: ``--rl-inference-
+    replicas`` data-parallel replicas at the inference TP degree, generating on their own model
+    (no copy of their own)."""
+    replicas = cfg.parallelism.rl_inference_replicas
     parallelism = dataclasses.replace(
         cfg.parallelism,
-        tensor_model_parallel_size=cfg.inference_ranks,
+        tensor_model_parallel_size=cfg.inference_ranks // replicas,
         pipeline_model_parallel_size=1,
         expert_model_parallel_size=1,
         rl_inference_tensor_model_parallel_size=None,
     )
     return dataclasses.replace(
-        cfg, parallelism=parallelism, world_size=cfg.inference_ranks, data_parallel_size=1
+        cfg, parallelism=parallelism, world_size=cfg.inference_ranks, data_parallel_size=replicas
     )

@@ -64,14 +64,16 @@ def resolve(
     )
     inference_ranks = 0
     if parallelism.refit_mode == "non-collocated":  # Megatron-LM's split: training ranks first
-        inference_ranks = (
+        replicas = parallelism.rl_inference_replicas
+        inference_ranks = replicas * (
             parallelism.rl_inference_tensor_model_parallel_size
             or parallelism.tensor_model_parallel_size
         )
         if world_size <= inference_ranks:
             errors.append(
                 f"--refit-mode non-collocated: the world of {world_size} ranks leaves none to "
-                f"train beside the {inference_ranks} inference ranks (one replica of "
+                f"train beside the {inference_ranks} inference ranks ({replicas} "
+                f"{'replica' if replicas == 1 else 'replicas'} of "
                 "--rl-inference-tensor-model-parallel-size): launch more processes"
             )
             inference_ranks = 0

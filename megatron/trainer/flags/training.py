@@ -55,13 +55,23 @@ class Parallelism(Section):
         "collocated",
         "Where generation runs. collocated: on the training ranks (on the trained model, or on "
         "the copy of --rl-inference-tensor-model-parallel-size, refit after every optimizer "
-        "step). non-collocated: the job's last --rl-inference-tensor-model-parallel-size ranks "
-        "(default: --tensor-model-parallel-size) only generate, one inference replica, while "
-        "the others train; the window that produces batch c runs while the trainer trains "
+        "step). non-collocated: the job's last --rl-inference-replicas x "
+        "--rl-inference-tensor-model-parallel-size ranks (default TP: "
+        "--tensor-model-parallel-size) only generate, while the others train; the window that produces batch c runs while the trainer trains "
         "collection c-1, with the weights of collection c-1's start (one collection more "
         "token staleness than collocated, exact and reproducible). Dense models, full "
         "fine-tuning; weights travel over gloo through host memory.",
         choices=("collocated", "non-collocated"),
+        resume=True,
+    )
+    rl_inference_replicas: int = option(
+        1,
+        "--refit-mode non-collocated: the inference ranks form this many replicas of "
+        "--rl-inference-tensor-model-parallel-size ranks each (the job's last replicas x TP "
+        "ranks), which split each generation window's requests (--inference-max-requests is "
+        "the slots of all of them) and all receive every refit.",
+        parse=int,
+        minimum=1,
         resume=True,
     )
     refit_method: str | None = option(

@@ -1,10 +1,10 @@
 """``--refit-mode non-collocated``: generation on inference ranks of its own, beside training.
 
-The job's last ranks (one inference replica) run ``serve_inference``: a ``RolloutSource`` of
-their own (agents, forced-lag generator, engine, inference server) on their own model. The
-training ranks draw batches through ``RemoteRollouts``, which has ``RolloutSource``'s interface.
-Training rank 0 and the inference ranks talk over the ``Bridge``; the schedule is fixed by the
-step count alone:
+The job's last ranks (``--rl-inference-replicas`` inference replicas) run ``serve_inference``:
+a ``RolloutSource`` of their own (agents, forced-lag generator, engine, inference server) on
+their own model. The training ranks draw batches through ``RemoteRollouts``, which has
+``RolloutSource``'s interface. Training rank 0 and the inference ranks talk over the ``Bridge``;
+the schedule is fixed by the step count alone:
 
 * at the start of collection c (step c*k, policy version v = c*k) the trainer sends ``weights``
   with version v, then takes batch c;

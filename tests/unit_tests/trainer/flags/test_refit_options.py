@@ -49,6 +49,12 @@ def test_non_collocated_splits_the_world_into_training_and_inference_ranks():
     assert inference.parallelism.tensor_model_parallel_size == 1 and inference.world_size == 1
     config = pipeline_config(inference, 1, CharTokenizer())
     assert config.inference_tp is None and config.engine.max_requests == 6  # one replica
+    replicas = argv + ["--rl-inference-replicas", "2"]  # the last 2 ranks: two TP=1 replicas
+    args, errors = check(replicas, 6, False)
+    assert errors == [] and (args.world_size, args.inference_ranks) == (4, 2)
+    inference = inference_run_config(args)
+    assert (inference.parallelism.tensor_model_parallel_size, inference.world_size) == (1, 2)
+    assert pipeline_config(inference, 2, CharTokenizer()).engine.max_requests == 3  # 6 / 2
     _, errors = check(["--refit-mode", "non-collocated"], 2, True)  # the CUDA tier too
     assert errors == []
     _, errors = check(TP2 + ["--refit-mode", "non-collocated"], 5, False)  # 3 training ranks
@@ -136,6 +142,28 @@ def test_non_collocated_splits_the_world_into_training_and_inference_ranks():
             False,
             "--refit-mode non-collocated copies whole weights: with --lora-rank",
             id="non-collocated-lora",
+        ),
+        pytest.param(
+            ["--rl-inference-replicas", "2"],
+            2,
+            False,
+            "--rl-inference-replicas needs --refit-mode non-collocated",
+            id="replicas-collocated",
+        ),
+        pytest.param(
+            ["--refit-mode", "non-collocated", "--rl-inference-replicas", "2"],
+            2,
+            False,
+            "leaves none to train beside the 2 inference ranks (2 replicas of",
+            id="replicas-world",
+        ),
+        pytest.param(
+            ["--refit-mode", "non-collocated", "--rl-inference-replicas", "2"]
+            + ["--inference-max-requests", "5"],
+            3,
+            False,
+            "--inference-max-requests (5) must be divisible by the 2 inference replicas",
+            id="replicas-slots",
         ),
         pytest.param(
             ["--rl-delta-refit"],

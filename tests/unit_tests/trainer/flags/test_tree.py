@@ -110,6 +110,7 @@ def test_the_resume_options_are_the_ones_declared_resume():
         "--rl-forced-lag",
         "--rl-inference-tensor-model-parallel-size",
         "--refit-mode",
+        "--rl-inference-replicas",
         "--grpo-prompts-per-step",
         "--grpo-group-size",
         "--seed",
