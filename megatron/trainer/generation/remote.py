@@ -206,7 +206,8 @@ class RemoteRollouts:
         except BaseException as exc:
             failure = exc
         raise_agreed_failure(failure)
-        return state, (blob, {"world_size": self.ctx.world_size, "inference": 1})
+        inference = self.bridge.size - 1  # the inference ranks beside training rank 0
+        return state, (blob, {"world_size": self.ctx.world_size, "inference": inference})
 
     def request_stop(self, signum: int) -> None:
         """Stop at the end of this step (safe from a signal handler; a step waiting for its
