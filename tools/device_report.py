@@ -98,6 +98,13 @@ def collect(out: Path) -> dict[str, Any]:
     if lags.get("c_grpo_lag0") and lags.get("c_grpo_lag2"):
         a, b = lags["c_grpo_lag0"]["step_seconds"], lags["c_grpo_lag2"]["step_seconds"]
         result["lag2_speedup"] = a / b
+    refit = next((p["refit"] for p in result["parts"] if p.get("refit")), None)
+    if refit and lags.get("c_grpo_lag0"):  # the refit column of refit_model.md, measured
+        step = lags["c_grpo_lag0"]["step_seconds"]
+        result["refit_share_of_step"] = {
+            "non_collocated": refit["non_collocated_refit_seconds"] / step,
+            "collocated_same_layout": refit["paths"]["device_copy"]["seconds"] / step,
+        }
     return result
 
 
@@ -124,6 +131,15 @@ def markdown(result: dict[str, Any], dry_run: bool) -> str:
         lines.append(f"| {p['part']} | {status} | {p['seconds']} ({p['cap']}) | {describe(p)} |")
     if "lag2_speedup" in result:
         lines += ["", f"L=2 takes {1 / result['lag2_speedup']:.2f}x the step time of L=0."]
+    if "refit_share_of_step" in result:
+        share = result["refit_share_of_step"]
+        lines += [
+            "",
+            f"A refit of these weights costs {share['non_collocated']:.1%} of the L=0 step "
+            f"through the host (non-collocated) and {share['collocated_same_layout']:.2%} as a "
+            "device copy (collocated, same layout): the refit share of "
+            "[refit_model.md](refit_model.md)'s prediction.",
+        ]
     failed = [p for p in result["parts"] if not p["ok"]]
     for p in failed:
         lines += ["", f"## {p['part']}: log tail", "", "```", p["log_tail"].rstrip(), "```"]

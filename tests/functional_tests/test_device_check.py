@@ -49,4 +49,5 @@ def test_the_dry_run_runs_every_part_and_writes_the_report(tmp_path: Path):
     paths = {"device_copy", "device_to_host", "host_to_device", "gloo_broadcast"}  # no CUDA IPC
     assert set(refit["paths"]) == paths and refit["shape"] == "tiny"
     assert all(p["seconds"] > 0 and p["gb_per_s"] > 0 for p in refit["paths"].values())
+    assert all(share > 0 for share in report["refit_share_of_step"].values())
     assert report["dry_run"] and "CPU dry run" in (out / "gpu.md").read_text()
