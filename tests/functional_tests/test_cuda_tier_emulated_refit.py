@@ -25,6 +25,7 @@ def plain_tp2() -> list[dict]:
     return run_training(2, TP2, script=EMULATED)
 
 
+@pytest.mark.slow  # the CPU tier's twin runs in CI (test_pretrain_grpo.py)
 def test_a_copy_at_the_training_layout_generates_what_the_trained_model_does(plain_tp2):
     """Each rank copies its own shards (nothing is sent): every metric equal, not close."""
     refit = run_training(2, {**TP2, FLAG: 2, **COPY}, script=EMULATED)
