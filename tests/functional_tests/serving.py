@@ -33,14 +33,10 @@ SERVING = re.compile(
 )
 
 
-RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-
-
 def command_env(**extra: str) -> dict[str, str]:
-    """``subprocess_env()`` without a torch.distributed world this process may have set up
-    (each command starts its own world of one) and without a job key, plus ``extra``."""
-    unset = (*RENDEZVOUS, "MEGATRON_RL_API_KEY")
-    env = {k: v for k, v in subprocess_env().items() if k not in unset}
+    """``subprocess_env()`` (no torch.distributed world: each command starts its own world of
+    one) without a job key, plus ``extra``."""
+    env = {k: v for k, v in subprocess_env().items() if k != "MEGATRON_RL_API_KEY"}
     return {**env, **extra}
 
 

@@ -21,7 +21,6 @@ from golden_values import (
     checkpoint_of_iteration,
     load_case,
     read_metrics,
-    run_case,
     run_training,
     subprocess_env,
     training_command,
@@ -30,18 +29,6 @@ from launching import kill_job, process_tree
 from test_clean_endings import TIMEOUT_MINUTES, TINY, WATCHDOG, assert_one_message, error_lines, run
 
 DETERMINISTIC = list(TOLERANCES)  # every guarded metric; timings are not
-
-
-@pytest.fixture(scope="module")
-def runs():
-    cache: dict[str, list[dict]] = {}
-
-    def get(name: str) -> list[dict]:
-        if name not in cache:
-            cache[name] = run_case(name)
-        return cache[name]
-
-    return get
 
 
 def test_non_collocated_generation_runs_exactly_one_collection_behind(runs):

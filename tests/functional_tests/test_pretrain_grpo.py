@@ -26,24 +26,11 @@ from golden_values import (
     missing_modules,
     read_metrics,
     remote_env_config,
-    run_case,
     run_training,
     subprocess_env,
 )
 
 DETERMINISTIC = list(TOLERANCES)  # every guarded metric; timings are not
-
-
-@pytest.fixture(scope="module")
-def runs():
-    cache: dict[str, list[dict]] = {}
-
-    def get(name: str) -> list[dict]:
-        if name not in cache:
-            cache[name] = run_case(name)
-        return cache[name]
-
-    return get
 
 
 def golden_case(name: str):

@@ -16,6 +16,22 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+WORLD_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+def env_without_world(**extra: str) -> dict[str, str]:
+    """This process's environment without a torch.distributed world's variables, plus ``extra``:
+    a process started with it is a world of its own (a test before may have set ``MASTER_PORT``
+    to a port that is still held)."""
+    return {**{k: v for k, v in os.environ.items() if k not in WORLD_VARIABLES}, **extra}
+
 
 def _entry(rank: int, fn: Callable, world_size: int, out: str, args: tuple) -> None:
     os.environ.update(

@@ -154,22 +154,26 @@ class CUDATier(Tier):
     # ----------------------------------------------------------------- model, optimizer
 
     def _stage_model(
-        self, vocab_size, load=None, initialize=True, adapters=False
+        self, vocab_size, load=None, initialize=True, adapters=False, spec=None, groups=None
     ) -> torch.nn.Module:
         """This stage's GPT on the current CUDA device (``load`` fills its weights before it is
         cast), in bf16 if asked (``Float16Module``); ``initialize=False``: no random init;
         ``adapters``: the run's LoRA adapters, base frozen (``megatron/trainer/model/lora.py``; under
         ``--bf16`` ``Float16Module`` casts them too and the optimizer keeps float32 main copies,
-        as for every trained parameter)."""
-        spec = self.config.model
+        as for every trained parameter). ``spec`` (default: the run's) and ``groups`` (a
+        ``ProcessGroupCollection``; default: megatron-core's parallel state) build another layout's
+        model, one whole stage."""
+        spec = spec or self.config.model
         arch = architecture(spec, vocab_size)
         config = cuda_transformer_config(spec, arch, self.transformer_engine, initialize)
+        whole = groups is not None
         model = build_gpt_model(
             arch,
             config,
             layer_spec(arch, select_backend(cuda=True), spec.section.moe_grouped_gemm),
-            pre_process=parallel_state.is_pipeline_first_stage(),
-            post_process=parallel_state.is_pipeline_last_stage(),
+            pre_process=whole or parallel_state.is_pipeline_first_stage(),
+            post_process=whole or parallel_state.is_pipeline_last_stage(),
+            pg_collection=groups,
         )
         model.to(self.ctx.device)
         if load is not None:
@@ -230,20 +234,15 @@ class CUDATier(Tier):
         return self.backend_step_group(inputs, layout)
 
     def build_inference_copy(self, vocab_size, layout):
-        """This tier's GPT at ``layout``'s TP degree, on its process groups: one whole stage,
-        bf16 under ``--bf16`` (``Float16Module``) as the trained weights are, frozen and
-        uninitialized (the first refit fills it)."""
+        """This tier's GPT at ``layout``'s TP degree, on its process groups (``_stage_model``): one
+        whole stage, bf16 under ``--bf16`` as the trained weights are, frozen and uninitialized
+        (the first refit fills it)."""
         spec = dataclasses.replace(
             self.config.model, tensor_parallel=layout.tp_size, pipeline_parallel=1, lora=None
         )
-        arch = architecture(spec, vocab_size)
-        config = cuda_transformer_config(spec, arch, self.transformer_engine, initialize=False)
-        backend = select_backend(cuda=True)
-        spec_of_layers = layer_spec(arch, backend, spec.section.moe_grouped_gemm)
-        model = build_gpt_model(arch, config, spec_of_layers, pg_collection=layout.pg_collection)
-        model.to(self.ctx.device)
-        if config.bf16:
-            model = Float16Module(config, model)
+        model = self._stage_model(
+            vocab_size, initialize=False, spec=spec, groups=layout.pg_collection
+        )
         model.requires_grad_(False)
         return model.eval()
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from grpo_testing.distributed import env_without_world
 
 ROOT = Path(__file__).resolve().parents[3]
 spec = importlib.util.spec_from_file_location("bench_cuda", ROOT / "tools" / "bench_cuda.py")
@@ -76,14 +76,6 @@ def torch_equal(a, b) -> bool:
     return torch.equal(a, b)
 
 
-def standalone_env() -> dict[str, str]:
-    """This process's environment without a distributed world's variables: an in-process test
-    before this one may have left ``MASTER_PORT`` naming a port that is still held (seen on an
-    H200: the tool's rendezvous failed with EADDRINUSE)."""
-    world = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    return {k: v for k, v in os.environ.items() if k not in world}
-
-
 @pytest.mark.gpu
 def test_a_short_run_reports_throughput_and_mfu():
     proc = subprocess.run(
@@ -117,7 +109,7 @@ def test_a_short_run_reports_throughput_and_mfu():
         capture_output=True,
         text=True,
         timeout=600,
-        env=standalone_env(),
+        env=env_without_world(),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout[proc.stdout.index("{") :])

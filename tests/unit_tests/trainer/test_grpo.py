@@ -6,12 +6,12 @@ Each run is ``python pretrain_grpo.py`` for a few steps in a subprocess; runs ar
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from grpo_testing.distributed import env_without_world
 
 ROOT = Path(__file__).resolve().parents[3]
 SMALL = [
@@ -30,7 +30,6 @@ SMALL = [
     "--seed",
     "3",
 ]
-RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 DETERMINISTIC = (
     "loss",
     "grad_norm",
@@ -48,24 +47,18 @@ DETERMINISTIC = (
 
 
 def train(tmp_path: Path, name: str, *flags: str) -> subprocess.CompletedProcess:
-    """One run in a fresh world (the rendezvous variables of this process are not inherited);
-    retried if the free port it picked was taken meanwhile (shared machines)."""
+    """One run in a world of its own (the rendezvous variables of this process are not
+    inherited)."""
     metrics = tmp_path / f"{name}.jsonl"
-    inherited = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS}
-    env = {**inherited, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    for _ in range(3):
-        metrics.unlink(missing_ok=True)
-        proc = subprocess.run(
-            [sys.executable, "pretrain_grpo.py", *SMALL, *flags, "--metrics-file", str(metrics)],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        if "EADDRINUSE" not in proc.stderr:
-            break
-    return proc
+    metrics.unlink(missing_ok=True)
+    return subprocess.run(
+        [sys.executable, "pretrain_grpo.py", *SMALL, *flags, "--metrics-file", str(metrics)],
+        cwd=ROOT,
+        env=env_without_world(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def metrics_of(tmp_path: Path, name: str) -> list[dict]:

@@ -5,18 +5,17 @@ the JSONL dump of every evaluated rollout."""
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from grpo_testing.distributed import env_without_world
 
 from examples.rl.environments.math.environment import MathArgs, MathEnvironment
 
 ROOT = Path(__file__).resolve().parents[3]
-RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 DATA = "examples/rl/environments/math/tiny_arithmetic.jsonl"  # 8 problems: 2 held out at 0.25
 FLAGS = [
     "--rl-forced-lag",
@@ -48,20 +47,15 @@ FLAGS = [
 def run(tmp_path_factory):
     """(metrics records, dump directory) of one run."""
     tmp = tmp_path_factory.mktemp("validation")
-    inherited = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS}
-    env = {**inherited, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     argv = [*FLAGS, "--val-dump-dir", str(tmp / "dump"), "--metrics-file", str(tmp / "m.jsonl")]
-    for _ in range(3):  # retried if the free port it picked was taken meanwhile
-        proc = subprocess.run(
-            [sys.executable, "pretrain_grpo.py", *argv],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        if "EADDRINUSE" not in proc.stderr:
-            break
+    proc = subprocess.run(
+        [sys.executable, "pretrain_grpo.py", *argv],
+        cwd=ROOT,
+        env=env_without_world(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (tmp / "m.jsonl").read_text().splitlines()]
     return records, tmp / "dump"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import platform
 import subprocess
 import sys
@@ -10,6 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from grpo_testing.distributed import env_without_world
 
 REPO = Path(__file__).resolve().parents[4]
 
@@ -47,19 +47,9 @@ PROGRAM = textwrap.dedent("""
     """)
 
 
-DISTRIBUTED_ENV = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
-
-
 def retained_mib(mode: str) -> float:
     # A world of its own: earlier tests of this process may have set the rendezvous variables.
-    env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}
+    env = env_without_world()
     out = subprocess.run(
         [sys.executable, "-c", PROGRAM, mode],
         cwd=REPO,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from grpo_testing.distributed import run_on_ranks
+from grpo_testing.distributed import env_without_world, run_on_ranks
 from grpo_testing.models import VOCAB
 from grpo_testing.rollouts import synthetic_groups
 from grpo_testing.trainer import grpo_update, one_rank_context, step_config, train_args
@@ -186,9 +186,7 @@ def test_the_cuda_tier_emulated_refuses_the_update_through_megatron_cores_check(
     script = tmp_path / "cuda_tier_nan.py"
     script.write_text(textwrap.dedent(CUDA_TIER_EMULATED))
     root = Path(__file__).resolve().parents[4]
-    world = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    env = dict(
-        {k: v for k, v in os.environ.items() if k not in world},  # a world of one, no port
+    env = env_without_world(  # a world of one, no port
         OMP_NUM_THREADS="1",
         PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]),
     )
