@@ -85,6 +85,7 @@ def test_lag_0_is_on_policy_at_every_step(runs):
         pytest.param("moe_lag2", "moe_lag2_ep2", id="moe_lag2_ep2"),
         pytest.param("lora_lag2", "lora_lag2_tp2", id="lora_lag2_tp2"),
         pytest.param("lag2", "refit_tp1_resume", id="refit_tp2_to_tp1"),
+        pytest.param("moe_lag2", "moe_refit_ep2_to_tp1", id="moe_refit_ep2_to_tp1"),
     ],
 )
 def test_two_process_runs_match_the_single_process_run(runs, single_case, case):
@@ -112,6 +113,13 @@ def test_collocated_refit_at_the_training_layout_is_the_plain_run_bitwise(runs):
         {k: m[k] for k in DETERMINISTIC} for m in plain
     ]
     assert all(m["refit/bytes_received"] == 0 < m["refit/bytes_written"] for m in refit)
+
+
+def test_an_moe_copy_gathers_the_other_ranks_experts_at_every_refit(runs):
+    """Trained at EP=2, each rank's TP=1 copy holds all 4 experts: every refit receives the 2
+    experts of each layer the rank does not train, and writes every weight of the model."""
+    for m in runs("moe_refit_ep2_to_tp1"):
+        assert 0 < m["refit/bytes_received"] < m["refit/bytes_written"], m["step"]
 
 
 @pytest.mark.parametrize(

@@ -6,10 +6,15 @@ CUDA), assembled whole and cut to this rank's inference shard (``tensor_parallel
 same layout every rank copies its own shard and nothing is sent. Every rank calls it at the same
 point of the schedule (the trainer: right after the optimizer step, before the next generation
 window), so the weights a token is sampled with depend on the step count alone.
+
+Routed experts: the copy holds every expert (``layout.py``). An expert's weights are gathered
+over the experts' TP group, then over the expert-parallel group when the trained model has one
+(``local_experts.{j}`` of EP rank r is expert ``r * local + j``), and cut to the copy's TP shard.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 
@@ -27,6 +32,42 @@ from megatron.rl.refit.tensor_parallel import (
 UNCHANGED_STRIDE = 61
 """``RefitStats.unchanged_bf16`` reads every 61st element (a prime, so no tensor's rows or heads
 line up with it): 2.2M of SmolLM2's 135M, a standard error near 1e-4, at 1/61 of the cost."""
+
+
+EXPERT = re.compile(r"^(.*\.local_experts\.)(\d+)(\..+)$")
+"""The name of a routed expert's parameter (megatron-core's ``SequentialMLP``): prefix, local
+index, suffix."""
+
+
+@dataclass(frozen=True)
+class ExpertPlace:
+    """Where this rank's routed experts sit among a model's experts."""
+
+    ep_group: dist.ProcessGroup | None
+    """The expert-parallel group (None: every rank holds every expert)."""
+    tp_group: dist.ProcessGroup | None
+    """The group an expert's weights are split over (megatron-core's ``expt_tp``)."""
+    local: int
+    """Experts per rank (per MoE layer)."""
+
+    def global_names(self, name: str) -> list[str]:
+        """The names, in the copy (every expert), of local parameter ``name`` of every rank of
+        ``ep_group``, in its rank order; ``[name]`` for a parameter not of a routed expert."""
+        match = EXPERT.match(name)
+        if match is None:
+            return [name]
+        prefix, j, suffix = match.group(1), int(match.group(2)), match.group(3)
+        ranks = _place(self.ep_group)[1]
+        return [f"{prefix}{r * self.local + j}{suffix}" for r in range(ranks)]
+
+
+def expert_place(model: torch.nn.Module) -> ExpertPlace:
+    """The ``ExpertPlace`` of ``model``'s routed experts (a dense model: no groups, one each)."""
+    for module in model.modules():
+        if hasattr(module, "local_experts") and hasattr(module, "ep_group"):
+            groups = module.ep_group, module.tp_group
+            return ExpertPlace(*groups, len(module.local_experts))
+    return ExpertPlace(None, None, 1)
 
 
 @dataclass(frozen=True)
@@ -48,7 +89,7 @@ class RefitStats:
 class CollocatedRefit:
     """The copy of ``source`` (this rank's training shard, of the TP group ``source_group``) into
     ``target`` (this rank's shard of the inference copy, of the TP group ``target_group``; None:
-    one rank); collective over ``source_group``."""
+    one rank); collective over ``source_group`` (and, for routed experts, over their groups)."""
 
     def __init__(
         self,
@@ -60,63 +101,90 @@ class CollocatedRefit:
     ) -> None:
         self.source, self.target = source, target
         self.specs = shard_specs(source, gated_linear_unit)
+        self.experts = expert_place(source)
+        self.names = {name: self.experts.global_names(name) for name in self.specs}
+        """A trained parameter -> its names in the copy (an expert's: one per expert-parallel
+        rank)."""
         self.targets = dict(target.named_parameters())
-        if set(self.targets) != set(self.specs):
-            odd = sorted(set(self.targets) ^ set(self.specs))
+        expected = {name for names in self.names.values() for name in names}
+        if set(self.targets) != expected:
+            odd = sorted(set(self.targets) ^ expected)
             raise ValueError(f"the inference copy's parameters differ from the model's: {odd}")
         self.group, self.target_group = source_group, target_group
-        self.rank, self.size = _place(source_group)
         self.target_rank, self.target_size = _place(target_group)
-        self.same_layout = (self.target_rank, self.target_size) == (self.rank, self.size)
+
+    def _split_group(self, name: str) -> dist.ProcessGroup | None:
+        """The group trained parameter ``name`` is split over (an expert's: ``expt_tp``)."""
+        return self.experts.tp_group if EXPERT.match(name) else self.group
 
     @torch.no_grad()
     def __call__(self) -> RefitStats:
         """Copy every parameter; what it took."""
         start, received, written, unchanged, elements = time.perf_counter(), 0, 0, 0, 0
         for name, param in self.source.named_parameters():
-            spec, dest, local = self.specs[name], self.targets[name], param.detach()
-            if spec.dim is None or self.same_layout:
-                value = local
+            spec, local, dests = self.specs[name], param.detach(), self.names[name]
+            group = self._split_group(name)
+            rank, size = _place(group)
+            same = spec.dim is None or (rank, size) == (self.target_rank, self.target_size)
+            if same and len(dests) == 1:
+                values = [local]  # this rank's shard is the copy's
             else:
-                parts = [local]
-                if self.size > 1:
-                    parts = [torch.empty_like(local) for _ in range(self.size)]
-                    dist.all_gather(parts, local.contiguous(), group=self.group)
-                    received += local.numel() * local.element_size() * (self.size - 1)
-                value = shard(whole(parts, spec), spec, self.target_rank, self.target_size)
-            if value.shape != dest.shape:
-                raise ValueError(
-                    f"{name}: the inference copy's shard has shape {list(dest.shape)}, the "
-                    f"trained weights give {list(value.shape)}"
-                )
-            new, old = value.reshape(-1)[::UNCHANGED_STRIDE], dest.reshape(-1)[::UNCHANGED_STRIDE]
-            unchanged += int((new.to(torch.bfloat16) == old.to(torch.bfloat16)).sum())
-            elements += new.numel()
-            dest.copy_(value)
-            written += dest.numel() * dest.element_size()
+                full = local
+                if spec.dim is not None and size > 1:
+                    parts = [torch.empty_like(local) for _ in range(size)]
+                    dist.all_gather(parts, local.contiguous(), group=group)
+                    received += local.numel() * local.element_size() * (size - 1)
+                    full = whole(parts, spec)
+                fulls = [full]
+                if len(dests) > 1:  # every expert-parallel rank's expert
+                    fulls = [torch.empty_like(full) for _ in dests]
+                    dist.all_gather(fulls, full.contiguous(), group=self.experts.ep_group)
+                    received += full.numel() * full.element_size() * (len(dests) - 1)
+                values = [shard(f, spec, self.target_rank, self.target_size) for f in fulls]
+            for dest_name, value in zip(dests, values, strict=True):
+                dest = self.targets[dest_name]
+                if value.shape != dest.shape:
+                    raise ValueError(
+                        f"{dest_name}: the inference copy's shard has shape {list(dest.shape)}, "
+                        f"the trained weights give {list(value.shape)}"
+                    )
+                new = value.reshape(-1)[::UNCHANGED_STRIDE]
+                old = dest.reshape(-1)[::UNCHANGED_STRIDE]
+                unchanged += int((new.to(torch.bfloat16) == old.to(torch.bfloat16)).sum())
+                elements += new.numel()
+                dest.copy_(value)
+                written += dest.numel() * dest.element_size()
         seconds = time.perf_counter() - start
         return RefitStats(seconds, received, written, unchanged / max(1, elements))
 
     @torch.no_grad()
     def mismatches(self) -> list[str]:
-        """The parameters whose inference copy differs from the trained weights (collective over
-        the world: every rank gets the same list; ``--rl-verify-model-weights-swap``).
+        """The parameters whose inference copy differs from the trained weights, by their names
+        in the copy (collective over the world: every rank gets the same list;
+        ``--rl-verify-model-weights-swap``).
 
         Each side sums its shards' ``position_checksum`` over its own TP group (the training TP
         group, the inference copy's), so the two sums are of the same whole tensor when the
         refit is right, whatever the layouts; a value in the wrong place or a missing shard
-        changes them."""
-        found = []
+        changes them. An expert's sum is gathered over the expert-parallel group."""
+        found, names = [], []
         for name, param in self.source.named_parameters():
-            spec, dest = self.specs[name], self.targets[name]
-            theirs = self._checksum(param, spec, self.rank, self.size, self.group)
-            ours = self._checksum(dest, spec, self.target_rank, self.target_size, self.target_group)
-            found.append(int(theirs != ours))
+            spec, dests, group = self.specs[name], self.names[name], self._split_group(name)
+            theirs = self._checksum(param, spec, *_place(group), group).reshape(1)
+            sums = [theirs]
+            if len(dests) > 1:
+                sums = [torch.empty_like(theirs) for _ in dests]
+                dist.all_gather(sums, theirs, group=self.experts.ep_group)
+            for dest_name, their in zip(dests, sums, strict=True):
+                dest, place = self.targets[dest_name], (self.target_rank, self.target_size)
+                ours = self._checksum(dest, spec, *place, self.target_group)
+                found.append(int(their.item() != ours.item()))
+                names.append(dest_name)
         device = next(self.source.parameters()).device  # NCCL reduces device tensors only
         flags = torch.tensor(found, dtype=torch.int64, device=device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return [n for n, bad in zip(self.specs, flags.tolist()) if bad]  # specs: in that order
+        return [n for n, bad in zip(names, flags.tolist()) if bad]
 
     @staticmethod
     def _checksum(tensor, spec, rank, size, group) -> torch.Tensor:

@@ -1,5 +1,9 @@
 """``InferenceLayout``: where this rank sits among the inference replicas of a collocated refit,
-and the process groups its inference copy is built with."""
+and the process groups its inference copy is built with.
+
+A copy has no expert parallelism: each replica holds every expert, split over its tensor-parallel
+ranks as the dense weights are (megatron-core's default expert TP, the TP degree). Its MoE
+layers exchange tokens within the replica only, so replicas never wait for each other."""
 
 from __future__ import annotations
 
@@ -23,7 +27,8 @@ class InferenceLayout:
     tp_group: dist.ProcessGroup | None
     """The replica's ranks (None: a world of one)."""
     pg_collection: ProcessGroupCollection | None
-    """megatron-core's groups with ``tp`` replaced by ``tp_group`` (None: a world of one)."""
+    """megatron-core's groups with ``tp`` (and the experts' ``expt_tp``, ``tp_ep``, ``tp_cp``)
+    replaced by ``tp_group``, ``ep`` by this rank alone (None: a world of one)."""
 
     @property
     def is_replica_leader(self) -> bool:
@@ -31,9 +36,10 @@ class InferenceLayout:
         return self.tp_rank == 0
 
 
-def inference_layout(tp_size: int) -> InferenceLayout:
+def inference_layout(tp_size: int, experts: bool = False) -> InferenceLayout:
     """The inference layout of ``tp_size`` ranks per replica (collective: every rank creates every
-    replica's group, in order; megatron-core's parallel state must be initialized)."""
+    replica's group, in order; megatron-core's parallel state must be initialized); ``experts``:
+    for an MoE model, whose expert-parallel group is then each rank alone."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     if tp_size < 1 or world % tp_size != 0:
         raise ValueError(f"the world size {world} is not divisible by {tp_size} inference ranks")
@@ -42,12 +48,16 @@ def inference_layout(tp_size: int) -> InferenceLayout:
         return InferenceLayout(0, 1, 0, 1, None, None)
     groups = [dist.new_group(list(range(s, s + tp_size))) for s in range(0, world, tp_size)]
     pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-    pg_collection.tp = groups[rank // tp_size]
+    tp_group = groups[rank // tp_size]
+    pg_collection.tp = pg_collection.tp_cp = pg_collection.expt_tp = pg_collection.tp_ep = tp_group
+    if experts:
+        alone = groups if tp_size == 1 else [dist.new_group([r]) for r in range(world)]
+        pg_collection.ep = alone[rank]
     return InferenceLayout(
         rank % tp_size,
         tp_size,
         rank // tp_size,
         world // tp_size,
-        groups[rank // tp_size],
+        tp_group,
         pg_collection,
     )

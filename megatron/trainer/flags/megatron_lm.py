@@ -231,7 +231,7 @@ MEGATRON_LM_RL_FLAGS: tuple[MegatronFlag, ...] = (
         "same",
         "--rl-inference-tensor-model-parallel-size",
         "generation on a copy of the model at this TP degree, refit after every optimizer step "
-        "(dense models, one pipeline stage)",
+        "(one pipeline stage; an MoE copy holds every expert)",
     ),
     MegatronFlag(
         "--rl-inference-pipeline-model-parallel-size",
@@ -241,16 +241,16 @@ MEGATRON_LM_RL_FLAGS: tuple[MegatronFlag, ...] = (
     ),
     MegatronFlag(
         "--rl-inference-expert-model-parallel-size",
-        "refused",
-        "--expert-model-parallel-size",
-        "inference runs on the trained model's own expert-parallel layout",
+        "same",
+        "--rl-inference-expert-model-parallel-size",
+        "the inference copy of an MoE model holds every expert: 1 is the size implemented",
     ),
     MegatronFlag(
         "--rl-inference-expert-tensor-model-parallel-size",
-        "refused",
-        "--tensor-model-parallel-size",
-        "inference runs on the trained model's own layout, whose experts are split "
-        "over the tensor-parallel ranks (megatron-core's default expert TP)",
+        "same",
+        "--rl-inference-expert-tensor-model-parallel-size",
+        "the copy's experts are split over its TP ranks: the inference TP size is the one "
+        "implemented",
     ),
     MegatronFlag(
         "--rl-inference-model-unified-memory-level", "refused", None, "no separate inference model"

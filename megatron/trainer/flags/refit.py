@@ -36,6 +36,7 @@ def refit_problems(run: RunConfig, cuda: bool) -> list[str]:
             "in place and sends nothing to delta)"
         )
     t = p.rl_inference_tensor_model_parallel_size
+    errors += _expert_copy_problems(p, t)
     if separate and t is None:
         t = p.tensor_model_parallel_size
     if t is None or t < 1:
@@ -71,13 +72,53 @@ def refit_problems(run: RunConfig, cuda: bool) -> list[str]:
             f"{replicas} inference replicas of {FLAG} {t}"
             + (" (--rl-inference-replicas)" if separate else "")
         )
-    if arch["num_experts"] is not None:
+    if arch["num_experts"] is not None and separate:
         errors.append(f"{mode} supports dense models only: drop it or --num-experts")
+    elif arch["num_experts"] is not None:
+        errors += _moe_copy_problems(run, t)
     if run.lora.lora_rank > 0:
         errors.append(
             f"{mode} copies whole weights: with --lora-rank the engine generates with the "
             "adapters on the trained model itself (drop the flag)"
         )
+    return errors
+
+
+def _expert_copy_problems(p, t: int | None) -> list[str]:
+    """The inference copy's expert layout flags against what is implemented."""
+    errors = []
+    ep, etp = "--rl-inference-expert-model-parallel-size", "--rl-inference-expert-tensor-model-"
+    ep_size = p.rl_inference_expert_model_parallel_size
+    etp_size = p.rl_inference_expert_tensor_model_parallel_size
+    if (ep_size is not None or etp_size is not None) and t is None:
+        errors.append(f"{ep} and {etp}parallel-size describe the copy of {FLAG}: set it too")
+    elif ep_size is not None and ep_size != 1:
+        errors.append(
+            f"{ep} {ep_size}: an inference copy holds every expert (1); expert-parallel copies "
+            "are not implemented"
+        )
+    elif etp_size is not None and etp_size != t:
+        errors.append(
+            f"{etp}parallel-size {etp_size}: the copy's experts are split over its {FLAG} "
+            f"({t}) ranks, the only expert TP implemented"
+        )
+    return errors
+
+
+def _moe_copy_problems(run: RunConfig, t: int) -> list[str]:
+    """What an MoE model's collocated copy at TP ``t`` cannot do."""
+    errors, arch = [], run.architecture_flags
+    if run.model.moe_grouped_gemm:
+        errors.append(
+            f"{FLAG} with --moe-grouped-gemm: the refit copies megatron-core's sequential "
+            "experts (one MLP per expert) only; drop one of them"
+        )
+    for what, value in (
+        ("--moe-ffn-hidden-size", arch.get("moe_ffn_hidden_size")),
+        ("--moe-shared-expert-intermediate-size", arch.get("moe_shared_expert_intermediate_size")),
+    ):
+        if value is not None and value % t != 0:
+            errors.append(f"{what} ({value}) must be divisible by {FLAG} ({t})")
     return errors
 
 

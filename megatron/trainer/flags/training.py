@@ -45,8 +45,28 @@ class Parallelism(Section):
         "world size / N inference replicas of N consecutive ranks, each rank keeps its shard of "
         "the copy, and right after every optimizer step the trained weights are resharded into "
         "it (tensor by tensor, over --refit-method). Default: no copy, generation runs on the "
-        "trained model itself, on the training layout. Dense models, full fine-tuning, one "
-        "pipeline stage.",
+        "trained model itself, on the training layout. Full fine-tuning, one pipeline stage; "
+        "an MoE copy holds every expert (--rl-inference-expert-model-parallel-size 1).",
+        parse=int,
+        minimum=1,
+        resume=True,
+    )
+    rl_inference_expert_model_parallel_size: int | None = option(
+        None,
+        "The expert-parallel size of the inference copy of an MoE model (with "
+        "--rl-inference-tensor-model-parallel-size): 1, the only size implemented and what an "
+        "unset flag means. Each inference replica then holds every expert, split over its TP "
+        "ranks like the dense weights, and its MoE layers exchange tokens within the replica "
+        "only: no replica waits for another's forwards, whatever the training EP size.",
+        parse=int,
+        minimum=1,
+        resume=True,
+    )
+    rl_inference_expert_tensor_model_parallel_size: int | None = option(
+        None,
+        "The TP size of the inference copy's experts: its --rl-inference-tensor-model-parallel-"
+        "size (megatron-core's default expert TP), the only size implemented and what an unset "
+        "flag means.",
         parse=int,
         minimum=1,
         resume=True,

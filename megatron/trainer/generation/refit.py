@@ -26,7 +26,7 @@ class InferenceCopy:
         tp_size: int,
         verify: bool = False,
     ) -> None:
-        self.layout: InferenceLayout = inference_layout(tp_size)
+        self.layout: InferenceLayout = inference_layout(tp_size, tier.config.model.moe)
         self.model = tier.build_inference_copy(vocab_size, self.layout)
         # the GPTs inside the wrappers (CUDA: DDP and Float16Module), so the names match
         source, target = unwrap_model(trained), unwrap_model(self.model)

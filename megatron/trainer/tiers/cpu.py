@@ -155,9 +155,11 @@ class CPUTier(Tier):
         return self.backend_step_group(inputs, layout)
 
     def build_inference_copy(self, vocab_size, layout):
-        """The float32 GPT of ``build_model`` at ``layout``'s TP degree, on its process groups,
-        frozen and uninitialized (the first refit fills it)."""
-        spec = dataclasses.replace(self.config.model, tensor_parallel=layout.tp_size)
+        """The float32 GPT of ``build_model`` at ``layout``'s TP degree (every expert of an MoE
+        model), on its process groups, frozen and uninitialized (the first refit fills it)."""
+        spec = dataclasses.replace(
+            self.config.model, tensor_parallel=layout.tp_size, expert_parallel=1
+        )
         copy = model_provider.build_model(
             spec, vocab_size, self.ctx.device, False, layout.pg_collection
         )

@@ -234,11 +234,15 @@ class CUDATier(Tier):
         return self.backend_step_group(inputs, layout)
 
     def build_inference_copy(self, vocab_size, layout):
-        """This tier's GPT at ``layout``'s TP degree, on its process groups (``_stage_model``): one
-        whole stage, bf16 under ``--bf16`` as the trained weights are, frozen and uninitialized
-        (the first refit fills it)."""
+        """This tier's GPT at ``layout``'s TP degree (every expert of an MoE model), on its process
+        groups (``_stage_model``): one whole stage, bf16 under ``--bf16`` as the trained weights
+        are, frozen and uninitialized (the first refit fills it)."""
         spec = dataclasses.replace(
-            self.config.model, tensor_parallel=layout.tp_size, pipeline_parallel=1, lora=None
+            self.config.model,
+            tensor_parallel=layout.tp_size,
+            pipeline_parallel=1,
+            expert_parallel=1,
+            lora=None,
         )
         model = self._stage_model(
             vocab_size, initialize=False, spec=spec, groups=layout.pg_collection

@@ -7,10 +7,15 @@ import dataclasses
 
 import pytest
 import torch
+import torch.distributed as dist
 from grpo_testing.distributed import run_on_ranks
+from grpo_testing.hf_models import build_hf_model, full_logits
 from grpo_testing.models import LLAMA_LIKE, VOCAB, logits_of, model_build, tiny_args, tiny_gpt
 from megatron.core import parallel_state
 
+from megatron.rl.models.architecture import build_gpt_model, layer_spec, transformer_config
+from megatron.rl.models.gpt_spec import SDPASpecProvider
+from megatron.rl.models.hf.tiny import make_tiny_checkpoint
 from megatron.rl.refit.collocated import CollocatedRefit
 from megatron.rl.refit.layout import inference_layout
 from megatron.trainer.model.provider import build_model
@@ -74,3 +79,72 @@ def test_the_inference_copy_computes_the_trained_models_logits(train_tp):
             assert all(0 < g["received"] < g["written"] for g in got)
         else:  # TP=1 -> 2: each rank cuts its shard out of its own whole weights
             assert all(g["received"] == 0 and not g["bitwise_same"] for g in got)
+
+
+def moe_refit_on_rank(rank: int, world: int, tp: int, ep: int, checkpoint: str) -> dict[int, dict]:
+    """An MoE model trained at TP ``tp`` x EP ``ep`` copied at inference TP 1 and 2 (the copy
+    holds every expert); what each copy gave, by its TP."""
+    trained, hf = build_hf_model(checkpoint, tp=tp, ep=ep)
+    torch.manual_seed(7)  # not the checkpoint's weights: as after some optimizer steps
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    ids = torch.tensor([[40, 41, 42, 43, 44, 45]])
+    out = {"experts": hf.arch.num_experts}
+    for infer_tp in (1, 2):
+        layout = inference_layout(infer_tp, experts=True)
+        config = transformer_config(hf.arch, tensor_model_parallel_size=infer_tp)
+        spec = layer_spec(hf.arch, SDPASpecProvider())
+        copy = build_gpt_model(hf.arch, config, spec, pg_collection=layout.pg_collection).eval()
+        group = parallel_state.get_tensor_model_parallel_group()
+        refit = CollocatedRefit(trained, copy, group, layout.tp_group, True)
+        stats = refit()
+        verified = refit.mismatches()
+        names = [n for n, _ in copy.named_parameters() if ".local_experts." in n]
+        with torch.no_grad():
+            positions = torch.arange(ids.shape[1])[None]
+            copy_logits = copy(ids, positions, None)
+        if layout.tp_size > 1:
+            parts = [torch.empty_like(copy_logits) for _ in range(layout.tp_size)]
+            dist.all_gather(parts, copy_logits.contiguous(), group=layout.tp_group)
+            copy_logits = torch.cat(parts, dim=-1)
+        fc1 = dict(copy.named_parameters())
+        first, second = (
+            f"decoder.layers.1.mlp.experts.local_experts.{e}.linear_fc1.weight"
+            for e in (0, hf.arch.num_experts - 1)
+        )
+        with torch.no_grad():  # the first and the last expert swapped
+            a = fc1[first].clone()
+            fc1[first].copy_(fc1[second])
+            fc1[second].copy_(a)
+        out[infer_tp] = dict(
+            trained=full_logits(trained, ids, hf.vocab_size),
+            copy=copy_logits[..., : hf.vocab_size],
+            experts_in_copy=len({n.split(".local_experts.")[1].split(".")[0] for n in names}),
+            received=stats.bytes_received,
+            verified=verified,
+            swapped=refit.mismatches(),
+        )
+    return out
+
+
+@pytest.mark.parametrize(
+    "tp,ep", [pytest.param(1, 2, id="trained-ep2"), pytest.param(2, 1, id="trained-tp2")]
+)
+def test_an_moe_copy_holds_every_expert_and_computes_the_trained_logits(tmp_path, tp, ep):
+    """From expert parallelism (each rank holds half the experts) or TP (each expert split over
+    both ranks): copies at TP 1 and 2 hold every expert, compute the trained model's logits,
+    and ``--rl-verify-model-weights-swap`` names two experts swapped in the copy."""
+    checkpoint = make_tiny_checkpoint("qwen3_moe", tmp_path / "moe", seed=5)
+    ranks = run_on_ranks(moe_refit_on_rank, 2, tp, ep, str(checkpoint))
+    experts = ranks[0]["experts"]
+    for infer_tp in (1, 2):
+        for got in (r[infer_tp] for r in ranks):
+            torch.testing.assert_close(got["copy"], got["trained"], rtol=1e-5, atol=1e-5)
+            assert got["experts_in_copy"] == experts and got["verified"] == []
+            # the other rank's experts or halves; nothing at the training layout
+            assert (got["received"] == 0) == (infer_tp == tp and ep == 1)
+            assert got["swapped"] == [
+                f"decoder.layers.1.mlp.experts.local_experts.{e}.linear_fc1.weight"
+                for e in (0, experts - 1)
+            ]

@@ -38,6 +38,24 @@ def test_collocated_refit_on_cuda_is_a_copy_at_the_inference_layout_over_nccl():
         assert config.inference_tp == 1 and config.engine.max_requests == 4
 
 
+def test_an_moe_copy_holds_every_expert_at_the_inference_tp():
+    """Megatron-LM's expert flags of the copy at the values implemented: EP 1, expert TP = TP."""
+    argv = TP2 + [
+        "--num-experts",
+        "4",
+        "--disable-bias-linear",
+        "--expert-model-parallel-size",
+        "2",
+    ]
+    argv += [FLAG, "1"]
+    argv += ["--rl-inference-expert-model-parallel-size", "1"]
+    argv += ["--rl-inference-expert-tensor-model-parallel-size", "1"]
+    for cuda in (False, True):
+        args, errors = check(argv, 4, cuda)
+        assert errors == []
+        assert pipeline_config(args, 1, CharTokenizer()).inference_tp == 1
+
+
 def test_non_collocated_splits_the_world_into_training_and_inference_ranks():
     """Megatron-LM's convention: the last --rl-inference-tensor-model-parallel-size ranks (one
     inference replica) only generate; the rest train, and the layout checks are theirs."""
@@ -91,11 +109,47 @@ def test_non_collocated_splits_the_world_into_training_and_inference_ranks():
             id="lora",
         ),
         pytest.param(
-            [FLAG, "1", "--num-experts", "4"],
+            ["--refit-mode", "non-collocated", "--num-experts", "4"],
+            2,
+            False,
+            "--refit-mode non-collocated supports dense models only",
+            id="non-collocated-moe",
+        ),
+        pytest.param(
+            [FLAG, "1", "--num-experts", "4", "--moe-grouped-gemm"],
+            1,
+            True,
+            f"{FLAG} with --moe-grouped-gemm: the refit copies megatron-core's sequential",
+            id="moe-grouped-gemm",
+        ),
+        pytest.param(
+            TP2 + [FLAG, "2", "--num-experts", "4", "--moe-ffn-hidden-size", "5"],
+            2,
+            False,
+            f"--moe-ffn-hidden-size (5) must be divisible by {FLAG} (2)",
+            id="moe-ffn",
+        ),
+        pytest.param(
+            [FLAG, "1", "--num-experts", "4", "--rl-inference-expert-model-parallel-size", "2"],
+            2,
+            False,
+            "--rl-inference-expert-model-parallel-size 2: an inference copy holds every expert",
+            id="copy-ep",
+        ),
+        pytest.param(
+            TP2 + [FLAG, "1", "--rl-inference-expert-tensor-model-parallel-size", "2"],
+            2,
+            False,
+            "--rl-inference-expert-tensor-model-parallel-size 2: the copy's experts are split "
+            f"over its {FLAG} (1) ranks",
+            id="copy-etp",
+        ),
+        pytest.param(
+            ["--rl-inference-expert-model-parallel-size", "1"],
             1,
             False,
-            f"{FLAG} supports dense models only",
-            id="moe",
+            f"describe the copy of {FLAG}: set it too",
+            id="copy-ep-without-copy",
         ),
         pytest.param(
             [FLAG, "1", "--pipeline-model-parallel-size", "2"],
