@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.rl.refit.tensor_parallel import (
+    ShardSpec,
     global_indices,
     position_checksum,
     shard,
@@ -120,21 +121,16 @@ class CollocatedRefit:
     @torch.no_grad()
     def __call__(self) -> RefitStats:
         """Copy every parameter; what it took."""
-        start, received, written, unchanged, elements = time.perf_counter(), 0, 0, 0, 0
+        start, received, tally = time.perf_counter(), 0, [0, 0, 0]  # unchanged, sampled, bytes
         for name, param in self.source.named_parameters():
             spec, local, dests = self.specs[name], param.detach(), self.names[name]
             group = self._split_group(name)
-            rank, size = _place(group)
-            same = spec.dim is None or (rank, size) == (self.target_rank, self.target_size)
+            same = spec.dim is None or _place(group) == (self.target_rank, self.target_size)
             if same and len(dests) == 1:
                 values = [local]  # this rank's shard is the copy's
             else:
-                full = local
-                if spec.dim is not None and size > 1:
-                    parts = [torch.empty_like(local) for _ in range(size)]
-                    dist.all_gather(parts, local.contiguous(), group=group)
-                    received += local.numel() * local.element_size() * (size - 1)
-                    full = whole(parts, spec)
+                full, got = gather_whole(local, spec, group)
+                received += got
                 fulls = [full]
                 if len(dests) > 1:  # every expert-parallel rank's expert
                     fulls = [torch.empty_like(full) for _ in dests]
@@ -142,20 +138,10 @@ class CollocatedRefit:
                     received += full.numel() * full.element_size() * (len(dests) - 1)
                 values = [shard(f, spec, self.target_rank, self.target_size) for f in fulls]
             for dest_name, value in zip(dests, values, strict=True):
-                dest = self.targets[dest_name]
-                if value.shape != dest.shape:
-                    raise ValueError(
-                        f"{dest_name}: the inference copy's shard has shape {list(dest.shape)}, "
-                        f"the trained weights give {list(value.shape)}"
-                    )
-                new = value.reshape(-1)[::UNCHANGED_STRIDE]
-                old = dest.reshape(-1)[::UNCHANGED_STRIDE]
-                unchanged += int((new.to(torch.bfloat16) == old.to(torch.bfloat16)).sum())
-                elements += new.numel()
-                dest.copy_(value)
-                written += dest.numel() * dest.element_size()
+                counts = write_shard(self.targets[dest_name], value, dest_name)
+                tally = [t + c for t, c in zip(tally, counts)]
         seconds = time.perf_counter() - start
-        return RefitStats(seconds, received, written, unchanged / max(1, elements))
+        return RefitStats(seconds, received, tally[2], tally[0] / max(1, tally[1]))
 
     @torch.no_grad()
     def mismatches(self) -> list[str]:
@@ -194,6 +180,33 @@ class CollocatedRefit:
         if spec.dim is not None and size > 1:
             dist.all_reduce(total, group=group)
         return total
+
+
+def gather_whole(
+    local: torch.Tensor, spec: ShardSpec, group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, int]:
+    """The TP=1 tensor of this rank's shard ``local`` and the other shards over ``group``
+    (collective over it when the tensor is split), and the bytes received."""
+    size = _place(group)[1]
+    if spec.dim is None or size == 1:
+        return local, 0
+    parts = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return whole(parts, spec), local.numel() * local.element_size() * (size - 1)
+
+
+def write_shard(dest: torch.Tensor, value: torch.Tensor, name: str) -> tuple[int, int, int]:
+    """Copy ``value`` into the copy's tensor ``dest`` (named ``name``); (sampled elements whose
+    bfloat16 value it left unchanged, sampled elements, bytes written)."""
+    if value.shape != dest.shape:
+        raise ValueError(
+            f"{name}: the inference copy's shard has shape {list(dest.shape)}, the trained "
+            f"weights give {list(value.shape)}"
+        )
+    new, old = value.reshape(-1)[::UNCHANGED_STRIDE], dest.reshape(-1)[::UNCHANGED_STRIDE]
+    unchanged = int((new.to(torch.bfloat16) == old.to(torch.bfloat16)).sum())
+    dest.copy_(value)
+    return unchanged, new.numel(), dest.numel() * dest.element_size()
 
 
 def _place(group: dist.ProcessGroup | None) -> tuple[int, int]:

@@ -231,13 +231,14 @@ MEGATRON_LM_RL_FLAGS: tuple[MegatronFlag, ...] = (
         "same",
         "--rl-inference-tensor-model-parallel-size",
         "generation on a copy of the model at this TP degree, refit after every optimizer step "
-        "(one pipeline stage; an MoE copy holds every expert)",
+        "(a whole stage; an MoE copy holds every expert)",
     ),
     MegatronFlag(
         "--rl-inference-pipeline-model-parallel-size",
-        "refused",
-        None,
-        "an inference copy is one pipeline stage",
+        "same",
+        "--rl-inference-pipeline-model-parallel-size",
+        "an inference copy is one whole stage (1 is the size implemented), refit from every "
+        "training stage",
     ),
     MegatronFlag(
         "--rl-inference-expert-model-parallel-size",

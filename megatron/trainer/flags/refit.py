@@ -36,7 +36,7 @@ def refit_problems(run: RunConfig, cuda: bool) -> list[str]:
             "in place and sends nothing to delta)"
         )
     t = p.rl_inference_tensor_model_parallel_size
-    errors += _expert_copy_problems(p, t)
+    errors += _copy_layout_problems(p, t)
     if separate and t is None:
         t = p.tensor_model_parallel_size
     if t is None or t < 1:
@@ -47,11 +47,11 @@ def refit_problems(run: RunConfig, cuda: bool) -> list[str]:
             f"--refit-method gloo with {FLAG}: a collocated refit on CUDA gathers each weight "
             "over the training tensor-parallel group's NCCL; use nccl (the default on CUDA)"
         )
-    if not separate and p.pipeline_model_parallel_size > 1:
+    if not separate and p.pipeline_model_parallel_size > 1 and p.expert_model_parallel_size > 1:
         errors.append(
-            f"{FLAG} with --pipeline-model-parallel-size {p.pipeline_model_parallel_size}: "
-            "the inference copy is one whole stage and a refit gathers over tensor "
-            "parallelism only; drop one of them"
+            f"{FLAG} with --pipeline-model-parallel-size {p.pipeline_model_parallel_size} and "
+            f"--expert-model-parallel-size {p.expert_model_parallel_size}: a copy gathers "
+            "pipeline stages or expert-parallel ranks, not both; drop one of them"
         )
     if not separate and run.world_size % t != 0:
         errors.append(f"world size {run.world_size} must be divisible by {FLAG} ({t})")
@@ -84,25 +84,34 @@ def refit_problems(run: RunConfig, cuda: bool) -> list[str]:
     return errors
 
 
-def _expert_copy_problems(p, t: int | None) -> list[str]:
-    """The inference copy's expert layout flags against what is implemented."""
-    errors = []
-    ep, etp = "--rl-inference-expert-model-parallel-size", "--rl-inference-expert-tensor-model-"
-    ep_size = p.rl_inference_expert_model_parallel_size
-    etp_size = p.rl_inference_expert_tensor_model_parallel_size
-    if (ep_size is not None or etp_size is not None) and t is None:
-        errors.append(f"{ep} and {etp}parallel-size describe the copy of {FLAG}: set it too")
-    elif ep_size is not None and ep_size != 1:
-        errors.append(
-            f"{ep} {ep_size}: an inference copy holds every expert (1); expert-parallel copies "
-            "are not implemented"
-        )
-    elif etp_size is not None and etp_size != t:
-        errors.append(
-            f"{etp}parallel-size {etp_size}: the copy's experts are split over its {FLAG} "
-            f"({t}) ranks, the only expert TP implemented"
-        )
-    return errors
+def _copy_layout_problems(p, t: int | None) -> list[str]:
+    """Megatron-LM's layout flags of the inference copy against what is implemented: one whole
+    stage, every expert, the experts split over the copy's TP ranks."""
+    given = {
+        "--rl-inference-pipeline-model-parallel-size": p.rl_inference_pipeline_model_parallel_size,
+        "--rl-inference-expert-model-parallel-size": p.rl_inference_expert_model_parallel_size,
+        "--rl-inference-expert-tensor-model-parallel-size": (
+            p.rl_inference_expert_tensor_model_parallel_size
+        ),
+    }
+    given = {flag: value for flag, value in given.items() if value is not None}
+    if given and t is None:
+        return [f"{', '.join(given)} describe the copy of {FLAG}: set it too"]
+    implemented = {flag: 1 for flag in given} | (
+        {"--rl-inference-expert-tensor-model-parallel-size": t} if t is not None else {}
+    )
+    why = {
+        "--rl-inference-pipeline-model-parallel-size": "an inference copy is one whole stage",
+        "--rl-inference-expert-model-parallel-size": "an inference copy holds every expert",
+        "--rl-inference-expert-tensor-model-parallel-size": (
+            f"the copy's experts are split over its {FLAG} ({t}) ranks"
+        ),
+    }
+    return [
+        f"{flag} {value}: {why[flag]} ({implemented[flag]}, the only size implemented)"
+        for flag, value in given.items()
+        if value != implemented[flag]
+    ]
 
 
 def _moe_copy_problems(run: RunConfig, t: int) -> list[str]:

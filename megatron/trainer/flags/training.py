@@ -45,8 +45,19 @@ class Parallelism(Section):
         "world size / N inference replicas of N consecutive ranks, each rank keeps its shard of "
         "the copy, and right after every optimizer step the trained weights are resharded into "
         "it (tensor by tensor, over --refit-method). Default: no copy, generation runs on the "
-        "trained model itself, on the training layout. Full fine-tuning, one pipeline stage; "
-        "an MoE copy holds every expert (--rl-inference-expert-model-parallel-size 1).",
+        "trained model itself, on the training layout. Full fine-tuning; the copy is one whole "
+        "stage (--rl-inference-pipeline-model-parallel-size 1) and holds every expert of an "
+        "MoE model (--rl-inference-expert-model-parallel-size 1).",
+        parse=int,
+        minimum=1,
+        resume=True,
+    )
+    rl_inference_pipeline_model_parallel_size: int | None = option(
+        None,
+        "The pipeline-parallel size of the inference copy (with --rl-inference-tensor-model-"
+        "parallel-size): 1, the only size implemented and what an unset flag means. Trained with "
+        "--pipeline-model-parallel-size > 1 (CUDA), each refit assembles every stage's weights "
+        "and broadcasts them over the pipeline group, so every rank generates on a whole copy.",
         parse=int,
         minimum=1,
         resume=True,

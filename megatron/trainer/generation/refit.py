@@ -4,10 +4,12 @@ parallel-size``), on its own layout, refit from the trained model after every op
 from __future__ import annotations
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.utils import unwrap_model
 
 from megatron.rl.refit.collocated import CollocatedRefit
 from megatron.rl.refit.layout import InferenceLayout, inference_layout
+from megatron.rl.refit.stages import StageRefit
 from megatron.trainer.errors import RefitMismatch
 from megatron.trainer.parallel import ParallelContext
 from megatron.trainer.tiers.base import Tier
@@ -26,12 +28,19 @@ class InferenceCopy:
         tp_size: int,
         verify: bool = False,
     ) -> None:
-        self.layout: InferenceLayout = inference_layout(tp_size, tier.config.model.moe)
+        stages = parallel_state.get_pipeline_model_parallel_world_size() > 1
+        self.layout: InferenceLayout = inference_layout(tp_size, tier.config.model.moe or stages)
         self.model = tier.build_inference_copy(vocab_size, self.layout)
         # the GPTs inside the wrappers (CUDA: DDP and Float16Module), so the names match
         source, target = unwrap_model(trained), unwrap_model(self.model)
         gated = bool(getattr(source.config, "gated_linear_unit", False))
-        self.refit = CollocatedRefit(source, target, ctx.tp_group, self.layout.tp_group, gated)
+        groups = ctx.tp_group, self.layout.tp_group
+        self.refit: CollocatedRefit | StageRefit
+        if stages:  # every stage's weights into each rank's whole copy
+            pp_group = parallel_state.get_pipeline_model_parallel_group()
+            self.refit = StageRefit(source, target, *groups, gated, pp_group)
+        else:
+            self.refit = CollocatedRefit(source, target, *groups, gated)
         self.verify = verify
         """``--rl-verify-model-weights-swap``: check every refit."""
         self.refit()  # the weights the run starts (or resumes) with

@@ -11,6 +11,7 @@ import. One adapter per API that changed:
 | ``KV_CACHE_MODES``, ``kv_cache_mode_of`` | ``InferenceConfig.kv_cache_management_mode`` | ``recompute`` (``suspend`` frees the KV) and ``persist`` (never suspended) | megatron-core's ``KVCacheManagementMode``: also ``offload`` |
 | ``build_context(pg_collection=)`` | the same | an argument of the context | a field of ``InferenceConfig`` |
 | ``wrap_model`` | ``...model_inference_wrappers.inference_wrapper_config`` imports | ``GPTInferenceWrapper(model, InferenceWrapperConfig, context, pg_collection)`` | ``GPTInferenceWrapper(model, context)`` (the groups from the context) |
+| ``controller_arguments`` | ``pp_group`` among ``TextGenerationController.__init__``'s parameters | the pipeline group is an argument (None: the parallel state's) | read from the context's ``pg_collection`` |
 | ``engine_arguments`` | parameters of ``DynamicInferenceEngine.__init__`` | ``random_seed``, ``enable_chunked_prefill`` | neither (chunked prefill is in ``InferenceConfig``) |
 | ``is_suspended`` | ``engine.is_suspended`` or ``engine.state`` | the flag | the ``EngineState`` enum |
 | ``step_logits``, ``sampled_tokens_buffer`` | ``_dynamic_step_sample_logits``' parameters; ``_sampled_tokens_cuda`` | the logits are the argument; the buffer is preallocated | 0.18+: the logits are in ``_all_logits_cuda``, the buffer may be None (0.18.2) |
@@ -176,6 +177,16 @@ def wrap_model(
         inference_max_seq_length=max_sequence_length,
     )
     return GPTInferenceWrapper(model, config, context, pg_collection)
+
+
+def controller_arguments(controller_class: type, pg_collection: Any = None) -> dict[str, Any]:
+    """The keyword arguments of ``controller_class`` (a ``TextGenerationController``) for
+    ``pg_collection``'s pipeline group: an inference copy is one stage whatever the training's
+    (0.16: ``pp_group``; 0.17+ reads it from the context's ``pg_collection``)."""
+    params = inspect.signature(controller_class.__init__).parameters
+    if pg_collection is None or "pp_group" not in params:
+        return {}
+    return {"pp_group": pg_collection.pp}
 
 
 def engine_arguments(engine_class: type) -> dict[str, Any]:

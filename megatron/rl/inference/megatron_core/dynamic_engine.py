@@ -58,8 +58,10 @@ class SeededSamplingController(TextGenerationController):
         tokenizer,
         sampler: SeededSampler,
         routed_model: torch.nn.Module | None = None,
+        pg_collection: Any = None,
     ):
-        super().__init__(inference_wrapped_model, tokenizer)
+        groups = compat.controller_arguments(TextGenerationController, pg_collection)
+        super().__init__(inference_wrapped_model, tokenizer, **groups)
         self.sampler = sampler
         self.routed_model = routed_model
         """The model whose routers record each step (``sampler.record_routing``)."""
@@ -231,7 +233,8 @@ def build_megatron_engine(
     )
     wrapped.prep_model_for_inference()
     routed = model if sampler.record_routing else None
-    controller = SeededSamplingController(wrapped, _NoTextTokenizer(config.eos_id), sampler, routed)
+    tokenizer = _NoTextTokenizer(config.eos_id)
+    controller = SeededSamplingController(wrapped, tokenizer, sampler, routed, pg_collection)
     return SteppedDynamicInferenceEngine(controller, context)
 
 

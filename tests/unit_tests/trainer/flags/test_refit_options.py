@@ -56,6 +56,14 @@ def test_an_moe_copy_holds_every_expert_at_the_inference_tp():
         assert pipeline_config(args, 1, CharTokenizer()).inference_tp == 1
 
 
+def test_a_pipeline_run_generates_on_whole_copies():
+    """Trained in two stages on CUDA: each rank's copy is one whole stage at the inference TP."""
+    argv = ["--pipeline-model-parallel-size", "2", "--num-layers", "2", FLAG, "1"]
+    args, errors = check(argv + ["--rl-inference-pipeline-model-parallel-size", "1"], 2, True)
+    assert errors == []
+    assert pipeline_config(args, 1, CharTokenizer()).inference_tp == 1
+
+
 def test_non_collocated_splits_the_world_into_training_and_inference_ranks():
     """Megatron-LM's convention: the last --rl-inference-tensor-model-parallel-size ranks (one
     inference replica) only generate; the rest train, and the layout checks are theirs."""
@@ -133,7 +141,8 @@ def test_non_collocated_splits_the_world_into_training_and_inference_ranks():
             [FLAG, "1", "--num-experts", "4", "--rl-inference-expert-model-parallel-size", "2"],
             2,
             False,
-            "--rl-inference-expert-model-parallel-size 2: an inference copy holds every expert",
+            "--rl-inference-expert-model-parallel-size 2: an inference copy holds every expert "
+            "(1, the only size implemented)",
             id="copy-ep",
         ),
         pytest.param(
@@ -141,22 +150,32 @@ def test_non_collocated_splits_the_world_into_training_and_inference_ranks():
             2,
             False,
             "--rl-inference-expert-tensor-model-parallel-size 2: the copy's experts are split "
-            f"over its {FLAG} (1) ranks",
+            f"over its {FLAG} (1) ranks (1, the only size implemented)",
             id="copy-etp",
         ),
         pytest.param(
             ["--rl-inference-expert-model-parallel-size", "1"],
             1,
             False,
-            f"describe the copy of {FLAG}: set it too",
+            f"--rl-inference-expert-model-parallel-size describe the copy of {FLAG}: set it too",
             id="copy-ep-without-copy",
         ),
         pytest.param(
-            [FLAG, "1", "--pipeline-model-parallel-size", "2"],
+            [FLAG, "1", "--pipeline-model-parallel-size", "2", "--num-layers", "2"]
+            + ["--num-experts", "4", "--expert-model-parallel-size", "2"],
+            4,
+            True,
+            f"{FLAG} with --pipeline-model-parallel-size 2 and --expert-model-parallel-size 2: "
+            "a copy gathers pipeline stages or expert-parallel ranks, not both",
+            id="cuda-pipeline-and-experts",
+        ),
+        pytest.param(
+            [FLAG, "1", "--rl-inference-pipeline-model-parallel-size", "2"],
             2,
             True,
-            f"{FLAG} with --pipeline-model-parallel-size 2: the inference copy is one whole stage",
-            id="cuda-pipeline",
+            "--rl-inference-pipeline-model-parallel-size 2: an inference copy is one whole stage "
+            "(1, the only size implemented)",
+            id="copy-pp",
         ),
         pytest.param(
             [FLAG, "1", "--refit-method", "gloo"],

@@ -109,6 +109,7 @@ def test_the_resume_options_are_the_ones_declared_resume():
     assert flags == {
         "--rl-forced-lag",
         "--rl-inference-tensor-model-parallel-size",
+        "--rl-inference-pipeline-model-parallel-size",
         "--rl-inference-expert-model-parallel-size",
         "--rl-inference-expert-tensor-model-parallel-size",
         "--refit-mode",
