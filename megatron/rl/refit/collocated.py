@@ -58,11 +58,11 @@ class ExpertPlace:
         if match is None:
             return [name]
         prefix, j, suffix = match.group(1), int(match.group(2)), match.group(3)
-        ranks = _place(self.ep_group)[1]
+        ranks = place(self.ep_group)[1]
         return [f"{prefix}{r * self.local + j}{suffix}" for r in range(ranks)]
 
 
-def expert_place(model: torch.nn.Module) -> ExpertPlace:
+def expertplace(model: torch.nn.Module) -> ExpertPlace:
     """The ``ExpertPlace`` of ``model``'s routed experts (a dense model: no groups, one each)."""
     for module in model.modules():
         if hasattr(module, "local_experts") and hasattr(module, "ep_group"):
@@ -78,7 +78,8 @@ class RefitStats:
     seconds: float
     """Wall time of the copy, gathers included."""
     bytes_received: int
-    """Bytes this rank received from the other ranks of its training TP group."""
+    """Bytes this rank received from other ranks: of its training TP group, and of its
+    expert-parallel or pipeline group when those hold weights this rank's copy needs."""
     bytes_written: int
     """Bytes written into the inference copy."""
     unchanged_bf16: float
@@ -102,7 +103,7 @@ class CollocatedRefit:
     ) -> None:
         self.source, self.target = source, target
         self.specs = shard_specs(source, gated_linear_unit)
-        self.experts = expert_place(source)
+        self.experts = expertplace(source)
         self.names = {name: self.experts.global_names(name) for name in self.specs}
         """A trained parameter -> its names in the copy (an expert's: one per expert-parallel
         rank)."""
@@ -112,7 +113,7 @@ class CollocatedRefit:
             odd = sorted(set(self.targets) ^ expected)
             raise ValueError(f"the inference copy's parameters differ from the model's: {odd}")
         self.group, self.target_group = source_group, target_group
-        self.target_rank, self.target_size = _place(target_group)
+        self.target_rank, self.target_size = place(target_group)
 
     def _split_group(self, name: str) -> dist.ProcessGroup | None:
         """The group trained parameter ``name`` is split over (an expert's: ``expt_tp``)."""
@@ -125,7 +126,7 @@ class CollocatedRefit:
         for name, param in self.source.named_parameters():
             spec, local, dests = self.specs[name], param.detach(), self.names[name]
             group = self._split_group(name)
-            same = spec.dim is None or _place(group) == (self.target_rank, self.target_size)
+            same = spec.dim is None or place(group) == (self.target_rank, self.target_size)
             if same and len(dests) == 1:
                 values = [local]  # this rank's shard is the copy's
             else:
@@ -156,14 +157,14 @@ class CollocatedRefit:
         found, names = [], []
         for name, param in self.source.named_parameters():
             spec, dests, group = self.specs[name], self.names[name], self._split_group(name)
-            theirs = self._checksum(param, spec, *_place(group), group).reshape(1)
+            theirs = whole_checksum(param, spec, *place(group), group).reshape(1)
             sums = [theirs]
             if len(dests) > 1:
                 sums = [torch.empty_like(theirs) for _ in dests]
                 dist.all_gather(sums, theirs, group=self.experts.ep_group)
             for dest_name, their in zip(dests, sums, strict=True):
-                dest, place = self.targets[dest_name], (self.target_rank, self.target_size)
-                ours = self._checksum(dest, spec, *place, self.target_group)
+                dest, target = self.targets[dest_name], (self.target_rank, self.target_size)
+                ours = whole_checksum(dest, spec, *target, self.target_group)
                 found.append(int(their.item() != ours.item()))
                 names.append(dest_name)
         device = next(self.source.parameters()).device  # NCCL reduces device tensors only
@@ -172,14 +173,17 @@ class CollocatedRefit:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return [n for n, bad in zip(names, flags.tolist()) if bad]
 
-    @staticmethod
-    def _checksum(tensor, spec, rank, size, group) -> torch.Tensor:
-        """The whole tensor's checksum from this rank's shard (summed over ``group``)."""
-        index = global_indices(spec, tensor.shape, rank, size, tensor.device)  # whole: arange
-        total = position_checksum(tensor, index)
-        if spec.dim is not None and size > 1:
-            dist.all_reduce(total, group=group)
-        return total
+
+def whole_checksum(
+    tensor: torch.Tensor, spec: ShardSpec, rank: int, size: int, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """The whole tensor's ``position_checksum`` from this rank's shard ``tensor`` (rank ``rank``
+    of ``size``), summed over ``group`` (collective over it when the tensor is split)."""
+    index = global_indices(spec, tensor.shape, rank, size, tensor.device)  # whole: arange
+    total = position_checksum(tensor, index)
+    if spec.dim is not None and size > 1:
+        dist.all_reduce(total, group=group)
+    return total
 
 
 def gather_whole(
@@ -187,7 +191,7 @@ def gather_whole(
 ) -> tuple[torch.Tensor, int]:
     """The TP=1 tensor of this rank's shard ``local`` and the other shards over ``group``
     (collective over it when the tensor is split), and the bytes received."""
-    size = _place(group)[1]
+    size = place(group)[1]
     if spec.dim is None or size == 1:
         return local, 0
     parts = [torch.empty_like(local) for _ in range(size)]
@@ -209,7 +213,7 @@ def write_shard(dest: torch.Tensor, value: torch.Tensor, name: str) -> tuple[int
     return unchanged, new.numel(), dest.numel() * dest.element_size()
 
 
-def _place(group: dist.ProcessGroup | None) -> tuple[int, int]:
+def place(group: dist.ProcessGroup | None) -> tuple[int, int]:
     """(rank, size) of this process in ``group`` (None or no world: (0, 1))."""
     if group is None or not dist.is_initialized():
         return 0, 1

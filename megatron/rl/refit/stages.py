@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 
 from megatron.rl.refit.collocated import (
-    CollocatedRefit,
     RefitStats,
-    _place,
     gather_whole,
+    place,
+    whole_checksum,
     write_shard,
 )
 from megatron.rl.refit.tensor_parallel import ShardSpec, shard, shard_specs
@@ -44,7 +44,7 @@ class StageRefit:
     """The copy of ``source`` (this rank's stage and TP shard, of the TP group ``source_group``
     and the pipeline group ``stage_group``) into ``target`` (a whole model: this rank's shard of
     the copy, of the TP group ``target_group``); collective over both training groups.
-    ``mismatches`` as ``CollocatedRefit.mismatches``."""
+    Its ``mismatches`` are as ``CollocatedRefit.mismatches``."""
 
     def __init__(
         self,
@@ -57,10 +57,10 @@ class StageRefit:
     ) -> None:
         self.group, self.stage_group = source_group, stage_group
         self.target_group = target_group
-        self.target_rank, self.target_size = _place(target_group)
-        self.stage = _place(stage_group)[0]
+        self.target_rank, self.target_size = place(target_group)
+        self.stage = place(stage_group)[0]
         self.device = next(source.parameters()).device
-        specs, size = shard_specs(source, gated_linear_unit), _place(source_group)[1]
+        specs, size = shard_specs(source, gated_linear_unit), place(source_group)[1]
         self.local: dict[str, torch.Tensor] = {}
         mine = []
         for name, param in source.named_parameters():
@@ -72,7 +72,7 @@ class StageRefit:
             full = global_name(source, name)
             self.local[full] = param
             mine.append((full, tuple(shape), str(param.dtype).removeprefix("torch."), spec))
-        plans: list = [None] * _place(stage_group)[1]
+        plans: list = [None] * place(stage_group)[1]
         dist.all_gather_object(plans, mine, group=stage_group)
         self.plan: list[list[tuple[str, tuple, str, ShardSpec]]] = plans
         """Per stage, in stage order: (name in the copy, whole shape, dtype, spec)."""
@@ -113,11 +113,11 @@ class StageRefit:
         """The copy's tensors that differ from the stages' (collective over the world): each
         whole tensor's checksum, summed over its stage's TP group and broadcast from it,
         against the copy's, summed over the copy's TP group."""
-        checksum, found, names = CollocatedRefit._checksum, [], []
-        place = _place(self.group)
+        checksum, found, names = whole_checksum, [], []
+        source_place = place(self.group)
         for stage, src, name, _, _, spec in self._entries():
             if stage == self.stage:
-                theirs = checksum(self.local[name], spec, *place, self.group).reshape(1)
+                theirs = checksum(self.local[name], spec, *source_place, self.group).reshape(1)
             else:
                 theirs = torch.zeros(1, dtype=torch.int64, device=self.device)
             dist.broadcast(theirs, src, group=self.stage_group)

@@ -92,7 +92,7 @@ def moe_refit_on_rank(rank: int, world: int, tp: int, ep: int, checkpoint: str) 
     ids = torch.tensor([[40, 41, 42, 43, 44, 45]])
     out = {"experts": hf.arch.num_experts}
     for infer_tp in (1, 2):
-        layout = inference_layout(infer_tp, experts=True)
+        layout = inference_layout(infer_tp, alone=True)
         config = transformer_config(hf.arch, tensor_model_parallel_size=infer_tp)
         spec = layer_spec(hf.arch, SDPASpecProvider())
         copy = build_gpt_model(hf.arch, config, spec, pg_collection=layout.pg_collection).eval()
