@@ -36,9 +36,9 @@ def refit_problems(run: RunConfig, cuda: bool) -> list[str]:
             "in place and sends nothing to delta)"
         )
     t = p.rl_inference_tensor_model_parallel_size
-    errors += _copy_layout_problems(p, t)
     if separate and t is None:
         t = p.tensor_model_parallel_size
+    errors += _copy_layout_problems(p, t)
     if t is None or t < 1:
         return errors
     mode = "--refit-mode non-collocated" if separate else FLAG
