@@ -62,7 +62,7 @@ class ExpertPlace:
         return [f"{prefix}{r * self.local + j}{suffix}" for r in range(ranks)]
 
 
-def expertplace(model: torch.nn.Module) -> ExpertPlace:
+def expert_place(model: torch.nn.Module) -> ExpertPlace:
     """The ``ExpertPlace`` of ``model``'s routed experts (a dense model: no groups, one each)."""
     for module in model.modules():
         if hasattr(module, "local_experts") and hasattr(module, "ep_group"):
@@ -103,7 +103,7 @@ class CollocatedRefit:
     ) -> None:
         self.source, self.target = source, target
         self.specs = shard_specs(source, gated_linear_unit)
-        self.experts = expertplace(source)
+        self.experts = expert_place(source)
         self.names = {name: self.experts.global_names(name) for name in self.specs}
         """A trained parameter -> its names in the copy (an expert's: one per expert-parallel
         rank)."""
@@ -167,11 +167,7 @@ class CollocatedRefit:
                 ours = whole_checksum(dest, spec, *target, self.target_group)
                 found.append(int(their.item() != ours.item()))
                 names.append(dest_name)
-        device = next(self.source.parameters()).device  # NCCL reduces device tensors only
-        flags = torch.tensor(found, dtype=torch.int64, device=device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return [n for n, bad in zip(names, flags.tolist()) if bad]
+        return agreed_mismatches(names, found, next(self.source.parameters()).device)
 
 
 def whole_checksum(
@@ -211,6 +207,15 @@ def write_shard(dest: torch.Tensor, value: torch.Tensor, name: str) -> tuple[int
     unchanged = int((new.to(torch.bfloat16) == old.to(torch.bfloat16)).sum())
     dest.copy_(value)
     return unchanged, new.numel(), dest.numel() * dest.element_size()
+
+
+def agreed_mismatches(names: list[str], found: list[int], device: torch.device) -> list[str]:
+    """The ``names`` that any rank of the world ``found`` (1) to differ (collective: every rank
+    gets the same list; on ``device``: NCCL reduces device tensors only)."""
+    flags = torch.tensor(found, dtype=torch.int64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return [n for n, bad in zip(names, flags.tolist()) if bad]
 
 
 def place(group: dist.ProcessGroup | None) -> tuple[int, int]:

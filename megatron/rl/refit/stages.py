@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megatron.rl.refit.collocated import (
     RefitStats,
+    agreed_mismatches,
     gather_whole,
     place,
     whole_checksum,
@@ -125,6 +126,4 @@ class StageRefit:
             ours = checksum(dest, spec, self.target_rank, self.target_size, self.target_group)
             found.append(int(theirs.item() != ours.item()))
             names.append(name)
-        flags = torch.tensor(found, dtype=torch.int64, device=self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return [n for n, bad in zip(names, flags.tolist()) if bad]
+        return agreed_mismatches(names, found, self.device)

@@ -87,30 +87,33 @@ def refit_problems(run: RunConfig, cuda: bool) -> list[str]:
 def _copy_layout_problems(p, t: int | None) -> list[str]:
     """Megatron-LM's layout flags of the inference copy against what is implemented: one whole
     stage, every expert, the experts split over the copy's TP ranks."""
-    given = {
-        "--rl-inference-pipeline-model-parallel-size": p.rl_inference_pipeline_model_parallel_size,
-        "--rl-inference-expert-model-parallel-size": p.rl_inference_expert_model_parallel_size,
-        "--rl-inference-expert-tensor-model-parallel-size": (
-            p.rl_inference_expert_tensor_model_parallel_size
+    rows = (  # flag, its value, the size implemented, why
+        (
+            "--rl-inference-pipeline-model-parallel-size",
+            p.rl_inference_pipeline_model_parallel_size,
+            1,
+            "an inference copy is one whole stage",
         ),
-    }
-    given = {flag: value for flag, value in given.items() if value is not None}
-    if given and t is None:
-        return [f"{', '.join(given)} describe the copy of {FLAG}: set it too"]
-    implemented = {flag: 1 for flag in given} | (
-        {"--rl-inference-expert-tensor-model-parallel-size": t} if t is not None else {}
+        (
+            "--rl-inference-expert-model-parallel-size",
+            p.rl_inference_expert_model_parallel_size,
+            1,
+            "an inference copy holds every expert",
+        ),
+        (
+            "--rl-inference-expert-tensor-model-parallel-size",
+            p.rl_inference_expert_tensor_model_parallel_size,
+            t,
+            f"the copy's experts are split over its {FLAG} ({t}) ranks",
+        ),
     )
-    why = {
-        "--rl-inference-pipeline-model-parallel-size": "an inference copy is one whole stage",
-        "--rl-inference-expert-model-parallel-size": "an inference copy holds every expert",
-        "--rl-inference-expert-tensor-model-parallel-size": (
-            f"the copy's experts are split over its {FLAG} ({t}) ranks"
-        ),
-    }
+    given = [row for row in rows if row[1] is not None]
+    if given and t is None:
+        return [f"{', '.join(row[0] for row in given)} describe the copy of {FLAG}: set it too"]
     return [
-        f"{flag} {value}: {why[flag]} ({implemented[flag]}, the only size implemented)"
-        for flag, value in given.items()
-        if value != implemented[flag]
+        f"{flag} {value}: {why} ({implemented}, the only size implemented)"
+        for flag, value, implemented, why in given
+        if value != implemented
     ]
 
 
