@@ -23,6 +23,8 @@ save a checkpoint and exit after a forwarded signal before torchelastic kills th
 
 from __future__ import annotations
 
+import atexit
+import gc
 import logging
 import os
 import signal
@@ -40,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    atexit.register(gc.freeze)  # a faster end, as in megatron/trainer/runtime/exits.py
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.shutdown_timeout is None and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in os.environ:
         args.shutdown_timeout = DEFAULT_SHUTDOWN_TIMEOUT_S

@@ -26,7 +26,9 @@ only to the origins listed there (scheme, host and port compared exactly, as htt
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -225,6 +227,9 @@ async def run_group(
 
 def main(argv: list[str] | None = None) -> None:
     """CLI: host an env-config under uvicorn until SIGTERM/SIGINT."""
+    # Last at exit: the interpreter's shutdown then skips walking every object of torch and the
+    # web stack with the garbage collector (reference counting still frees them).
+    atexit.register(gc.freeze)
     parser = argparse.ArgumentParser(description="Serve RL environments over HTTP.")
     parser.add_argument(
         "--env-config",

@@ -24,10 +24,18 @@ too. Under torchrun every failing rank also writes the message into torchelastic
 (``TORCHELASTIC_ERROR_FILE``), marked expected; ``megatron.trainer.launch`` reads that mark to end
 with the worker's status and no report of its own, and plain torchrun shows the message as the
 root cause instead of a link to its documentation.
+
+At the very end, after every other ``atexit`` handler, ``run_main`` freezes the garbage collector
+(``gc.freeze``): the interpreter's shutdown then frees the modules by reference counting alone
+instead of also walking every object torch and megatron-core created, about 1 s of each process's
+end on one CPU core (``python tools/import_cost.py``). Objects freed by reference count still run
+their ``__del__``; only objects in reference cycles are left to the operating system.
 """
 
 from __future__ import annotations
 
+import atexit
+import gc
 import json
 import os
 import sys
@@ -85,6 +93,7 @@ def global_rank() -> int:
 
 def run_main(main: Callable[[], None], prog: str = TRAINER_PROG) -> None:
     """Run ``main()`` and exit as the module docstring says."""
+    freeze_collector_at_exit()
     debug = debug_tracebacks(sys.argv[1:])
     try:
         main()
@@ -95,6 +104,18 @@ def run_main(main: Callable[[], None], prog: str = TRAINER_PROG) -> None:
         report_exit(exc, prog, debug)
         raise
     wait_if_watchdog_fired()
+
+
+def freeze_collector_at_exit() -> None:
+    """``gc.freeze`` as an ``atexit`` handler, registered once per process, on the first call: so
+    it runs after the handlers registered later (the module docstring says why)."""
+    global _FREEZE_REGISTERED
+    if not _FREEZE_REGISTERED:
+        atexit.register(gc.freeze)
+        _FREEZE_REGISTERED = True
+
+
+_FREEZE_REGISTERED = False
 
 
 def report_exit(exc: BaseException, prog: str, debug: bool) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -101,3 +103,27 @@ def test_another_command_prints_the_trainers_messages_under_its_own_name(
     with pytest.raises(SystemExit):
         run_main(raiser(exc), prog="megatron.trainer.serve")
     assert capsys.readouterr().err == printed + "\n"
+
+
+def test_the_collector_is_frozen_after_every_atexit_handler_of_main(tmp_path):
+    """The program's own ``atexit`` handlers (a metrics writer's last flush, wandb) run before
+    ``gc.freeze``; a handler registered before ``run_main`` sees the collector frozen."""
+    script = tmp_path / "ends.py"
+    script.write_text(
+        "import atexit, gc\n"
+        "from megatron.trainer.runtime.exits import run_main\n"
+        "atexit.register(lambda: print('before run_main', gc.get_freeze_count() > 0))\n"
+        "def main():\n"
+        "    atexit.register(lambda: print('in main', gc.get_freeze_count() > 0))\n"
+        "run_main(main)\n"
+        "run_main(main)\n"  # a second call registers the freeze once, still before main's
+    )
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore", str(script)], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split("\n") == [
+        "in main False",
+        "in main False",
+        "before run_main True",
+        "",
+    ]
