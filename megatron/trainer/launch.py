@@ -23,14 +23,12 @@ save a checkpoint and exit after a forwarded signal before torchelastic kills th
 
 from __future__ import annotations
 
-import atexit
-import gc
 import logging
 import os
 import signal
 import sys
 
-from megatron.trainer.runtime.exits import EXPECTED_MARK
+from megatron.trainer.runtime.exits import EXPECTED_MARK, freeze_collector_at_exit
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 300
 """Seconds a signalled worker has to save and exit (torchrun's own default is 30)."""
@@ -42,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    atexit.register(gc.freeze)  # a faster end, as in megatron/trainer/runtime/exits.py
+    freeze_collector_at_exit()  # a faster end (megatron/trainer/runtime/exits.py)
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.shutdown_timeout is None and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in os.environ:
         args.shutdown_timeout = DEFAULT_SHUTDOWN_TIMEOUT_S
