@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -308,20 +308,41 @@ def load_trainable_state_dict(model: torch.nn.Module, state: dict[str, torch.Ten
     gpt.load_state_dict(state, strict=False)
 
 
-def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """This rank's base state dict with every adapter merged into its layer's weight
-    (``W + scale * B @ A``, computed in float32, cast to the weight's dtype); no adapter keys.
-    The whole state dict for a model without adapters."""
+class BaseMismatchError(ValueError):
+    """An original base value given to ``merged_state_dict`` is not the base the adapters were
+    trained on (it does not round to the stored base weight)."""
+
+
+def merged_state_dict(
+    model: torch.nn.Module, original: Mapping[str, Callable[[], torch.Tensor]] | None = None
+) -> dict[str, torch.Tensor]:
+    """This rank's base state dict with every adapter merged into its layer's weight; no adapter
+    keys. The whole state dict for a model without adapters.
+
+    The base is the stored one, or, where ``original`` (state-dict key -> reader of the value)
+    names a key, the value it reads: the checkpoint's own values, of which the stored frozen
+    base may be a bfloat16 rounding (``store_frozen_linear_weights``). ``BaseMismatchError`` if an
+    original value does not round to the stored one exactly (another base than the one the
+    adapters were trained on). A merged weight is ``W + scale * B @ A`` summed and returned in
+    float32: the adapter's update is far smaller than the weight, and rounding the sum to a
+    narrower dtype would drop most of it."""
     gpt = unwrap_model(model)
     state = {k: v for k, v in gpt.state_dict().items() if not is_adapter_key(k)}
     adapters = lora_adapters(model)
     if adapters is None:
         return state
+    for key, read in (original or {}).items():
+        stored, value = state[key], read().to(state[key].device)
+        if value.shape != stored.shape or not torch.equal(value.to(stored.dtype), stored):
+            raise BaseMismatchError(
+                f"{key}: the original base values do not round to the stored base "
+                f"({stored.dtype}): not the base the adapters were trained on"
+            )
+        state[key] = value
     for layer, name, adapter in adapters.adapters():
         key = adapters.module_names[(layer, name)] + ".weight"
         weight = state[key]
-        merged = weight.float() + adapter.delta_weight().to(weight.device)
-        state[key] = merged.to(weight.dtype).contiguous()
+        state[key] = (weight.float() + adapter.delta_weight().to(weight.device)).contiguous()
     return state
 
 

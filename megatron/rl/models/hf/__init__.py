@@ -1,7 +1,8 @@
 """Hugging Face Llama / Qwen2 / Qwen3 / Mistral checkpoints for megatron-core GPTModels.
 
 * ``read_hf_config(dir)`` -> ``HFModelConfig`` (``.arch``: the ``GPTArchitecture``);
-* ``load_hf_checkpoint(model, dir, hf)``: this TP rank's slices of the safetensors weights;
+* ``load_hf_checkpoint(model, dir, hf)``: this TP rank's slices of the safetensors weights
+  (``hf_weight_readers``: what reads each of them);
 * ``gather_tensor_parallel_state_dicts(model)`` and ``export_hf(dir, arch, state_dicts, ...)``;
 * ``load_hf_tokenizer(dir, hf)``: the tokenizer, checked against the embedding size.
 
@@ -13,6 +14,7 @@ families: one ``HFFamily`` entry per module of ``families/`` (the registry ``fam
 from megatron.rl.models.hf.checkpoint import (
     export_hf,
     gather_tensor_parallel_state_dicts,
+    hf_weight_readers,
     load_hf_checkpoint,
     load_hf_tokenizer,
 )
@@ -35,6 +37,7 @@ __all__ = [
     "gather_tensor_parallel_state_dicts",
     "hf_config_dict",
     "hf_from_megatron",
+    "hf_weight_readers",
     "load_hf_checkpoint",
     "load_hf_tokenizer",
     "megatron_shard_from_hf",

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -156,7 +156,7 @@ def check_hf_tensors(
         )
 
 
-def load_hf_checkpoint(
+def hf_weight_readers(
     model: torch.nn.Module,
     directory: str | Path,
     hf: HFModelConfig,
@@ -164,12 +164,16 @@ def load_hf_checkpoint(
     tp_size: int | None = None,
     ep_rank: int | None = None,
     ep_size: int | None = None,
-) -> None:
-    """Copy an HF checkpoint's weights into this TP rank's ``model`` (built from ``hf.arch``).
+    extra: Callable[[str], bool] | None = None,
+) -> dict[str, Callable[[], torch.Tensor]]:
+    """For each tensor of this TP rank's ``model`` (built from ``hf.arch``), what reads its value
+    from the HF checkpoint in ``directory`` when called (the checkpoint's values, in its dtype).
 
     TP (and, for a mixture of experts, EP) rank and size default to megatron-core's parallel
-    state. Only this rank's slices (and local experts) are read; values are cast to the
-    parameters' dtypes. One pipeline stage only.
+    state. Only this rank's slices (and local experts) are read. One pipeline stage only.
+    ``extra`` tells the model's own tensors that the checkpoint does not hold (a LoRA model's
+    adapters). ``HFCheckpointError`` for a checkpoint that does not fit ``hf``, ``ValueError`` for a model
+    that does not fit the checkpoint.
     """
     if ep_size is None:
         ep_size = _parallel_state_or("get_expert_model_parallel_world_size", 1)
@@ -185,21 +189,37 @@ def load_hf_checkpoint(
         raise ValueError("load_hf_checkpoint: pipeline-parallel stages are not supported")
     source = SafetensorsSource(directory)
     check_hf_tensors(source, hf.arch, hf.vocab_size, hf.family)
-    targets = {
-        k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")
-    }
-    fused = any(k.endswith("linear_qkv.layer_norm_weight") for k in targets)
-    shard = megatron_shard_readers(
+    names = [
+        k
+        for k in model.state_dict(keep_vars=True)
+        if not k.endswith("_extra_state") and not (extra and extra(k))
+    ]
+    fused = any(k.endswith("linear_qkv.layer_norm_weight") for k in names)
+    readers = megatron_shard_readers(
         hf.arch, source, hf.vocab_size, tp_rank, tp_size, fused, hf.family, ep_rank, ep_size
     )
-    if set(shard) != set(targets):
+    if set(readers) != set(names):
         raise ValueError(
             f"model does not match {directory}/config.json: model-only tensors "
-            f"{sorted(set(targets) - set(shard))}, "
-            f"checkpoint-only {sorted(set(shard) - set(targets))}"
+            f"{sorted(set(names) - set(readers))}, "
+            f"checkpoint-only {sorted(set(readers) - set(names))}"
         )
+    return readers
+
+
+def load_hf_checkpoint(
+    model: torch.nn.Module, directory: str | Path, hf: HFModelConfig, **layout: int
+) -> None:
+    """Copy an HF checkpoint's weights into this TP rank's ``model`` (built from ``hf.arch``),
+    one converted tensor at a time, cast to the parameters' dtypes. ``layout``: ``tp_rank``,
+    ``tp_size``, ``ep_rank``, ``ep_size`` of ``hf_weight_readers``."""
+    readers = hf_weight_readers(model, directory, hf, **layout)
+    targets = model.state_dict(keep_vars=True)
+    tp_size = layout.get("tp_size") or parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = layout.get("tp_rank")
+    tp_rank = parallel_state.get_tensor_model_parallel_rank() if tp_rank is None else tp_rank
     with torch.no_grad():
-        for name, read in shard.items():  # one converted tensor alive at a time
+        for name, read in readers.items():  # one converted tensor alive at a time
             value = read()
             if tuple(targets[name].shape) != tuple(value.shape):
                 raise ValueError(

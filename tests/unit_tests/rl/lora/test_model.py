@@ -10,6 +10,7 @@ from grpo_testing.models import VOCAB, tiny_args, tiny_gpt
 
 from megatron.rl.lora.config import PROJECTIONS, LoRAConfig
 from megatron.rl.lora.model import (
+    BaseMismatchError,
     adapters_disabled,
     apply_lora,
     base_model,
@@ -105,6 +106,33 @@ def test_merged_weights_compute_what_base_plus_adapter_computes(single_rank_worl
     merged = tiny_gpt(seed=4, **LLAMA)
     merged.load_state_dict(merged_state_dict(model))  # no adapter keys: a plain model
     torch.testing.assert_close(logits(merged), logits(model), atol=1e-5, rtol=1e-5)
+
+
+def test_a_bf16_stored_base_merges_onto_its_original_values_in_float32(single_rank_world):
+    """``merged_state_dict`` with the original base values (what ``--save-hf`` re-reads from the
+    checkpoint): float32 ``W + scale * B @ A`` on the original ``W``, not on the bfloat16 copy
+    the run stores; an original that does not round to the stored base is refused."""
+    model = tiny_gpt(seed=3, **LLAMA)
+    apply_lora(model, CONFIG)
+    randomize_b(model, std=1e-3)  # an update well below a bfloat16 step of the weights
+    original = {
+        k: v.clone()
+        for k, v in model.state_dict().items()
+        if isinstance(v, torch.Tensor) and not k.startswith("lora.")
+    }
+    exact = merged_state_dict(model)  # float32 base: the reference
+    store_frozen_linear_weights(model, torch.bfloat16)
+    readers = {k: (lambda v=v: v) for k, v in original.items()}
+    merged = merged_state_dict(model, readers)
+    key = "decoder.layers.0.self_attention.linear_qkv.weight"
+    assert merged[key].dtype == torch.float32
+    for name in original:
+        torch.testing.assert_close(merged[name], exact[name], atol=1e-7, rtol=0)
+    rounded = merged_state_dict(model)[key]  # onto the stored bfloat16 base: not the policy
+    assert (rounded - exact[key]).abs().max() > 1e-4
+    readers[key] = lambda: original[key] + 0.01  # another base
+    with pytest.raises(BaseMismatchError, match="linear_qkv.weight: the original base values"):
+        merged_state_dict(model, readers)
 
 
 def test_frozen_weights_stored_transposed_and_in_bf16_compute_the_same(single_rank_world):
