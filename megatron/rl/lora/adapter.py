@@ -222,6 +222,21 @@ class LinearAdapter(torch.nn.Module):
         }  # projection -> (..., rows of p)
         return self._assemble(parts)
 
+    def added_to(
+        self, out: torch.Tensor, x: torch.Tensor, transpose: Transpose = _transpose
+    ) -> torch.Tensor:
+        """The layer's output ``out`` plus the adapter's ``delta(x)``, summed in the adapters'
+        dtype (float32 on the CPU tier, whose products run in bfloat16 under ``--bf16``).
+
+        A bfloat16 ``out`` is already a bfloat16 value, so a bfloat16 sum rounds every delta
+        smaller than half a bfloat16 step of the output back to ``out``: the adapter's early,
+        small updates would change nothing the forward computes (while their gradients still
+        grow B), and the more so the higher the rank, whose updates are spread thinner. The
+        float32 sum keeps them; where the adapters share the output's dtype (the CUDA tier's
+        bfloat16 modules) nothing changes."""
+        dtype = self.lora_A.dtype
+        return out.to(dtype) + self.delta(x, transpose).to(dtype)
+
     def delta_weight(self) -> torch.Tensor:
         """The adapter as a weight of the layer's local shape, (out, in) on this rank:
         ``scale * B_p @ A_p`` in each projection's rows (float32; what merging adds)."""

@@ -77,6 +77,13 @@ class LoRAAdapters(torch.nn.Module):
         chosen = self if self.selected is None else self.named[self.selected]
         return chosen._of.get(module)
 
+    def output_dtype(self, module: torch.nn.Module) -> torch.dtype | None:
+        """The dtype ``module``'s output is returned in while this set's own adapter of it is
+        off (the reference, the base): its adapter's (``LinearAdapter.added_to``), so the base
+        computes what base + a zero adapter computes; None for a module without one."""
+        own = self._of.get(module)
+        return None if own is None else own.lora_A.dtype
+
     def adapters(self) -> Iterator[tuple[int, str, LinearAdapter]]:
         """(layer, module name, adapter) of every adapter, by layer and module order."""
         for key in sorted(self.layers, key=int):
@@ -205,12 +212,13 @@ def _output_hook(adapters: LoRAAdapters, fused_norm: bool):
     (output, bias); with a fused input norm the adapter reads the normalized input."""
 
     def hook(module, args, output):
+        out, bias = output
         adapter = adapters.adapter_for(module)
         if adapter is None:
-            return output
+            dtype = adapters.output_dtype(module)
+            return (out if dtype is None else out.to(dtype)), bias
         x = fused_input_norm(module, args[0]) if fused_norm else args[0]
-        out, bias = output
-        return out + adapter.delta(x), bias
+        return adapter.added_to(out, x), bias
 
     return hook
 

@@ -243,10 +243,12 @@ class CachedForward:
         (``LoRAAdapters.adapter_for``: the forward hook's sum, at the same point)."""
         if self.lora is None:
             return out
-        adapter = self.lora.adapter_for(getattr(layer, _MODULE_FIELDS[name]))
+        module = getattr(layer, _MODULE_FIELDS[name])
+        adapter = self.lora.adapter_for(module)
         if adapter is None:
-            return out
-        return out + adapter.delta(x, self.transposed)
+            dtype = self.lora.output_dtype(module)
+            return out if dtype is None else out.to(dtype)
+        return adapter.added_to(out, x, self.transposed)
 
     @staticmethod
     def _residual(out_bias, residual: torch.Tensor) -> torch.Tensor:

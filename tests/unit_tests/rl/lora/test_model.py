@@ -160,6 +160,34 @@ def test_frozen_weights_stored_transposed_and_in_bf16_compute_the_same(single_ra
     torch.testing.assert_close(logits(fp32_model), fp32, atol=1e-5, rtol=1e-5)
 
 
+def bf16_logits(model) -> torch.Tensor:
+    ids, positions = batch()
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, cache_enabled=False):
+        return model.eval()(ids, positions, None).float()  # (B, T, V)
+
+
+def test_under_bf16_autocast_a_small_update_changes_what_the_model_computes(single_rank_world):
+    """The adapter's output is added to the bfloat16 product in float32: an update far below a
+    bfloat16 step of the layer's outputs still moves the logits by what it moves them in float32
+    (a bfloat16 sum rounds it to the product or a whole bfloat16 step away), and with the
+    adapters off or B = 0 the model computes exactly the same (the reference is the policy at
+    step 0)."""
+    model = tiny_gpt(seed=3, **LLAMA)
+    apply_lora(model, CONFIG)
+    store_frozen_linear_weights(model, torch.bfloat16)
+    start = bf16_logits(model)
+    with adapters_disabled(model):
+        assert torch.equal(bf16_logits(model), start)
+    fp32 = tiny_gpt(seed=3, **LLAMA)  # the same model, float32 throughout
+    apply_lora(fp32, CONFIG)
+    fp32_start = logits(fp32)
+    randomize_b(model, std=1e-4)
+    randomize_b(fp32, std=1e-4)
+    moved_fp32 = (logits(fp32) - fp32_start).abs().mean()
+    moved_bf16 = (bf16_logits(model) - start).abs().mean()
+    assert moved_fp32 > 0 and 0.5 < float(moved_bf16 / moved_fp32) < 2.0
+
+
 def test_adapter_state_loads_exactly_the_adapters(single_rank_world):
     model = tiny_gpt(seed=3, **LLAMA)
     apply_lora(model, CONFIG)
