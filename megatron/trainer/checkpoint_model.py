@@ -63,6 +63,7 @@ CHECKPOINT_FLAGS += (
     "make_vocab_size_divisible_by",
     "lora_rank",
     "lora_alpha",
+    "lora_use_rslora",
 )
 """Flags a trainer checkpoint's weights must have been saved with to fit the command's model."""
 

@@ -310,6 +310,7 @@ def lora_config(cfg: RunConfig) -> LoRAConfig | None:
     return LoRAConfig(
         rank=lora.lora_rank,
         alpha=lora.lora_alpha,
+        rslora=lora.lora_use_rslora,
         targets=tuple(lora.lora_target_modules),
         init=lora.lora_init,
         seed=cfg.training.seed,

@@ -172,7 +172,7 @@ def load_named_adapters(model, named: dict[str, str]) -> None:
     """Each ``--lora`` directory as a named adapter set on ``model``."""
     for name, directory in named.items():
         saved = read_adapter_config(directory)
-        config = LoRAConfig(rank=saved.rank, alpha=saved.alpha, targets=saved.targets)
+        config = LoRAConfig(saved.rank, saved.alpha, saved.targets, rslora=saved.rslora)
         try:
             load_adapter_directory(add_named_adapters(model, name, config), directory)
         except (AdapterLoadError, ValueError) as err:

@@ -20,6 +20,7 @@ one to one in both directions.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,12 @@ INITS: tuple[str, ...] = ("kaiming", "gaussian")
 """How ``A`` starts (``B`` always starts at zero, so step 0 is the base model exactly):
 ``kaiming``: uniform in +-1/sqrt(in_features) (PEFT's default, ``init_lora_weights=True``);
 ``gaussian``: normal with standard deviation 1/rank (PEFT's ``"gaussian"``)."""
+
+DEFAULT_ALPHA = 32.0
+"""The default alpha, the same at every rank: with the scale alpha / rank and A initialized
+independently of the rank, AdamW's first updates move the policy alike at every rank
+(``tools/benchmarks/lora_rank_probe.py``), so a learning rate found at one rank serves the
+others."""
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -94,11 +101,14 @@ class LoRAConfig:
     rank: int
     """Rows of each ``A`` (columns of each ``B``)."""
     alpha: float
-    """The adapter's output is scaled by ``alpha / rank``."""
+    """The adapter's output is scaled by ``alpha / rank`` (``alpha / sqrt(rank)`` with
+    ``rslora``)."""
     targets: tuple[str, ...] = PROJECTIONS
     """Projections that get an adapter (``target_projections``), in layer order."""
     init: str = "kaiming"
     """How ``A`` starts (``INITS``); ``B`` starts at zero."""
+    rslora: bool = False
+    """Rank-stabilized scaling: ``alpha / sqrt(rank)`` (PEFT's ``use_rslora``)."""
     seed: int = 1234
     """Seed of ``A``'s initial values: each projection of each layer draws from its own generator
     seeded from (seed, layer, projection), so the initial adapter is the same at every
@@ -115,8 +125,8 @@ class LoRAConfig:
 
     @property
     def scale(self) -> float:
-        """``alpha / rank``: the factor of the adapter's output."""
-        return self.alpha / self.rank
+        """The factor of the adapter's output: ``alpha / rank``, or ``alpha / sqrt(rank)``."""
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
 
 
 @dataclass(frozen=True)
@@ -129,6 +139,8 @@ class AdapterDirectory:
     """Projections, in layer order."""
     base_model: str | None
     """``base_model_name_or_path``: what it was trained on (informational)."""
+    rslora: bool = False
+    """``use_rslora``: the scale is ``alpha / sqrt(r)``."""
 
 
 class AdapterConfigError(ValueError):
@@ -137,7 +149,7 @@ class AdapterConfigError(ValueError):
 
 def read_adapter_config(directory: str | Path) -> AdapterDirectory:
     """Read ``directory/adapter_config.json`` (PEFT's LoRA format); ``AdapterConfigError`` names
-    the file and the field for anything unreadable or unsupported (DoRA, rsLoRA, per-module ranks,
+    the file and the field for anything unreadable or unsupported (DoRA, per-module ranks,
     layer subsets, bias training, modules saved whole)."""
     path = Path(directory) / ADAPTER_CONFIG
     if not path.is_file():
@@ -152,7 +164,6 @@ def read_adapter_config(directory: str | Path) -> AdapterDirectory:
         raise AdapterConfigError(f"{path}: peft_type {raw.get('peft_type')!r} is not LORA")
     unsupported = {
         "use_dora": (False, None),
-        "use_rslora": (False, None),
         "fan_in_fan_out": (False, None),
         "bias": ("none", None),
         "modules_to_save": (None,),
@@ -189,5 +200,9 @@ def read_adapter_config(directory: str | Path) -> AdapterDirectory:
         targets = target_projections(modules)
     except ValueError as exc:
         raise AdapterConfigError(f"{path}: target_modules: {exc}") from None
+    rslora = raw.get("use_rslora") or False
+    if not isinstance(rslora, bool):
+        raise AdapterConfigError(f"{path}: use_rslora must be true or false, got {rslora!r}")
     base = raw.get("base_model_name_or_path")
-    return AdapterDirectory(rank, float(alpha), targets, base if isinstance(base, str) else None)
+    base = base if isinstance(base, str) else None
+    return AdapterDirectory(rank, float(alpha), targets, base, rslora)

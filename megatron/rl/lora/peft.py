@@ -97,7 +97,7 @@ def write_adapter_directory(
         "target_modules": list(config.targets),
         "bias": "none",
         "fan_in_fan_out": False,
-        "use_rslora": False,
+        "use_rslora": config.rslora,
         "use_dora": False,
         "init_lora_weights": True,
         "inference_mode": True,

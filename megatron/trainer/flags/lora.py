@@ -2,7 +2,8 @@
 
 ``--lora-rank R`` (> 0) turns LoRA on; ``--lora-checkpoint DIR`` (a PEFT adapter directory) turns it
 on with the directory's rank, alpha and targets, which flags given beside it must not contradict
-(``resolve_lora``). The names come from the library (``megatron.rl.lora.config``, no torch).
+(``resolve_lora``). The scale is alpha / rank with alpha fixed (``DEFAULT_ALPHA``), or alpha /
+sqrt(rank) with ``--lora-use-rslora``. The names come from the library (``megatron.rl.lora.config``, no torch).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from megatron.rl.lora.config import (
+    DEFAULT_ALPHA,
     DEFAULT_TARGETS,
     INITS,
     TARGET_NAMES,
@@ -37,12 +39,24 @@ class LoRA(Section):
         spellings=("TRL: lora_r", "NeMo-RL: policy.megatron_cfg.peft.dim", "verl: lora_rank"),
         commands=COMMANDS,
     )
-    lora_alpha: float | None = option(
-        None,
-        "Scale the adapters' output by alpha / rank (default: alpha = --lora-rank, a scale of 1).",
+    lora_alpha: float = option(
+        DEFAULT_ALPHA,
+        "Scale the adapters' output by alpha / rank (alpha / sqrt(rank) with --lora-use-rslora). "
+        "With alpha fixed, the first updates move the policy alike at every rank, so one "
+        "learning rate serves every rank.",
         parse=float,
         resume=True,
         spellings=("TRL: lora_alpha", "NeMo-RL: policy.megatron_cfg.peft.alpha"),
+        commands=COMMANDS,
+    )
+    lora_use_rslora: bool = option(
+        False,
+        "Scale the adapters' output by alpha / sqrt(rank) (rank-stabilized LoRA) instead of "
+        "alpha / rank: an update then grows with sqrt(rank), so a higher rank needs a lower "
+        "learning rate.",
+        switch=True,
+        resume=True,
+        spellings=("TRL/PEFT: use_rslora", "NeMo-RL: policy.megatron_cfg.peft.use_rslora"),
         commands=COMMANDS,
     )
     lora_dropout: float = option(
@@ -98,15 +112,14 @@ class LoRA(Section):
                 f"--lora-dropout {self.lora_dropout}: only 0 is supported (dropout on the "
                 "adapters' input is not implemented; RL post-training runs without it)"
             )
-        if self.lora_alpha is not None and self.lora_alpha <= 0:
+        if self.lora_alpha <= 0:
             errors.append(f"--lora-alpha must be > 0, got {self.lora_alpha}")
         return errors
 
 
 def resolve_lora(lora: LoRA, explicit: frozenset[str], gated: bool) -> tuple[LoRA, list[str]]:
-    """``lora`` with ``--lora-checkpoint``'s rank, alpha and targets (a flag given beside it
-    that contradicts the directory is refused, naming both), the default alpha filled in and the
-    targets spelled as projections (``target_projections``; ``gated``: the model's MLP is
+    """``lora`` with ``--lora-checkpoint``'s rank, alpha, scaling and targets (a flag given
+    beside it that contradicts the directory is refused, naming both) and the targets spelled as projections (``target_projections``; ``gated``: the model's MLP is
     SwiGLU); the problems found. Options are off (no change) when neither ``--lora-rank`` nor
     ``--lora-checkpoint`` is given; LoRA options set to other values than their defaults then are
     refused."""
@@ -119,6 +132,7 @@ def resolve_lora(lora: LoRA, explicit: frozenset[str], gated: bool) -> tuple[LoR
         given = {
             "lora_rank": (lora.lora_rank, saved.rank),
             "lora_alpha": (lora.lora_alpha, saved.alpha),
+            "lora_use_rslora": (lora.lora_use_rslora, saved.rslora),
         }
         for name, (value, theirs) in given.items():
             if name in explicit and value != theirs:
@@ -135,13 +149,23 @@ def resolve_lora(lora: LoRA, explicit: frozenset[str], gated: bool) -> tuple[LoR
                 f"{' '.join(saved.targets)}); drop the flag"
             )
         lora = replace(
-            lora, lora_rank=saved.rank, lora_alpha=saved.alpha, lora_target_modules=saved.targets
+            lora,
+            lora_rank=saved.rank,
+            lora_alpha=saved.alpha,
+            lora_use_rslora=saved.rslora,
+            lora_target_modules=saved.targets,
         )
     if not lora.enabled:
         defaults = LoRA()
         unused = [
             f"--{name.replace('_', '-')}"
-            for name in ("lora_alpha", "lora_target_modules", "lora_init", "save_lora")
+            for name in (
+                "lora_alpha",
+                "lora_use_rslora",
+                "lora_target_modules",
+                "lora_init",
+                "save_lora",
+            )
             if getattr(lora, name) != getattr(defaults, name)
         ]
         if unused:
@@ -151,8 +175,7 @@ def resolve_lora(lora: LoRA, explicit: frozenset[str], gated: bool) -> tuple[LoR
         targets = target_projections(lora.lora_target_modules, gated)
     except ValueError as err:
         return lora, [*errors, f"--lora-target-modules: {err}"]
-    alpha = float(lora.lora_rank) if lora.lora_alpha is None else lora.lora_alpha
-    return replace(lora, lora_alpha=alpha, lora_target_modules=targets), errors
+    return replace(lora, lora_target_modules=targets), errors
 
 
 def _projections(names: tuple[str, ...], gated: bool) -> tuple[str, ...]:

@@ -153,9 +153,11 @@ def lora_line(cfg: RunConfig, parameters: int, trainable: int | None) -> str:
     count = f"{trainable / 1e6:.3f}M trainable{share}" if trainable is not None else "adapters"
     base = "bf16" if cfg.training.bf16 else "fp32"
     start = f", from {lora.lora_checkpoint}" if lora.lora_checkpoint else f", init {lora.lora_init}"
+    scale = lora.lora_alpha / (lora.lora_rank**0.5 if lora.lora_use_rslora else lora.lora_rank)
+    rule = "alpha / sqrt(rank)" if lora.lora_use_rslora else "alpha / rank"
     return (
-        f"lora         rank {lora.lora_rank}, alpha {lora.lora_alpha:g} (scale "
-        f"{lora.lora_alpha / lora.lora_rank:g}) on {' '.join(lora.lora_target_modules)}{start}: "
+        f"lora         rank {lora.lora_rank}, alpha {lora.lora_alpha:g} (scale {rule} = "
+        f"{scale:g}) on {' '.join(lora.lora_target_modules)}{start}: "
         f"{count}; base frozen ({base} linear weights), reference = base"
     )
 

@@ -72,13 +72,19 @@ def test_reads_peft_adapter_config(tmp_path):
     assert (
         read_adapter_config(write(tmp_path, target_modules="all-linear")).targets[-1] == "down_proj"
     )
+    assert not saved.rslora and read_adapter_config(write(tmp_path, use_rslora=True)).rslora
+
+
+def test_rslora_scales_by_the_square_root_of_the_rank():
+    assert LoRAConfig(rank=16, alpha=32.0).scale == 2.0
+    assert LoRAConfig(rank=16, alpha=32.0, rslora=True).scale == 8.0
 
 
 @pytest.mark.parametrize(
     "fields, message",
     [
         pytest.param({"use_dora": True}, "use_dora=True is not supported", id="dora"),
-        pytest.param({"use_rslora": True}, "use_rslora=True", id="rslora"),
+        pytest.param({"use_rslora": "yes"}, "use_rslora must be true or false", id="rslora"),
         pytest.param({"rank_pattern": {"q_proj": 8}}, "rank_pattern", id="per-module-rank"),
         pytest.param({"modules_to_save": ["lm_head"]}, "modules_to_save", id="saved-modules"),
         pytest.param({"target_modules": ".*proj"}, "as a pattern", id="regex"),

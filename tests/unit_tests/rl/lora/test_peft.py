@@ -3,6 +3,7 @@ what PEFT (or we) wrote loads back, at any tensor-parallel size."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -33,24 +34,27 @@ def trained(model, seed: int = 1) -> None:
                 b.copy_(torch.randn(b.shape, generator=g) * 0.3)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family, rslora", [("llama", False), ("qwen2", False), ("qwen3", True)])
 def test_peft_loads_our_adapter_with_our_logits(
-    single_rank_world, tiny_hf_checkpoints, family, tmp_path
+    single_rank_world, tiny_hf_checkpoints, family, rslora, tmp_path
 ):
+    """PEFT on the Hugging Face base gives our logits (with rsLoRA's scale alpha / sqrt(r))."""
     import transformers
     from peft import PeftModel
 
     directory = tiny_hf_checkpoints[family]
     model, hf = build_hf_model(directory)
-    apply_lora(model, CONFIG)
+    config = dataclasses.replace(CONFIG, rslora=rslora)
+    apply_lora(model, config)
     trained(model)
     ids, mask = mixed_batch(vocab=hf.vocab_size)
     ours = full_logits(model, ids, hf.vocab_size)
     write_adapter_directory(
-        tmp_path, gather_adapter_tensors(lora_adapters(model)), CONFIG, str(directory)
+        tmp_path, gather_adapter_tensors(lora_adapters(model)), config, str(directory)
     )
     saved = json.loads((tmp_path / "adapter_config.json").read_text())
     assert (saved["r"], saved["lora_alpha"], saved["target_modules"]) == (4, 16.0, list(TARGETS))
+    assert saved["use_rslora"] is rslora
     base = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     peft_model = PeftModel.from_pretrained(base, tmp_path).eval()
     with torch.no_grad():

@@ -18,10 +18,10 @@ def test_lora_is_off_by_default():
     assert errors == [] and not args.lora.enabled and lora_config(args) is None
 
 
-def test_rank_turns_it_on_with_alpha_rank_and_targets_as_projections():
+def test_rank_turns_it_on_with_alpha_32_and_targets_as_projections():
     args, errors = check(["--lora-rank", "8", *SWIGLU], 1, False)
     assert errors == []
-    assert (args.lora.lora_rank, args.lora.lora_alpha) == (8, 8.0)
+    assert (args.lora.lora_rank, args.lora.lora_alpha) == (8, 32.0)
     assert args.lora.lora_target_modules == (
         "q_proj",
         "k_proj",
@@ -32,7 +32,9 @@ def test_rank_turns_it_on_with_alpha_rank_and_targets_as_projections():
         "down_proj",
     )
     config = lora_config(args)
-    assert config.scale == 1.0 and config.seed == args.training.seed
+    assert config.scale == 4.0 and config.seed == args.training.seed
+    rslora, errors = check(["--lora-rank", "16", "--lora-use-rslora", *SWIGLU], 1, False)
+    assert errors == [] and lora_config(rslora).scale == 8.0
 
 
 def test_a_plain_mlp_has_no_gate():
@@ -98,6 +100,11 @@ def test_lora_checkpoint_sets_rank_alpha_and_targets(tmp_path):
         32.0,
         ("q_proj", "v_proj"),
     )
+    assert not lora.lora_use_rslora
+    rslora, errors = check(
+        ["--lora-checkpoint", adapter_dir(tmp_path, use_rslora=True), *SWIGLU], 1, False
+    )
+    assert errors == [] and rslora.lora.lora_use_rslora and lora_config(rslora).scale == 8.0
 
 
 def test_flags_contradicting_the_lora_checkpoint_are_refused_naming_both(tmp_path):

@@ -128,6 +128,7 @@ def test_the_resume_options_are_the_ones_declared_resume():
         "--val-split-fraction",
         "--lora-rank",
         "--lora-alpha",
+        "--lora-use-rslora",
         "--lora-target-modules",
         "--distill-coef",
         "--distill-topk-logits-k",
