@@ -11,9 +11,13 @@ from megatron.trainer.runtime.kernels import kernel_warnings
 
 
 def main() -> None:
-    """Validate the flags, then train (the training libraries load only for a valid command;
-    megatron-core's missing-kernel warnings are said once, in the run's header)."""
+    """Validate the flags, run on the chosen C allocator (``--cpu-allocator``), then train (the
+    training libraries load only for a valid command; megatron-core's missing-kernel warnings
+    are said once, in the run's header)."""
     with kernel_warnings() as missing_kernels:
+        from megatron.trainer.runtime.allocator import start_on_chosen_allocator
+
+        start_on_chosen_allocator()  # may start this command again, preloading the library
         from megatron.trainer.flags.parse import parse_args
 
         cfg = parse_args()

@@ -67,11 +67,18 @@ def subprocess_env(threads: int) -> dict[str, str]:
     return env
 
 
-def run_trainer(flags: list[str], threads: int, log: Path, timeout_s: float = 600) -> dict:
+def run_trainer(
+    flags: list[str],
+    threads: int,
+    log: Path,
+    timeout_s: float = 600,
+    env: dict[str, str] | None = None,
+) -> dict:
     """Run ``pretrain_grpo.py``'s ``train`` under ``torchrun`` (one process) with the probes.
 
     Returns the worker's summary (flags, wall seconds, one record per step). The trainer's
-    output goes to ``log``; a failed run raises with the log's tail.
+    output goes to ``log``; a failed run raises with the log's tail. ``env``: variables added to
+    the worker's environment.
     """
     with tempfile.TemporaryDirectory() as tmp:
         summary = Path(tmp) / "summary.json"
@@ -92,7 +99,7 @@ def run_trainer(flags: list[str], threads: int, log: Path, timeout_s: float = 60
             proc = subprocess.run(
                 cmd,
                 cwd=REPO,
-                env=subprocess_env(threads),
+                env={**subprocess_env(threads), **(env or {})},
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 timeout=timeout_s,

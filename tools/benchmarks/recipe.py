@@ -32,6 +32,7 @@ wall-clock seconds, one line per run) and ``recipe.md`` (the table) into ``--out
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import subprocess
 import sys
@@ -43,7 +44,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tools.benchmarks.common import REPO, machine, subprocess_env  # noqa: E402
-from tools.benchmarks.recipe_report import markdown, plot, significant  # noqa: E402
+from tools.benchmarks.recipe_report import (  # noqa: E402
+    markdown,
+    plot,
+    seeds_markdown,
+    significant,
+)
 
 ENV_CONFIG = REPO / "examples" / "rl" / "environment_configs" / "arithmetic.yaml"
 RUNS: tuple[tuple[str, int | None, tuple[str, ...]], ...] = (
@@ -58,14 +64,11 @@ RUNS: tuple[tuple[str, int | None, tuple[str, ...]], ...] = (
         ("--loss-agg-mode", "seq-mean-token-sum-norm", "--scale-rewards", "none"),
     ),
 )
-LORA_RUNS: tuple[tuple[int, str], ...] = ((1, "2e-4"), (8, "2e-4"), (8, "5.7e-4"), (32, "1.1e-3"))
-"""(rank, learning rate) of the LoRA runs, alpha 32 at every rank. 2e-4 is 10x the full
-fine-tuning's 2e-5 (Thinking Machines' "LoRA Without Regret": the best LoRA rate is about 10x full
-fine-tuning's). With alpha fixed and A random, a step moves the weights by about
-lr x alpha / sqrt(rank) (B's rank columns add up like a random walk), so at 2e-4 rank 8 learns
-sqrt(8) times slower than rank 1 (measured: 24% held-out against 58.5% after 26 steps); the
-other rates keep lr / sqrt(rank) at rank 1's: 2e-4 x sqrt(8) and 2e-4 x sqrt(32) (measured at rank
-32: 53% at step 13, then 38% at step 26: too hot for a constant rate)."""
+LORA_RUNS: tuple[tuple[int, str], ...] = ((1, "2e-4"), (8, "2e-4"), (32, "2e-4"))
+"""(rank, learning rate) of the LoRA runs: alpha 32 and lr 2e-4 at every rank (10x the full
+fine-tuning's 2e-5, Thinking Machines' "LoRA Without Regret" ratio). With the scale alpha / rank
+and A initialized independently of the rank, AdamW's first updates move the policy alike at
+every rank (``lora_rank_probe.py``), so one rate serves every rank."""
 RUNS += tuple(
     (
         f"ours LoRA r={r} L=0" + ("" if lr == "2e-4" else f", lr {lr}"),
@@ -75,6 +78,8 @@ RUNS += tuple(
     for r, lr in LORA_RUNS
 )
 DEFAULT_RUNS = ("ours L=0", "ours L=2", "TRL")
+DEFAULT_SEED = 1234
+"""The trainer's ``--seed`` default: runs at it keep their plain names."""
 
 
 def shared_flags(opts: argparse.Namespace) -> list[str]:
@@ -141,6 +146,9 @@ def ours_command(
         str(out / "eval"),
         "--plot-file",
         "none",
+        "--seed",
+        str(opts.seed),
+        *(["--save-hf", str(out / "export")] if "--lora-rank" in extra else []),
         *extra,
     ]
 
@@ -148,7 +156,8 @@ def ours_command(
 def run_ours(
     lag: int, opts: argparse.Namespace, ckpt: Path, out: Path, extra: tuple[str, ...] = ()
 ) -> dict[str, Any]:
-    """Train at forced lag ``lag``; the per-step records and the evaluations at their times."""
+    """Train at forced lag ``lag``; the per-step records and the evaluations at their times. A
+    LoRA run's ``--save-hf`` export (the adapters merged) is evaluated after it too."""
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "train.log", "w") as log:
         subprocess.run(
@@ -159,7 +168,18 @@ def run_ours(
             stderr=subprocess.STDOUT,
             check=True,
         )
-    return read_ours(opts, out)
+    return with_export_evaluation(read_ours(opts, out), opts, out)
+
+
+def with_export_evaluation(run: dict[str, Any], opts, out: Path) -> dict[str, Any]:
+    """``run`` with its ``--save-hf`` export's evaluation (``export_eval``: through
+    ``evaluate``, at the last evaluation's step and time) if the run wrote one."""
+    if (out / "export").is_dir():
+        last = run["evals"][-1]
+        export = out / "export-eval"
+        export.mkdir(exist_ok=True)
+        run["export_eval"] = evaluate(out / "export", last["step"], last["seconds"], opts, export)
+    return run
 
 
 def read_ours(opts: argparse.Namespace, out: Path) -> dict[str, Any]:
@@ -302,6 +322,14 @@ def main() -> None:
     parser.add_argument("--eval-samples", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=[1234],
+        help="Run each of ours once per seed (--seed; 1234 is the trainer's default); a run "
+        "at another seed is named '<run> seed <S>'.",
+    )
+    parser.add_argument(
         "--only",
         nargs="+",
         choices=[n for n, _, _ in RUNS],
@@ -330,13 +358,15 @@ def main() -> None:
     res = json.loads(previous.read_text()) if opts.only and previous.exists() else {"runs": {}}
     with tempfile.TemporaryDirectory() as tmp:
         work = opts.work or Path(tmp)
-        for name, lag, extra in RUNS:
-            if name not in (opts.only or DEFAULT_RUNS):
+        for seed, (name, lag, extra) in itertools.product(opts.seeds, RUNS):
+            if name not in (opts.only or DEFAULT_RUNS) or (lag is None and seed != opts.seeds[0]):
                 continue
+            opts.seed = seed
+            name = name if seed == DEFAULT_SEED else f"{name} seed {seed}"
             print(f"recipe: {name}", flush=True)
             out = work / name.replace(" ", "_").replace("=", "")
             if opts.collect:
-                run = read_ours(opts, out)
+                run = with_export_evaluation(read_ours(opts, out), opts, out)
             elif lag is None:
                 run = run_trl(opts, ckpt, out)
             else:
@@ -346,7 +376,9 @@ def main() -> None:
                 "significant": significant(run["evals"]),
                 "started": started,
                 "settings": {
-                    k: v for k, v in vars(opts).items() if k not in ("out", "work", "only", "name")
+                    k: v
+                    for k, v in vars(opts).items()
+                    if k not in ("out", "work", "only", "name", "seeds")
                 },
                 "extra_flags": list(extra),
             }
@@ -360,8 +392,9 @@ def main() -> None:
     opts.out.mkdir(parents=True, exist_ok=True)
     (opts.out / f"{opts.name}.json").write_text(json.dumps(res, indent=1))
     plot(res, opts.out / f"{opts.name}.png")
-    (opts.out / f"{opts.name}.md").write_text(markdown(res) + "\n")
-    print(markdown(res))
+    table = "\n\n".join(filter(None, [markdown(res), seeds_markdown(res)]))
+    (opts.out / f"{opts.name}.md").write_text(table + "\n")
+    print(table)
 
 
 if __name__ == "__main__":

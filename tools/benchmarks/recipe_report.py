@@ -48,6 +48,49 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines + notes)
 
 
+def configuration(name: str) -> str:
+    """A run's configuration: its name without the ``seed S`` suffix of another seed's run."""
+    head, _, tail = name.rpartition(" seed ")
+    return head if head and tail.isdigit() else name
+
+
+def seeds_markdown(res: dict[str, Any], reference: str = "ours L=0") -> str:
+    """Per configuration, the last evaluation's greedy accuracy over its seeds (mean, spread,
+    each seed's), with the pooled 95% interval of ``reference``'s seeds (all its problems of
+    all its seeds counted as one sample), whether the configuration's mean lies inside it, and a
+    LoRA run's export evaluated through ``evaluate`` (mean over seeds)."""
+    from megatron.rl.eval.confidence import wilson_interval
+
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for name, run in res["runs"].items():
+        if "evals" in run:
+            groups.setdefault(configuration(name), []).append(run)
+    if not any(len(runs) > 1 for runs in groups.values()):
+        return ""
+    ref = groups.get(reference, [])
+    correct = sum(round(r["evals"][-1]["greedy_accuracy"] * r["evals"][-1]["prompts"]) for r in ref)
+    total = sum(r["evals"][-1]["prompts"] for r in ref)
+    low, high = wilson_interval(correct, total) if total else (0.0, 1.0)
+    lines = [
+        f"Step-{ref[0]['evals'][-1]['step'] if ref else '?'} held-out greedy accuracy over seeds; "
+        f"{reference}'s seeds pooled: {correct / max(total, 1):.1%} ({low:.1%}-{high:.1%}).",
+        "",
+        "| configuration | seeds | mean | spread (min-max) | each seed | mean inside the reference's"
+        " interval | export through evaluate (mean) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, runs in groups.items():
+        accs = [r["evals"][-1]["greedy_accuracy"] for r in runs]
+        mean = statistics.fmean(accs)
+        exports = [r["export_eval"]["greedy_accuracy"] for r in runs if "export_eval" in r]
+        lines.append(
+            f"| {name} | {len(runs)} | {mean:.1%} | {min(accs):.1%}-{max(accs):.1%} | "
+            f"{', '.join(f'{a:.1%}' for a in accs)} | {'yes' if low <= mean <= high else 'no'} | "
+            f"{f'{statistics.fmean(exports):.1%}' if exports else 'n/a'} |"
+        )
+    return "\n".join(lines)
+
+
 def plot(res: dict[str, Any], path: Path) -> None:
     """Greedy held-out accuracy (with its interval) and batch reward against wall-clock time."""
     import matplotlib

@@ -9,8 +9,8 @@ probes added in this process (nothing under ``megatron/`` is changed):
 * ``StepGroup.step`` is wrapped to count, per training step, the engine steps that also
   prefill a newly admitted prompt and the most requests one step decoded (the step metrics
   already carry the engine steps, their rows and seconds: ``engine_metrics``);
-* ``MetricsWriter.write`` is wrapped to keep each step's metrics with the wall clock, the main
-  thread's CPU time and its run-queue wait (``common.thread_clocks``) at the end of the step;
+* ``MetricsWriter.write`` is wrapped to keep each step's metrics with the wall clock, the
+  process's CPU time (every thread), the main thread's CPU time and its run-queue wait (``common.thread_clocks``) at the end of the step;
 * ``RolloutSource.next_batch`` (the generation window) and ``Policy.train`` of the CPU tier's
   policy (the training update) are wrapped to record each phase's peak resident memory: the
   kernel's high-water mark (``VmHWM``) is reset when the phase starts (``/proc/self/clear_refs``)
@@ -72,6 +72,7 @@ class Probes:
         self.records.append(
             {
                 "t": time.perf_counter() - self.start,
+                "process_cpu": time.process_time(),
                 **thread_clocks(),
                 "engine_rows": rows,
                 "engine_max_rows": self._max_rows,

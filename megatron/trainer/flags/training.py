@@ -12,6 +12,9 @@ from megatron.trainer.flags.option import COMMANDS, Section, option
 DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES = 10
 """``--distributed-timeout-minutes`` unless the watchdog's timeout is longer."""
 MAX_MMAP_THRESHOLD_KIB = 32 * 1024
+CPU_ALLOCATORS = ("auto", "glibc", "jemalloc", "tcmalloc")
+"""``--cpu-allocator``'s choices (``megatron/trainer/runtime/allocator.py`` finds and preloads
+the libraries)."""
 """The largest ``M_MMAP_THRESHOLD`` glibc accepts on 64-bit systems (``HEAP_MAX_SIZE / 2``), in
 KiB (``--malloc-mmap-threshold-kib``; ``megatron/trainer/runtime/allocator.py`` sets it)."""
 
@@ -240,6 +243,16 @@ class Training(Section):
         parse=int,
         minimum=1,
     )
+    cpu_allocator: str = option(
+        "auto",
+        "The C allocator of the run's processes: jemalloc or tcmalloc (the distribution's "
+        "libjemalloc2 / libtcmalloc-minimal4, preloaded: each process starts itself again with "
+        "the library in LD_PRELOAD), or glibc's malloc. auto: jemalloc where installed, else "
+        "tcmalloc, else glibc (glibc too when --malloc-mmap-threshold-kib is given). glibc's heaps "
+        "keep the memory freed between phases, so a CPU run's peak is higher on it "
+        "(benchmarks/results/lora.md).",
+        choices=CPU_ALLOCATORS,
+    )
     malloc_mmap_threshold_kib: int | None = option(
         None,
         "CPU memory: give every allocation of at least this many KiB its own mapping, returned "
@@ -291,6 +304,11 @@ class Training(Section):
                 f"--watchdog-timeout-minutes must be >= 0 (0: no watchdog), got {watchdog}"
             )
         if self.malloc_mmap_threshold_kib is not None:
+            if self.cpu_allocator not in ("glibc", "auto"):
+                errors.append(
+                    f"--malloc-mmap-threshold-kib is glibc's: it does nothing with "
+                    f"--cpu-allocator {self.cpu_allocator} (give --cpu-allocator glibc)"
+                )
             if not 1 <= self.malloc_mmap_threshold_kib <= MAX_MMAP_THRESHOLD_KIB:
                 errors.append(
                     f"--malloc-mmap-threshold-kib ({self.malloc_mmap_threshold_kib}) must be "

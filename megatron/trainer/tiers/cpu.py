@@ -45,6 +45,7 @@ from megatron.trainer.checkpoint.directory import CheckpointShards, TrainState
 from megatron.trainer.model import provider as model_provider
 from megatron.trainer.model.lora import attach_adapters
 from megatron.trainer.parallel import ParallelContext
+from megatron.trainer.runtime import allocator
 from megatron.trainer.tiers.base import Tier, no_reference_error, teacher_inputs
 from megatron.trainer.tiers.cpu_checkpoint import TorchShards
 from megatron.trainer.train.forward import (
@@ -100,8 +101,9 @@ class CPUTier(Tier):
     name = "cpu"
 
     def describe(self) -> str:
-        """Tier, and the precision and activation recompute when they are not the defaults."""
-        parts, spec = ["tier: cpu"], self.config.model
+        """Tier, the C allocator, and the precision and activation recompute when they are not
+        the defaults."""
+        parts, spec = ["tier: cpu", f"allocator {allocator.loaded()}"], self.config.model
         if spec.bf16:
             trained = "fp32 adapters" if spec.lora is not None else "fp32 weights"
             parts.append(f"bf16 autocast ({trained}, gradients and AdamW)")

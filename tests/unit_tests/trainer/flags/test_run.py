@@ -101,6 +101,12 @@ def test_the_default_min_lr_follows_a_small_lr():
             ["--malloc-mmap-threshold-kib", "0"], 1, "--malloc-mmap-threshold-kib", id="zero-mmap"
         ),
         pytest.param(
+            ["--malloc-mmap-threshold-kib", "1024", "--cpu-allocator", "jemalloc"],
+            1,
+            "--malloc-mmap-threshold-kib is glibc's: it does nothing with --cpu-allocator jemalloc",
+            id="mmap-with-jemalloc",
+        ),
+        pytest.param(
             ["--malloc-mmap-threshold-kib", "32769"],
             1,
             "--malloc-mmap-threshold-kib",

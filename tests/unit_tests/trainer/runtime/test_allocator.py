@@ -1,4 +1,6 @@
-"""``--malloc-mmap-threshold-kib``: freed large blocks go back to the OS (glibc)."""
+"""``--cpu-allocator``: the process starts itself again on the allocator chosen (jemalloc and
+tcmalloc preloaded, glibc without them); ``--malloc-mmap-threshold-kib``: freed large blocks go
+back to the OS (glibc)."""
 
 from __future__ import annotations
 
@@ -70,3 +72,70 @@ def test_set_threshold_returns_freed_large_blocks_to_the_os():
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
 def test_the_flag_sets_the_threshold_when_the_trainer_starts():
     assert retained_mib("flag") < 8
+
+
+# Starts on ``argv[1]`` and prints the allocator it runs on and whether it was started again.
+CHOOSE = textwrap.dedent("""
+    import os, sys
+    from megatron.trainer.runtime.allocator import loaded, use_allocator
+    glibc_policy = len(sys.argv) > 2
+    print(use_allocator(sys.argv[1], glibc_policy), loaded(), "MEGATRON_GRPO_ALLOCATOR" in os.environ)
+    """)
+
+
+def started_on(choice: str, *extra: str, preload: str | None = None) -> list[str]:
+    env = env_without_world()
+    env.pop("MEGATRON_GRPO_ALLOCATOR", None)
+    env.pop("LD_PRELOAD", None)
+    if preload:
+        env["LD_PRELOAD"] = preload
+    out = subprocess.run(
+        [sys.executable, "-c", CHOOSE, choice, *extra],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return out.stdout.split()
+
+
+def require(name: str) -> str:
+    """The library of allocator ``name``; skipped where it is not installed (a failure in CI,
+    whose set-up installs it)."""
+    import os
+
+    from megatron.trainer.runtime.allocator import library_path
+
+    path = library_path(name)
+    if path is None:
+        message = f"{name} is not installed (apt-get install libjemalloc2 libtcmalloc-minimal4)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+@pytest.mark.parametrize("name", ["jemalloc", "tcmalloc"])
+def test_the_process_starts_again_on_the_allocator_chosen(name):
+    require(name)
+    assert started_on(name) == [name, name, "True"]
+
+
+def test_auto_is_jemalloc_where_installed_and_glibc_with_a_glibc_threshold():
+    require("jemalloc")
+    assert started_on("auto") == ["jemalloc", "jemalloc", "True"]
+    assert started_on("auto", "threshold") == ["glibc", "glibc", "False"]  # nothing to restart
+
+
+def test_glibc_drops_a_preloaded_allocator():
+    path = require("jemalloc")
+    assert started_on("glibc", preload=path) == ["glibc", "glibc", "True"]
+
+
+def test_auto_without_a_library_installed_is_glibc(monkeypatch):
+    from megatron.trainer.runtime import allocator
+
+    monkeypatch.setattr(allocator, "library_path", lambda name: None)
+    assert allocator.resolve("auto") == "glibc"
+    assert allocator.use_allocator("jemalloc") is None  # an explicit choice not installed
