@@ -12,6 +12,7 @@ from megatron.core import parallel_state
 
 import megatron.trainer
 from megatron.trainer.config import tier_config
+from megatron.trainer.runtime import allocator
 from megatron.trainer.tiers import CPUTier, CUDATier, select_tier, tier_class
 
 
@@ -27,7 +28,8 @@ def test_select_tier_binds_the_tier_config_and_context():
     args = train_args()
     tier = select_tier(tier_config(args), ctx)
     assert isinstance(tier, CPUTier) and tier.name == "cpu"
-    assert tier.config == tier_config(args) and tier.ctx is ctx and tier.describe() == "tier: cpu"
+    assert tier.config == tier_config(args) and tier.ctx is ctx
+    assert tier.describe() == f"tier: cpu | allocator {allocator.loaded()}"
 
 
 def test_the_tier_config_carries_what_the_tiers_read():
