@@ -95,6 +95,15 @@ PerMicro = Callable[[TrainBatch, ModelInputs], tuple[torch.Tensor, ...]]
 """(micro-batch, its model inputs) -> per-token outputs (b, t, ...) of a forward."""
 
 
+def bf16_products_native() -> bool:
+    """Whether this CPU multiplies bfloat16 matrices in hardware (AVX512-BF16 or AMX: oneDNN's
+    own test); without it torch emulates the products, many times slower than float32."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch without oneDNN: nothing to say
+        return True
+
+
 class CPUTier(Tier):
     """torch AdamW, the KV-cache row runner and per-rank ``torch.save`` shards."""
 
@@ -107,6 +116,11 @@ class CPUTier(Tier):
         if spec.bf16:
             trained = "fp32 adapters" if spec.lora is not None else "fp32 weights"
             parts.append(f"bf16 autocast ({trained}, gradients and AdamW)")
+            if not bf16_products_native():
+                parts.append(
+                    "this CPU has no bfloat16 matrix instructions (AVX512-BF16 or AMX): --bf16's "
+                    "products are emulated, many times slower than float32 (drop --bf16 here)"
+                )
         if spec.recompute:
             parts.append("recompute: full")
         return " | ".join(parts)

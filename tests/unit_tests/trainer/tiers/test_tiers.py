@@ -13,7 +13,9 @@ from megatron.core import parallel_state
 import megatron.trainer
 from megatron.trainer.config import tier_config
 from megatron.trainer.runtime import allocator
-from megatron.trainer.tiers import CPUTier, CUDATier, select_tier, tier_class
+from megatron.trainer.tiers import CPUTier, CUDATier
+from megatron.trainer.tiers import cpu as cpu_tier
+from megatron.trainer.tiers import select_tier, tier_class
 
 
 def test_the_device_selects_the_tier():
@@ -60,3 +62,17 @@ def test_the_tiers_and_what_they_build_with_never_read_the_run_config():
         if "RunConfig" in path.read_text() or "flags.run " in path.read_text()
     ]
     assert readers == []
+
+
+@pytest.mark.parametrize(
+    "native", [pytest.param(True, id="bf16-instructions"), pytest.param(False, id="avx2-only")]
+)
+@pytest.mark.usefixtures("single_rank_world")
+def test_bf16_on_a_cpu_without_bf16_instructions_says_so_in_the_header(monkeypatch, native):
+    parallel_state.initialize_model_parallel()
+    monkeypatch.setattr(cpu_tier, "bf16_products_native", lambda: native)
+    header = select_tier(tier_config(train_args(bf16=True)), one_rank_context()).describe()
+    assert "bf16 autocast" in header
+    assert ("no bfloat16 matrix instructions" in header) is not native
+    plain = select_tier(tier_config(train_args()), one_rank_context()).describe()
+    assert "bfloat16 matrix" not in plain  # float32 runs are not told about it
