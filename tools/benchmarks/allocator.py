@@ -1,10 +1,12 @@
 """The C allocator of a LoRA run at the README recipe's shape: peak resident memory against speed.
 
     python tools/benchmarks/allocator.py [--steps 4 --skip 1 --rounds 2] [--rank 8]
+        [--precision bf16]
 
 ``lora.py``'s part 1 setting (SmolLM2-135M-Instruct, 8 prompts x 8 samples of exactly 64 new
 tokens, micro-batches of 8, ``--bf16 --recompute-granularity full``, L=0) with LoRA rank
-``--rank``, once per allocator, interleaved over ``--rounds`` (the order reversed every other
+``--rank`` (``--precision fp32``: without ``--bf16``, for a CPU without bfloat16 matrix
+instructions, where ``--bf16``'s products are emulated), once per allocator, interleaved over ``--rounds`` (the order reversed every other
 round):
 
 * ``glibc``: the C library's ``malloc`` as it is;
@@ -73,6 +75,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--only", nargs="+", default=None, help="Allocator names to run.")
+    parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     opts = parser.parse_args()
     from megatron.rl.models.hf.gguf import SMOLLM2, packaged_checkpoint
@@ -80,7 +83,7 @@ def main() -> None:
 
     ckpt = packaged_checkpoint(SMOLLM2)
     lora = ["--lora-rank", str(opts.rank), "--lora-alpha", "32"]
-    base = ours_flags(0, True, True, opts, ckpt) + lora
+    base = ours_flags(0, opts.precision == "bf16", True, opts, ckpt) + lora
     configs = [c for c in CONFIGS if opts.only is None or c[0] in opts.only]
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in configs}
     missing = []
@@ -124,7 +127,8 @@ def main() -> None:
     result = {"machine": machine(), "settings": vars(opts) | {"out": None}, "rows": rows}
     result["missing"] = sorted(set(missing))
     opts.out.mkdir(parents=True, exist_ok=True)
-    (opts.out / "allocator.json").write_text(json.dumps(result, indent=1))
+    name = "allocator.json" if opts.precision == "bf16" else f"allocator_{opts.precision}.json"
+    (opts.out / name).write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

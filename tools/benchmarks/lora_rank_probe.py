@@ -157,6 +157,25 @@ def configurations(args) -> list[tuple[str, list[str]]]:
     return out
 
 
+def markdown(measured: dict[str, dict]) -> str:
+    """The table of every configuration of every measurement (label -> its JSON): the loss
+    before each update and after the last, the drop of the first update, the weights' move."""
+    lines = [
+        "| measured at | configuration | loss before each update, then after the last | first "
+        "update's drop | all updates' drop | ||W - W0|| after 1 / all |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, data in measured.items():
+        for name, r in data["results"].items():
+            losses = r["losses"]
+            lines.append(
+                f"| {label} | {name} | {' '.join(f'{x:.3f}' for x in losses)} | "
+                f"{losses[0] - losses[1]:.3f} | {losses[0] - losses[-1]:.3f} | "
+                f"{r['moved_after_first']:.3f} / {r['moved_after_last']:.3f} |"
+            )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -173,7 +192,24 @@ def main() -> None:
     parser.add_argument("--problems", type=int, default=16)
     parser.add_argument("--out", type=Path, default=None, help="JSON of the results")
     parser.add_argument("--single", default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--report",
+        nargs="+",
+        metavar="LABEL=JSON",
+        default=None,
+        help="Measure nothing: print the table of these results files (--out's, each under a "
+        "label) and, with --out, write their union there.",
+    )
     args = parser.parse_args()
+    if args.report is not None:
+        measured = {}
+        for item in args.report:
+            label, _, path = item.partition("=")
+            measured[label] = json.loads(Path(path).read_text())
+        print(markdown(measured))
+        if args.out is not None:
+            args.out.write_text(json.dumps(measured, indent=1))
+        return
     checkpoint = args.checkpoint
     if checkpoint is None:
         from megatron.rl.models.hf.gguf import SMOLLM2, packaged_checkpoint
