@@ -226,7 +226,7 @@ def serve(cfg: RunConfig, own: argparse.Namespace) -> None:
             api_key=key,
             tool_call_parser=cfg.inference.tool_call_parser,
             adapters=adapters,
-            limits=config.server_limits(cfg),
+            limits=config.server_limits(cfg, engine_slots=host.engine.outside_capacity),
         )
         source = served_key_source(cfg) if key is not None else None
         host.window(lambda: listen_until_stopped(app, own.host, own.port, name, source))
