@@ -115,15 +115,15 @@ class FairQueue:
             raise
         return self._releaser(waiter)
 
-    def retry_after(self) -> int:
-        """Seconds until a refused request could be taken: the rounds the queue ahead takes
-        (``slots``, else every running request, per round) times the mean time of a request
-        served so far; at least 1."""
+    def retry_after(self, ahead: int | None = None) -> int:
+        """Seconds until a request could be taken with ``ahead`` requests queued before it
+        (default: every queued one): the rounds they and it take (``slots``, else every running
+        request, per round) times the mean time of a request served so far; at least 1."""
         if not self._served:
             return 1
         mean = self._served_seconds / self._served
         per_round = self.slots or max(1, self.running)
-        rounds = math.ceil((self._queued + 1) / per_round)
+        rounds = math.ceil(((self._queued if ahead is None else ahead) + 1) / per_round)
         return max(1, math.ceil(mean * rounds))
 
     # ----------------------------------------------------------------- internals
@@ -142,7 +142,7 @@ class FairQueue:
             )
         else:
             return None
-        seconds = self.retry_after()
+        seconds = self.retry_after(self._queued - 1)
         return HTTPException(
             429, f"{reason}: retry after {seconds} s", headers={"Retry-After": str(seconds)}
         )

@@ -109,6 +109,7 @@ def create_inference_app(
     require_api_key(app, api_key, exempt_prefix=SESSIONS_PREFIX + "/")  # sessions: their own
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
     queue = admission(limits)
+    app.state.admission = queue  # the queue of outside requests (its length, for tests and logs)
     ids = itertools.count()
     created = int(time.time())
     by_name = dict(adapters or {})
