@@ -182,13 +182,12 @@ def create_inference_app(
         chunks: ChatChunks | CompletionChunks,
         include_usage: bool,
     ) -> EventStream:
-        """The streamed answer of ``n`` samples of each request, an outside one once its turn
-        came in the queue (held until the stream ends): the engine's first event (or its
-        refusal, as a status) is awaited before the response starts."""
+        """The streamed answer of ``n`` samples of each request (an outside one: a keyed one is
+        answered whole), once its turn came in the queue (held until the stream ends): the
+        engine's first event (or its refusal, as a status) is awaited before the response
+        starts."""
         seeded = [r if n == 1 else sample_request(r, i) for r in requests for i in range(n)]
-        release = _no_turn  # a keyed stream: the trainer's, it takes no turn
-        if requests[0].rollout_key is None:
-            release = await unless_disconnected(http, queue.admit(client_of(http), len(seeded)))
+        release = await unless_disconnected(http, queue.admit(client_of(http), len(seeded)))
         try:
             streams = [chosen.stream(sample) for sample in seeded]  # seeded as ``samples`` does
             events = merged_events(streams)
@@ -315,7 +314,3 @@ def create_inference_app(
 
     install_session_routes(app, inference, tokenizer, model_name, parser)  # agents' base URLs
     return app
-
-
-def _no_turn() -> None:
-    """The release of a request that took no turn in the queue."""
