@@ -22,8 +22,9 @@ run to the token budget):
   their completion tokens over the wall time from the first request sent to the last answer;
   latency is each request's, from sending it to its answer's last byte (p50 and p99).
 
-``--no-evaluate`` measures serve alone (on the first C prompts). Every number is measured; the serve process and each evaluate run have ``--threads`` intra-op
-threads. Writes ``serve_load.json`` and ``serve_load.md`` into ``--out``.
+``--no-evaluate`` measures serve alone (on the first C prompts). Every number is measured; the
+serve process and each evaluate run have ``--threads`` intra-op threads. Writes
+``serve_load.json`` and ``serve_load.md`` into ``--out``.
 """
 
 from __future__ import annotations
