@@ -192,13 +192,18 @@ def inference_server_config(cfg: RunConfig) -> InferenceServerConfig:
     )
 
 
-def server_limits(cfg: RunConfig) -> ServerLimits:
-    """``--rl-max-request-body-mib``, ``--rl-max-request-tokens``, ``--rl-max-requests-per-client``."""
+def server_limits(cfg: RunConfig, engine_slots: int | None = None) -> ServerLimits:
+    """``--rl-max-request-body-mib``, ``--rl-max-request-tokens``, ``--rl-max-requests-per-client``
+    and ``--rl-max-queued-requests`` (half of it for one client); ``engine_slots``: the slots
+    the engine gives outside requests (``ContinuousBatchingScheduler.outside_capacity``)."""
     inference = cfg.inference
     return ServerLimits(
         max_body_bytes=int(inference.max_request_body_mib * (1 << 20)),
         max_request_tokens=inference.max_request_tokens,
         max_requests_per_client=inference.max_requests_per_client,
+        max_queued_requests=inference.max_queued_requests,
+        max_queued_per_client=max(1, inference.max_queued_requests // 2),
+        engine_slots=engine_slots,
     )
 
 

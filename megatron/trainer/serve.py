@@ -20,6 +20,11 @@ rollouts with: the tier's ``ContinuousBatchingScheduler`` over its row runner, i
   request's ``model`` names one (404 for a name not served), the base answers its own name; rows
   of different adapters step together, one forward per adapter.
 
+Requests beyond the engine's free slots (or ``--rl-max-requests-per-client`` running from one
+address) wait their turn in the server's queue, round robin across client addresses; past
+``--rl-max-queued-requests`` queued they are answered 429 with ``Retry-After``
+(``megatron.rl.server.fair_queue``).
+
 With the job's key (``MEGATRON_RL_API_KEY``, or ``--rl-api-key-file``) every request needs
 ``Authorization: Bearer <key>`` (401 otherwise); listening on another interface than loopback
 without a key is refused. Once listening it prints one line, ``serving <model> at
@@ -226,7 +231,7 @@ def serve(cfg: RunConfig, own: argparse.Namespace) -> None:
             api_key=key,
             tool_call_parser=cfg.inference.tool_call_parser,
             adapters=adapters,
-            limits=config.server_limits(cfg),
+            limits=config.server_limits(cfg, engine_slots=host.engine.outside_capacity),
         )
         source = served_key_source(cfg) if key is not None else None
         host.window(lambda: listen_until_stopped(app, own.host, own.port, name, source))

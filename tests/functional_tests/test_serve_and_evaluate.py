@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import signal
@@ -179,6 +180,32 @@ def test_served_hugging_face_checkpoint_answers_the_openai_client_greedily(tiny,
     assert served.stdout[-1] == "SIGTERM: stopping"
     assert not any("Traceback" in line for line in served.stderr), served.stderr
     print(f"idle: {idle_cpu:.3f} CPU seconds in {idle} s")
+
+
+def test_a_burst_past_the_slots_and_the_per_client_limit_queues_and_is_answered(tiny, servers):
+    """A harness's burst: 24 requests at once from one address, 4 engine slots, 16 running per
+    client: the rest wait their turn (before the queue: 8 answered 429) and every answer is the
+    greedy one."""
+    served = servers(
+        ["--hf-checkpoint", str(tiny), "--seq-length", "64", "--inference-max-requests", "4"]
+    )
+    prompts = [f"{i}+{i}=" for i in range(24)]
+
+    async def burst():
+        client = openai.AsyncOpenAI(base_url=served.url, api_key="x", max_retries=0, timeout=120)
+        try:
+            return await asyncio.gather(
+                *(
+                    client.completions.create(model="llama3", prompt=p, max_tokens=6, temperature=0)
+                    for p in prompts
+                )
+            )
+        finally:
+            await client.close()
+
+    for completion in asyncio.run(burst()):
+        assert_greedy(tiny, completion.choices[0], 6)
+    assert served.stop() == 0, served.stderr[-20:]
 
 
 def test_served_trainer_checkpoint_generates_with_its_trained_weights(trained, tiny, servers):

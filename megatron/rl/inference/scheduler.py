@@ -110,6 +110,12 @@ class ContinuousBatchingScheduler(CheckpointedScheduling, Admission, ScoreQueue)
         self.counters = EngineCounters()
         """Tokens, steps, rows and step time since start (for the step metrics)."""
 
+    @property
+    def outside_capacity(self) -> int:
+        """KV-cache slots unkeyed requests may take at once, over every replica (the servers'
+        queue admits that many engine requests; ``slots.py``)."""
+        return self._slots.outside_capacity
+
     # ----------------------------------------------------------------- requests
 
     async def generate(

@@ -26,6 +26,9 @@ class SlotPools:
         self.keyed_slots = keyed
         self.share = share or outside == 0
         """Unkeyed requests may take a free rollout slot (after the keyed requests waiting)."""
+        self.outside_capacity = num_replicas * (outside + (keyed if self.share else 0))
+        """Slots an unkeyed request may take, over every replica: the reserved ones (and the
+        rollouts', where shared)."""
         self._keyed = [list(range(keyed)) for _ in range(num_replicas)]
         self._outside = [list(range(keyed, keyed + outside)) for _ in range(num_replicas)]
 

@@ -17,9 +17,11 @@ same batches, follow the same forced-lag schedule and return the same per-token 
 policy versions.
 
 Outside requests (no rollout key) are bounded (``limits.py``): the body size (413), prompts x
-``n`` x ``max_tokens`` (422), the requests in flight per client address (429; a stream holds its
-slot until it ends); a client that disconnects cancels its generation, whose slot the engine
-frees at its next step.
+``n`` x ``max_tokens`` (422); they wait their turn in a ``FairQueue`` (``fair_queue.py``: the
+engine slots they may take, the requests running per client address, round robin across
+addresses; a stream holds its turn until it ends), which answers 429 with ``Retry-After`` only
+past its bound; a client that disconnects leaves the queue, or cancels its generation, whose
+slot the engine frees at its next step. Keyed requests skip the queue.
 
 Note that the trainer's event loop, and with it this server, only runs while the trainer waits
 for a batch; a request sent during a training step is answered when the next window opens.
@@ -30,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, HTTPException, Request
@@ -45,8 +47,8 @@ from megatron.rl.server.completion_responses import completion_choices
 from megatron.rl.server.http import ERROR_RESPONSES, install_error_handlers
 from megatron.rl.server.limits import (
     BodyLimit,
-    ClientSlots,
     ServerLimits,
+    admission,
     client_of,
     unless_disconnected,
 )
@@ -106,7 +108,8 @@ def create_inference_app(
     install_error_handlers(app)
     require_api_key(app, api_key, exempt_prefix=SESSIONS_PREFIX + "/")  # sessions: their own
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
-    slots = ClientSlots(limits.max_requests_per_client)
+    queue = admission(limits)
+    app.state.admission = queue  # the queue of outside requests (its length, for tests and logs)
     ids = itertools.count()
     created = int(time.time())
     by_name = dict(adapters or {})
@@ -147,13 +150,23 @@ def create_inference_app(
                 f"({limits.max_request_tokens})",
             )
 
-    async def outside(http: Request, keyed: bool, work: Awaitable[T]) -> T:
-        """Run ``work`` for a request: an outside one holds one of its client's slots (429 over
-        the limit) and is cancelled when its client disconnects; a keyed one just runs."""
+    async def outside(
+        http: Request, keyed: bool, weight: int, work: Callable[[], Awaitable[T]]
+    ) -> T:
+        """Run ``work()`` for a request: an outside one (of ``weight`` engine requests) first
+        waits its turn in the queue (429 past its bound), and its wait or its generation is
+        cancelled when its client disconnects; a keyed one just runs."""
         if keyed:
-            return await work
-        with slots.hold(client_of(http)):
-            return await unless_disconnected(http, work)
+            return await work()
+
+        async def in_turn() -> T:
+            release = await queue.admit(client_of(http), weight)
+            try:
+                return await work()
+            finally:
+                release()
+
+        return await unless_disconnected(http, in_turn())
 
     async def samples(chosen: InferenceInterface, request: InferenceRequest, n: int):
         """``n`` samples of ``request``."""
@@ -169,16 +182,21 @@ def create_inference_app(
         chunks: ChatChunks | CompletionChunks,
         include_usage: bool,
     ) -> EventStream:
-        """The streamed answer of ``n`` samples of each (outside) request: the engine's first
-        event (or its refusal, as a status) is awaited before the response starts."""
-        release = slots.take(client_of(http))
+        """The streamed answer of ``n`` samples of each request (an outside one: a keyed one is
+        answered whole), once its turn came in the queue (held until the stream ends): the
+        engine's first event (or its refusal, as a status) is awaited before the response
+        starts."""
         seeded = [r if n == 1 else sample_request(r, i) for r in requests for i in range(n)]
-        streams = [chosen.stream(sample) for sample in seeded]  # seeded as ``samples`` does
-        events = merged_events(streams)
+        release = await unless_disconnected(http, queue.admit(client_of(http), len(seeded)))
         try:
-            first = await unless_disconnected(http, answer(anext(events)))
+            streams = [chosen.stream(sample) for sample in seeded]  # seeded as ``samples`` does
+            events = merged_events(streams)
+            try:
+                first = await unless_disconnected(http, answer(anext(events)))
+            except BaseException:
+                await events.aclose()
+                raise
         except BaseException:
-            await events.aclose()
             release()
             raise
         return EventStream(sse_events(chunks, prepend(first, events), include_usage), release)
@@ -214,8 +232,13 @@ def create_inference_app(
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return await streamed(http, chosen, requests, body.n, chunks, usage)
         keyed = requests[0].rollout_key is not None
-        work = (completion_of(chosen, body, r, p * body.n) for p, r in enumerate(requests))
-        answers = await outside(http, keyed, gather_all(*work))
+
+        def work() -> Awaitable[list[tuple[list[int], list[CompletionChoice]]]]:
+            return gather_all(
+                *(completion_of(chosen, body, r, p * body.n) for p, r in enumerate(requests))
+            )
+
+        answers = await outside(http, keyed, len(requests) * body.n, work)
         choices = [choice for _, prompt_choices in answers for choice in prompt_choices]
         prompt_tokens = sum(len(prompt) for prompt, _ in answers)
         generated = sum(len(c.token_ids) for c in choices)
@@ -277,7 +300,7 @@ def create_inference_app(
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return await streamed(http, chosen, [request], body.n, chunks, usage)
         keyed = request.rollout_key is not None
-        outs = await outside(http, keyed, samples(chosen, request, body.n))
+        outs = await outside(http, keyed, body.n, lambda: samples(chosen, request, body.n))
         response = chat_completion_response(
             body, outs, tokenizer, parser, response_id=response_id, model=name
         )

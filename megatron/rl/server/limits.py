@@ -2,26 +2,30 @@
 
 * ``BodyLimit``: a request body over ``max_body_bytes`` is answered 413 as soon as its
   ``Content-Length`` (or, without one, the bytes received) exceed it, before it is read whole.
-* ``ClientSlots``: at most ``max_requests_per_client`` outside generation requests of one client
-  address in flight; the next is answered 429 naming the limit.
-* ``unless_disconnected``: the generation of an outside request is cancelled when its client
-  disconnects; the engine frees a cancelled request's slot at its next step.
+* ``admission``: the ``FairQueue`` (``fair_queue.py``) an outside generation request waits in for
+  its turn: at most ``max_requests_per_client`` of one client address running and
+  ``engine_slots`` engine slots taken by all, the rest queued and served round robin across
+  client addresses; past ``max_queued_requests`` queued (``max_queued_per_client`` of one client)
+  the next is answered 429 with ``Retry-After``.
+* ``unless_disconnected``: the generation of an outside request (or its wait in the queue) is
+  cancelled when its client disconnects; the engine frees a cancelled request's slot at its next
+  step.
 
 Keyed rollout requests (an environment's, owned by the trainer's schedule) are exempt from the
-last two: the trainer sized them, and cancelling one would change the run.
+last two: the trainer sized them, and cancelling or delaying one would change the run.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import HTTPException, Request
+
+from megatron.rl.server.fair_queue import FairQueue
 
 T = TypeVar("T")
 
@@ -35,7 +39,17 @@ class ServerLimits:
     max_request_tokens: int = 1 << 16
     """Largest ``n`` x ``max_tokens`` of one outside generation request (422 above it)."""
     max_requests_per_client: int = 16
-    """Outside generation requests of one client address in flight at once (429 above it)."""
+    """Outside generation requests of one client address running at once (more wait their turn
+    in the queue)."""
+    max_queued_requests: int = 512
+    """Outside generation requests waiting in the queue, in all (429 with ``Retry-After`` above
+    it)."""
+    max_queued_per_client: int = 256
+    """Outside generation requests of one client address waiting in the queue (429 above it)."""
+    engine_slots: int | None = None
+    """Engine slots outside requests may take at once (the rest wait in the queue, served round
+    robin across clients); None: not bounded here (the engine queues them first come first
+    served)."""
 
 
 class BodyLimit:
@@ -95,43 +109,14 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": detail})
 
 
-class ClientSlots:
-    """Outside requests in flight per client address, at most ``limit`` each."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._in_flight: Counter[str] = Counter()
-
-    @contextlib.contextmanager
-    def hold(self, client: str) -> Iterator[None]:
-        """One of ``client``'s slots for the ``with`` block; 429 when it has none left."""
-        release = self.take(client)
-        try:
-            yield
-        finally:
-            release()
-
-    def take(self, client: str) -> Callable[[], None]:
-        """One of ``client``'s slots until the returned function is called (once; later calls do
-        nothing); 429 when it has none left."""
-        if self._in_flight[client] >= self.limit:
-            raise HTTPException(
-                429,
-                f"{client} has {self.limit} requests in flight, the most this server takes from "
-                "one client: wait for one to finish",
-            )
-        self._in_flight[client] += 1
-        held = True
-
-        def release() -> None:
-            nonlocal held
-            if held:
-                held = False
-                self._in_flight[client] -= 1
-                if not self._in_flight[client]:
-                    del self._in_flight[client]
-
-        return release
+def admission(limits: ServerLimits) -> FairQueue:
+    """The queue outside generation requests wait in for their turn under ``limits``."""
+    return FairQueue(
+        limits.engine_slots,
+        limits.max_requests_per_client,
+        limits.max_queued_requests,
+        limits.max_queued_per_client,
+    )
 
 
 def client_of(http: Request) -> str:

@@ -175,9 +175,19 @@ class Inference(Section):
     )
     max_requests_per_client: int = option(
         16,
-        "Outside requests one client address may have in flight on the inference server (and "
-        "serve); the next is answered 429. A client that disconnects cancels its request (its "
-        "KV-cache slot is freed at the next engine step).",
+        "Outside requests one client address may have running on the inference server (and "
+        "serve); more wait their turn in the queue (--rl-max-queued-requests). A client that "
+        "disconnects cancels its request (its KV-cache slot is freed at the next engine step).",
+        minimum=1,
+        commands=(SERVE,),
+    )
+    max_queued_requests: int = option(
+        512,
+        "Outside requests the inference server (and serve) queues while the engine's slots for "
+        "them are taken (or their client has --rl-max-requests-per-client running): served "
+        "round robin across client addresses, a queued request whose client disconnects leaves "
+        "at once. Past this many queued in all, or half of it from one client address, a request "
+        "is answered 429 with a Retry-After header. Rollouts are exempt.",
         minimum=1,
         commands=(SERVE,),
     )

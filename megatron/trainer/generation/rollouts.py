@@ -200,7 +200,7 @@ class RolloutSource:
                 self.tokenizer,
                 api_key=cfg.api_key,
                 tool_call_parser=cfg.tool_call_parser,
-                limits=cfg.limits,
+                limits=dataclasses.replace(cfg.limits, engine_slots=self.engine.outside_capacity),
             )
             refused = listen_problem(
                 cfg.host, cfg.api_key is not None, "--rl-inference-server-host", "--rl-api-key-file"

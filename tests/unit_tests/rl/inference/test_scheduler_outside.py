@@ -148,3 +148,22 @@ def test_slot_pools_keep_rollout_and_reserved_slots_apart():
     shared = SlotPools(num_replicas=1, keyed=1, outside=0, share=False)
     assert shared.share and shared.take_outside(reserved_only=True) is None
     assert shared.take_outside() == (0, 0)
+
+
+@pytest.mark.parametrize(
+    "outside, window_target, capacity",
+    [
+        pytest.param(3, True, 6, id="reserved-only"),
+        pytest.param(0, True, 4, id="none-reserved-shares-rollout-slots"),
+        pytest.param(3, False, 10, id="throughput-schedule-shares"),
+    ],
+)
+def test_outside_capacity_counts_the_slots_an_unkeyed_request_may_take(
+    outside, window_target, capacity
+):
+    """What the servers' queue admits at once (``FairQueue``'s slots), over two replicas."""
+    config = SchedulerConfig(
+        max_requests=2, max_seq_len=32, outside_slots=outside, window_target=window_target
+    )
+    engine = ContinuousBatchingScheduler(FakeSteps(num_replicas=2), config, lambda: 0)
+    assert engine.outside_capacity == capacity

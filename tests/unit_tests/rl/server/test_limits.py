@@ -1,6 +1,7 @@
-"""What a server takes from outside clients: body size (413), n x max_tokens (422), requests in
-flight per client (429), and abandoned requests shed from the engine, measured over real
-sockets."""
+"""What a server takes from outside clients: body size (413), n x max_tokens (422), the queue of
+outside requests (their turn within the engine's slots and the per-client limit, round robin
+across client addresses, 429 with Retry-After past its bound, keyed requests exempt), and
+abandoned requests (queued or generating) shed, measured over real sockets or in process."""
 
 from __future__ import annotations
 
@@ -127,32 +128,185 @@ class Held(InferenceInterface):
         )
 
 
-def test_a_client_over_its_in_flight_limit_gets_429_and_its_slots_come_back():
+async def until(condition, timeout: float = 5.0) -> None:
+    """Wait for ``condition()`` (polling the loop)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        await asyncio.sleep(0.005)
+
+
+def client_at(app, address: str) -> httpx.AsyncClient:
+    """A client of ``app`` (in process) whose requests come from ``address``."""
+    transport = httpx.ASGITransport(app, client=(address, 40000))
+    return httpx.AsyncClient(transport=transport, base_url="http://s", timeout=10)
+
+
+class Turnstile(InferenceInterface):
+    """Each request runs until ``finish_oldest``; records the prompts in the order they start."""
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+        self._running: list[asyncio.Event] = []
+
+    async def generate(self, request: InferenceRequest) -> InferenceResponse:
+        gate = asyncio.Event()
+        self.started.append(request.prompt)
+        self._running.append(gate)
+        await gate.wait()
+        return InferenceResponse(
+            prompt_tokens=[1],
+            tokens=[1],
+            text="",
+            logprobs=[0.0],
+            policy_versions=[0],
+            finish_reason="stop",
+        )
+
+    def finish_oldest(self) -> None:
+        self._running.pop(0).set()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_seventeen_simultaneous_requests_from_one_address_queue_and_all_succeed(stream):
+    """16 run at once (--rl-max-requests-per-client), the 17th waits its turn (before the queue:
+    429) and runs as soon as one of them ends."""
+
     async def run():
         held = Held()
-        app = create_inference_app(
-            held, CharTokenizer(), limits=ServerLimits(max_requests_per_client=2)
-        )
+        app = create_inference_app(held, CharTokenizer())  # the default limits
+        server = await serving(app)
+        body = {"prompt": "1", "max_tokens": 2, "stream": stream}
+        try:
+            async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
+                sent = [
+                    asyncio.create_task(client.post("/v1/completions", json=body))
+                    for _ in range(17)
+                ]
+                await until(lambda: held.started == 16)
+                await asyncio.sleep(0.1)  # the 17th arrived too (before the queue: a 429)
+                running_before = held.started
+                queue = getattr(app.state, "admission", None)
+                queued_then = None if queue is None else queue.queued
+                held.release.set()
+                answers = await asyncio.gather(*sent)
+        finally:
+            await server.stop()
+        return running_before, queued_then, answers, held.started
+
+    running_before, queued_then, answers, started = asyncio.run(run())
+    assert [a.status_code for a in answers] == [200] * 17, [a.text for a in answers]
+    assert (running_before, queued_then, started) == (16, 1, 17)
+    if stream:
+        assert all(a.text.rstrip().endswith("data: [DONE]") for a in answers)
+
+
+def test_another_clients_request_is_served_before_the_tail_of_a_flood():
+    """One slot for outside requests: client A sends six requests at once, then client B one;
+    B's request runs after A's second, not after its sixth."""
+
+    async def run():
+        turnstile = Turnstile()
+        app = create_inference_app(turnstile, CharTokenizer(), limits=ServerLimits(engine_slots=1))
+        queue = app.state.admission
+        async with client_at(app, "10.0.0.1") as a, client_at(app, "10.0.0.2") as b:
+            body = {"prompt": "1", "max_tokens": 2}
+            sent = [asyncio.create_task(a.post("/v1/completions", json=body)) for _ in range(6)]
+            await until(lambda: turnstile.started == ["1"] and queue.queued == 5)
+            body = {"prompt": "2", "max_tokens": 2}
+            sent.append(asyncio.create_task(b.post("/v1/completions", json=body)))
+            await until(lambda: queue.queued == 6)
+            for count in range(2, 8):
+                turnstile.finish_oldest()
+                await until(lambda: len(turnstile.started) == count)
+            turnstile.finish_oldest()
+            answers = await asyncio.gather(*sent)
+        return turnstile.started, answers
+
+    started, answers = asyncio.run(run())
+    assert started == ["1", "1", "2", "1", "1", "1", "1"]
+    assert [a.status_code for a in answers] == [200] * 7
+
+
+def test_past_the_queue_bound_an_outside_request_gets_429_with_retry_after():
+    async def run():
+        held = Held()
+        limits = ServerLimits(engine_slots=1, max_queued_requests=2)
+        app = create_inference_app(held, CharTokenizer(), limits=limits)
+        async with client_at(app, "10.0.0.1") as a, client_at(app, "10.0.0.2") as b:
+            body = {"prompt": "1", "max_tokens": 2}
+            sent = [asyncio.create_task(a.post("/v1/completions", json=body)) for _ in range(3)]
+            await until(lambda: held.started == 1 and app.state.admission.queued == 2)
+            refused = await b.post("/v1/completions", json=body)
+            streamed = await b.post("/v1/completions", json={**body, "stream": True})
+            held.release.set()
+            answers = await asyncio.gather(*sent)
+            after = await b.post("/v1/completions", json=body)
+        return refused, streamed, answers, after
+
+    refused, streamed, answers, after = asyncio.run(run())
+    for response in (refused, streamed):
+        assert response.status_code == 429, response.text
+        assert response.headers["retry-after"] == "1"  # nothing served yet: the least
+        assert "--rl-max-queued-requests" in response.json()["detail"]
+    assert [a.status_code for a in answers] == [200] * 3 and after.status_code == 200
+
+
+def test_a_client_that_disconnects_while_queued_leaves_the_queue_at_once():
+    async def run():
+        held = Held()
+        app = create_inference_app(held, CharTokenizer(), limits=ServerLimits(engine_slots=1))
+        queue = app.state.admission
         server = await serving(app)
         body = {"prompt": "1", "max_tokens": 2}
         try:
-            async with httpx.AsyncClient(base_url=server.url) as client:
-                first = [
-                    asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(2)
-                ]
-                while held.started < 2:
-                    await asyncio.sleep(0.01)
-                refused = await client.post("/v1/completions", json=body)
+            async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
+                running = asyncio.create_task(client.post("/v1/completions", json=body))
+                await until(lambda: held.started == 1)
+                async with httpx.AsyncClient(base_url=server.url, timeout=0.3) as leaving:
+                    with pytest.raises(httpx.ReadTimeout):
+                        await leaving.post("/v1/completions", json=body)
+                await until(lambda: queue.queued == 0)  # it left while the first still runs
+                started_then = held.started
                 held.release.set()
-                done = await asyncio.gather(*first)
-                after = await client.post("/v1/completions", json=body)
+                first = await running
+                fresh = await client.post("/v1/completions", json=body)
         finally:
             await server.stop()
-        return refused, done, after
+        return started_then, first, fresh, held.started, held.cancelled
 
-    refused, done, after = asyncio.run(run())
-    assert refused.status_code == 429 and "2 requests in flight" in refused.json()["detail"]
-    assert [r.status_code for r in done] == [200, 200] and after.status_code == 200
+    started_then, first, fresh, started, cancelled = asyncio.run(run())
+    assert started_then == 1  # the queued request never reached the engine
+    assert first.status_code == 200 and fresh.status_code == 200
+    assert (started, cancelled) == (2, 0)
+
+
+def test_keyed_rollout_requests_skip_the_queue():
+    """Outside requests fill the one slot and the client's one running request, and another
+    waits; the trainer's keyed requests from the same address go straight to the engine."""
+
+    async def run():
+        held = Held()
+        limits = ServerLimits(engine_slots=1, max_requests_per_client=1, max_queued_requests=1)
+        app = create_inference_app(held, CharTokenizer(), limits=limits)
+        queue = app.state.admission
+        async with client_at(app, "10.0.0.1") as client:
+            body = {"prompt": "1", "max_tokens": 2}
+            sent = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in "ab"]
+            await until(lambda: held.started == 1 and queue.queued == 1)
+            for i in range(3):
+                key = {"batch_id": 0, "index_in_batch": i, "sample_index": 0}
+                keyed = {**body, "rollout_key": key}
+                sent.append(asyncio.create_task(client.post("/v1/completions", json=keyed)))
+            await until(lambda: held.started == 4)
+            queued_then = queue.queued
+            held.release.set()
+            answers = await asyncio.gather(*sent)
+        return queued_then, answers
+
+    queued_then, answers = asyncio.run(run())
+    assert queued_then == 1  # the outside request still waits; the keyed ones run
+    assert [a.status_code for a in answers] == [200] * 5
 
 
 def test_a_disconnected_clients_generation_is_cancelled():
