@@ -17,9 +17,6 @@ changed from a worker. Here:
 * any other failure (a bug) gets one line naming the rank and its status; the worker's traceback
   is above it.
 
-Workers start on ``--cpu-allocator``'s default allocator (jemalloc where installed: preloaded
-into their environment, ``runtime/allocator.py``) unless their command line chooses one.
-
 Workers get ``--shutdown-timeout`` (default here ``DEFAULT_SHUTDOWN_TIMEOUT_S``, not 30 s) to
 save a checkpoint and exit after a forwarded signal before torchelastic kills them.
 """
@@ -31,7 +28,6 @@ import os
 import signal
 import sys
 
-from megatron.trainer.runtime.allocator import preload_for_workers
 from megatron.trainer.runtime.exits import EXPECTED_MARK, freeze_collector_at_exit
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 300
@@ -48,7 +44,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.shutdown_timeout is None and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in os.environ:
         args.shutdown_timeout = DEFAULT_SHUTDOWN_TIMEOUT_S
-    preload_for_workers(args.training_script_args)  # --cpu-allocator auto: no restarts
     if str(args.nproc_per_node).isdigit() and int(args.nproc_per_node) > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
     # torchelastic logs each failure at ERROR; the report below replaces it

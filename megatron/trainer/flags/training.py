@@ -244,13 +244,12 @@ class Training(Section):
         minimum=1,
     )
     cpu_allocator: str = option(
-        "auto",
-        "The C allocator of the run's processes: jemalloc or tcmalloc (the distribution's "
-        "libjemalloc2 / libtcmalloc-minimal4, preloaded: each process starts itself again with "
-        "the library in LD_PRELOAD), or glibc's malloc. auto: jemalloc where installed, else "
-        "tcmalloc, else glibc (glibc too when --malloc-mmap-threshold-kib is given). glibc's heaps "
-        "keep the memory freed between phases, so a CPU run's peak is higher on it "
-        "(benchmarks/results/lora.md).",
+        "glibc",
+        "The C allocator of the run's processes: glibc's malloc (default), or jemalloc or "
+        "tcmalloc (the distribution's libjemalloc2 / libtcmalloc-minimal4, preloaded: each "
+        "process starts itself again with the library in LD_PRELOAD); auto: jemalloc where "
+        "installed, else tcmalloc, else glibc. At the recipe's LoRA shape both raise the peak "
+        "above glibc's (benchmarks/results/lora.md); --malloc-mmap-threshold-kib lowers it.",
         choices=CPU_ALLOCATORS,
     )
     malloc_mmap_threshold_kib: int | None = option(

@@ -2,9 +2,11 @@
 (``--malloc-mmap-threshold-kib``).
 
 jemalloc and tcmalloc, from the distribution's packages, replace the C library's ``malloc`` when
-preloaded (``LD_PRELOAD``), as PyTorch's CPU performance guide recommends: they keep the blocks of
-one size together and hand freed memory back to the system, where glibc's heaps keep what they
-once held (below). A library can only be preloaded when a process starts, so ``use_allocator``
+preloaded (``LD_PRELOAD``), as PyTorch's CPU performance guide suggests: they keep the blocks of
+one size together and return freed pages on a schedule of their own. At the recipe's LoRA shape
+both peak higher than glibc (benchmarks/results/lora.md), so glibc is the default and bounding
+glibc's heap (below) is what lowers the peak. A library can only be preloaded when a process
+starts, so ``use_allocator``
 runs the same command again, at once, with the library in ``LD_PRELOAD`` (``os.execve``: the same
 process, so a launcher that watches it sees nothing change).
 
@@ -127,23 +129,6 @@ def start_on_chosen_allocator(argv: list[str] | None = None) -> None:
     except UsageError:
         return
     use_allocator(values["cpu_allocator"], values["malloc_mmap_threshold_kib"] is not None)
-
-
-def preload_for_workers(script_args: list[str]) -> str | None:
-    """The launcher's part: preload ``auto``'s allocator into the environment its workers start
-    with (``LD_PRELOAD``), so they start on it instead of starting again; only when the
-    workers' command line chooses nothing itself (no ``--cpu-allocator``,
-    ``--malloc-mmap-threshold-kib`` or ``--config`` file), else each worker decides. Returns the
-    library preloaded."""
-    chooses = ("--cpu-allocator", "--malloc-mmap-threshold-kib", "--config")
-    if any(a.split("=")[0] in chooses for a in script_args) or _MARK in os.environ:
-        return None
-    name = resolve("auto")
-    if name == "glibc" or any(_is_allocator(Path(p).name) for p in _preloaded()):
-        return None
-    library = library_path(name)
-    os.environ["LD_PRELOAD"] = " ".join([library, *_preloaded()])
-    return library
 
 
 def _preloaded() -> list[str]:
