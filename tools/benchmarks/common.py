@@ -133,7 +133,7 @@ class Stopwatch:
     cpu: float = 0.0
     runq: float | None = None
 
-    def __enter__(self) -> "Stopwatch":
+    def __enter__(self) -> Stopwatch:
         self._clocks = thread_clocks()
         self._t0 = time.perf_counter()
         return self

@@ -46,7 +46,6 @@ def supervised_batch(tokenizer, problems: int, pad_id: int):
         ArithmeticArgs,
         ArithmeticEnvironment,
     )
-
     from megatron.rl.grpo.batch import build_train_batch
     from megatron.rl.wire import RolloutGroup, TokenRollout
 

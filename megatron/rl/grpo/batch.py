@@ -104,11 +104,11 @@ class TrainBatch:
             return int(self.lengths.sum())
         return self.global_counts.trained_tokens
 
-    def as_shard(self, counts: GlobalCounts) -> "TrainBatch":
+    def as_shard(self, counts: GlobalCounts) -> TrainBatch:
         """These rows as a data-parallel shard of a global batch with ``counts``."""
         return replace(self, global_counts=counts)
 
-    def rows(self, start: int, stop: int, trim: bool = True) -> "TrainBatch":
+    def rows(self, start: int, stop: int, trim: bool = True) -> TrainBatch:
         """Rows [start, stop), trimmed to their own longest sequence (or, without ``trim``, at
         the batch's full width)."""
         width = self.input_ids.shape[1]
@@ -125,7 +125,7 @@ class TrainBatch:
             routed_experts=_rows_of(self.routed_experts, slice(start, stop), width),
         )
 
-    def select(self, rows: torch.Tensor) -> "TrainBatch":
+    def select(self, rows: torch.Tensor) -> TrainBatch:
         """The rows of index tensor ``rows`` (in that order), at the batch's full width."""
         return TrainBatch(
             input_ids=self.input_ids[rows],

@@ -5,7 +5,8 @@ import the names from torch-free library modules (``megatron/rl/grpo/names.py``,
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 

@@ -11,9 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.rl.models.hf import HFCheckpointError
-from megatron.rl.models.hf import families as registry
-from megatron.rl.models.hf import gguf, hf_config_dict
+from megatron.rl.models.hf import HFCheckpointError, families as registry, gguf, hf_config_dict
 from megatron.rl.models.hf.config import hf_model_config
 from megatron.rl.models.hf.families import (
     HFFamily,
