@@ -44,6 +44,11 @@ def test_the_registry_lists_exactly_the_family_modules_of_the_package():
     assert [f.name for f in families()] == BY_ORDER
 
 
+def test_the_package_docstring_names_every_family_module():
+    unnamed = [f.name for f in families() if f"``{f.name}.py``" not in registry.__doc__]
+    assert not unnamed, f"megatron/rl/models/hf/families/__init__.py does not name {unnamed}"
+
+
 def test_tiny_recipes_keep_their_order():
     """``tests/grpo_testing/hf_models.py`` seeds each tiny checkpoint by its index here."""
     assert TINY_FAMILIES == ("llama", "llama3", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
