@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from grpo_testing.batches import build_train_batch
 from grpo_testing.models import VOCAB
 from grpo_testing.rollouts import synthetic_groups
 from grpo_testing.trainer import grpo_update, one_rank_context, train_args
 from megatron.core import parallel_state
 
-from megatron.rl.grpo.batch import build_train_batch
 from megatron.rl.grpo.loss import GRPOLossConfig
 from megatron.rl.models.moe import set_aux_loss_scale
 from megatron.trainer.checkpoint.directory import TrainState

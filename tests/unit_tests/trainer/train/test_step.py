@@ -13,12 +13,13 @@ import dataclasses
 
 import pytest
 import torch
+from grpo_testing.batches import build_train_batch
 from grpo_testing.models import VOCAB, tiny_args
 from grpo_testing.rollouts import synthetic_groups
 from grpo_testing.trainer import grpo_update, one_rank_context
 from megatron.core import parallel_state
 
-from megatron.rl.grpo.batch import TrainBatch, build_train_batch
+from megatron.rl.grpo.batch import TrainBatch
 from megatron.rl.grpo.importance import ImportanceConfig
 from megatron.rl.grpo.kl import reference_kl
 from megatron.rl.grpo.loss import GRPOLossConfig
