@@ -6,12 +6,11 @@ edit."""
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from grpo_testing.probes import loads_torch
 
 from megatron.rl.grpo import advantages as registry
 from megatron.rl.grpo.advantages import (
@@ -26,14 +25,8 @@ from megatron.trainer.flags.grpo import GRPO
 
 
 def test_the_estimators_are_the_modules_found_and_loaded_without_torch():
-    probe = (
-        "import sys\n"
-        "from megatron.rl.grpo.advantages import estimators, estimators_help\n"
-        "estimators_help()\n"
-        "print(estimators(), 'torch' in sys.modules)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout
-    assert out.strip() == f"{estimators()} False"
+    probe = "from megatron.rl.grpo.advantages import estimators, estimators_help as h\nh()"
+    assert loads_torch(probe + "\nprint(estimators())") == (str(estimators()), False)
     assert estimators()[0] == DEFAULT_ESTIMATOR == "grpo"
     assert {"grpo", "rloo"} <= set(estimators()) and not {"base", "compute"} & set(estimators())
 
@@ -75,21 +68,20 @@ def test_every_estimator_centers_valid_rewards_and_zeroes_the_rest(name):
 
 
 @pytest.fixture
-def extra_module():
-    """A module file added to the package for one test (removed after it)."""
-    added: list[Path] = []
+def extra_module(tmp_path, monkeypatch):
+    """Writes a module into a folder added to the package's path; the registry's caches and
+    ``sys.modules`` forget it afterwards."""
+    monkeypatch.setattr(registry, "__path__", [*registry.__path__, str(tmp_path)])
+    written = []
 
-    def add(name: str, source: str) -> None:
-        path = Path(registry.__file__).parent / f"{name}.py"
-        path.write_text(source)
-        added.append(path)
+    def write(name: str, source: str) -> None:
+        (tmp_path / f"{name}.py").write_text(source)
+        written.append(name)
         estimators.cache_clear()
-        load_estimator.cache_clear()
 
-    yield add
-    for path in added:
-        path.unlink()
-        sys.modules.pop(f"{registry.__name__}.{path.stem}", None)
+    yield write
+    for name in written:
+        sys.modules.pop(f"{registry.__name__}.{name}", None)
     estimators.cache_clear()
     load_estimator.cache_clear()
 
