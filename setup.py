@@ -49,6 +49,11 @@ setup(
             # together about 20-40 s of pip install on top of the rest)
             "lm-eval[api]>=0.4.13,<0.5",  # lm-evaluation-harness: echo scoring, chat generation
             "openai-agents>=0.24,<0.25",  # the Agents SDK's tool loop over the chat endpoint
+            # Lint (.ci/run, before the tests; [tool.ruff] and [tool.black] in pyproject.toml),
+            # pinned to a minor release so that a new rule or style does not fail CI unasked
+            # (tested: ruff 0.17.6, black 26.10.1)
+            "ruff>=0.17,<0.18",
+            "black>=26,<27",
         ],
         # Hugging Face checkpoints and tokenizers (megatron/rl/models/hf, HuggingFaceTokenizer;
         # tested: transformers 5.23.0, safetensors 0.8.0, tokenizers 0.23.3 with torch 2.13.0 CPU

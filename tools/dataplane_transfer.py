@@ -36,11 +36,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the test helpers: grpo_testing
+
+from grpo_testing.batches import GRPO, build_train_batch  # noqa: E402
 
 from megatron.rl.dataplane import BACKENDS, make_data_plane  # noqa: E402
 from megatron.rl.dataplane.batches import TRAIN_PARTITION, publish_groups, shard_batch  # noqa: E402
-from megatron.rl.grpo.batch import TrainBatch, build_train_batch  # noqa: E402
+from megatron.rl.grpo.batch import TrainBatch, batch_advantages  # noqa: E402
 from megatron.rl.rollout.generator import RolloutBatch  # noqa: E402
 from megatron.rl.wire import RolloutGroup, TokenRollout  # noqa: E402
 
@@ -93,7 +96,11 @@ def broadcast_step(groups, step: int, rank: int, world: int) -> tuple[TrainBatch
 def keyed_step(plane, groups, step: int, rank: int, world: int) -> tuple[TrainBatch, int]:
     """The data plane: (this rank's rows, bytes this rank moved)."""
     before = plane.stats.bytes_moved
-    meta = publish_groups(plane, groups, step) if rank == 0 else None
+    if rank == 0:
+        advantages = batch_advantages(groups, GRPO)
+        meta = publish_groups(plane, groups, step, advantages=advantages)
+    else:
+        meta = None
     meta = plane.share(meta)
     rows = list(range(len(meta.keys)))
     per_rank = len(rows) // world

@@ -22,9 +22,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the test helpers: grpo_testing
 
-from megatron.rl.grpo.batch import TrainBatch, build_train_batch  # noqa: E402
+from grpo_testing.batches import build_train_batch  # noqa: E402
+
+from megatron.rl.grpo.batch import TrainBatch  # noqa: E402
 from megatron.rl.tokenizer import CharTokenizer  # noqa: E402
 from megatron.rl.wire import RolloutGroup, TokenRollout  # noqa: E402
 from megatron.trainer import config  # noqa: E402

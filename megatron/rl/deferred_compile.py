@@ -24,7 +24,8 @@ import importlib.abc
 import importlib.util
 import sys
 import types
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 WATCHED = "megatron.core"
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from megatron.rl.auth import API_KEY_ENV, api_key_source, read_api_key
 from megatron.rl.eval.runner import EvalConfig
-from megatron.rl.grpo.advantages import AdvantageConfig
+from megatron.rl.grpo.advantages.compute import AdvantageConfig
 from megatron.rl.grpo.aggregation import LossAggregation
 from megatron.rl.grpo.distill import DistillConfig
 from megatron.rl.grpo.filtering import DynamicSamplingConfig

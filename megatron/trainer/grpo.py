@@ -10,7 +10,7 @@ computes pi_old and pi_ref and trains.
 
 Optional pieces, each off by default: dynamic sampling picks the groups a step trains on
 (``collection.training_groups``; ``megatron/rl/grpo/filtering.py``), the advantages' baseline and scale and
-the overlong reward shaping (``advantages_of``; ``megatron/rl/grpo/advantages.py``,
+the overlong reward shaping (``advantages_of``; ``megatron/rl/grpo/advantages/``,
 ``overlong.py``), loss terms, IS correction, repeated updates and packing shape the step
 (``step.py``), and evaluation runs on its own engine between steps (``evaluator.py``).
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -109,15 +109,15 @@ class Run:
             try:
                 sampling = config.dynamic_sampling_config(self.cfg)
                 groups, extra = training_groups(collected.batch.groups, sampling)
-                shaped = advantages_of(self.cfg, groups)  # None: GRPO's, computed by publish
+                shaped = advantages_of(self.cfg, groups)
                 meta = publish_groups(
                     self.plane,
                     groups,
                     collected.batch.batch_id,
-                    advantages=None if shaped is None else shaped.advantages,
-                    masked=None if shaped is None else shaped.masked,
+                    advantages=shaped.advantages,
+                    masked=shaped.masked,
                 )
-                extra.update({} if shaped is None else shaped.metrics)
+                extra.update(shaped.metrics)
             except Exception as exc:  # every rank stops here instead of waiting for the meta
                 failure = exc
         raise_agreed_failure(failure)
@@ -355,14 +355,15 @@ def evaluation_due(cfg: RunConfig, iteration: int) -> bool:
     ) and iteration == cfg.training.train_iters
 
 
-def advantages_of(cfg: RunConfig, groups: list[RolloutGroup]) -> ShapedAdvantages | None:
+def advantages_of(cfg: RunConfig, groups: list[RolloutGroup]) -> ShapedAdvantages:
     """The advantages of ``--adv-estimator`` / ``--scale-rewards`` after the overlong reward
     shaping (``--overlong-buffer-len``, ``--mask-truncated-completions``), with their metrics
-    (rank 0); None with none of them, where ``publish_groups`` computes GRPO's."""
+    (rank 0); GRPO's own advantages without shaping log no metrics (the default run's log)."""
     estimator, overlong = config.advantage_config(cfg), config.overlong_config(cfg)
+    shaped = shaped_advantages(groups, estimator, overlong)
     if estimator.is_grpo and overlong is None:
-        return None
-    return shaped_advantages(groups, estimator, overlong)
+        return replace(shaped, metrics={})
+    return shaped
 
 
 def load_agent(cfg: RunConfig) -> Agent:

@@ -10,8 +10,11 @@ the collectives run on gloo here and on NCCL on a GPU.
 from __future__ import annotations
 
 import pytest
+import test_cuda_tier_emulated
 from golden_values import TOLERANCES, run_training
-from test_cuda_tier_emulated import BASE, EMULATED, assert_same_run, moe_args  # noqa: F401
+from test_cuda_tier_emulated import BASE, EMULATED, assert_same_run
+
+moe_args = test_cuda_tier_emulated.moe_args  # the fixture, shared
 
 DETERMINISTIC = list(TOLERANCES)  # every guarded metric; timings are not
 FLAG = "rl-inference-tensor-model-parallel-size"

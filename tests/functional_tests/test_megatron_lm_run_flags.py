@@ -8,9 +8,7 @@ import os
 import subprocess
 
 import pytest
-from golden_values import ROOT
-from golden_values import run_training as run
-from golden_values import subprocess_env, training_command
+from golden_values import ROOT, run_training as run, subprocess_env, training_command
 
 SMALL = {
     "rl-forced-lag": 1,

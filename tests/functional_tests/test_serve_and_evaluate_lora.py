@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import test_serve_and_evaluate
 from golden_values import ROOT, flag_argv
 from serving import (
     assert_greedy,
@@ -21,7 +22,9 @@ from serving import (
     run,
     start_server,
 )
-from test_serve_and_evaluate import EVAL_FLAGS, MODEL_FLAGS, env_config  # noqa: F401 (fixture)
+from test_serve_and_evaluate import EVAL_FLAGS, MODEL_FLAGS
+
+env_config = test_serve_and_evaluate.env_config  # the fixture, shared
 
 LORA_FLAGS = ["--lora-rank", "4", "--lora-alpha", "8"]
 

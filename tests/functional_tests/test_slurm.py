@@ -142,7 +142,9 @@ def test_sbatch_runs_a_five_step_cpu_job_on_two_nodes(cluster, tmp_path):
     # One torchrun per node (srun --label prefixes its task number) with one rank each, joined into
     # one world of two; rank 0 (the only one that logs) is on whichever node joined first.
     assert re.search(
-        r"^[01]: parallelism  tier: cpu \| allocator \w+; world 2 = TP 1 x PP 1 x DP 2$", log, re.MULTILINE
+        r"^[01]: parallelism  tier: cpu \| allocator \w+; world 2 = TP 1 x PP 1 x DP 2$",
+        log,
+        re.MULTILINE,
     )
     assert re.search(r"^[01]: step     4/5", log, re.MULTILINE)
 

@@ -34,12 +34,12 @@ from grpo_testing.emulated_cuda import emulate_cuda_on_cpu  # noqa: E402
 
 emulate_cuda_on_cpu()
 
+from grpo_testing.batches import build_train_batch  # noqa: E402
 from grpo_testing.models import VOCAB  # noqa: E402
 from grpo_testing.rollouts import synthetic_groups  # noqa: E402
 from grpo_testing.trainer import grpo_update, train_args  # noqa: E402
 
 from megatron.rl.grpo.aggregation import LossAggregation  # noqa: E402
-from megatron.rl.grpo.batch import build_train_batch  # noqa: E402
 from megatron.rl.grpo.importance import ImportanceConfig  # noqa: E402
 from megatron.rl.grpo.loss import GRPOLossConfig  # noqa: E402
 from megatron.rl.grpo.off_policy_mask import OffPolicyMask  # noqa: E402

@@ -6,6 +6,7 @@ and, for ``file.md#anchor`` or ``#anchor``, the target file has a heading (or an
 from __future__ import annotations
 
 import re
+import subprocess
 from functools import cache
 from pathlib import Path
 
@@ -14,13 +15,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 DOCUMENTS = sorted(
-    [
+    {
         ROOT / "README.md",
         *(ROOT / "docs").glob("*.md"),
         ROOT / "benchmarks" / "README.md",
-        ROOT / "benchmarks" / "results" / "MEASUREMENTS.md",
-        ROOT / "examples" / "rl" / "README.md",
-    ]
+        *(ROOT / "benchmarks" / "results").glob("*.md"),
+        *(ROOT / "examples").glob("**/*.md"),
+    }
 )
 
 # Written by another tool (the flags reference, generated from the parser): links to it are
@@ -118,3 +119,71 @@ def test_the_checker_sees_broken_links_and_anchors(tmp_path, monkeypatch):
     problems = broken(doc)
     assert [p.split(": ")[1] for p in problems] == ["missing.md", "other.md#nowhere", "#nowhere"]
     assert all(p.startswith("doc.md:10:") for p in problems)
+
+
+# A document named from the repository root in any committed text file (code, docs, scripts):
+# the path alone, with ``#anchor``, or followed (after a comma or a space) by a quoted section
+# title, as in ``docs/<page>.md, "Section"`` (quotes of either kind).
+REFERENCE = re.compile(
+    r"(?<![\w/.-])((?:docs|benchmarks|examples)/[\w/.-]*?\w\.md|README\.md)"
+    r"(?:#([\w-]+)|(?:,\s*|\s+)[\"'“‘]([^\"'”’\n]{3,80})[\"'”’])?"
+)
+REFERENCING = {".py", ".md", ".sh", ".yaml", ".yml", ".toml", ".cfg", ""}
+
+
+def referencing_files() -> list[Path]:
+    """The committed text files that may name a document (git's list; the tree's outside git)."""
+    try:
+        out = subprocess.run(
+            ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True
+        ).stdout
+        paths = [ROOT / name for name in out.decode().split("\0") if name]
+    except (OSError, subprocess.CalledProcessError):
+        paths = [p for p in ROOT.rglob("*") if ".git" not in p.parts]
+    return [p for p in paths if p.suffix in REFERENCING and p.is_file()]
+
+
+def broken_references(path: Path) -> list[str]:
+    """One line per reference of ``path`` to a document, anchor or section that does not exist."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError):
+        return []
+    problems = []
+    for m in REFERENCE.finditer(text):
+        name, anchor, section = m.groups()
+        dest = ROOT / name
+        where = f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0)}"
+        if dest in GENERATED and not dest.exists():
+            continue
+        if not dest.exists():
+            problems.append(f"{where}: no such file")
+        elif anchor and anchor not in anchors(dest):
+            problems.append(f"{where}: no heading with anchor #{anchor}")
+        elif section and github_slug(section) not in anchors(dest):
+            problems.append(f"{where}: no section {section!r}")
+    return problems
+
+
+def test_every_document_and_section_named_in_the_tree_exists():
+    problems = [line for path in referencing_files() for line in broken_references(path)]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_reference_checker_sees_missing_documents_and_sections(tmp_path, monkeypatch):
+    monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "guide.md").write_text("# Guide\n\n## Policy-loss variants\n")
+    guide, missing = "docs" + "/guide.md", "docs" + "/missing.md"  # not references here
+    code = tmp_path / "code.py"
+    code.write_text(
+        f'"""See {guide}, "Policy-loss variants", {guide}#guide and {guide} \'Guide\'.\n'
+        f'Not: {guide}, "Add a term"; {guide}#nowhere; {missing}."""\n'
+    )
+    problems = broken_references(code)
+    assert [p.split(": ", 2)[2] for p in problems] == [
+        "no section 'Add a term'",
+        "no heading with anchor #nowhere",
+        "no such file",
+    ]
+    assert all(p.startswith("code.py:2:") for p in problems)

@@ -34,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tools.benchmarks.common import REPO, machine, subprocess_env  # noqa: E402
+from tools.benchmarks.common import REPO, machine, portable, subprocess_env  # noqa: E402
 
 LINE = re.compile(
     r"checkpoint: saved iteration (\d+) to .* in ([\d.]+) s \((\d+) requests in flight kept, "
@@ -180,6 +180,7 @@ def main() -> None:
                 continue
             print(f"checkpoint_inflight: {name}", flush=True)
             res["shapes"][name] = measure(name, flags, opts.steps, opts.threads, Path(tmp))
+    res = portable(res)
     opts.out.mkdir(parents=True, exist_ok=True)
     (opts.out / "checkpoint_inflight.json").write_text(json.dumps(res, indent=1))
     (opts.out / "checkpoint_inflight.md").write_text(markdown(res) + "\n")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -56,6 +57,38 @@ def machine() -> dict[str, Any]:
         except ImportError:
             info[name] = "not installed"
     return info
+
+
+def replace_paths(value: Any, places: dict[str, str]) -> Any:
+    """``value`` (strings, lists, dicts of them) with each path prefix in ``places`` replaced by
+    its name (longest prefix first; a prefix ending in ``/`` matches where it stands, any other
+    only as a whole name: ``/a/b`` in ``/a/b/c`` and not in ``/a/bc``)."""
+    if isinstance(value, dict):
+        return {k: replace_paths(v, places) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [replace_paths(v, places) for v in value]
+    if not isinstance(value, str):
+        return value
+    for prefix in sorted(places, key=len, reverse=True):
+        end = "" if prefix.endswith("/") else r"(?![\w.-])"  # a whole name, not its start
+        value = re.sub(re.escape(prefix) + end, lambda _, name=places[prefix]: name, value)
+    return value
+
+
+def portable(value: Any, **named: Path | None) -> Any:
+    """A result with this machine's paths replaced so that committed results name no machine:
+    the repository's paths relative to it, the Python interpreter ``python``, the home directory
+    ``~``, the temporary directory ``$TMPDIR``, and each of ``named`` (a folder the run was given,
+    such as ``--work``) ``$NAME``."""
+    places = {
+        sys.executable: "python",
+        f"{REPO}/": "",
+        str(REPO): ".",
+        str(Path.home()): "~",
+        tempfile.gettempdir(): "$TMPDIR",
+    }
+    places.update({str(path): f"${key.upper()}" for key, path in named.items() if path})
+    return replace_paths(value, places)
 
 
 def subprocess_env(threads: int) -> dict[str, str]:
@@ -133,7 +166,7 @@ class Stopwatch:
     cpu: float = 0.0
     runq: float | None = None
 
-    def __enter__(self) -> "Stopwatch":
+    def __enter__(self) -> Stopwatch:
         self._clocks = thread_clocks()
         self._t0 = time.perf_counter()
         return self

@@ -60,7 +60,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tools.benchmarks.common import REPO, machine, subprocess_env  # noqa: E402
+from tools.benchmarks.common import REPO, machine, portable, subprocess_env  # noqa: E402
 from tools.benchmarks.distill_report import (  # noqa: E402
     copy_check,
     first_reaching,
@@ -314,6 +314,7 @@ def main() -> None:
         rl=rl,
         third_of_rl_steps=third,
     )
+    res = portable(res, work=opts.work)
     opts.out.mkdir(parents=True, exist_ok=True)
     (opts.out / f"{opts.name}.json").write_text(json.dumps(res, indent=1))
     plot(res, opts.out / f"{opts.name}.png")

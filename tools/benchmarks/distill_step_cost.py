@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "functional_tests"))
 
-from tools.benchmarks.common import REPO, machine  # noqa: E402
+from tools.benchmarks.common import REPO, machine, portable  # noqa: E402
 
 KEYS = ("train_seconds", "step_seconds", "collect_seconds")
 
@@ -93,6 +93,7 @@ def main() -> None:
         "runs": runs,
         "summary": summary,
     }
+    res = portable(res, teacher=opts.teacher)
     where = f"{res['machine']['cpu']} ({res['machine']['cores']} cores)"
     lines = [
         f"Top-k against sampled-token distillation, {started}, {where}: SmolLM2-135M, "

@@ -58,7 +58,7 @@ class LongTailLatencyArgs(AgentArgs):
     )
 
     @model_validator(mode="after")
-    def _ordered(self) -> "LongTailLatencyArgs":
+    def _ordered(self) -> LongTailLatencyArgs:
         if self.min_digits > self.max_digits:
             raise ValueError("min_digits must not exceed max_digits")
         if self.budget_min > self.budget_max:

@@ -27,7 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the test helpers: grpo_testing
 
 from tools.benchmarks.common import machine  # noqa: E402
 
@@ -42,12 +43,12 @@ RECIPE = [
 def supervised_batch(tokenizer, problems: int, pad_id: int):
     """The fixed batch: the recipe's first ``problems`` arithmetic prompts (chat template) each
     followed by a correct answer and the end of turn; the answer's tokens carry the loss."""
+    from grpo_testing.batches import build_train_batch
+
     from examples.rl.environments.arithmetic.environment import (
         ArithmeticArgs,
         ArithmeticEnvironment,
     )
-
-    from megatron.rl.grpo.batch import build_train_batch
     from megatron.rl.wire import RolloutGroup, TokenRollout
 
     env = ArithmeticEnvironment("arithmetic", ArithmeticArgs(num_problems=2000, dataset_seed=0))

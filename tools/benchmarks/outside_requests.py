@@ -41,7 +41,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tools.benchmarks.common import REPO, machine, subprocess_env  # noqa: E402
+from tools.benchmarks.common import REPO, machine, portable, subprocess_env  # noqa: E402
 from tools.benchmarks.outside_requests_report import markdown  # noqa: E402
 
 ENDPOINT = re.compile(
@@ -351,7 +351,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         result = measure(Path(tmp), opts.steps, opts.outside_slots)
-    result["machine"] = machine()
+    result = portable({**result, "machine": machine()})
     name = (
         "outside_requests"
         if opts.outside_slots is None

@@ -34,7 +34,6 @@ import asyncio
 import json
 import queue
 import re
-import statistics
 import subprocess
 import sys
 import tempfile

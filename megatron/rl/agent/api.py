@@ -72,7 +72,7 @@ class Agent(ABC):
         self.args = args if args is not None else self.Args()
 
     @classmethod
-    def create(cls, env_id: str, args: AgentArgs) -> "Agent":
+    def create(cls, env_id: str, args: AgentArgs) -> Agent:
         """The agent of an env-config entry (``agent_args`` validated into ``args``):
         ``cls(env_id, args)``. A factory may return an agent of another class (the reward-model
         and judge environments return their prompt source's environment, scored by them)."""

@@ -107,7 +107,7 @@ class OpenAIAgentArgs(AgentArgs):
     model_name: str = Field("policy", min_length=1, description="task.model.")
 
     @model_validator(mode="after")
-    def _one_source(self) -> "OpenAIAgentArgs":
+    def _one_source(self) -> OpenAIAgentArgs:
         if (self.problems is None) == (self.problems_file is None):
             raise ValueError("give exactly one of 'problems' and 'problems_file'")
         if self.problems_file is not None:

@@ -115,7 +115,7 @@ class RewardOnlyArgs(AgentArgs):
     _environment: Any = PrivateAttr(None)
 
     @model_validator(mode="after")
-    def _build_environment(self) -> "RewardOnlyArgs":
+    def _build_environment(self) -> RewardOnlyArgs:
         cls = load_class(self.env_class)
         try:
             env = cls(**self.env_args)

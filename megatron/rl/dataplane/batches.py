@@ -6,8 +6,8 @@ tags ``length`` (real input positions), ``loss_tokens`` (generated targets) and 
 (1 when the reward is > 0) and, when asked, ``masked`` (1: kept out of the loss), the padded
 width of the whole batch as attribute ``width``, then the ``advantages`` as a field written back
 to the same keys. A data-parallel rank builds its rows from the keys it names
-(``shard_batch``): the same tensors ``build_train_batch`` gives those rows, plus the global
-counts the loss is normalized by (from the tags, without fetching the other rows).
+(``shard_batch``): the padded rows of ``rows_from_samples``, plus the global counts the loss is
+normalized by (from the tags, without fetching the other rows).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from megatron.rl.grpo.batch import (
     TRAIN_FIELDS,
     GlobalCounts,
     TrainBatch,
-    batch_advantages,
     padded_width,
     rollout_sample,
     rows_from_samples,
@@ -49,13 +48,13 @@ def publish_groups(
     step: int,
     partition: str = TRAIN_PARTITION,
     *,
-    advantages: torch.Tensor | None = None,
+    advantages: torch.Tensor,
     masked: torch.Tensor | None = None,
 ) -> BatchMeta:
     """Write the rollouts of ``groups`` as the samples of ``step``, then their advantages
     (owner only); what the partition holds.
 
-    ``advantages``: (B,) the rows' advantages (default: ``batch_advantages(groups)``);
+    ``advantages``: (B,) the rows' advantages (``grpo.batch.shaped_advantages``);
     ``masked``: (B,) bool rows to keep out of the loss (truncated completions), published as
     the tag ``masked`` (absent without it) that ``KeyedCollection`` applies on every rank.
     """
@@ -72,8 +71,6 @@ def publish_groups(
     if masked is not None:
         tags["masked"] = [int(m) for m in masked.tolist()]
     plane.put(partition, step, keys, fields, tags, attrs={"width": padded_width(groups)})
-    if advantages is None:
-        advantages = batch_advantages(groups)
     plane.update(partition, keys, {"advantages": list(advantages.float().unbind())})
     return plane.meta(partition)
 

@@ -45,7 +45,7 @@ class DigitTaskArgs(AgentArgs):
     slack_tokens: int = Field(2, ge=1, le=16, description="Generation budget beyond the answer.")
 
     @model_validator(mode="after")
-    def _ordered(self) -> "DigitTaskArgs":
+    def _ordered(self) -> DigitTaskArgs:
         if self.min_digits > self.max_digits:
             raise ValueError("min_digits must not exceed max_digits")
         return self

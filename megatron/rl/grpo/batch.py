@@ -7,12 +7,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from megatron.rl.grpo.advantages import (
-    AdvantageConfig,
-    advantage_metrics,
-    advantages,
-    group_advantages,
-)
+from megatron.rl.grpo.advantages.compute import AdvantageConfig, advantage_metrics, advantages
 from megatron.rl.grpo.overlong import OverlongConfig, shape_rewards
 from megatron.rl.wire import RolloutGroup, TokenRollout
 
@@ -104,11 +99,11 @@ class TrainBatch:
             return int(self.lengths.sum())
         return self.global_counts.trained_tokens
 
-    def as_shard(self, counts: GlobalCounts) -> "TrainBatch":
+    def as_shard(self, counts: GlobalCounts) -> TrainBatch:
         """These rows as a data-parallel shard of a global batch with ``counts``."""
         return replace(self, global_counts=counts)
 
-    def rows(self, start: int, stop: int, trim: bool = True) -> "TrainBatch":
+    def rows(self, start: int, stop: int, trim: bool = True) -> TrainBatch:
         """Rows [start, stop), trimmed to their own longest sequence (or, without ``trim``, at
         the batch's full width)."""
         width = self.input_ids.shape[1]
@@ -125,7 +120,7 @@ class TrainBatch:
             routed_experts=_rows_of(self.routed_experts, slice(start, stop), width),
         )
 
-    def select(self, rows: torch.Tensor) -> "TrainBatch":
+    def select(self, rows: torch.Tensor) -> TrainBatch:
         """The rows of index tensor ``rows`` (in that order), at the batch's full width."""
         return TrainBatch(
             input_ids=self.input_ids[rows],
@@ -165,7 +160,7 @@ TRAIN_FIELDS = (
 
 
 def rollout_sample(rollout: TokenRollout) -> dict[str, torch.Tensor]:
-    """One rollout as unpadded per-sample tensors, aligned with ``build_train_batch``'s rows.
+    """One rollout as unpadded per-sample tensors, aligned with ``rows_from_samples``' rows.
 
     ``tokens`` (n + 1,) int64 is the trajectory (inputs ``[:-1]``, targets ``[1:]``), or empty for
     a row that carries nothing (a placeholder, fewer than two tokens); ``loss_mask`` (n,) bool
@@ -202,12 +197,10 @@ def padded_width(groups: list[RolloutGroup]) -> int:
 
 
 def batch_advantages(
-    groups: list[RolloutGroup],
-    config: AdvantageConfig | None = None,
-    rewards: torch.Tensor | None = None,
+    groups: list[RolloutGroup], config: AdvantageConfig, rewards: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """(B,) float32 advantages of the rollouts in (group, rollout) order, normalized per group
-    (``config``: another baseline or scale, ``megatron/rl/grpo/advantages.py``; None: GRPO's).
+    """(B,) float32 advantages of the rollouts in (group, rollout) order under ``config``'s
+    estimator and scale (``megatron/rl/grpo/advantages``).
 
     ``rewards``: (B,) rewards to use instead of the rollouts' own (shaped ones). Placeholder
     rollouts (environment errors) do not enter group statistics and get 0.
@@ -221,8 +214,6 @@ def batch_advantages(
         rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float64)
     rewards = rewards.view(-1, k)
     valid = torch.tensor([not r.is_placeholder for r in rollouts]).view(-1, k)
-    if config is None:
-        return group_advantages(rewards, valid).view(-1)  # (B,)
     return advantages(rewards, valid, config).view(-1)  # (B,)
 
 
@@ -304,16 +295,3 @@ def padded_routes(
         if len(r):
             out[b, : len(t) - 1] = r.view(len(t) - 1, -1)
     return out
-
-
-def build_train_batch(groups: list[RolloutGroup], pad_id: int) -> TrainBatch:
-    """Advantages per group, then one padded row per rollout in (group, rollout) order.
-
-    Placeholder rollouts (environment errors) stay as rows so that batch shapes and data-parallel
-    shards do not depend on failures, but they carry no loss and do not enter group statistics.
-    """
-    advantages = batch_advantages(groups)
-    samples = [rollout_sample(r) for g in groups for r in g.rollouts]
-    fields = {name: [s[name] for s in samples] for name in SAMPLE_FIELDS}
-    fields["advantages"] = list(advantages.unbind())
-    return rows_from_samples(fields, pad_id, padded_width(groups))

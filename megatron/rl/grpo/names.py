@@ -1,9 +1,10 @@
 """The names of the GRPO library's modes, torch-free: the trainer's flags offer exactly these.
 
-``aggregation.py``, ``importance.py`` and ``advantages.py`` (which import torch) check their
-configs against these tuples, and ``megatron/trainer/flags`` takes its choices and defaults from
-them, so ``--help`` lists the library's own names without loading torch. The policy-loss variants
-are named by their modules instead (``policy_loss.policy_losses``).
+``aggregation.py``, ``importance.py`` and ``advantages/compute.py`` (which import torch) check
+their configs against these tuples, and ``megatron/trainer/flags`` takes its choices and defaults
+from them, so ``--help`` lists the library's own names without loading torch. The policy-loss
+variants and the advantage estimators are named by their modules instead
+(``policy_loss.policy_losses``, ``advantages.estimators``).
 """
 
 from __future__ import annotations
@@ -19,9 +20,6 @@ IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
 DEFAULT_IS_MODE = IS_MODES[0]
 """``token_truncate``: token-level truncated importance sampling (TIS)."""
 
-ESTIMATORS = ("grpo", "rloo")
-"""The advantages' baselines (``advantages.py``, ``--adv-estimator``): the group mean, or the
-mean of the group's other rollouts."""
 SCALES = ("group", "batch", "none")
-"""What the centered rewards are divided by (``advantages.py``, ``--scale-rewards``): the group's
-reward std, the batch's, nothing."""
+"""What the centered rewards are divided by (``advantages/compute.py``, ``--scale-rewards``): the
+group's reward std, the batch's, nothing."""

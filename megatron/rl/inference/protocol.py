@@ -186,7 +186,7 @@ class EngineCounters:
         self.steps, self.rows = self.steps + 1, self.rows + rows
         self.step_seconds += seconds
 
-    def __sub__(self, earlier: "EngineCounters") -> "EngineCounters":
+    def __sub__(self, earlier: EngineCounters) -> EngineCounters:
         return EngineCounters(
             self.generated_tokens - earlier.generated_tokens,
             self.steps - earlier.steps,

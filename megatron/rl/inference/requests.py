@@ -147,7 +147,7 @@ class Request:
             return None
         return torch.cat(self.routes).tolist()
 
-    def __lt__(self, other: "Request") -> bool:
+    def __lt__(self, other: Request) -> bool:
         return self.order < other.order
 
     def next_row(self) -> RowWork:

@@ -372,11 +372,6 @@ def base_fingerprint(model: torch.nn.Module) -> str:
     return digest.hexdigest()[:16]
 
 
-def trainable_parameters(model: torch.nn.Module) -> int:
-    """Parameters with a gradient on this rank (the adapters, in a LoRA model)."""
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
-
-
 def store_frozen_linear_weights(model: torch.nn.Module, dtype: torch.dtype | None = None) -> int:
     """Store the frozen weights of ``model``'s linear layers for products ``x @ W^T``: as the
     contiguous (in, out) transpose (the parameter stays the (out, in) view of it), and in

@@ -117,7 +117,7 @@ class SDPASpecProvider(LocalSpecProvider):
         return super().layer_norm(rms_norm=False, for_qk=for_qk)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def transformer_engine_importable() -> bool:
     """Whether Transformer Engine's PyTorch package imports here (any import error: no)."""
     try:

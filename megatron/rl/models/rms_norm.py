@@ -40,7 +40,7 @@ class RMSNorm(torch.nn.RMSNorm):
         return rms_norm(self, x)
 
     @classmethod
-    def holding(cls, norm: torch.nn.RMSNorm) -> "RMSNorm":
+    def holding(cls, norm: torch.nn.RMSNorm) -> RMSNorm:
         """An ``RMSNorm`` with ``norm``'s shape and epsilon holding ``norm``'s weight parameter
         itself (not a copy)."""
         ours = cls(norm.normalized_shape, norm.eps, elementwise_affine=False)

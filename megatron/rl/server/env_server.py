@@ -55,8 +55,11 @@ from megatron.rl.auth import (
 )
 from megatron.rl.http_client import ClientPool, RetryPolicy
 from megatron.rl.inference.remote import RemoteInferenceInterface
-from megatron.rl.rollout.faults import INFRASTRUCTURE_ERRORS, FaultLog
-from megatron.rl.rollout.faults import run_group as faults_run_group
+from megatron.rl.rollout.faults import (
+    INFRASTRUCTURE_ERRORS,
+    FaultLog,
+    run_group as faults_run_group,
+)
 from megatron.rl.server.http import ERROR_RESPONSES, install_error_handlers
 from megatron.rl.server.limits import BodyLimit
 from megatron.rl.wire import (

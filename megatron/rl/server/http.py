@@ -80,7 +80,7 @@ class EmbeddedServer(uvicorn.Server):
         yield
 
     @classmethod
-    async def start(cls, app: FastAPI, host: str, port: int) -> "EmbeddedServer":
+    async def start(cls, app: FastAPI, host: str, port: int) -> EmbeddedServer:
         """Bind ``host:port`` and start serving ``app`` in the current loop."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         # proto must be IPPROTO_TCP: asyncio only sets TCP_NODELAY on accepted sockets whose

@@ -162,7 +162,7 @@ async def run_python(
             out, err, code_rc = await asyncio.wait_for(
                 _communicate(process, code.encode(), max_output), timeout_s
             )
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise ToolError(f"timed out after {timeout_s:g} s") from None
         finally:
             if process.returncode is None:

@@ -46,7 +46,7 @@ async def _calculator(expression: str) -> str:
     work = asyncio.to_thread(_evaluate, str(expression))
     try:
         return await asyncio.wait_for(work, CALCULATOR_TIMEOUT_S)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise ToolError(f"timed out after {CALCULATOR_TIMEOUT_S:g} s") from None
 
 

@@ -155,7 +155,7 @@ class ChatCompletionRequest(WireModel):
         return value
 
     @model_validator(mode="after")
-    def _consistent(self) -> "ChatCompletionRequest":
+    def _consistent(self) -> ChatCompletionRequest:
         check_chat_messages(self.messages)
         names = [tool.function.name for tool in self.tools or ()]
         if len(set(names)) != len(names):
@@ -226,9 +226,7 @@ class ChatCompletionRequest(WireModel):
         )
 
     @classmethod
-    def from_inference_request(
-        cls, request: InferenceRequest, n: int = 1
-    ) -> "ChatCompletionRequest":
+    def from_inference_request(cls, request: InferenceRequest, n: int = 1) -> ChatCompletionRequest:
         """The chat completion call that serves ``request`` (``n`` samples), with logprobs; its
         tools are rendered but not parsed (``tool_choice`` none): the answer is the raw text."""
         if request.messages is None:

@@ -112,7 +112,7 @@ class CompletionRequest(WireModel):
     )
 
     @model_validator(mode="after")
-    def _extensions_consistent(self) -> "CompletionRequest":
+    def _extensions_consistent(self) -> CompletionRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("exactly one of 'prompt' and 'messages' must be given")
         if self.prompt is not None and not self.prompt:
@@ -182,7 +182,7 @@ class CompletionRequest(WireModel):
         )
 
     @classmethod
-    def from_inference_request(cls, request: InferenceRequest, n: int = 1) -> "CompletionRequest":
+    def from_inference_request(cls, request: InferenceRequest, n: int = 1) -> CompletionRequest:
         """The completion call that serves ``request`` (``n`` samples) remotely, with its tokens'
         logprobs (every extension the request uses carried: remote == in process)."""
         s = request.sampling
@@ -298,7 +298,7 @@ class CompletionUsage(WireModel):
     total_tokens: int
 
     @classmethod
-    def of(cls, outs: list[InferenceResponse]) -> "CompletionUsage":
+    def of(cls, outs: list[InferenceResponse]) -> CompletionUsage:
         """OpenAI's ``usage`` of the ``n`` samples of one prompt: the prompt counted once, the
         completions summed."""
         prompt_tokens = len(outs[0].prompt_tokens)

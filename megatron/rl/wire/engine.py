@@ -123,7 +123,7 @@ class InferenceRequest(WireModel):
     )
 
     @model_validator(mode="after")
-    def _exactly_one_prompt(self) -> "InferenceRequest":
+    def _exactly_one_prompt(self) -> InferenceRequest:
         given = [self.prompt, self.prompt_tokens, self.messages]
         if sum(form is not None for form in given) != 1:
             raise ValueError(
@@ -181,7 +181,7 @@ class InferenceResponse(WireModel):
     )
 
     @model_validator(mode="after")
-    def _routes_cover_fed_positions(self) -> "InferenceResponse":
+    def _routes_cover_fed_positions(self) -> InferenceResponse:
         fed = len(self.prompt_tokens) + len(self.tokens) - 1
         check_routes(self.routed_experts, fed, "routed_experts", "fed position")
         if self.top_logprobs is not None and len(self.top_logprobs) != len(self.tokens):
@@ -202,7 +202,7 @@ class ScoreRequest(WireModel):
     top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS, description="Alternatives per token.")
 
     @model_validator(mode="after")
-    def _one_prompt(self) -> "ScoreRequest":
+    def _one_prompt(self) -> ScoreRequest:
         if (self.prompt is None) == (self.prompt_tokens is None):
             raise ValueError("exactly one of 'prompt' and 'prompt_tokens' must be given")
         if not (self.prompt or self.prompt_tokens):

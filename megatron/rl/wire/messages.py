@@ -58,7 +58,7 @@ class ChatMessage(WireModel):
         return data
 
     @model_validator(mode="after")
-    def _roles(self) -> "ChatMessage":
+    def _roles(self) -> ChatMessage:
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError(f"'tool_calls' belongs to assistant messages, not {self.role!r}")
         if self.tool_call_id is not None and self.role != "tool":

@@ -32,7 +32,7 @@ class GroupedRolloutRequest(WireModel):
     )
 
     @model_validator(mode="after")
-    def _index_in_range(self) -> "GroupedRolloutRequest":
+    def _index_in_range(self) -> GroupedRolloutRequest:
         if self.index_in_batch >= self.groups_in_batch:
             raise ValueError("'index_in_batch' must be smaller than 'groups_in_batch'")
         return self
@@ -111,7 +111,7 @@ class TokenRollout(Rollout):
     )
 
     @model_validator(mode="after")
-    def _consistent_lengths(self) -> "TokenRollout":
+    def _consistent_lengths(self) -> TokenRollout:
         if len(self.generation_mask) != len(self.tokens):
             raise ValueError("'generation_mask' must have one entry per token")
         generated = sum(self.generation_mask)

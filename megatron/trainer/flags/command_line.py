@@ -14,8 +14,7 @@ import argparse
 import difflib
 
 from megatron.trainer.flags.megatron_lm import MEGATRON_LM_RL_FLAGS
-from megatron.trainer.flags.megatron_lm_common import BY_FLAG as COMMON
-from megatron.trainer.flags.megatron_lm_common import CommonFlag
+from megatron.trainer.flags.megatron_lm_common import BY_FLAG as COMMON, CommonFlag
 
 REFUSED_RL = {e.flag: e for e in MEGATRON_LM_RL_FLAGS if e.status == "refused"}
 

@@ -11,7 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from megatron.rl.grpo.names import ESTIMATORS, SCALES
+from megatron.rl.grpo.advantages import DEFAULT_ESTIMATOR, estimators, estimators_help
+from megatron.rl.grpo.names import SCALES
 from megatron.trainer.flags.option import Option, Section, option
 from megatron.trainer.flags.policy_loss import PolicyLossOptions, optional_float
 
@@ -130,20 +131,17 @@ class GRPOCore(Section):
 class GRPO(PolicyLossOptions, GRPOCore):
     """The algorithm: groups, the policy loss, additive loss terms and their corrections, the
     advantages. The options, in ``--help`` order: ``GRPOCore``'s, ``PolicyLossOptions``', then
-    the advantages and reward shaping (``megatron/rl/grpo/advantages.py``, ``overlong.py``)."""
+    the advantages and reward shaping (``megatron/rl/grpo/advantages/``, ``overlong.py``)."""
 
     title = "GRPO"
     prefix = "grpo-"
 
     adv_estimator: str = option(
-        "grpo",
-        "The advantage's baseline: 'grpo', the group's mean reward; 'rloo', REINFORCE "
-        "leave-one-out (Ahmadian et al. 2024), the mean of the group's other rollouts, "
-        "A_i = r_i - sum_{j != i} r_j / (G - 1), then divided as --scale-rewards says ('none' "
-        "for RLOO as published).",
+        DEFAULT_ESTIMATOR,
+        f"The advantage's baseline: {estimators_help()}; then divided as --scale-rewards says.",
         flag="--adv-estimator",
         aliases=("--advantage-estimator",),
-        choices=ESTIMATORS,
+        choices=estimators(),
         spellings=(
             "verl: algorithm.adv_estimator",
             "NeMo-RL: grpo.use_leave_one_out_baseline",

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterator
+from typing import Any, ClassVar
 
 NO_VALUE = object()
 """``megatron_lm_default`` of an option whose Megatron-LM default is ours (or that it lacks)."""

@@ -7,10 +7,11 @@ exports and output paths.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 from megatron.trainer.flags.distill import distill_problems
 from megatron.trainer.flags.lora import resolve_lora

@@ -10,9 +10,10 @@ the parsed values and returns every problem, each naming its flags. Nothing writ
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from megatron.trainer.flags.distill import Distillation
 from megatron.trainer.flags.evaluation import Evaluation

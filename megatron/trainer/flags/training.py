@@ -258,7 +258,7 @@ class Training(Section):
         "to the OS when freed (glibc mallopt M_MMAP_THRESHOLD, set at start-up; ignored by other "
         "C libraries). Peak memory follows what is live instead of what the heap once held "
         "(25M-parameter model: -280 MiB with 1024) but freed blocks are mapped again (+20-30% "
-        "step time; docs/user_guide.md 'CPU memory'). Default: glibc's own threshold, which "
+        "step time; docs/user_guide.md 'CPU memory and precision'). Default: glibc's own threshold, which "
         "rises to 32 MiB.",
         parse=int,
     )

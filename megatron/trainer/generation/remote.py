@@ -121,7 +121,7 @@ class RemoteRollouts:
             failure = exc
         raise_agreed_failure(failure)
 
-    def __enter__(self) -> "RemoteRollouts":
+    def __enter__(self) -> RemoteRollouts:
         return self
 
     def __exit__(self, *exc_info) -> None:

@@ -219,7 +219,7 @@ class RolloutSource:
         await self.agent.astart()
         self.generator.start()
 
-    def __enter__(self) -> "RolloutSource":
+    def __enter__(self) -> RolloutSource:
         return self
 
     def __exit__(self, *exc_info) -> None:

@@ -243,19 +243,6 @@ def data_parallel_micro_batches(
     ]
 
 
-def policy_logprobs(
-    model: torch.nn.Module,
-    micro_batch: TrainBatch,
-    vocab_size: int,
-    ctx: ParallelContext,
-    packing_capacity: int | None = None,
-    with_entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(b, t) logprobs of the targets (and (b, t) entropies) under ``model``: ``policy_outputs``."""
-    out = policy_outputs(model, micro_batch, vocab_size, ctx, packing_capacity, with_entropy)
-    return out.logprobs, out.entropy
-
-
 def policy_outputs(
     model: torch.nn.Module,
     micro_batch: TrainBatch,

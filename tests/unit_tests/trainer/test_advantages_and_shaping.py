@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from grpo_testing.batches import GRPO
 from grpo_testing.rollouts import synthetic_groups
 
 from megatron.rl.dataplane import KeyedDataPlane
 from megatron.rl.dataplane.batches import publish_groups
-from megatron.rl.grpo.advantages import AdvantageConfig
+from megatron.rl.grpo.advantages.compute import AdvantageConfig
 from megatron.rl.grpo.batch import batch_advantages
 from megatron.rl.grpo.overlong import OverlongConfig
 from megatron.rl.rollout.generator import RolloutBatch
@@ -34,7 +35,10 @@ def test_defaults_are_grpo_with_the_group_scale_and_no_shaping():
     cfg = resolved()
     assert config.advantage_config(cfg) == AdvantageConfig("grpo", "group")
     assert config.overlong_config(cfg) is None
-    assert advantages_of(cfg, synthetic_groups(2, 4, vocab=50)) is None  # publish computes GRPO's
+    groups = synthetic_groups(2, 4, vocab=50)
+    shaped = advantages_of(cfg, groups)
+    assert torch.equal(shaped.advantages, batch_advantages(groups, GRPO))
+    assert shaped.masked is None and shaped.metrics == {}  # the default run logs no advantages_*
 
 
 @pytest.mark.parametrize(
@@ -185,7 +189,9 @@ def test_a_truncated_completion_is_fully_masked_on_every_rank_and_leaves_the_res
     assert shaped.masked.tolist() == [False, True] + [False] * 6
     assert shaped.metrics["truncated_masked_rollouts"] == 1
     assert shaped.metrics["truncated_fraction"] == 1 / 8
-    assert torch.equal(shaped.advantages, batch_advantages(groups))  # no penalty, same baseline
+    assert torch.equal(
+        shaped.advantages, batch_advantages(groups, GRPO)
+    )  # no penalty, same baseline
 
     def collection(masked):
         plane = KeyedDataPlane(0, 1, torch.device("cpu"))

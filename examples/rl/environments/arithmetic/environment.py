@@ -86,7 +86,7 @@ class ArithmeticArgs(AgentArgs):
         return value
 
     @model_validator(mode="after")
-    def _enough_questions(self) -> "ArithmeticArgs":
+    def _enough_questions(self) -> ArithmeticArgs:
         available = capacity(self.operations, self.max_operand, self.max_factor)
         if self.num_problems > available:
             raise ValueError(

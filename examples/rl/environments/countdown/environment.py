@@ -71,7 +71,7 @@ class CountdownArgs(AgentArgs):
         return value
 
     @model_validator(mode="after")
-    def _ordered(self) -> "CountdownArgs":
+    def _ordered(self) -> CountdownArgs:
         for low, high in (("min_numbers", "max_numbers"), ("min_value", "max_value")):
             if getattr(self, low) > getattr(self, high):
                 raise ValueError(f"{low} must not exceed {high}")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Union
 
 OPERATORS = "+-*/"
 MAX_NESTING = 32
@@ -41,11 +40,11 @@ class BinaryOp:
     """``left op right`` with ``op`` one of ``+ - * /``."""
 
     op: str
-    left: "Node"
-    right: "Node"
+    left: Node
+    right: Node
 
 
-Node = Union[Number, BinaryOp]
+Node = Number | BinaryOp
 
 
 def tokenize(text: str) -> list[str]:

@@ -47,7 +47,7 @@ class GuessArgs(MultiTurnArgs):
     )
 
     @model_validator(mode="after")
-    def _ordered(self) -> "GuessArgs":
+    def _ordered(self) -> GuessArgs:
         if self.low > self.high:
             raise ValueError("low must not exceed high")
         if len(str(self.high)) > self.guess_tokens:

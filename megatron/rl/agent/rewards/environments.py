@@ -69,7 +69,7 @@ class PromptSource(BaseModel):
     _source: SingleTurnEnvironment | None = PrivateAttr(None)
 
     @model_validator(mode="after")
-    def _build_source(self) -> "PromptSource":
+    def _build_source(self) -> PromptSource:
         if (self.prompts is None) == (self.task is None):
             raise ValueError(
                 "give exactly one of 'prompts' (agent_args of agent_type prompts: a JSONL file) "

@@ -146,7 +146,7 @@ class JudgeArgs(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _system_for_chat(self) -> "JudgeArgs":
+    def _system_for_chat(self) -> JudgeArgs:
         if self.system_prompt is not None and self.api != "chat":
             raise ValueError("system_prompt needs api: chat")
         return self

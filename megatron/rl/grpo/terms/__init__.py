@@ -3,7 +3,7 @@
 A term is a ``LossTerm`` subclass in a module of this package; ``loss_terms()`` finds every one.
 The trainer declares each term's flag from the class (``flag``, ``help``), builds it when its
 weight is not 0, and reports its metric by ``name``: adding a term means adding its module and its
-test, nothing else (see docs/architecture.md, "Add a loss term").
+test, nothing else (see docs/architecture.md, "Where to make the common changes").
 """
 
 from __future__ import annotations

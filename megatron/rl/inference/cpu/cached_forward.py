@@ -132,7 +132,7 @@ class CachedForward:
     @classmethod
     def of(
         cls, model: torch.nn.Module, tp_group=None, compute_dtype: torch.dtype | None = None
-    ) -> "CachedForward | None":
+    ) -> CachedForward | None:
         """The plain program of ``model``, or None where it would not compute the same values.
 
         ``compute_dtype`` (bfloat16 for ``--bf16``): the products run in it under
@@ -199,7 +199,7 @@ class CachedForward:
             up = self.activation(up)
         return self._residual(self._row_parallel(layer, "linear_fc2", up), hidden)
 
-    def _qkv(self, layer: PlainLayer, x: torch.Tensor, rotary: "_Rotary | None"):
+    def _qkv(self, layer: PlainLayer, x: torch.Tensor, rotary: _Rotary | None):
         """megatron-core's fused QKV projection split per query group, then the q/k norms and
         the rotary embedding: (N, 1, heads, d), (N, 1, groups, d) twice.
 
@@ -268,7 +268,7 @@ class _Rotary:
     sin_signed: torch.Tensor  # (N, d_rot): sin with its first half negated
 
     @classmethod
-    def of(cls, angles: torch.Tensor, dtype: torch.dtype) -> "_Rotary":
+    def of(cls, angles: torch.Tensor, dtype: torch.dtype) -> _Rotary:
         """The table for angles (N, d_rot), in the activations' dtype."""
         sin = torch.sin(angles)
         half = angles.shape[-1] // 2

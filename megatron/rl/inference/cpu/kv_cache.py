@@ -79,7 +79,7 @@ class KVCache:
     @contextlib.contextmanager
     def step(
         self, slots: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor
-    ) -> Iterator["KVCacheStep"]:
+    ) -> Iterator[KVCacheStep]:
         """Make a forward pass over rows ``slots`` write and read this cache.
 
         Row b of the input holds ``lengths[b]`` new tokens at positions

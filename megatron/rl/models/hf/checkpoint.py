@@ -374,7 +374,7 @@ def _write_weights(out: Path, tensors: dict[str, torch.Tensor], max_shard_bytes:
     _write_json(out / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
-def load_hf_tokenizer(directory: str | Path, hf: HFModelConfig) -> "HuggingFaceTokenizer":
+def load_hf_tokenizer(directory: str | Path, hf: HFModelConfig) -> HuggingFaceTokenizer:
     """``HuggingFaceTokenizer`` of ``directory``, refused if it has more tokens than ``hf`` rows."""
     from megatron.rl.models.hf.tokenizer import HuggingFaceTokenizer
 

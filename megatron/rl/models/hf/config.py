@@ -29,9 +29,10 @@ What differs between families (the list above) is each family's ``HFFamily`` ent
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from megatron.rl.models.architecture import GPTArchitecture, RopeScaling
 from megatron.rl.models.hf.errors import HFCheckpointError

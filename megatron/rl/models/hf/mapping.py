@@ -88,25 +88,6 @@ class TensorSource(Protocol):
         ...
 
 
-class DictSource:
-    """A ``TensorSource`` over in-memory tensors."""
-
-    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        self.tensors = tensors
-
-    def shape(self, name: str) -> tuple[int, ...] | None:
-        """The shape of ``name`` or None."""
-        t = self.tensors.get(name)
-        return None if t is None else tuple(t.shape)
-
-    def read(
-        self, name: str, dim: int = 0, start: int = 0, stop: int | None = None
-    ) -> torch.Tensor:
-        """A slice of ``name`` along ``dim``."""
-        stop = self.tensors[name].shape[dim] if stop is None else stop
-        return self.tensors[name].narrow(dim, start, stop - start)
-
-
 def hf_tensor_shapes(
     arch: GPTArchitecture, vocab_size: int, family: str | None = None
 ) -> dict[str, tuple[int, ...]]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.trainer.flags.parse import build_parser, check
+from megatron.trainer.flags.parse import check
 
 ROOT = Path(__file__).resolve().parents[4]
 CONFIGS = ROOT / "examples/rl/model_configs"

@@ -1,5 +1,5 @@
-"""Hand-computed values of ``group_advantages`` (GRPO group normalization, sample std) and of
-``advantages``: the RLOO baseline and the batch and no scale."""
+"""Hand-computed values of ``advantages/compute.advantages``: GRPO's group normalization (sample
+std), the RLOO baseline, the batch and no scale; the configs it refuses and its metrics."""
 
 from __future__ import annotations
 
@@ -8,12 +8,15 @@ import math
 import pytest
 import torch
 
-from megatron.rl.grpo.advantages import (
-    AdvantageConfig,
-    advantage_metrics,
-    advantages,
-    group_advantages,
-)
+from megatron.rl.grpo.advantages.compute import AdvantageConfig, advantage_metrics, advantages
+
+GRPO = AdvantageConfig("grpo", "group")
+
+
+def group_advantages(rewards: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """GRPO's advantages (the group mean over the group's std)."""
+    return advantages(rewards, valid, GRPO)
+
 
 S3 = math.sqrt(3) / 2  # (1 - 0.5) / sqrt(1/3): z-score of a 0/1 reward in a half-right group of 4
 
@@ -191,11 +194,23 @@ def test_estimators_and_scales_hand_computed(estimator, scale, rewards, valid, e
     torch.testing.assert_close(adv, torch.tensor(expected), atol=1e-5, rtol=1e-5)
 
 
-def test_grpo_with_the_group_scale_is_group_advantages_bit_for_bit():
+def published_grpo(rewards: torch.Tensor, valid: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO's advantages written out as the golden values were made: float64 group statistics,
+    float32 result."""
+    rewards, w = rewards.double(), valid.double()
+    rewards = torch.where(valid, rewards, torch.zeros_like(rewards))
+    count = w.sum(dim=1, keepdim=True)
+    mean = (rewards * w).sum(dim=1, keepdim=True) / count.clamp(min=1)
+    centered = (rewards - mean) * w
+    var = (centered**2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)
+    adv = centered / (var.sqrt() + eps)
+    return torch.where(count > 1, adv, torch.zeros_like(adv)).float()
+
+
+def test_grpo_with_the_group_scale_is_the_published_formula_bit_for_bit():
     rewards = torch.rand(5, 8, generator=torch.Generator().manual_seed(0))
     valid = torch.rand(5, 8, generator=torch.Generator().manual_seed(1)) > 0.2
-    got = advantages(rewards, valid, AdvantageConfig("grpo", "group"))
-    assert torch.equal(got, group_advantages(rewards, valid))
+    assert torch.equal(advantages(rewards, valid, GRPO), published_grpo(rewards, valid))
 
 
 def test_rloo_is_the_group_mean_difference_times_k_over_k_minus_1():

@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
+from grpo_testing.batches import build_train_batch
 
-from megatron.rl.grpo.batch import build_train_batch
 from megatron.rl.wire import RolloutGroup, TokenRollout
 
 PAD = 0

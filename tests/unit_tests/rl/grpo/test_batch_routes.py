@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from grpo_testing.batches import GRPO, build_train_batch
 from test_batch import group, placeholder, rollout
 
 from megatron.rl.dataplane import make_data_plane
 from megatron.rl.dataplane.batches import publish_groups, shard_batch
-from megatron.rl.grpo.batch import build_train_batch
+from megatron.rl.grpo.batch import batch_advantages
 from megatron.rl.grpo.packing import pack_sequences
 from megatron.trainer.train.forward import model_inputs
 
@@ -71,13 +72,14 @@ def test_packed_inputs_carry_the_routes_to_the_packed_tokens():
 def test_routes_travel_through_the_data_plane():
     groups = [group(0, [routed([1, 2], [3, 4], 5), rollout([1], [2, 3, 4], 0.0)])]
     plane = make_data_plane("in-process", 0, 1, torch.device("cpu"))
-    meta = publish_groups(plane, groups, step=0)
+    meta = publish_groups(plane, groups, step=0, advantages=batch_advantages(groups, GRPO))
     shard = shard_batch(plane, meta, rows=[0, 1], mine=[0, 1], pad_id=0)
     assert torch.equal(shard.routed_experts, build_train_batch(groups, 0).routed_experts)
 
 
 def test_a_batch_without_records_publishes_no_routes_field():
     plane = make_data_plane("in-process", 0, 1, torch.device("cpu"))
-    meta = publish_groups(plane, [group(0, [rollout([1], [2, 3], 1.0)])], step=0)
+    groups = [group(0, [rollout([1], [2, 3], 1.0)])]
+    meta = publish_groups(plane, groups, step=0, advantages=batch_advantages(groups, GRPO))
     assert "routed_experts" not in meta.fields and "inference_logprobs" in meta.fields
     assert shard_batch(plane, meta, rows=[0], mine=[0], pad_id=0).routed_experts is None

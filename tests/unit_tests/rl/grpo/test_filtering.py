@@ -85,7 +85,7 @@ def test_a_short_batch_trains_on_the_groups_that_remain_and_masks_the_rest(round
 
 
 def test_masked_groups_carry_no_loss_and_the_mean_is_over_kept_tokens():
-    from megatron.rl.grpo.batch import build_train_batch
+    from grpo_testing.batches import build_train_batch
 
     groups = [group(0, 0, 1), group(1, 1, 1)]
     out = select_groups(groups, DynamicSamplingConfig(2, 1))

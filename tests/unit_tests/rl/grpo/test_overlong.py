@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from megatron.rl.grpo.advantages import AdvantageConfig
+from megatron.rl.grpo.advantages.compute import AdvantageConfig
 from megatron.rl.grpo.batch import batch_advantages, shaped_advantages
 from megatron.rl.grpo.overlong import (
     CompletionLength,
@@ -153,7 +153,7 @@ def test_lengths_break_a_tie_of_equal_rewards():
             rollout(14, max_tokens=16, turn_lengths=[14], truncated=False),
         ],
     )
-    assert batch_advantages([tied]).tolist() == [0.0, 0.0]
+    assert batch_advantages([tied], AdvantageConfig("grpo", "group")).tolist() == [0.0, 0.0]
     shaped = shaped_advantages([tied], AdvantageConfig("grpo", "group"), CONFIG)
     torch.testing.assert_close(shaped.advantages, torch.tensor([1.0, -1.0]) / math.sqrt(2))
     same = RolloutGroup(batch_id=0, index_in_batch=0, rollouts=[tied.rollouts[1]] * 2)

@@ -1,16 +1,19 @@
 """Every flag whose values name a library mode offers exactly the library's names: each choice
 builds the library's config (or loads its variant), and each library name is a choice. The flags
 import the names from torch-free library modules (``megatron/rl/grpo/names.py``, the
-``policy_loss`` package's scan), so a choice typed into a flag alone fails here."""
+``policy_loss`` and ``advantages`` packages' scans), so a choice typed into a flag alone fails here.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from megatron.rl.grpo import names
-from megatron.rl.grpo.advantages import AdvantageConfig
+from megatron.rl.grpo.advantages import estimators
+from megatron.rl.grpo.advantages.compute import AdvantageConfig
 from megatron.rl.grpo.aggregation import LossAggregation
 from megatron.rl.grpo.importance import ImportanceConfig
 from megatron.rl.grpo.loss import GRPOLossConfig
@@ -27,7 +30,7 @@ LIBRARY_NAMES: list[tuple[str, tuple[str, ...], Callable[[str], Any]]] = [
     ),
     ("--loss-agg-mode", names.AGG_MODES, lambda v: LossAggregation(v, 4.0)),
     ("--rl-importance-sampling-mode", names.IS_MODES, lambda v: ImportanceConfig(2.0, v, 0.5)),
-    ("--adv-estimator", names.ESTIMATORS, lambda v: AdvantageConfig(estimator=v, scale="group")),
+    ("--adv-estimator", estimators(), lambda v: AdvantageConfig(estimator=v, scale="group")),
     ("--scale-rewards", names.SCALES, lambda v: AdvantageConfig(estimator="grpo", scale=v)),
 ]
 

@@ -60,7 +60,6 @@ def test_a_file_that_is_not_a_mapping_of_flags_is_one_message(tmp_path, text):
 
 
 def test_the_resolved_flags_parse_back_to_the_same_flags(tmp_path):
-    parser = build_parser()
     args = parse_args(
         [
             "--rl-forced-lag",

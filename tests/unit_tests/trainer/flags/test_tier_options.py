@@ -7,9 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
-
-from megatron.trainer.flags.parse import build_parser, check
+from megatron.trainer.flags.parse import check
 
 
 def errors_for(argv: list[str], world_size: int = 1, cuda: bool = False) -> list[str]:

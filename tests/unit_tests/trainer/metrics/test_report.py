@@ -10,7 +10,7 @@ import pytest
 from megatron.rl.agent.env_config import build_agents
 from megatron.rl.tokenizer import CharTokenizer
 from megatron.trainer.config import model_build
-from megatron.trainer.flags.parse import build_parser, check
+from megatron.trainer.flags.parse import check
 from megatron.trainer.generation.rollouts import endpoint_line
 from megatron.trainer.metrics import report
 from megatron.trainer.metrics.log_line import format_duration, format_log_line

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from grpo_testing.batches import build_train_batch
 from grpo_testing.rollouts import synthetic_groups
 from grpo_testing.trainer import grpo_update, one_rank_context
 from megatron.core import parallel_state
 from safetensors.torch import load_file
 
-from megatron.rl.grpo.batch import build_train_batch
 from megatron.trainer import config
 from megatron.trainer.checkpoint.directory import TrainState
 from megatron.trainer.config import model_build, tier_config

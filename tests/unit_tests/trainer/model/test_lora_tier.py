@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from grpo_testing.batches import build_train_batch
 from grpo_testing.models import VOCAB, tiny_args
 from grpo_testing.rollouts import synthetic_groups
 from grpo_testing.trainer import one_rank_context
 from megatron.core import parallel_state
 
-from megatron.rl.grpo.batch import TrainBatch, build_train_batch
+from megatron.rl.grpo.batch import TrainBatch
 from megatron.rl.rollout.generator import PipelineState
 from megatron.trainer.checkpoint import directory as checkpointing
 from megatron.trainer.checkpoint.directory import LoadOptions, TrainState

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.trainer.flags.parse import build_parser, check
+from megatron.trainer.flags.parse import check
 from megatron.trainer.runtime.watchdog import Watchdog
 
 ROOT = Path(__file__).resolve().parents[4]

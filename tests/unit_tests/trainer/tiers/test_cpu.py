@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from grpo_testing.batches import build_train_batch
 from grpo_testing.models import VOCAB
 from grpo_testing.rollouts import synthetic_groups
 from grpo_testing.trainer import grpo_update, one_rank_context, step_config, train_args
 from megatron.core import parallel_state
 
-from megatron.rl.grpo.batch import build_train_batch
 from megatron.rl.inference.cpu.kv_cache_runner import KVCacheRowRunner
 from megatron.rl.inference.protocol import InferenceEngine, RowRunner
 from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig

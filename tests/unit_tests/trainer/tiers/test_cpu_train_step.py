@@ -10,11 +10,11 @@ from __future__ import annotations
 import math
 
 import pytest
+from grpo_testing.batches import build_train_batch
 from grpo_testing.distributed import run_on_ranks
 from grpo_testing.models import VOCAB, tiny_args
 from grpo_testing.rollouts import synthetic_groups
 
-from megatron.rl.grpo.batch import build_train_batch
 from megatron.rl.grpo.loss import GRPOLossConfig
 from megatron.trainer.checkpoint.directory import TrainState
 from megatron.trainer.config import model_build, optimizer_settings

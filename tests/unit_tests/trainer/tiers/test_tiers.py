@@ -13,9 +13,7 @@ from megatron.core import parallel_state
 import megatron.trainer
 from megatron.trainer.config import tier_config
 from megatron.trainer.runtime import allocator
-from megatron.trainer.tiers import CPUTier, CUDATier
-from megatron.trainer.tiers import cpu as cpu_tier
-from megatron.trainer.tiers import select_tier, tier_class
+from megatron.trainer.tiers import CPUTier, CUDATier, cpu as cpu_tier, select_tier, tier_class
 
 
 def test_the_device_selects_the_tier():

@@ -7,11 +7,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from grpo_testing.batches import GRPO, build_train_batch
 from grpo_testing.rollouts import synthetic_groups
 
 from megatron.rl.dataplane import KeyedDataPlane
 from megatron.rl.dataplane.batches import LOGPROBS, TRAIN_PARTITION, publish_groups
-from megatron.rl.grpo.batch import batch_advantages, build_train_batch, padded_width
+from megatron.rl.grpo.batch import batch_advantages, padded_width
 from megatron.trainer.parallel import ParallelContext
 from megatron.trainer.train.collection import Collection, KeyedCollection
 
@@ -25,14 +26,14 @@ def dp_context(dp_rank: int, dp_size: int) -> ParallelContext:
 
 def keyed(groups, dp_rank: int, dp_size: int, size: int, iterations: int) -> KeyedCollection:
     plane = KeyedDataPlane(0, 1, torch.device("cpu"))
-    meta = publish_groups(plane, groups, step=7)
+    meta = publish_groups(plane, groups, step=7, advantages=batch_advantages(groups, GRPO))
     return KeyedCollection(plane, meta, size, iterations, dp_context(dp_rank, dp_size), pad_id=0)
 
 
 def test_published_samples_carry_keys_tags_width_and_advantages():
     groups = synthetic_groups(3, 4, vocab=50, seed=3)
     plane = KeyedDataPlane(0, 1, torch.device("cpu"))
-    meta = publish_groups(plane, groups, step=7)
+    meta = publish_groups(plane, groups, step=7, advantages=batch_advantages(groups, GRPO))
     batch = build_train_batch(groups, pad_id=0)
     assert meta.partition == TRAIN_PARTITION and meta.step == 7
     assert meta.keys == tuple(f"7/{i}" for i in range(12))
@@ -40,7 +41,7 @@ def test_published_samples_carry_keys_tags_width_and_advantages():
     assert list(meta.tags["length"]) == batch.lengths.tolist()
     assert list(meta.tags["loss_tokens"]) == batch.loss_mask.sum(1).int().tolist()
     got = plane.fetch(TRAIN_PARTITION, list(meta.keys), ["advantages"])["advantages"]
-    assert torch.equal(torch.stack(got), batch_advantages(groups))
+    assert torch.equal(torch.stack(got), batch_advantages(groups, GRPO))
 
 
 @pytest.mark.parametrize(

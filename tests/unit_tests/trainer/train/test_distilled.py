@@ -8,10 +8,10 @@ import math
 
 import pytest
 import torch
+from grpo_testing.batches import build_train_batch
 from grpo_testing.rollouts import synthetic_groups
 
 from megatron.rl.grpo.aggregation import LossAggregation
-from megatron.rl.grpo.batch import build_train_batch
 from megatron.rl.grpo.distill import DISTILL_SUMS, TOPK_SUMS, DistillConfig, topk_reverse_kl
 from megatron.rl.grpo.loss import GRPOLossConfig, LossInputs, grpo_loss
 from megatron.trainer.train.cache import MicroBatchCache, TeacherLogprobs

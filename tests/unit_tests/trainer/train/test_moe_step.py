@@ -6,19 +6,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from grpo_testing.batches import build_train_batch
 from grpo_testing.models import VOCAB
 from grpo_testing.rollouts import synthetic_groups
 from grpo_testing.trainer import grpo_update, one_rank_context, train_args
 from megatron.core import parallel_state
 
-from megatron.rl.grpo.batch import build_train_batch
 from megatron.rl.grpo.loss import GRPOLossConfig
 from megatron.rl.models.moe import set_aux_loss_scale
 from megatron.trainer.checkpoint.directory import TrainState
 from megatron.trainer.config import tier_config
 from megatron.trainer.tiers.cpu import CPUTier
 from megatron.trainer.train.policy import PolicyConfig, plan_updates
-from megatron.trainer.train.step import StepConfig, policy_logprobs
+from megatron.trainer.train.step import StepConfig, policy_outputs
 
 MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16, disable_bias_linear=True)
 COEFF = 0.5
@@ -70,7 +70,7 @@ def test_aux_gradient_is_the_mean_over_micro_batches_and_metrics_report_it(world
     set_aux_loss_scale(1.0 / len(micros), ctx.device)
     aux_values = []
     for micro in micros:
-        logprobs, _ = policy_logprobs(reference, micro.data, VOCAB, ctx)
+        logprobs = policy_outputs(reference, micro.data, VOCAB, ctx).logprobs
         (logprobs.sum() * 0).backward()  # only the aux loss's gradient
         routers = [layer.mlp.router for layer in reference.decoder.layers]
         aux_values.append(float(sum(r.last_aux_loss for r in routers)))

@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from grpo_testing.batches import build_train_batch
 from grpo_testing.distributed import env_without_world, run_on_ranks
 from grpo_testing.models import VOCAB
 from grpo_testing.rollouts import synthetic_groups
 from grpo_testing.trainer import grpo_update, one_rank_context, step_config, train_args
 from megatron.core import parallel_state
 
-from megatron.rl.grpo.batch import TrainBatch, build_train_batch
+from megatron.rl.grpo.batch import TrainBatch
 from megatron.trainer.checkpoint.directory import TrainState
 from megatron.trainer.config import optimizer_settings, tier_config
 from megatron.trainer.errors import NonFiniteUpdate
@@ -148,7 +149,7 @@ emulate_cuda_on_cpu()
 from grpo_testing.models import VOCAB
 from grpo_testing.rollouts import synthetic_groups
 from grpo_testing.trainer import grpo_update, step_config, train_args
-from megatron.rl.grpo.batch import build_train_batch
+from grpo_testing.batches import build_train_batch
 from megatron.trainer.checkpoint.directory import TrainState
 from megatron.trainer.runtime.initialize import initialize_distributed
 from megatron.trainer.errors import NonFiniteUpdate

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from grpo_testing.batches import build_train_batch
 from grpo_testing.distributed import run_on_ranks
 from grpo_testing.models import VOCAB
 from grpo_testing.rollouts import synthetic_groups
 from grpo_testing.trainer import one_rank_context, train_args
 from megatron.core import parallel_state
 
-from megatron.rl.grpo.batch import TrainBatch, build_train_batch
+from megatron.rl.grpo.batch import TrainBatch
 from megatron.rl.grpo.distill import DistillConfig
 from megatron.rl.grpo.loss import GRPOLossConfig
 from megatron.trainer.checkpoint.directory import TrainState

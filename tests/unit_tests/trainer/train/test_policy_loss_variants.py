@@ -12,13 +12,14 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from grpo_testing.batches import build_train_batch
 from grpo_testing.distributed import run_on_ranks
 from grpo_testing.models import VOCAB
 from grpo_testing.rollouts import synthetic_groups
 from grpo_testing.trainer import train_args
 
 from megatron.rl.grpo.aggregation import LossAggregation
-from megatron.rl.grpo.batch import GlobalCounts, TrainBatch, build_train_batch
+from megatron.rl.grpo.batch import GlobalCounts, TrainBatch
 from megatron.rl.grpo.importance import ImportanceConfig
 from megatron.rl.grpo.loss import GRPOLossConfig
 from megatron.rl.grpo.off_policy_mask import OffPolicyMask

@@ -9,13 +9,13 @@ import socket
 
 import pytest
 import torch
+from grpo_testing.batches import build_train_batch
 from grpo_testing.hf_engine import load_hf_policy, serve_on_port
 from grpo_testing.hf_models import full_logits
 from grpo_testing.rollouts import synthetic_groups
 from grpo_testing.trainer import one_rank_context
 from megatron.core import parallel_state
 
-from megatron.rl.grpo.batch import build_train_batch
 from megatron.rl.http_client import RetryPolicy
 from megatron.trainer.flags.distill import is_server_url
 from megatron.trainer.train.remote_teacher import RemoteTeacher

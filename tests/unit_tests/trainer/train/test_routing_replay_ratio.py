@@ -14,11 +14,11 @@ import asyncio
 import pytest
 import torch
 import torch.distributed as dist
+from grpo_testing.batches import build_train_batch
 from grpo_testing.distributed import init_single_rank_world
 from grpo_testing.trainer import one_rank_context
 from megatron.core import parallel_state
 
-from megatron.rl.grpo.batch import build_train_batch
 from megatron.rl.inference.backends import RunnerInputs
 from megatron.rl.inference.cpu.kv_cache_runner import build_kv_cache_runner
 from megatron.rl.inference.requests import SchedulerConfig

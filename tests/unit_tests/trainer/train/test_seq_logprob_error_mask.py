@@ -10,12 +10,12 @@ import math
 
 import pytest
 import torch
+from grpo_testing.batches import build_train_batch
 from grpo_testing.models import VOCAB
 from grpo_testing.rollouts import synthetic_groups
 from grpo_testing.trainer import one_rank_context, train_args
 from megatron.core import parallel_state
 
-from megatron.rl.grpo.batch import build_train_batch
 from megatron.rl.grpo.loss import GRPOLossConfig
 from megatron.rl.grpo.seq_logprob_error import SeqLogprobErrorConfig
 from megatron.rl.wire import RolloutGroup

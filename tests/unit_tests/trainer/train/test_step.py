@@ -13,12 +13,13 @@ import dataclasses
 
 import pytest
 import torch
+from grpo_testing.batches import build_train_batch
 from grpo_testing.models import VOCAB, tiny_args
 from grpo_testing.rollouts import synthetic_groups
 from grpo_testing.trainer import grpo_update, one_rank_context
 from megatron.core import parallel_state
 
-from megatron.rl.grpo.batch import TrainBatch, build_train_batch
+from megatron.rl.grpo.batch import TrainBatch
 from megatron.rl.grpo.importance import ImportanceConfig
 from megatron.rl.grpo.kl import reference_kl
 from megatron.rl.grpo.loss import GRPOLossConfig
@@ -37,7 +38,7 @@ from megatron.trainer.train.step import (
     MicroBatchCache,
     StepConfig,
     micro_batch_loss,
-    policy_logprobs,
+    policy_outputs,
 )
 
 KL = (ReferenceKL(0.1),)
@@ -108,9 +109,9 @@ def test_first_micro_batch_has_ratio_one_and_zero_kl():
     cfg = config(KL, old_logprobs=True, importance=ImportanceConfig.tis(2.0))
     cache = MicroBatchCache()
     state.model.train()
-    logprobs, _ = policy_logprobs(state.model, micro, VOCAB, ctx)
+    logprobs = policy_outputs(state.model, micro, VOCAB, ctx).logprobs
     with torch.no_grad():
-        cache.ref_logprobs, _ = policy_logprobs(reference, micro, VOCAB, ctx)
+        cache.ref_logprobs = policy_outputs(reference, micro, VOCAB, ctx).logprobs
     out = micro_batch_loss(logprobs, None, micro, cfg, cache)
     assert out.ratio_sum.item() == micro.num_loss_tokens  # pi / pi_old == 1 on every token
     assert out.clipped_tokens.item() == 0 and out.mismatch_kl_sum.item() == 0
@@ -124,7 +125,9 @@ def test_is_weight_is_one_when_inference_logprobs_equal_train_logprobs():
     b = batch()
     width = b.input_ids.shape[1]
     with torch.no_grad():  # the micro-batches train_step will run, padded back to full width
-        parts = [policy_logprobs(state.model, b.rows(s, s + MICRO), VOCAB, ctx)[0] for s in (0, 8)]
+        parts = [
+            policy_outputs(state.model, b.rows(s, s + MICRO), VOCAB, ctx).logprobs for s in (0, 8)
+        ]
     logprobs = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
     same = dataclasses.replace(b, inference_logprobs=logprobs * b.loss_mask)
     corrected = step(state, same, ctx, importance=ImportanceConfig.tis(2.0))
@@ -186,8 +189,8 @@ def distance_to_reference(model, reference, ctx) -> float:
     """Mean k3 KL(model || reference) over the generated tokens of a held-out batch."""
     held = batch(seed=99)
     with torch.no_grad():
-        logprobs, _ = policy_logprobs(model, held, VOCAB, ctx)
-        ref_logprobs, _ = policy_logprobs(reference, held, VOCAB, ctx)
+        logprobs = policy_outputs(model, held, VOCAB, ctx).logprobs
+        ref_logprobs = policy_outputs(reference, held, VOCAB, ctx).logprobs
     kl = reference_kl(logprobs, ref_logprobs, held.loss_mask)
     return float((kl * held.loss_mask).sum() / held.loss_mask.sum())
 

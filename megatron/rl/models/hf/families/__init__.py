@@ -1,5 +1,5 @@
-"""Hugging Face model families, one module each (``llama.py``, ``qwen2.py``, ``qwen3.py``,
-``mistral.py``).
+"""Hugging Face model families, one module each: ``llama.py``, ``mistral.py``, ``mixtral.py``,
+``qwen2.py``, ``qwen3.py`` and ``qwen3_moe.py``.
 
 A family is a module of this package, named as the family, that defines ``FAMILY =
 HFFamily(...)`` (``base.py``); ``families()`` finds every one. ``config.py`` (``config.json`` <->

@@ -11,9 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.rl.models.hf import HFCheckpointError
-from megatron.rl.models.hf import families as registry
-from megatron.rl.models.hf import gguf, hf_config_dict
+from megatron.rl.models.hf import HFCheckpointError, families as registry, gguf, hf_config_dict
 from megatron.rl.models.hf.config import hf_model_config
 from megatron.rl.models.hf.families import (
     HFFamily,
@@ -44,6 +42,11 @@ def test_the_registry_lists_exactly_the_family_modules_of_the_package():
     modules = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in ("__init__", "base"))
     assert sorted(f.name for f in families()) == modules == sorted(BY_ORDER)
     assert [f.name for f in families()] == BY_ORDER
+
+
+def test_the_package_docstring_names_every_family_module():
+    unnamed = [f.name for f in families() if f"``{f.name}.py``" not in registry.__doc__]
+    assert not unnamed, f"megatron/rl/models/hf/families/__init__.py does not name {unnamed}"
 
 
 def test_tiny_recipes_keep_their_order():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from megatron.rl.models.hf import (
     megatron_shard_from_hf,
     megatron_shard_readers,
 )
-from megatron.rl.models.hf.mapping import DictSource, hf_tensor_shapes
+from megatron.rl.models.hf.mapping import hf_tensor_shapes
 
 HF_VOCAB = 10
 ARCH = GPTArchitecture(
@@ -33,6 +35,25 @@ ARCH = GPTArchitecture(
     untie_embeddings_and_output_weights=True,
 )
 D, Q_PER_GROUP = 4, 2
+
+
+class DictSource:
+    """A ``TensorSource`` over in-memory tensors."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        """The shape of ``name`` or None."""
+        t = self.tensors.get(name)
+        return None if t is None else tuple(t.shape)
+
+    def read(
+        self, name: str, dim: int = 0, start: int = 0, stop: int | None = None
+    ) -> torch.Tensor:
+        """A slice of ``name`` along ``dim``."""
+        stop = self.tensors[name].shape[dim] if stop is None else stop
+        return self.tensors[name].narrow(dim, start, stop - start)
 
 
 def hf_tensors(arch: GPTArchitecture = ARCH) -> dict[str, torch.Tensor]:
