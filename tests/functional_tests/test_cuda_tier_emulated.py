@@ -33,6 +33,11 @@ BASE = {"train-iters": 3, "lr-warmup-iters": 1, "seed": 1234}
 SAME = {"reward_mean": 1e-9, "reward_std": 1e-9, "loss": 1e-4, "grad_norm": 1e-5}
 """Metric -> relative tolerance between the tiers (rewards: the same tokens; the rest: float
 rounding of megatron-core's fused/bucketed gradient path vs the CPU tier's)."""
+SAME_ABS = 1e-6
+"""Absolute tolerance beside it: at lag 0 the GRPO loss is a sum of O(1) terms that cancels to
+about 0 (zero-mean advantages, ratio 1), so what is left is float32 rounding of that sum, which
+differs with the CPU's kernels (1.2e-7 between the tiers on an AVX2-only CPU); a real mismatch
+is orders of magnitude larger."""
 
 
 def assert_same_run(cpu: list[dict], cuda: list[dict]) -> None:
@@ -40,7 +45,7 @@ def assert_same_run(cpu: list[dict], cuda: list[dict]) -> None:
     assert [m["step"] for m in cuda] == steps == list(range(len(steps))) and len(steps) >= 3
     for a, b in zip(cpu, cuda):
         for metric, rel in SAME.items():
-            assert b[metric] == pytest.approx(a[metric], rel=rel, abs=1e-7), (a["step"], metric)
+            assert b[metric] == pytest.approx(a[metric], rel=rel, abs=SAME_ABS), (a["step"], metric)
         for metric in ("staleness_max", "token_staleness_mean", "lr"):
             assert b[metric] == a[metric], (a["step"], metric)
 
