@@ -22,7 +22,7 @@ Per allocator: the process's peak resident memory (``VmHWM``, and per phase), wa
 step after ``--skip`` steps, the process's CPU seconds per step (every thread; less sensitive
 than wall time to other jobs on the machine), the training update's seconds per step. An
 allocator whose library is not installed is reported as missing. Writes ``allocator.json`` and
-prints the table; ``--out``'s ``lora.md`` section is written by hand from it.
+prints the table; ``benchmarks/results/allocator.md`` is written by hand from it.
 """
 
 from __future__ import annotations

@@ -249,7 +249,7 @@ class Training(Section):
         "tcmalloc (the distribution's libjemalloc2 / libtcmalloc-minimal4, preloaded: each "
         "process starts itself again with the library in LD_PRELOAD); auto: jemalloc where "
         "installed, else tcmalloc, else glibc. At the recipe's LoRA shape both raise the peak "
-        "above glibc's (benchmarks/results/lora.md); --malloc-mmap-threshold-kib lowers it.",
+        "above glibc's (benchmarks/results/allocator.md); --malloc-mmap-threshold-kib lowers it.",
         choices=CPU_ALLOCATORS,
     )
     malloc_mmap_threshold_kib: int | None = option(

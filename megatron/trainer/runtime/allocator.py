@@ -4,7 +4,7 @@
 jemalloc and tcmalloc, from the distribution's packages, replace the C library's ``malloc`` when
 preloaded (``LD_PRELOAD``), as PyTorch's CPU performance guide suggests: they keep the blocks of
 one size together and return freed pages on a schedule of their own. At the recipe's LoRA shape
-both peak higher than glibc (benchmarks/results/lora.md), so glibc is the default and bounding
+both peak higher than glibc (benchmarks/results/allocator.md), so glibc is the default and bounding
 glibc's heap (below) is what lowers the peak. A library can only be preloaded when a process
 starts, so ``use_allocator``
 runs the same command again, at once, with the library in ``LD_PRELOAD`` (``os.execve``: the same
