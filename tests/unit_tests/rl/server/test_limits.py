@@ -118,14 +118,19 @@ class Held(InferenceInterface):
         except asyncio.CancelledError:
             self.cancelled += 1
             raise
-        return InferenceResponse(
-            prompt_tokens=[1],
-            tokens=[1],
-            text="",
-            logprobs=[0.0],
-            policy_versions=[0],
-            finish_reason="stop",
-        )
+        return one_token_answer()
+
+
+def one_token_answer() -> InferenceResponse:
+    """The response of the test engines: one token, stopped."""
+    return InferenceResponse(
+        prompt_tokens=[1],
+        tokens=[1],
+        text="",
+        logprobs=[0.0],
+        policy_versions=[0],
+        finish_reason="stop",
+    )
 
 
 async def until(condition, timeout: float = 5.0) -> None:
@@ -154,14 +159,7 @@ class Turnstile(InferenceInterface):
         self.started.append(request.prompt)
         self._running.append(gate)
         await gate.wait()
-        return InferenceResponse(
-            prompt_tokens=[1],
-            tokens=[1],
-            text="",
-            logprobs=[0.0],
-            policy_versions=[0],
-            finish_reason="stop",
-        )
+        return one_token_answer()
 
     def finish_oldest(self) -> None:
         self._running.pop(0).set()
