@@ -65,10 +65,9 @@ RUNS: tuple[tuple[str, int | None, tuple[str, ...]], ...] = (
     ),
 )
 LORA_RUNS: tuple[tuple[int, str], ...] = ((1, "5e-4"), (8, "5e-4"), (32, "5e-4"))
-"""(rank, learning rate) of the LoRA runs: alpha 32 and lr 5e-4 at every rank (25x the full
-fine-tuning's 2e-5). With the scale alpha / rank and A initialized independently of the rank,
-AdamW's first updates lower a fixed supervised loss alike at every rank, and at 25x as full
-fine-tuning's do (``lora_rank_probe.py``, benchmarks/results/lora_rank_probe.md)."""
+"""(rank, learning rate) of the LoRA runs: alpha 32 and lr 5e-4 (25x full fine-tuning's 2e-5) at
+every rank, where AdamW's first updates lower a fixed supervised loss alike at every rank and as
+full fine-tuning's do (``lora_rank_probe.py``, benchmarks/results/lora_rank_probe.md)."""
 RUNS += tuple(
     (
         f"ours LoRA r={r} L=0" + ("" if lr == "5e-4" else f", lr {lr}"),
