@@ -38,6 +38,7 @@ from megatron.rl.wire import SamplingParams
 from megatron.trainer.checkpoint.directory import saved_args
 from megatron.trainer.flags.distill import teacher_kind
 from megatron.trainer.flags.run import RunConfig
+from megatron.trainer.flags.streaming import forced_lag, streaming
 from megatron.trainer.generation.rollouts import InferenceServerConfig, PipelineConfig
 from megatron.trainer.metrics.record import WandbConfig
 from megatron.trainer.model.provider import ModelBuild
@@ -153,15 +154,18 @@ def sampling_params(cfg: RunConfig) -> SamplingParams:
 def rollout_config(cfg: RunConfig) -> RolloutConfig:
     """What the forced-lag generator submits, and how far ahead: dynamic sampling's rounds all
     with the batch when L > 0, lazily (one more only while the batch is short) when L = 0."""
-    rounds = generation_rounds(cfg)
+    rounds, mode, lag = generation_rounds(cfg), streaming(cfg), forced_lag(cfg)
     return RolloutConfig(
-        forced_lag=cfg.rollouts.forced_lag,
+        forced_lag=lag,
         groups_per_batch=cfg.grpo.prompts_per_step * rounds,
         group_size=cfg.grpo.group_size,
         seed=cfg.training.seed,
         sampling=sampling_params(cfg),
         rounds=rounds,
-        lazy_rounds=rounds > 1 and cfg.rollouts.forced_lag == 0,
+        lazy_rounds=rounds > 1 and lag == 0,
+        submission=mode.submission,
+        consumption=mode.consumption,
+        capacity=None if mode.is_batch else mode.capacity,
     )
 
 

@@ -44,6 +44,7 @@ from megatron.trainer.errors import NonFiniteUpdate, UsageError
 from megatron.trainer.flags import run_file
 from megatron.trainer.flags.rollouts import env_config_problems
 from megatron.trainer.flags.run import RunConfig
+from megatron.trainer.flags.streaming import forced_lag, logged_lag
 from megatron.trainer.generation.evaluator import Evaluator, eval_agents, hold_out_validation
 from megatron.trainer.generation.remote import RemoteRollouts
 from megatron.trainer.generation.rollouts import CollectedBatch, PipelineStart, RolloutSource
@@ -252,7 +253,7 @@ def train_steps(
                     metrics.update(evaluator.run(policy_version=iteration + 1))
             if writer is not None:  # log
                 record = step_metrics(
-                    iteration, cfg.rollouts.forced_lag, collected, result, elapsed, metrics, run.k
+                    iteration, logged_lag(cfg), collected, result, elapsed, metrics, run.k
                 )
                 writer.write(record)
             stop = rollouts.stop_requested()  # a signal on any rank (collective)
@@ -277,7 +278,7 @@ def print_summary(run: Run, writer: MetricsWriter, seconds: float) -> None:
     cfg = run.cfg
     path = report.plot_file(cfg)
     plot = report.write_curves(writer.records, path) if path else None
-    print(report.summary(writer.records, cfg.rollouts.forced_lag, seconds, cfg, plot), flush=True)
+    print(report.summary(writer.records, forced_lag(cfg), seconds, cfg, plot), flush=True)
 
 
 def start_watchdog(cfg: RunConfig, ctx: ParallelContext) -> Watchdog:

@@ -107,6 +107,8 @@ class ContinuousBatchingScheduler(CheckpointedScheduling, Admission, ScoreQueue)
         self._scoring: list[tuple[ScoreWork, asyncio.Future]] = []  # ``ScoreQueue``'s
         self._task: asyncio.Task | None = None
         self._error: BaseException | None = None
+        self._on_generated: Callable[[int, int], None] | None = None
+        self._generated: set[tuple[int, int]] = set()  # groups reported, until group_done
         self.counters = EngineCounters()
         """Tokens, steps, rows and step time since start (for the step metrics)."""
 
@@ -193,6 +195,27 @@ class ContinuousBatchingScheduler(CheckpointedScheduling, Admission, ScoreQueue)
             self._drop_restored(self._replay.abandon(batch_id, index_in_batch))
         if self._expected.pop((batch_id, index_in_batch), None) is not None or owed:
             self._wakeup.set()
+        if (batch_id, index_in_batch) not in self._generated and self._on_generated is not None:
+            self._on_generated(batch_id, index_in_batch)  # it withdrew its last announced work
+        self._generated.discard((batch_id, index_in_batch))
+
+    def watch_generation(self, callback: Callable[[int, int], None] | None) -> None:
+        """Call ``callback(batch, index)`` once per group, when its generation has ended: the
+        engine step that finished its last keyed request, or the ``end_rollout`` or
+        ``group_done`` that withdrew the last work it owed. Under the barrier no engine step
+        happens between that point and the call, so the call sits at a fixed place in the
+        schedule (the streaming generator releases gate units there)."""
+        self._on_generated = callback
+
+    def _report_if_generated(self, group: tuple[int, int]) -> None:
+        if self._on_generated is None or group in self._generated:
+            return
+        if group in self._expected or any(k[:2] == group for k in self._continuations):
+            return
+        if any(r.key is not None and r.key[:2] == group for r in self._queued()):
+            return
+        self._generated.add(group)
+        self._on_generated(*group)
 
     def end_rollout(self, key: Key) -> bool:
         """Rollout ``key`` sends no further turn; True if the engine was waiting for one."""
@@ -200,6 +223,7 @@ class ContinuousBatchingScheduler(CheckpointedScheduling, Admission, ScoreQueue)
             return False
         self._continuations.discard(key)
         self._wakeup.set()
+        self._report_if_generated(key[:2])
         return True
 
     def await_batch(self, batch_id: int | None) -> None:
@@ -382,6 +406,8 @@ class ContinuousBatchingScheduler(CheckpointedScheduling, Admission, ScoreQueue)
             if req.continued:  # before any further step: the barrier now awaits the next turn
                 self._continuations.add(req.key)
             req.future.set_result(req.output(reason))
+            if req.key is not None and not req.continued:
+                self._report_if_generated(req.key[:2])
 
     def _arrived(self, group: tuple[int, int]) -> None:
         left = self._expected.pop(group, None)

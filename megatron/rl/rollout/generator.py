@@ -77,8 +77,27 @@ class RolloutConfig:
     lazy_rounds: bool = False
     """Submit a further round only while the batch lacks groups whose rewards differ (L = 0
     only); False: every round with the batch."""
+    submission: str = "B"
+    """Submission unit: B (whole batches through ``forced_lag + 1`` permits) or G (groups through
+    ``capacity`` permits, ``group_stream.py``)."""
+    consumption: str = "B"
+    """Consumption unit: B (whole batches) or G (groups one by one, in order)."""
+    capacity: int | None = None
+    """Groups the gate lets be in flight under G submission (``granularity.gate_capacity``)."""
 
     def __post_init__(self) -> None:
+        if (self.submission, self.consumption) not in (("B", "B"), ("G", "B"), ("G", "G")):
+            raise ValueError(f"unsupported streaming mode {self.submission}/{self.consumption}")
+        if self.submission == "G":
+            if self.capacity is None or self.capacity < 1:
+                raise ValueError("G submission needs a gate capacity >= 1 (groups)")
+            if self.consumption == "B" and self.capacity < self.groups_per_batch:
+                raise ValueError(
+                    f"G/B needs the gate to hold a whole batch: capacity {self.capacity} < "
+                    f"{self.groups_per_batch} groups"
+                )
+            if self.rounds != 1:
+                raise ValueError("generation rounds (dynamic sampling) need B/B streaming")
         if self.forced_lag < 0:
             raise ValueError(f"forced_lag must be >= 0, got {self.forced_lag}")
         if self.groups_per_batch < 1 or self.group_size < 1:
@@ -108,6 +127,18 @@ class PipelineState(BaseModel):
     engine: EngineSnapshot | None = None
     """The engine's keyed work in flight (``snapshot``); None after ``drain`` (every batch of
     ``next_batch_id .. submitted - 1`` is then complete in ``groups``)."""
+    submission: str = "B"
+    consumption: str = "B"
+    capacity: int | None = None
+    """G submission: the gate's capacity in groups."""
+    submitted_groups: int | None = None
+    """G submission: groups submitted so far (group u is group u % P of batch u // P)."""
+    released_groups: int | None = None
+    """G submission: groups whose gate unit was released (consumed)."""
+    finished_groups: list[int] = []
+    """G submission: groups past the released ones that finished generating."""
+    group_versions: dict[int, int] = {}
+    """G submission: policy version each unconsumed group was submitted at."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +151,10 @@ class RolloutBatch:
     """Batches submitted and not yet handed over, this one included (at most L+1)."""
     queue_depth: int
     """Finished groups of later batches waiting in the reassembly buffer."""
+    gate_capacity: int | None = None
+    """Submission units the gate lets be in flight (None: L+1 batches)."""
+    gate_held: int | None = None
+    """Units held at hand-over (None: ``in_flight`` batches)."""
 
 
 class GroupedRolloutGenerator:
@@ -174,6 +209,11 @@ class GroupedRolloutGenerator:
     def _restore(self, state: PipelineState) -> None:
         cfg = self.config
         saved = (state.forced_lag, state.groups_per_batch, state.group_size)
+        if (state.submission, state.consumption) != ("B", "B"):
+            raise ValueError(
+                f"the saved rollout pipeline streams {state.submission}/{state.consumption}; "
+                "this run streams whole batches (B/B)"
+            )
         if saved != (cfg.forced_lag, cfg.groups_per_batch, cfg.group_size):
             raise ValueError(
                 f"the saved rollout pipeline has forced_lag, groups_per_batch, group_size = "

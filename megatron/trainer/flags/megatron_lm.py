@@ -133,39 +133,44 @@ MEGATRON_LM_RL_FLAGS: tuple[MegatronFlag, ...] = (
     ),
     MegatronFlag(
         "--rl-partial-rollouts",
-        "refused",
-        "--rl-forced-lag",
-        "generation spans updates here by an exact forced lag L (--rl-forced-lag), "
-        "not an autotuned partial lag",
+        "same",
+        "--rl-partial-rollouts",
+        "generation spans weight updates in units finer than a batch (needed by G submission)",
         False,
     ),
     MegatronFlag(
         "--no-rl-partial-rollouts",
-        "refused",
-        "--rl-forced-lag 0",
-        "synchronous on-policy GRPO is --rl-forced-lag 0 (the default)",
+        "same",
+        "--no-rl-partial-rollouts",
+        "whole batches only (the default)",
         False,
     ),
     MegatronFlag(
         "--rl-generation-lag",
-        "refused",
-        "--rl-forced-lag",
-        "our lag is exact (step N+L trains on batch N) and an integer",
+        "same",
+        "--rl-generation-lag",
+        "the gate holds max(1, round((L+1) x units per batch)) units; B/B at an integer L is "
+        "--rl-forced-lag L; autotuned with --rl-partial-rollouts when unset",
     ),
     MegatronFlag(
         "--rl-max-inflight-requests",
-        "refused",
-        "--inference-max-requests",
-        "in-flight batches are L+1 (--rl-forced-lag); engine slots are --inference-max-requests",
+        "same",
+        "--rl-max-inflight-requests",
+        "the lag M / (P x G) - 1",
     ),
     MegatronFlag(
         "--rl-submission-granularity",
-        "refused",
-        "--rl-forced-lag",
-        "batches are submitted whole, through the L+1-permit gate",
+        "same",
+        "--rl-submission-granularity",
+        "B or G (R: not implemented yet); the units and release points of Megatron-LM, at fixed "
+        "points of the deterministic schedule",
     ),
     MegatronFlag(
-        "--rl-consumption-granularity", "refused", None, "batches are consumed whole, in order"
+        "--rl-consumption-granularity",
+        "same",
+        "--rl-consumption-granularity",
+        "B or G, in submission order (Megatron-LM's G follows completion order, which depends "
+        "on timing)",
     ),
     MegatronFlag(
         "--rl-durable-rollout-bank",

@@ -28,6 +28,7 @@ from megatron.trainer.flags.option import bounds_problems, dest_of
 from megatron.trainer.flags.output import OUTPUT_PATHS, output_path_problem
 from megatron.trainer.flags.refit import refit_problems
 from megatron.trainer.flags.run import SECTIONS, RunConfig, sections_of
+from megatron.trainer.flags.streaming import streaming_problems
 from megatron.trainer.flags.training import parallelism_with_defaults, training_with_defaults
 
 
@@ -278,6 +279,7 @@ def _across_sections(run: RunConfig, cuda: bool) -> list[str]:
     if run.model.save_hf is not None:
         errors += _export_problems(run)
     errors += _lora_problems(run) + distill_problems(run.distillation, run.model, run.grpo)
+    errors += streaming_problems(run)
     if cuda and run.training.use_sequence_packing:
         from megatron.rl.models.gpt_spec import transformer_engine_importable
 

@@ -29,6 +29,50 @@ class Rollouts(Section):
         resume=True,
         common=True,
     )
+    submission_granularity: str = option(
+        "B",
+        "Megatron-LM's unit of submission through the gate: B (whole batches: with "
+        "--rl-forced-lag L, step N+L trains exactly batch N) or G (one group at a time through a "
+        "gate of max(1, round((L+1) x P)) groups for --rl-generation-lag L, each group's unit "
+        "released when the trainer consumes it; needs --rl-partial-rollouts). R (rollouts) is "
+        "not implemented yet.",
+        choices=("R", "G", "B"),
+        resume=True,
+    )
+    consumption_granularity: str = option(
+        "B",
+        "Megatron-LM's unit the trainer consumes: B (a batch once all its groups are in) or G "
+        "(each group as soon as it and every group before it are in, releasing its gate unit "
+        "then). Never finer than --rl-submission-granularity; R is refused, as in Megatron-LM. "
+        "The order is the submission order: what a step trains never depends on timing.",
+        choices=("R", "G", "B"),
+        resume=True,
+    )
+    generation_lag: float | None = option(
+        None,
+        "Megatron-LM's lag, >= -1, possibly fractional: the gate holds max(1, round((L+1) x "
+        "units per batch)) submission units (-1: one unit in flight). With B/B an integer L is "
+        "--rl-forced-lag L. Unset with --rl-partial-rollouts: autotuned to fill the engine, "
+        "max(1, --inference-max-requests // G) / P - 1. Exclusive with "
+        "--rl-max-inflight-requests and --rl-forced-lag.",
+        parse=float,
+        resume=True,
+    )
+    max_inflight_requests: int | None = option(
+        None,
+        "Megatron-LM's in-flight limit M, another spelling of the lag: --rl-generation-lag "
+        "M / (P x G) - 1.",
+        parse=int,
+        minimum=1,
+        resume=True,
+    )
+    partial_rollouts: bool = option(
+        False,
+        "Let generation span weight updates in units finer than a batch (Megatron-LM's switch, "
+        "required by --rl-submission-granularity G); every token keeps the policy version that "
+        "generated it.",
+        negatable=True,
+    )
     env_config: str | None = option(
         None,
         "Env-config YAML (list of {agent_type, agent_args, weight}); default: the built-in "

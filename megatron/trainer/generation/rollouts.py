@@ -32,11 +32,11 @@ from megatron.rl.inference.scheduler import SchedulerConfig
 from megatron.rl.inference.step_group import GenerationAborted
 from megatron.rl.rollout.faults import FailureBudget
 from megatron.rl.rollout.generator import (
-    GroupedRolloutGenerator,
     PipelineState,
     RolloutBatch,
     RolloutConfig,
 )
+from megatron.rl.rollout.group_stream import rollout_generator
 from megatron.rl.server.http import EmbeddedServer
 from megatron.rl.server.inference_server import create_inference_app
 from megatron.rl.server.limits import ServerLimits
@@ -174,7 +174,7 @@ class RolloutSource:
             self.server_config = config.server
             self.engine = self.host.engine
             self.inference = LocalInferenceInterface(self.engine, tokenizer)
-            self.generator = GroupedRolloutGenerator(
+            self.generator = rollout_generator(
                 agent,
                 self.inference,
                 config.rollout,

@@ -67,6 +67,20 @@ def rollout_metrics(batch: RolloutBatch, step: int) -> dict[str, Any]:
         **{key: statistics.fmean(v) for key, v in sorted(per_function.items())},
         **episode_metric_means(real),
         **zero_variance_metrics(batch.groups),
+        **gate_metrics(batch),
+    }
+
+
+def gate_metrics(batch: RolloutBatch) -> dict[str, Any]:
+    """The group gate at hand-over (G submission only): its capacity, the units it holds and
+    their share, in groups; none for whole batches (``in_flight_batches`` says it)."""
+    if batch.gate_capacity is None:
+        return {}
+    held = batch.gate_held if batch.gate_held is not None else batch.in_flight
+    return {
+        "gate_capacity": batch.gate_capacity,
+        "gate_held": held,
+        "gate_utilization": held / batch.gate_capacity,
     }
 
 
@@ -198,6 +212,7 @@ def step_metrics(
         "step": step,
         "loss": result.loss,
         "batch_staleness": collected.batch.batch_id - min(submitted) // k,
+        "group_staleness_min": collected.batch.batch_id - max(submitted) // k,
         **rollout_metrics(collected.batch, step),
         "grad_norm": result.grad_norm,
         "lr": result.lr,

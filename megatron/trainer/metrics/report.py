@@ -25,7 +25,9 @@ from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.rl.agent.api import Agent
 from megatron.rl.agent.mixture import MixtureAgent
 from megatron.rl.models.architecture import GPTArchitecture
+from megatron.rl.rollout.granularity import group_staleness, staleness_bounds
 from megatron.trainer.flags.run import RunConfig
+from megatron.trainer.flags.streaming import header as streaming_header, streaming
 from megatron.trainer.runtime import kernels
 
 
@@ -103,7 +105,7 @@ def header(
         f"tokenizer    {tok}, {tokenizer.vocab_size} ids",
         f"environments {envs}"
         + (f" (config {cfg.rollouts.env_config})" if cfg.rollouts.env_config else ""),
-        f"rollouts     forced lag {cfg.rollouts.forced_lag}, {cfg.grpo.prompts_per_step} prompts x "
+        f"rollouts     {streaming_header(cfg)}, {cfg.grpo.prompts_per_step} prompts x "
         f"{cfg.grpo.group_size} samples = {rollouts} per collection, {cfg.iterations_per_collection}"
         f" iteration(s) per collection of {cfg.training.global_batch_size} (micro-batch "
         f"{cfg.training.micro_batch_size}), {cfg.training.train_iters} iterations",
@@ -185,20 +187,50 @@ def summary(
         return f"run ended after {seconds:.1f} s without training a step"
     rewards = [r["reward_mean"] for r in records]
     first, last = statistics.fmean(rewards[:10]), statistics.fmean(rewards[-10:])
-    behind = 1 if cfg.inference_ranks else 0  # non-collocated: windows a collection behind
-    exact = all(r["batch_staleness"] == min(r["batch_id"], lag + behind) for r in records)
     lines = [
         f"done         {len(records)} steps ({records[0]['step']}..{records[-1]['step']}) in "
         f"{seconds:.1f} s; reward first-10 {first:.3f}, last-10 {last:.3f}",
-        f"staleness    {'exact' if exact else 'NOT exact'}: every batch trained "
-        f"min(batch, {lag}{' + 1' if behind else ''}) collections after its submission"
-        + (" (non-collocated: generation runs one collection behind)" if behind else ""),
+        staleness_line(records, lag, cfg),
     ]
     written = [("metrics", cfg.logging.metrics_file), ("checkpoints", cfg.checkpointing.save)]
     written += [("Hugging Face export", cfg.model.save_hf), ("PEFT adapters", cfg.lora.save_lora)]
     written += [("curves", plot_file)]
     lines += [f"{name:<12} {path}" for name, path in written if path]
     return "\n".join(lines)
+
+
+def staleness_line(records: list[dict[str, Any]], lag: int, cfg: RunConfig) -> str:
+    """The summary's check of the streaming mode's contract over every trained batch."""
+    mode = streaming(cfg)
+    if not mode.is_batch:
+        P, C = cfg.grpo.prompts_per_step, mode.capacity
+        exact = all(
+            (r["group_staleness_min"], r["batch_staleness"])
+            == (
+                min(
+                    group_staleness(u, C, P)
+                    for u in range(r["batch_id"] * P, (r["batch_id"] + 1) * P)
+                ),
+                max(
+                    group_staleness(u, C, P)
+                    for u in range(r["batch_id"] * P, (r["batch_id"] + 1) * P)
+                ),
+            )
+            for r in records
+        )
+        least, most = staleness_bounds(C, P)
+        return (
+            f"staleness    {'exact' if exact else 'NOT exact'}: every group u trained "
+            f"u // {P} - max(0, (u - {C}) // {P}) collections after its submission ({mode.name}, "
+            f"gate of {C} groups: between {least} and {most} once the gate is full)"
+        )
+    behind = 1 if cfg.inference_ranks else 0  # non-collocated: windows a collection behind
+    exact = all(r["batch_staleness"] == min(r["batch_id"], lag + behind) for r in records)
+    return (
+        f"staleness    {'exact' if exact else 'NOT exact'}: every batch trained "
+        f"min(batch, {lag}{' + 1' if behind else ''}) collections after its submission"
+        + (" (non-collocated: generation runs one collection behind)" if behind else "")
+    )
 
 
 def write_curves(records: list[dict[str, Any]], path: Path) -> Path | None:
