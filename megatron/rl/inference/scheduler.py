@@ -50,6 +50,7 @@ import time
 from collections.abc import Callable
 
 from megatron.rl.inference.engine_snapshot import Replay, SavedTurn
+from megatron.rl.inference.generation_watch import GenerationWatch
 from megatron.rl.inference.protocol import (
     EngineCounters,
     EngineError,
@@ -71,7 +72,7 @@ from megatron.rl.wire import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-class ContinuousBatchingScheduler(CheckpointedScheduling, Admission, ScoreQueue):
+class ContinuousBatchingScheduler(CheckpointedScheduling, Admission, ScoreQueue, GenerationWatch):
     """Continuous batching over a ``StepGroup`` (``protocol.InferenceEngine``); suspended outside
     generation windows.
 
@@ -107,8 +108,7 @@ class ContinuousBatchingScheduler(CheckpointedScheduling, Admission, ScoreQueue)
         self._scoring: list[tuple[ScoreWork, asyncio.Future]] = []  # ``ScoreQueue``'s
         self._task: asyncio.Task | None = None
         self._error: BaseException | None = None
-        self._on_generated: Callable[[int, int], None] | None = None
-        self._generated: set[tuple[int, int]] = set()  # groups reported, until group_done
+        GenerationWatch.__init__(self)
         self.counters = EngineCounters()
         """Tokens, steps, rows and step time since start (for the step metrics)."""
 
@@ -195,27 +195,7 @@ class ContinuousBatchingScheduler(CheckpointedScheduling, Admission, ScoreQueue)
             self._drop_restored(self._replay.abandon(batch_id, index_in_batch))
         if self._expected.pop((batch_id, index_in_batch), None) is not None or owed:
             self._wakeup.set()
-        if (batch_id, index_in_batch) not in self._generated and self._on_generated is not None:
-            self._on_generated(batch_id, index_in_batch)  # it withdrew its last announced work
-        self._generated.discard((batch_id, index_in_batch))
-
-    def watch_generation(self, callback: Callable[[int, int], None] | None) -> None:
-        """Call ``callback(batch, index)`` once per group, when its generation has ended: the
-        engine step that finished its last keyed request, or the ``end_rollout`` or
-        ``group_done`` that withdrew the last work it owed. Under the barrier no engine step
-        happens between that point and the call, so the call sits at a fixed place in the
-        schedule (the streaming generator releases gate units there)."""
-        self._on_generated = callback
-
-    def _report_if_generated(self, group: tuple[int, int]) -> None:
-        if self._on_generated is None or group in self._generated:
-            return
-        if group in self._expected or any(k[:2] == group for k in self._continuations):
-            return
-        if any(r.key is not None and r.key[:2] == group for r in self._queued()):
-            return
-        self._generated.add(group)
-        self._on_generated(*group)
+        self._group_withdrawn((batch_id, index_in_batch))
 
     def end_rollout(self, key: Key) -> bool:
         """Rollout ``key`` sends no further turn; True if the engine was waiting for one."""

@@ -108,6 +108,10 @@ def test_the_resume_options_are_the_ones_declared_resume():
     flags = {flag for _, flag, _ in resume_options()}
     assert flags == {
         "--rl-forced-lag",
+        "--rl-submission-granularity",
+        "--rl-consumption-granularity",
+        "--rl-generation-lag",
+        "--rl-max-inflight-requests",
         "--rl-inference-tensor-model-parallel-size",
         "--rl-inference-pipeline-model-parallel-size",
         "--rl-inference-expert-model-parallel-size",
