@@ -373,11 +373,12 @@ def test_policy_methods_agree_with_each_other_under_pipeline_parallelism():
 def test_non_collocated_generation_on_megatron_cores_engine_matches_the_cpu_tier():
     """--refit-mode non-collocated on the CUDA tier: the inference rank runs megatron-core's
     DynamicInferenceEngine on a world of its own and gets each step's weights over the bridge
-    (staged through host memory), checked by its checksums; at L=0 (each batch generated in one
-    window) it samples what the CPU tier's non-collocated run samples."""
+    (staged through host memory), checked by its checksums; at L=1 (the least non-collocated
+    lag: each batch generated in one window) it samples what the CPU tier's non-collocated run
+    samples."""
     args = {
         **BASE,
-        "rl-forced-lag": 0,
+        "rl-forced-lag": 1,
         "refit-mode": "non-collocated",
         "rl-verify-model-weights-swap": True,
     }

@@ -33,14 +33,16 @@ DETERMINISTIC = list(TOLERANCES)  # every guarded metric; timings are not
 
 def test_non_collocated_generation_runs_exactly_one_collection_behind(runs):
     """--refit-mode non-collocated: window c generates with the weights sent at collection
-    c-1's start, so batch c was submitted min(c, L + 1) versions before it is trained and its
-    tokens are 1..L + 1 versions old (batch 0's: 0), on every step, the resumed ones included;
-    every refit is a delta of what changed since the previous one."""
+    c-1's start; the generator then runs at L - 1, so batch c was submitted min(c, L) versions
+    before it is trained, as collocated, and its tokens are 1..L versions old (batch 0's: 0), on
+    every step, the resumed ones included; every refit is a delta of what changed since the
+    previous one."""
     for m in runs("noncollocated_lag2_resume"):
-        expected = min(m["step"], 3)
+        expected = min(m["step"], 2)
         assert (m["staleness_min"], m["staleness_max"]) == (expected, expected), m["step"]
         assert min(1, m["step"]) <= m["token_staleness_min"] <= m["token_staleness_max"]
-        assert m["token_staleness_max"] <= expected and m["in_flight_batches"] == 3
+        assert m["token_staleness_max"] <= expected and m["in_flight_batches"] == 2
+        assert m["lag"] == 2
         if m["step"] == 0:  # window 1's weights are window 0's: a delta with nothing in it
             assert m["refit/changed_share"] == 0 == m["refit/bytes_sent"]
         else:

@@ -33,6 +33,10 @@ rest. Every run trains with ``--rl-use-sequence-packing`` (``--no-sequence-packi
 micro-batches), the setting for long-tailed lengths: a padded micro-batch costs its longest
 rollout in every row.
 
+``--streaming-lags L ...`` adds runs streaming groups (Megatron-LM's ``--rl-submission-granularity
+G``) at those generation lags, consumed as batches (G/B) and as groups (G/G), beside the B/B runs
+of ``--lags`` (the same lag there is ``--rl-forced-lag``).
+
 Every configuration runs ``rounds`` times as separate ``torchrun`` processes, interleaved (order
 reversed every other round), so all see the same machine conditions; numbers pool the rounds and
 the steps/s ratio is also given per round (min-max). The engine has 320 KV-cache slots
@@ -61,18 +65,18 @@ ENV_CONFIG = """\
 
 
 def trainer_flags(
-    lag: int,
+    lag: list[str],
     opts: argparse.Namespace,
     env_config: Path,
     deterministic: bool = True,
     reward_wait_steps: int | None = None,
 ) -> list[str]:
-    """``pretrain_grpo.py`` flags of one sweep run (model and batch: the trainer's defaults);
-    ``reward_wait_steps`` overrides ``--reward-wait-steps``."""
+    """``pretrain_grpo.py`` flags of one sweep run (model and batch: the trainer's defaults):
+    ``lag``, the streaming mode's flags, first; ``reward_wait_steps`` overrides
+    ``--reward-wait-steps``."""
     budget = opts.reward_wait_steps if reward_wait_steps is None else reward_wait_steps
     return [
-        "--rl-forced-lag",
-        str(lag),
+        *lag,
         "--train-iters",
         str(opts.steps),
         "--env-config",
@@ -119,17 +123,43 @@ def describe(w: Window) -> dict[str, float | None]:
     }
 
 
-def configurations(opts: argparse.Namespace) -> list[tuple[str, int, bool, int | None]]:
-    """(name, forced lag, deterministic schedule, reward-wait budget override) of every run; the
+def forced(lag: int) -> list[str]:
+    """The flags of forced lag ``lag`` (B/B)."""
+    return ["--rl-forced-lag", str(lag)]
+
+
+def streamed(consumption: str, lag: float) -> list[str]:
+    """The flags of G submission, ``consumption`` and generation lag ``lag``."""
+    return [
+        "--rl-partial-rollouts",
+        "--rl-submission-granularity",
+        "G",
+        "--rl-consumption-granularity",
+        consumption,
+        "--rl-generation-lag",
+        f"{lag:g}",
+    ]
+
+
+def configurations(opts: argparse.Namespace) -> list[tuple[str, list[str], bool, int | None]]:
+    """(name, lag flags, deterministic schedule, reward-wait budget override) of every run; the
     first is the reference."""
-    deterministic = [(f"L={lag}", lag, True, None) for lag in opts.lags]
+    deterministic = [(f"L={lag}", forced(lag), True, None) for lag in opts.lags]
     budgets = [
-        (f"L={lag}, reward wait {k}", lag, True, k)
+        (f"L={lag}, reward wait {k}", forced(lag), True, k)
         for k in opts.compare_reward_wait_steps
         for lag in opts.throughput_lags
     ]
-    throughput = [(f"L={lag}, throughput", lag, False, None) for lag in opts.throughput_lags]
-    return deterministic + budgets + throughput
+    throughput = [
+        (f"L={lag}, throughput", forced(lag), False, None) for lag in opts.throughput_lags
+    ]
+    streaming = [
+        (f"{mode} L={lag:g}", streamed(mode[-1], lag), True, None)
+        for lag in opts.streaming_lags
+        for mode in ("G/B", "G/G")
+        if mode == "G/G" or lag >= 0
+    ]
+    return deterministic + budgets + throughput + streaming
 
 
 def run(opts: argparse.Namespace, logs: Path) -> dict[str, Any]:
@@ -142,14 +172,15 @@ def run(opts: argparse.Namespace, logs: Path) -> dict[str, Any]:
     for r in range(opts.rounds):
         for name, lag, deterministic, budget in configs if r % 2 == 0 else configs[::-1]:
             flags = trainer_flags(lag, opts, env_config, deterministic, budget)
-            log = logs / f"{name.replace('=', '').replace(', ', '_')}_round{r}.log"
+            stem = name.replace("=", "").replace(", ", "_").replace("/", "").replace(" ", "_")
+            log = logs / f"{stem}_round{r}.log"
             print(f"  lag sweep: round {r + 1}/{opts.rounds}, {name}", flush=True)
             summary = run_trainer(flags, opts.threads, log)
             windows[name].append(window(summary, opts.skip))
     base = windows[configs[0][0]]
     results = []
     for name, lag, deterministic, _ in configs:
-        row = {"name": name, "lag": lag, "deterministic": deterministic}
+        row = {"name": name, "lag": " ".join(lag), "deterministic": deterministic}
         row.update(describe(pooled(windows[name])))
         row["steps_per_s_ratio_per_round"] = [
             w.steps_per_s / b.steps_per_s for w, b in zip(windows[name], base)
@@ -166,7 +197,7 @@ def run(opts: argparse.Namespace, logs: Path) -> dict[str, Any]:
             ok = row[key] is not None and ref[key] is not None
             row[f"{key}_ratio"] = row[key] / ref[key] if ok else None
     return {
-        "flags": trainer_flags(0, opts, Path("longtail_env.yaml"))[2:],
+        "flags": trainer_flags([], opts, Path("longtail_env.yaml")),
         "env_config": env_config.read_text(),
         "steps": opts.steps,
         "skip": opts.skip,
@@ -227,6 +258,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="*",
         default=[],
         help="Extra deterministic runs of each --throughput-lags entry with these budgets.",
+    )
+    parser.add_argument(
+        "--streaming-lags",
+        type=float,
+        nargs="*",
+        default=[],
+        help="Extra runs streaming groups (--rl-submission-granularity G) at these generation "
+        "lags, consumed as batches (G/B, lags >= 0) and as groups (G/G).",
     )
     parser.add_argument("--steps", type=int, default=40, help="Training steps per run.")
     parser.add_argument("--skip", type=int, default=15, help="Leading steps not measured.")

@@ -37,10 +37,19 @@ def streaming(run: RunConfig) -> Streaming:
 
 
 def forced_lag(run: RunConfig) -> int:
-    """B/B's whole-batch lag: the gate's capacity less one (``--rl-forced-lag`` itself, or an
-    integer lag Megatron-LM's flags round to); 0 in the modes that stream groups."""
+    """The generator's whole-batch lag: the gate's capacity less one (``--rl-forced-lag`` itself,
+    or the integer lag Megatron-LM's flags round to), less the collection that non-collocated
+    generation runs behind training (so the lag a user sets is the staleness the run has in
+    both refit modes); 0 in the modes that stream groups."""
     mode = streaming(run)
-    return mode.capacity - 1 if mode.is_batch else 0
+    if not mode.is_batch:
+        return 0
+    return mode.capacity - 1 - (1 if non_collocated(run) else 0)
+
+
+def non_collocated(run: RunConfig) -> bool:
+    """Generation on ranks of its own, one collection behind training."""
+    return run.parallelism.refit_mode == "non-collocated"
 
 
 def logged_lag(run: RunConfig) -> float:
@@ -69,6 +78,12 @@ def streaming_problems(run: RunConfig) -> list[str]:
         return errors
     mode = streaming(run)
     if mode.is_batch:
+        if non_collocated(run) and mode.capacity == 1:
+            errors.append(
+                f"--refit-mode non-collocated with {mode.source}: generation on ranks of its own "
+                "runs one collection behind training, so its lag is at least 1; use "
+                "--rl-forced-lag 1 or more (or the collocated refit for on-policy L = 0)"
+            )
         return errors
     if r.forced_lag != 0:
         errors.append(

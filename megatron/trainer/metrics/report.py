@@ -224,11 +224,12 @@ def staleness_line(records: list[dict[str, Any]], lag: int, cfg: RunConfig) -> s
             f"u // {P} - max(0, (u - {C}) // {P}) collections after its submission ({mode.name}, "
             f"gate of {C} groups: between {least} and {most} once the gate is full)"
         )
-    behind = 1 if cfg.inference_ranks else 0  # non-collocated: windows a collection behind
-    exact = all(r["batch_staleness"] == min(r["batch_id"], lag + behind) for r in records)
+    behind = cfg.inference_ranks > 0  # non-collocated: its generator runs at L - 1
+    lag += 1 if behind else 0
+    exact = all(r["batch_staleness"] == min(r["batch_id"], lag) for r in records)
     return (
         f"staleness    {'exact' if exact else 'NOT exact'}: every batch trained "
-        f"min(batch, {lag}{' + 1' if behind else ''}) collections after its submission"
+        f"min(batch, {lag}) collections after its submission"
         + (" (non-collocated: generation runs one collection behind)" if behind else "")
     )
 

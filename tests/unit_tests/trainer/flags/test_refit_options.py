@@ -68,6 +68,7 @@ def test_non_collocated_splits_the_world_into_training_and_inference_ranks():
     """Megatron-LM's convention: the last --rl-inference-tensor-model-parallel-size ranks (one
     inference replica) only generate; the rest train, and the layout checks are theirs."""
     argv = TP2 + [FLAG, "1", "--refit-mode", "non-collocated", "--inference-max-requests", "6"]
+    argv += ["--rl-forced-lag", "1"]  # the least lag generation one collection behind has
     args, errors = check(argv, 5, False)
     assert errors == []
     assert (args.world_size, args.inference_ranks, args.data_parallel_size) == (4, 1, 2)
@@ -81,7 +82,7 @@ def test_non_collocated_splits_the_world_into_training_and_inference_ranks():
     inference = inference_run_config(args)
     assert (inference.parallelism.tensor_model_parallel_size, inference.world_size) == (1, 2)
     assert pipeline_config(inference, 2, CharTokenizer()).engine.max_requests == 3  # 6 / 2
-    _, errors = check(["--refit-mode", "non-collocated"], 2, True)  # the CUDA tier too
+    _, errors = check(["--refit-mode", "non-collocated", "--rl-forced-lag", "1"], 2, True)  # CUDA
     assert errors == []
     _, errors = check(TP2 + ["--refit-mode", "non-collocated"], 5, False)  # 3 training ranks
     assert any(
@@ -244,6 +245,14 @@ def test_non_collocated_splits_the_world_into_training_and_inference_ranks():
             False,
             "--rl-delta-refit needs --refit-mode non-collocated",
             id="delta-collocated",
+        ),
+        pytest.param(
+            ["--refit-mode", "non-collocated", "--rl-forced-lag", "0"],
+            2,
+            False,
+            "--refit-mode non-collocated with --rl-forced-lag 0: generation on ranks of its own "
+            "runs one collection behind training, so its lag is at least 1",
+            id="non-collocated-lag-0",
         ),
     ],
 )
