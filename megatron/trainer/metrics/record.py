@@ -68,7 +68,34 @@ def rollout_metrics(batch: RolloutBatch, step: int) -> dict[str, Any]:
         **episode_metric_means(real),
         **zero_variance_metrics(batch.groups),
         **gate_metrics(batch),
+        **megatron_lm_staleness(real, step),
     }
+
+
+def megatron_lm_staleness(rollouts: list[TokenRollout], step: int) -> dict[str, float]:
+    """Megatron-LM's staleness metrics, over the generated tokens of ``rollouts``: policy
+    staleness (step - the version that sampled the token: our ``token_staleness_*``), KV-cache
+    staleness (step - the oldest version in the cache the token attended to: the version of the
+    rollout's first token, whose step filled the prompt's cache; the cache is kept across
+    updates), and both for each rollout's last token alone."""
+    policy = [step - v for r in rollouts for v in r.policy_versions] or [0]
+    kv = [step - r.policy_versions[0] for r in rollouts for _ in r.policy_versions] or [0]
+    last = [r for r in rollouts if r.policy_versions]
+    last_policy = [step - r.policy_versions[-1] for r in last] or [0]
+    last_kv = [step - r.policy_versions[0] for r in last] or [0]
+    out = {}
+    for name, values in (
+        ("policy_staleness", policy),
+        ("kv_cache_staleness", kv),
+        ("last_token_policy_staleness", last_policy),
+        ("last_token_kv_cache_staleness", last_kv),
+    ):
+        out |= {
+            f"min_{name}": min(values),
+            f"mean_{name}": statistics.fmean(values),
+            f"max_{name}": max(values),
+        }
+    return out
 
 
 def gate_metrics(batch: RolloutBatch) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from megatron.trainer.metrics.log_line import format_log_line
 from megatron.trainer.metrics.record import (
     ConstantRewardWarning,
     engine_metrics,
+    megatron_lm_staleness,
     rollout_metrics,
     zero_variance_metrics,
 )
@@ -262,3 +263,29 @@ def test_a_rollout_without_episode_metrics_is_the_same_json_as_before_the_field(
     assert "episode_metrics" not in plain.model_dump_json()
     tagged = plain.model_copy(update={"episode_metrics": {"turns": 2.0}})
     assert TokenRollout.model_validate_json(tagged.model_dump_json()) == tagged
+
+
+def test_megatron_lm_staleness_metrics_by_hand():
+    """At step 3: a rollout sampled at versions 1, 2, 2 (its prompt's cache filled at 1) and one
+    sampled at 3. Policy staleness per token 2, 1, 1, 0; KV-cache staleness 2, 2, 2, 0; last
+    tokens: policy 1, 0 and KV cache 2, 0."""
+    spanning, fresh = rollout("a", 1.0), rollout("a", 0.0)
+    spanning = spanning.model_copy(
+        update=dict(
+            tokens=[3, 4, 5, 6],
+            generation_mask=[False, True, True, True],
+            logprobs=[-1.0] * 3,
+            policy_versions=[1, 2, 2],
+        )
+    )
+    fresh = fresh.model_copy(update=dict(policy_versions=[3]))
+    m = megatron_lm_staleness([spanning, fresh], step=3)
+    assert (m["min_policy_staleness"], m["mean_policy_staleness"]) == (0, 1.0)
+    assert m["max_policy_staleness"] == 2
+    assert (m["min_kv_cache_staleness"], m["mean_kv_cache_staleness"]) == (0, 1.5)
+    assert m["max_kv_cache_staleness"] == 2
+    assert (m["mean_last_token_policy_staleness"], m["max_last_token_policy_staleness"]) == (0.5, 1)
+    assert (m["mean_last_token_kv_cache_staleness"], m["max_last_token_kv_cache_staleness"]) == (
+        1.0,
+        2,
+    )
