@@ -11,6 +11,7 @@ import subprocess
 
 import pytest
 from golden_values import ROOT, load_case, run_training, subprocess_env, training_command
+from test_exact_resume import assert_same_run, stopped_then_resumed
 from test_pretrain_grpo import DETERMINISTIC
 
 from megatron.rl.rollout.granularity import gate_capacity, group_staleness
@@ -51,6 +52,27 @@ def test_every_step_keeps_the_mode_contract_and_reruns_bitwise(consumption, lag)
         want = expected_staleness(m["batch_id"], capacity, SMALL["grpo-prompts-per-step"])
         assert (m["staleness_min"], m["staleness_max"]) == want, m["step"]
         assert m["gate_capacity"] == capacity and 0 <= m["gate_held"] <= capacity
+
+
+@pytest.mark.parametrize(
+    "consumption, lag, exit_at",
+    [
+        pytest.param("B", 1.5, 3, id="G/B-1.5"),
+        pytest.param("G", 0.25, 2, id="G/G-0.25"),
+    ],
+)
+def test_a_stop_off_the_save_grid_then_resume_equals_the_uninterrupted_run(
+    tmp_path, consumption, lag, exit_at
+):
+    """Saved by --exit-interval between two steps (groups of later batches in flight, some
+    finished before their batch is collected) and resumed: every step equals the run that never
+    stopped, the gate's counts included."""
+    args = {**SMALL, **G_G, "rl-consumption-granularity": consumption, "rl-generation-lag": lag}
+    resumed = stopped_then_resumed(args, tmp_path, exit_at)
+    uninterrupted = run_training(1, args)
+    assert_same_run(resumed, uninterrupted)
+    for metric in ("gate_held", "mean_kv_cache_staleness"):
+        assert [m[metric] for m in resumed] == [m[metric] for m in uninterrupted], metric
 
 
 def test_b_b_at_an_integer_generation_lag_is_the_forced_lag_bitwise(runs):

@@ -116,7 +116,13 @@ def header(run: RunConfig) -> str:
     if mode.is_batch and mode.source.startswith("--rl-forced-lag"):
         return f"forced lag {run.rollouts.forced_lag}"
     unit = "batches" if mode.submission == "B" else "groups"
+    timing = (
+        ""
+        if run.inference.deterministic_schedule
+        else " (--no-rl-deterministic-schedule: units released as generations really end, so "
+        "which tokens a step trains depends on timing)"
+    )
     return (
         f"streaming {mode.name}, lag {mode.lag:g} ({mode.source}): gate of {mode.capacity} "
-        f"{unit}, consumed in submission order"
+        f"{unit}, consumed in submission order{timing}"
     )
