@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from megatron.rl.lora.model import apply_lora, lora_adapters, store_frozen_linear_weights
+from megatron.rl.lora.frozen import store_frozen_linear_weights
+from megatron.rl.lora.model import apply_lora, lora_adapters
 from megatron.rl.lora.peft import (
     AdapterLoadError,
     gather_adapter_tensors,
@@ -34,7 +35,7 @@ def attach_adapters(
     """Freeze ``model`` and give it the run's adapters (nothing without LoRA): initialized as
     ``--lora-init`` says, or ``--lora-checkpoint``'s. ``store_base`` (the CPU tier): keep the
     frozen linear weights transposed for the engine's products, in ``base_dtype`` if given
-    (``--bf16``) (``megatron.rl.lora.model.store_frozen_linear_weights``)."""
+    (``--bf16``) (``megatron.rl.lora.frozen.store_frozen_linear_weights``)."""
     if spec.lora is None:
         return
     adapters = apply_lora(model, spec.lora)

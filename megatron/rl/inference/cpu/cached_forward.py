@@ -66,7 +66,7 @@ class TransposedWeights:
     decode profile); a copy per weight costs the linear layers' memory once more.
 
     A weight already stored as its contiguous transpose in the wanted dtype (a LoRA run's frozen
-    base, ``megatron.rl.lora.model.store_frozen_linear_weights``) is used as it is, without a copy.
+    base, ``megatron.rl.lora.frozen.store_frozen_linear_weights``) is used as it is, without a copy.
 
     A copy is valid until the weight changes: ``clear`` drops them all (the runner calls it when
     a generation window ends, the only time the trainer updates weights), and each lookup also

@@ -9,6 +9,7 @@ from grpo_testing.distributed import run_on_ranks
 from grpo_testing.models import VOCAB, tiny_args, tiny_gpt
 
 from megatron.rl.lora.config import PROJECTIONS, LoRAConfig
+from megatron.rl.lora.frozen import store_frozen_linear_weights
 from megatron.rl.lora.model import (
     BaseMismatchError,
     adapters_disabled,
@@ -17,7 +18,6 @@ from megatron.rl.lora.model import (
     load_trainable_state_dict,
     lora_adapters,
     merged_state_dict,
-    store_frozen_linear_weights,
     trainable_state_dict,
 )
 from megatron.trainer.config import optimizer_settings
