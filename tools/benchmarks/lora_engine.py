@@ -29,12 +29,8 @@ def run_engine(opts: argparse.Namespace) -> dict[str, Any]:
     from megatron.rl.inference.cpu.kv_cache_runner import KVCacheRowRunner
     from megatron.rl.inference.scheduler import ContinuousBatchingScheduler, SchedulerConfig
     from megatron.rl.inference.step_group import StepGroup
-    from megatron.rl.lora.model import (
-        adapters_disabled,
-        lora_adapters,
-        merged_state_dict,
-        store_frozen_linear_weights,
-    )
+    from megatron.rl.lora.frozen import store_frozen_linear_weights
+    from megatron.rl.lora.model import adapters_disabled, lora_adapters, merged_state_dict
     from megatron.rl.models.hf.gguf import SMOLLM2, packaged_checkpoint
     from megatron.rl.wire import SamplingParams
     from megatron.trainer import config as trainer_config

@@ -50,7 +50,7 @@ import time
 from collections.abc import Callable
 
 from megatron.rl.inference.engine_snapshot import Replay, SavedTurn
-from megatron.rl.inference.generation_watch import GenerationWatch
+from megatron.rl.inference.group_hints import GroupHints
 from megatron.rl.inference.protocol import (
     EngineCounters,
     EngineError,
@@ -72,7 +72,7 @@ from megatron.rl.wire import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-class ContinuousBatchingScheduler(CheckpointedScheduling, Admission, ScoreQueue, GenerationWatch):
+class ContinuousBatchingScheduler(CheckpointedScheduling, Admission, ScoreQueue, GroupHints):
     """Continuous batching over a ``StepGroup`` (``protocol.InferenceEngine``); suspended outside
     generation windows.
 
@@ -108,7 +108,7 @@ class ContinuousBatchingScheduler(CheckpointedScheduling, Admission, ScoreQueue,
         self._scoring: list[tuple[ScoreWork, asyncio.Future]] = []  # ``ScoreQueue``'s
         self._task: asyncio.Task | None = None
         self._error: BaseException | None = None
-        GenerationWatch.__init__(self)
+        GroupHints.__init__(self)
         self.counters = EngineCounters()
         """Tokens, steps, rows and step time since start (for the step metrics)."""
 
@@ -178,33 +178,6 @@ class ContinuousBatchingScheduler(CheckpointedScheduling, Admission, ScoreQueue,
         return await future
 
     # ----------------------------------------------------------------- schedule hints
-
-    def expect_group(self, batch_id: int, index_in_batch: int, num_requests: int) -> None:
-        """Group (batch, index) is about to send ``num_requests`` keyed requests."""
-        if num_requests > 0:
-            self._expected[(batch_id, index_in_batch)] = num_requests
-
-    def group_done(self, batch_id: int, index_in_batch: int) -> None:
-        """Group (batch, index) will send nothing more that it announced (later turns included)."""
-        owed = {k for k in self._continuations if k[:2] == (batch_id, index_in_batch)}
-        self._continuations -= owed
-        self._done_turns.pop((batch_id, index_in_batch), None)
-        for key in [k for k in self._turns if k[:2] == (batch_id, index_in_batch)]:
-            del self._turns[key]
-        if self._replay is not None:
-            self._drop_restored(self._replay.abandon(batch_id, index_in_batch))
-        if self._expected.pop((batch_id, index_in_batch), None) is not None or owed:
-            self._wakeup.set()
-        self._group_withdrawn((batch_id, index_in_batch))
-
-    def end_rollout(self, key: Key) -> bool:
-        """Rollout ``key`` sends no further turn; True if the engine was waiting for one."""
-        if key not in self._continuations:
-            return False
-        self._continuations.discard(key)
-        self._wakeup.set()
-        self._report_if_generated(key[:2])
-        return True
 
     def await_batch(self, batch_id: int | None) -> None:
         """The trainer now waits for ``batch_id``: keyed work steps only while it is unfinished.

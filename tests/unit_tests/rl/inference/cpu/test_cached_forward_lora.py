@@ -21,12 +21,8 @@ from test_cached_forward import (
 from megatron.rl.inference.cpu.cached_forward import CachedForward
 from megatron.rl.inference.cpu.kv_cache_runner import KVCacheRowRunner
 from megatron.rl.lora.config import PROJECTIONS, LoRAConfig
-from megatron.rl.lora.model import (
-    adapters_disabled,
-    apply_lora,
-    lora_adapters,
-    store_frozen_linear_weights,
-)
+from megatron.rl.lora.frozen import store_frozen_linear_weights
+from megatron.rl.lora.model import adapters_disabled, apply_lora, lora_adapters
 
 CONFIG = LoRAConfig(rank=3, alpha=6.0, targets=PROJECTIONS, seed=9)
 
